@@ -1,0 +1,5 @@
+import sys
+
+from distft.cli import main
+
+sys.exit(main())

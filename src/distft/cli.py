@@ -1,0 +1,233 @@
+"""`distft` command line: train, infer, eval (plan and bench plug in the same way).
+
+Every user error (a bad config, an impossible strategy/model combination, a malformed dataset
+row) is checked here, before any worker process is launched, and reported as one paragraph with
+exit code 2. A multi-process run re-launches this same command under torchrun, once per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Any
+
+from distft.config import Config, ConfigError, load_config
+
+EXIT_USAGE = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# train
+# ---------------------------------------------------------------------------------------------
+
+TRAIN_FLAGS = {  # flag -> config field it sets
+    "model": "model.name",
+    "method": "train.method",
+    "data": "data.source",
+    "max_steps": "train.max_steps",
+    "out": "output.dir",
+    "strategy": "parallel.strategy",
+    "nproc": "parallel.nproc",
+    "nnodes": "parallel.nnodes",
+    "node_rank": "parallel.node_rank",
+    "rdzv_endpoint": "parallel.rdzv_endpoint",
+}
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="finetune a model (LoRA or full) with any strategy",
+        description="Finetune Qwen3 on meeting transcripts. With no arguments: the tiny preset on the "
+        "bundled sample meetings, on CPU, in a few minutes. Settings come from the defaults, then "
+        "--config, then section.key=value overrides, then the flags below.",
+    )
+    p.add_argument(
+        "--config", help="TOML file with [model], [data], [lora], [optim], [train], [parallel], [output]"
+    )
+    p.add_argument(
+        "--model", help="preset (tiny, micro, qwen3-4b, ...), local directory, or hub id (e.g. Qwen/Qwen3-4B)"
+    )
+    p.add_argument(
+        "--method", choices=["lora", "full"], help="LoRA adapters on a frozen base, or full finetuning"
+    )
+    p.add_argument("--data", help="sample (bundled meetings), a .jsonl/.parquet file, or a hub dataset id")
+    p.add_argument("--max-steps", type=int, help="optimizer steps")
+    p.add_argument("--out", help="run directory for adapter/, metrics.jsonl and config.toml")
+    p.add_argument("--strategy", help="single, or a multi-process strategy (see `distft train --help`)")
+    p.add_argument(
+        "--nproc", type=int, help="processes per node; above 1 the run is launched through torchrun"
+    )
+    p.add_argument("--nnodes", type=int, help="number of nodes (run the same command on each)")
+    p.add_argument("--node-rank", type=int, help="this node's index, 0..nnodes-1")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node runs")
+    p.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. optim.lr=1e-4"
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    flags = [
+        f"{field}={getattr(args, flag)}"
+        for flag, field in TRAIN_FLAGS.items()
+        if getattr(args, flag, None) is not None
+    ]
+    return load_config(args.config, [*args.overrides, *flags])
+
+
+def preflight(cfg: Config) -> None:
+    """Everything that can be checked without training: model architecture and every data row."""
+    from distft.data import ChatFormatter, load_rows, tokenize_rows
+    from distft.model import is_preset, model_config
+    from distft.parallel import STRATEGIES
+    from distft.tokenizer import load_tokenizer
+
+    STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config(cfg.model.name))
+    formatter = ChatFormatter(load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name), cfg.data)
+    for split in load_rows(cfg.data, seed=cfg.train.seed).values():
+        tokenize_rows(split, formatter)
+    on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cuda_count() > 0)
+    if on_cuda and cfg.parallel.nproc > _cuda_count():
+        raise ConfigError(
+            f"--nproc {cfg.parallel.nproc} asks for more processes than the {_cuda_count()} GPU(s) on this "
+            "node; each process needs its own GPU."
+        )
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def torchrun_command(cfg: Config, argv: list[str]) -> list[str]:
+    """This same `distft` command, once per rank, under PyTorch's launcher."""
+    p = cfg.parallel
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc}"]
+    if p.nnodes == 1:
+        cmd.append("--standalone")  # picks a free port on this machine
+    else:
+        host, _, port = p.rdzv_endpoint.rpartition(":")
+        cmd += [
+            f"--nnodes={p.nnodes}",
+            f"--node-rank={p.node_rank}",
+            f"--master-addr={host}",
+            f"--master-port={port}",
+        ]
+    return [*cmd, "-m", "distft.cli", *argv]
+
+
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from distft.distributed import launched_by_torchrun
+    from distft.parallel import STRATEGIES
+
+    cfg = config_from_args(args)
+    if not launched_by_torchrun():
+        preflight(cfg)
+        if STRATEGIES[cfg.parallel.strategy].distributed:
+            return subprocess.call(torchrun_command(cfg, argv))
+    from distft.train import train
+
+    train(cfg)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# infer / eval
+# ---------------------------------------------------------------------------------------------
+
+
+def add_infer_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "infer",
+        help="summarise a meeting with a trained adapter",
+        description="Load base model + adapter and generate a summary. With no --input: a "
+        "held-out meeting from the run's validation split.",
+    )
+    p.add_argument("--run", help="run directory written by `distft train`")
+    p.add_argument("--adapter", help="a PEFT adapter directory (instead of --run)")
+    p.add_argument(
+        "--model", help="base model for --adapter (default: the adapter's base_model_name_or_path)"
+    )
+    p.add_argument("--input", help="transcript file, or - for standard input")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest summary to generate (tokens)")
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from distft.infer import held_out_meeting, load_trained, summarize
+
+    loaded = load_trained(run=args.run, adapter=args.adapter, model=args.model)
+    if args.input == "-":
+        transcript = sys.stdin.read()
+    elif args.input:
+        if not os.path.isfile(args.input):
+            raise ConfigError(f"--input {args.input} does not exist.")
+        with open(args.input, encoding="utf-8") as f:
+            transcript = f.read()
+    else:
+        transcript = held_out_meeting(loaded.cfg)
+        print("--- held-out meeting (first lines) ---")
+        print("\n".join(transcript.splitlines()[:6]) + "\n...")
+    print("--- generated summary ---")
+    print(summarize(loaded, transcript, args.max_new_tokens))
+    return 0
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="validation loss and ROUGE-L, base model vs finetuned",
+        description="Score the base model and the finetuned one on the run's validation split.",
+    )
+    p.add_argument("--run", required=True, help="run directory written by `distft train`")
+    p.add_argument("--rows", type=int, default=16, help="validation meetings to score")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="longest generated summary (tokens)")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from distft.infer import evaluate_run
+
+    scores = evaluate_run(args.run, args.rows, args.max_new_tokens)
+    table = Table("model", "validation loss", "ROUGE-L", title=f"{args.run}: {args.rows} validation meetings")
+    for name, s in scores.items():
+        table.add_row(name, f"{s['loss']:.4f}", f"{s['rougeL']:.4f}")
+    Console().print(table)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distft", description="Finetune Qwen3 with every parallel strategy."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_train_parser(sub)
+    add_infer_parser(sub)
+    add_eval_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    handlers: dict[str, Any] = {
+        "train": lambda: cmd_train(args, argv),
+        "infer": lambda: cmd_infer(args),
+        "eval": lambda: cmd_eval(args),
+    }
+    try:
+        return handlers[args.command]()
+    except ConfigError as err:
+        print(f"distft {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

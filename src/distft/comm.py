@@ -1,0 +1,110 @@
+"""Counting the bytes every collective moves, whoever issues it.
+
+Strategies issue collectives from very different places: DDP from its C++ reducer during backward,
+FSDP2 from its pre-forward and post-backward hooks, tensor parallelism from DTensor redistributions
+and our own autograd functions, pipelines through point-to-point sends. Patching
+`torch.distributed`'s Python functions misses most of these. What they all share is the dispatcher:
+each ends up as a `c10d` op (or a functional-collective op), so a `TorchDispatchMode` sees all of
+them, on every thread the autograd engine uses for this process.
+
+Sizes follow one convention, the size of the whole logical tensor:
+- all-reduce: the reduced tensor;
+- all-gather: the gathered (full) output;
+- reduce-scatter: the full input before it is scattered;
+- broadcast, send, recv: the tensor sent or received.
+A ring algorithm moves (N-1)/N of that per rank for all-gather and reduce-scatter and 2(N-1)/N for
+all-reduce; `wire_bytes` applies those factors.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# op name (without overload) -> (kind, which argument holds the logical tensor(s))
+_OPS: dict[str, tuple[str, str]] = {
+    # c10d ops behind torch.distributed (the ProcessGroup API; DDP, FSDP2, gloo, NCCL)
+    "c10d.allreduce_": ("all_reduce", "arg0"),
+    "c10d.allreduce_coalesced_": ("all_reduce", "arg0"),
+    "c10d.allgather_": ("all_gather", "arg0"),  # output tensor lists
+    "c10d._allgather_base_": ("all_gather", "arg0"),  # output tensor
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather", "arg0"),
+    "c10d.allgather_coalesced_": ("all_gather", "arg0"),
+    "c10d.reduce_scatter_": ("reduce_scatter", "arg1"),  # input tensor lists
+    "c10d._reduce_scatter_base_": ("reduce_scatter", "arg1"),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", "arg1"),
+    "c10d.broadcast_": ("broadcast", "arg0"),
+    "c10d.send": ("send", "arg0"),
+    "c10d.recv_": ("recv", "arg0"),
+    "c10d.alltoall_base_": ("all_to_all", "arg1"),
+    # functional collectives (DTensor / tensor parallelism)
+    "_c10d_functional.all_reduce": ("all_reduce", "arg0"),
+    "_c10d_functional.all_reduce_": ("all_reduce", "arg0"),
+    "_c10d_functional.all_reduce_coalesced": ("all_reduce", "arg0"),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", "out"),
+    "_c10d_functional.all_gather_into_tensor_coalesced": ("all_gather", "out"),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", "arg0"),
+    "_c10d_functional.reduce_scatter_tensor_coalesced": ("reduce_scatter", "arg0"),
+    "_c10d_functional.all_to_all_single": ("all_to_all", "arg0"),
+    "_c10d_functional.broadcast": ("broadcast", "arg0"),
+}
+
+WIRE_FACTOR = {  # per-rank bytes on the wire per logical byte, ring algorithms, N ranks
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+
+
+def _nbytes(obj: object) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(o) for o in obj)
+    return 0
+
+
+@dataclass
+class CommStats:
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+    def wire_bytes(self, world_size: int) -> float:
+        return sum(WIRE_FACTOR[k](world_size) * b for k, b in self.bytes.items())
+
+
+class CommCounter(TorchDispatchMode):
+    """`with CommCounter() as c: ...` then `c.stats` holds bytes and calls per collective kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = CommStats()
+
+    def reset(self) -> CommStats:
+        stats, self.stats = self.stats, CommStats()
+        return stats
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = f"{func.namespace}.{func._opname}"
+        entry = _OPS.get(name)
+        if entry is not None:
+            kind, where = entry
+            source = out if where == "out" else args[int(where[3:])]
+            self.stats.add(kind, _nbytes(source))
+        return out

@@ -1,0 +1,12 @@
+"""Parallel strategies. `STRATEGIES` is the only place the training loop looks one up."""
+
+from __future__ import annotations
+
+from distft.parallel.base import Strategy
+from distft.parallel.ddp import DDP
+from distft.parallel.fsdp import FSDP, ZeRO2
+from distft.parallel.single import Single
+
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, DDP, FSDP, ZeRO2)}
+
+__all__ = ["STRATEGIES", "Strategy"]

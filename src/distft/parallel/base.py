@@ -1,0 +1,130 @@
+"""The `Strategy` interface: the one seam between the training loop and a parallel strategy.
+
+The loop in `distft.train` never asks which strategy it runs. It asks the strategy to:
+- check a config and a model architecture before any process starts (`validate_config`,
+  `validate_model`), and say how many data-parallel replicas there are (`data_parallel_size`);
+- wrap the model (`parallelize`) and run forward + backward over this rank's micro-batches
+  (`forward_backward`), which is where DDP defers its all-reduce and a pipeline runs its schedule;
+- combine per-rank loss sums (`reduce_loss`) and gather the trained weights into the single-model
+  layout on rank 0 (`trainable_state_dict`), so every strategy exports the same PEFT adapter.
+
+The defaults below are the single-process behaviour; a strategy overrides only what it changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
+
+from distft.config import Config
+from distft.distributed import DistEnv
+
+Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, labels: each (micro_batch, seq)
+
+
+class Strategy:
+    name: ClassVar[str]
+    distributed: ClassVar[bool] = True  # needs a process group (launched through torchrun)
+    fixed_sequence_length: ClassVar[bool] = False  # pad every batch to data.max_length (pipelines)
+
+    # -- before launch: pure functions of the config -----------------------------------------
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        """Raise ConfigError for combinations this strategy cannot run."""
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        """Raise ConfigError when the architecture cannot be split this way."""
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        """How many ranks read distinct data (the global batch is split this many ways)."""
+        return cfg.world_size
+
+    # -- in each process ---------------------------------------------------------------------
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.cfg = cfg
+        self.env = env
+        self.dp_size = self.data_parallel_size(cfg)
+        self.dp_rank = env.rank if self.dp_size > 1 else 0
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Place and wrap the `SummaryLM`; the returned module's forward gives the loss sum."""
+        return model.to(self.env.device)
+
+    def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's forward+backward (DDP skips its all-reduce until the last)."""
+        return contextlib.nullcontext()
+
+    def forward_backward(
+        self, model: nn.Module, micro_batches: list[Batch], num_label_tokens: int
+    ) -> torch.Tensor:
+        """Accumulate gradients of (global loss) over this rank's micro-batches; return the local loss sum.
+
+        The global loss is the sum of token losses over the whole global batch divided by its
+        number of labelled tokens, whatever the split across ranks and micro-batches. Data-parallel
+        wrappers average gradients over replicas, so each replica scales its part by dp_size.
+        """
+        scale = self.dp_size / num_label_tokens
+        total = torch.zeros((), device=self.env.device)
+        for i, batch in enumerate(micro_batches):
+            with self.accumulating(model, last_micro_batch=i == len(micro_batches) - 1):
+                loss_sum = model(**batch)
+                (loss_sum * scale).backward()
+            total += loss_sum.detach().float()
+        self.after_backward(model)
+        return total
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Fix-ups between backward and the optimizer step (e.g. TP's partial gradients)."""
+
+    @torch.no_grad()
+    def forward_only(self, model: nn.Module, micro_batches: list[Batch]) -> torch.Tensor:
+        """The local loss sum over micro-batches without gradients (evaluation)."""
+        total = torch.zeros((), device=self.env.device)
+        for batch in micro_batches:
+            total += model(**batch).float()
+        return total
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
+        """Clip the global gradient norm (sharded gradients included) and return it."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """Sum of the loss over the global batch, known on every rank."""
+        if self.env.distributed and self.dp_size > 1:
+            local_sum = local_sum.clone()
+            dist.all_reduce(local_sum)
+        return local_sum
+
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Trained weights in the unwrapped model's names (`SummaryLM.lm`), full, on CPU, on rank 0.
+
+        Sharded parameters (DTensors: FSDP, TP) are gathered one by one, trainable ones only, so
+        exporting a LoRA adapter never materialises the frozen base on one rank.
+        """
+        state = {}
+        for name, param in unwrap(model).lm.named_parameters():
+            if param.requires_grad:
+                full = param.full_tensor() if isinstance(param, DTensor) else param  # a collective
+                if self.env.is_main:
+                    state[name] = full.detach().cpu().clone()
+        return state if self.env.is_main else None
+
+    def is_logging_rank(self) -> bool:
+        return self.env.is_main
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The `SummaryLM` under DDP's `.module` (FSDP2 and TP modify the module in place)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model

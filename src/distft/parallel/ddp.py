@@ -1,0 +1,58 @@
+"""Distributed data parallel (DDP): replicate the model, split the batch, all-reduce gradients.
+
+What each rank holds: the whole model, the whole gradient of every trainable parameter, and the
+whole optimizer state. Nothing is sharded; DDP buys throughput, never memory.
+
+Which collectives run, and when:
+- construction: one broadcast of rank 0's trainable parameters, so every replica starts equal;
+- backward of the last micro-batch of a step: as soon as every gradient in a bucket
+  (`parallel.ddp_bucket_mb`) is ready, an autograd hook launches an all-reduce of that bucket, so
+  communication overlaps the rest of backward. Bytes per optimizer step: the trainable gradient
+  bytes, once (for LoRA, a few MB; for full finetuning, the whole model);
+- backward of the other micro-batches: nothing; they run under `no_sync()` and gradients pile up
+  locally, so accumulation costs no extra communication.
+
+Settings that silently cost speed (guarded here):
+- `find_unused_parameters=True` walks the autograd graph after every forward to find parameters
+  that got no gradient. Frozen base weights are not "unused" (DDP never tracks parameters that do
+  not require grad), so with LoRA every tracked parameter is used and the walk is pure overhead.
+- `forward_sync_buffers=True` (DDP's default) re-broadcasts every buffer before every forward; Qwen3's
+  only buffers are rotary tables that never change, so it is off.
+- all-reducing on every micro-batch instead of once per step (forgetting `no_sync`) multiplies the
+  traffic by the accumulation count.
+- `gradient_as_bucket_view=True` lets gradients live inside the communication buckets, saving one
+  copy of the gradients in memory and a copy per step.
+
+Paper: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (2006.15704).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distft.parallel.base import Strategy
+
+
+class DDP(Strategy):
+    name = "ddp"
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.env.device)
+        p = self.cfg.parallel
+        return DistributedDataParallel(
+            model,
+            device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
+            bucket_cap_mb=p.ddp_bucket_mb,
+            gradient_as_bucket_view=p.ddp_gradient_as_bucket_view,
+            forward_sync_buffers=False,
+            find_unused_parameters=False,
+            # The graph is the same every step (same layers, same adapters), which lets DDP fix
+            # its bucket order after the first iteration.
+            static_graph=p.ddp_static_graph,
+        )
+
+    def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if last_micro_batch else model.no_sync()

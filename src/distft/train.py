@@ -1,0 +1,216 @@
+"""The one training loop, shared by every strategy.
+
+Read it top to bottom: set-up (process group, tokenizer, data, model, strategy, optimizer), then
+`train_step` (forward + backward over this rank's micro-batches, clip, step), then the loop with
+logging and evaluation, then export. Everything strategy-specific hides behind `Strategy`:
+the loop only asks it to wrap the model, run forward+backward, reduce the loss and gather weights.
+
+Each optimizer step trains on one global batch (`train.global_batch_size` sequences) chosen by
+the seed and the step alone; a data-parallel rank takes its slice and accumulates gradients over
+its micro-batches. The loss is the mean token loss over the global batch, so a run's numbers do
+not depend on the strategy or the process count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from distft.checkpoint import MetricsWriter, atomic_write_text, save_adapter, save_base, save_full_model
+from distft.comm import CommCounter
+from distft.config import Config, grad_accumulation_steps, to_toml
+from distft.data import (
+    ChatFormatter,
+    Example,
+    collate,
+    count_label_tokens,
+    global_batch_indices,
+    load_rows,
+    rank_micro_batches,
+    tokenize_rows,
+)
+from distft.distributed import DistEnv, init_distributed, shutdown
+from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
+from distft.parallel import STRATEGIES, Strategy
+from distft.parallel.base import unwrap
+from distft.progress import TrainingProgress
+from distft.tokenizer import load_tokenizer
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    output_dir: Path | None = None
+    model: torch.nn.Module | None = None  # this rank's trained `SummaryLM` (unwrapped)
+
+
+def lr_lambda(cfg: Config):
+    """Linear warm-up to the peak, then cosine decay to `min_lr_ratio` of it at the last step."""
+    warmup, total, floor = cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup - 1)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def peak_memory_bytes(env: DistEnv) -> int:
+    if env.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(env.device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def rank_batches(
+    examples: list[Example], strategy: Strategy, cfg: Config, pad_id: int
+) -> list[dict[str, torch.Tensor]]:
+    pad_to = cfg.data.max_length if strategy.fixed_sequence_length else None
+    micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, cfg.train.micro_batch_size)
+    return [to_device(collate(mb, pad_id, pad_to), strategy.env.device) for mb in micro]
+
+
+def train(cfg: Config) -> TrainResult:
+    # ---- set-up ---------------------------------------------------------------------------
+    strategy_cls = STRATEGIES[cfg.parallel.strategy]
+    env = init_distributed(cfg.train.device, cfg.parallel.timeout_s, need_group=strategy_cls.distributed)
+    strategy = strategy_cls(cfg, env)
+    out = Path(cfg.output.dir)
+    progress = TrainingProgress(enabled=strategy.is_logging_rank(), total_steps=cfg.train.max_steps)
+
+    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
+    formatter = ChatFormatter(tokenizer, cfg.data)
+    rows = load_rows(cfg.data, seed=cfg.train.seed)
+    train_set, val_set = tokenize_rows(rows["train"], formatter), tokenize_rows(rows["validation"], formatter)
+
+    base = load_base_model(cfg.model)
+    strategy_cls.validate_model(cfg, base.config)
+    if env.is_main:
+        atomic_write_text(out / "config.toml", to_toml(cfg))
+        if is_preset(cfg.model.name) and cfg.output.save_base:
+            save_base(base, tokenizer, out / "base")
+    base_ref = str((out / "base").resolve()) if is_preset(cfg.model.name) else cfg.model.name
+
+    torch.manual_seed(cfg.train.seed)  # LoRA's random init: identical on every rank
+    lm = apply_method(base, cfg)
+    if cfg.model.activation_checkpointing:
+        causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainable, total = count_parameters(lm)
+    model = strategy.parallelize(SummaryLM(lm))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    use_autocast = cfg.model.autocast and env.device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
+
+    accum = grad_accumulation_steps(cfg)
+    progress.header(
+        cfg,
+        world_size=env.world_size,
+        device=str(env.device),
+        backend=env.backend or "none",
+        params=(trainable, total),
+        batch=(cfg.train.micro_batch_size, accum, strategy.dp_size),
+        data={"train": train_set.summary(), "validation": val_set.summary()},
+    )
+    metrics = MetricsWriter(out / "metrics.jsonl") if env.is_main else None
+    pad_id = tokenizer.pad_token_id
+
+    # ---- one optimizer step ---------------------------------------------------------------
+    def train_step(examples: list[Example]) -> tuple[float, float]:
+        n_tokens = count_label_tokens(examples)
+        batches = rank_batches(examples, strategy, cfg, pad_id)
+        with autocast:
+            loss_sum = strategy.forward_backward(model, batches, n_tokens)
+        grad_norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return strategy.reduce_loss(loss_sum).item() / n_tokens, grad_norm
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        model.eval()
+        gb = cfg.train.global_batch_size
+        n_batches = min(cfg.train.eval_batches, len(val_set.examples) // gb)
+        loss_sum, n_tokens = torch.zeros((), device=env.device), 0
+        for b in range(max(n_batches, 1)):
+            examples = val_set.examples[b * gb : (b + 1) * gb]
+            n_tokens += count_label_tokens(examples)
+            with autocast:
+                loss_sum += strategy.forward_only(model, rank_batches(examples, strategy, cfg, pad_id))
+        model.train()
+        return strategy.reduce_loss(loss_sum).item() / n_tokens
+
+    # ---- the loop -------------------------------------------------------------------------
+    result = TrainResult(output_dir=out)
+    model.train()
+    with progress:
+        for step in range(cfg.train.max_steps):
+            idx = global_batch_indices(
+                step, len(train_set.examples), cfg.train.global_batch_size, cfg.train.seed
+            )
+            examples = [train_set.examples[i] for i in idx]
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
+            # Collectives are counted on the first step only: the pattern repeats every step, and
+            # the counter sees every dispatched op, which would slow the steps it watches.
+            counter = CommCounter() if env.distributed and step == 0 else contextlib.nullcontext()
+            t0 = time.perf_counter()
+            with counter:
+                loss, grad_norm = train_step(examples)  # .item() inside waits for the device
+            step_time = time.perf_counter() - t0
+            tokens = sum(len(e.input_ids) for e in examples)
+            result.losses.append(loss)
+            record = {
+                "step": step + 1,
+                "loss": loss,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "tokens": tokens,
+                "tokens_per_s": tokens / step_time,
+                "step_time_s": step_time,
+                "peak_mem_bytes": peak_memory_bytes(env),
+            }
+            if isinstance(counter, CommCounter):
+                record["comm_bytes"] = dict(counter.stats.bytes)
+                record["comm_calls"] = dict(counter.stats.calls)
+            last = step + 1 == cfg.train.max_steps
+            if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or last:
+                record["eval_loss"] = result.eval_losses[step + 1] = evaluate()
+            if metrics and ((step + 1) % cfg.train.log_every == 0 or last or "eval_loss" in record):
+                metrics.write(record)
+            progress.update(record)
+
+    # ---- export ---------------------------------------------------------------------------
+    state = strategy.trainable_state_dict(model)
+    if env.is_main:
+        lm_unwrapped = unwrap(model).lm
+        if cfg.train.method == "lora":
+            save_adapter(lm_unwrapped, state, out / "adapter", base_ref)
+        else:
+            save_full_model(causal_lm(lm_unwrapped), state, out / "model")
+        metrics.close()
+        progress.done(out)
+    result.model = unwrap(model)
+    shutdown(env)
+    return result

@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+
+from distft.config import (
+    Config,
+    ConfigError,
+    config_differences,
+    grad_accumulation_steps,
+    load_config,
+    to_toml,
+)
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
+
+
+def test_defaults_are_the_embedded_cpu_run():
+    cfg = load_config()
+    assert cfg.model.name == "tiny"
+    assert cfg.parallel.strategy == "single"
+    assert cfg.data.source == "sample"
+    assert grad_accumulation_steps(cfg) == cfg.train.global_batch_size // cfg.train.micro_batch_size
+
+
+def test_file_then_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[optim]\nlr = 1e-4\n[lora]\nrank = 4\ntarget_modules = ["q_proj"]\n')
+    cfg = load_config(path, ["optim.lr=3e-4", "train.method=full", "lora.target_modules=q_proj,v_proj"])
+    assert cfg.optim.lr == 3e-4  # the override wins over the file
+    assert cfg.lora.rank == 4
+    assert cfg.train.method == "full"
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["optim.lr=5e-4", 'data.system_prompt=Say "hi"\\n', "output.dir=runs/x"])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    again = load_config(path)
+    assert config_differences(cfg, again) == []
+    assert again.data.system_prompt == cfg.data.system_prompt
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "expected"),
+    [
+        ("[optim]\nlr = \n", [], "line 2"),  # malformed TOML names line and column
+        ("[optim]\nwarmup_step = 5\n", [], "Did you mean `warmup_steps`?"),
+        ("[optimizer]\nlr = 1e-4\n", [], "Did you mean `optim`?"),
+        ("lr = 1e-4\n", [], "must be a [section] table"),
+        ("", ["train.max_steps=ten"], "must be an integer"),
+        ("", ["train.max_steps=0"], "must be positive"),
+        ("", ["lora.rank=-1"], "`lora.rank` must be positive"),
+        ("", ["train.method=qlora2"], "choose one of lora, full"),
+        ("", ["parallel.strategy=zero9"], "parallel.strategy"),
+        ("", ["optim.lr"], "section.key=value"),
+        ("", ["model.autocast=maybe"], "true or false"),
+        ("", ["train.global_batch_size=6", "train.micro_batch_size=4"], "multiple of"),
+        ("", ["data.truncation=random"], "head, tail, middle"),
+    ],
+)
+def test_errors_are_clear(tmp_path, text, overrides, expected):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    assert expected in str(err.value)
+    assert "\n" not in str(err.value).strip()  # one paragraph
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("nope.toml")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_config_parses(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# distft "), "each config starts with the command that runs it"
+    assert isinstance(load_config(path), Config)

@@ -1,0 +1,88 @@
+"""The offline Qwen3 tokenizer must encode exactly like the released one."""
+
+import pytest
+
+from distft.tokenizer import QWEN3_SPECIAL_TOKENS, build_qwen3_tokenizer, load_tokenizer, qwen3_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return qwen3_tokenizer()
+
+
+@pytest.mark.parametrize(
+    ("text", "ids"),
+    [  # ids published for the real Qwen3 tokenizer
+        ("Hello world", [9707, 1879]),
+        ("你好世界", [108386, 99489]),
+        ("🚀", [145836]),
+        ("<|im_start|>user\nHi<|im_end|>", [151644, 872, 198, 13048, 151645]),
+        ("<think>", [151667]),
+        ("</think>", [151668]),
+    ],
+)
+def test_published_ids(tokenizer, text, ids):
+    assert tokenizer.encode(text, add_special_tokens=False) == ids
+
+
+def test_added_tokens_and_roles(tokenizer):
+    assert len(QWEN3_SPECIAL_TOKENS) == 26
+    for token, token_id in QWEN3_SPECIAL_TOKENS.items():
+        assert tokenizer.convert_tokens_to_ids(token) == token_id
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.bos_token is None
+    assert tokenizer.encode("Hi") == [13048]  # no BOS/EOS added when encoding
+    # Think tags are added tokens but not special: decoding keeps them.
+    assert tokenizer.decode([151644, 151667, 13048], skip_special_tokens=True) == "<think>Hi"
+
+
+def test_digits_split_one_by_one(tokenizer):
+    # Qwen's pre-tokenizer splits numbers into single digits (cl100k groups up to three).
+    assert tokenizer.encode("12345") == [16, 17, 18, 19, 20]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Anna: we agreed on 25 euros.\nTom: yes!",
+        "def f(x):\n    return x**2\n",
+        "Grüße, naïve café — 東京 🚀",
+        "  leading spaces\n\n\ttabs",
+    ],
+)
+def test_round_trip(tokenizer, text):
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_chat_template(tokenizer):
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    prompt = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert (
+        prompt == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    chat = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": "Yo"}], tokenize=False)
+    assert chat.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nYo<|im_end|>\n")
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, enable_thinking=False, return_dict=False
+    )
+    assert ids[-1] == 271 and 151667 in ids  # "\n\n" after </think>
+
+
+def test_cache_is_identical_and_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTFT_CACHE", str(tmp_path))
+    built = build_qwen3_tokenizer()
+    first = qwen3_tokenizer()  # builds into the cache
+    second = qwen3_tokenizer()  # loads from it
+    text = "The team agreed on 25 euros. <|im_end|>"
+    assert built.encode(text) == first.encode(text) == second.encode(text)
+    assert [p.name for p in tmp_path.iterdir()] == ["qwen3-tokenizer-v1"]  # no temporary left
+
+
+def test_load_tokenizer_from_a_saved_directory(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    again = load_tokenizer(str(tmp_path))
+    assert again.encode("Hello world") == [9707, 1879]
+    assert again.pad_token_id == 151643
