@@ -11,9 +11,10 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
-from distft.config import Config, ConfigError, load_config
+from distft.config import Config, ConfigError, load_config, to_toml
 
 EXIT_USAGE = 2
 
@@ -102,8 +103,8 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def torchrun_command(cfg: Config, argv: list[str]) -> list[str]:
-    """This same `distft` command, once per rank, under PyTorch's launcher."""
+def torchrun_command(cfg: Config, config_file: str) -> list[str]:
+    """`distft train --config FILE` (the resolved config), once per rank, under PyTorch's launcher."""
     p = cfg.parallel
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc}"]
     if p.nnodes == 1:
@@ -116,10 +117,10 @@ def torchrun_command(cfg: Config, argv: list[str]) -> list[str]:
             f"--master-addr={host}",
             f"--master-port={port}",
         ]
-    return [*cmd, "-m", "distft.cli", *argv]
+    return [*cmd, "-m", "distft.cli", "train", "--config", config_file]
 
 
-def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
     from distft.distributed import launched_by_torchrun
     from distft.parallel import STRATEGIES
 
@@ -127,7 +128,11 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     if not launched_by_torchrun():
         preflight(cfg)
         if STRATEGIES[cfg.parallel.strategy].distributed:
-            return subprocess.call(torchrun_command(cfg, argv))
+            with tempfile.TemporaryDirectory(prefix="distft-launch-") as tmp:
+                config_file = os.path.join(tmp, "config.toml")
+                with open(config_file, "w", encoding="utf-8") as f:
+                    f.write(to_toml(cfg))
+                return subprocess.call(torchrun_command(cfg, config_file))
     from distft.train import train
 
     train(cfg)
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     handlers: dict[str, Any] = {
-        "train": lambda: cmd_train(args, argv),
+        "train": lambda: cmd_train(args),
         "infer": lambda: cmd_infer(args),
         "eval": lambda: cmd_eval(args),
     }

@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # op name (without overload) -> (kind, which argument holds the logical tensor(s))
@@ -99,6 +100,10 @@ class CommCounter(TorchDispatchMode):
         return stats
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # Let tensor subclasses (DTensor) run first; the collectives they issue while
+            # redistributing come back through this mode as plain-tensor ops and are counted.
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = f"{func.namespace}.{func._opname}"

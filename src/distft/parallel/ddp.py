@@ -33,7 +33,7 @@ import contextlib
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distft.parallel.base import Strategy
+from distft.parallel.base import Strategy, trainable_bytes
 
 
 class DDP(Strategy):
@@ -53,6 +53,10 @@ class DDP(Strategy):
             # its bucket order after the first iteration.
             static_graph=p.ddp_static_graph,
         )
+
+    def expected_comm_bytes(self, model: nn.Module, micro_batches: int) -> dict[str, int]:
+        # Every trainable gradient once per optimizer step (not per micro-batch), plus the loss.
+        return {"all_reduce": trainable_bytes(model) + 4}
 
     def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()

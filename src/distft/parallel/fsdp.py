@@ -15,8 +15,9 @@ Which collectives run, and when (per micro-batch, per unit):
   are reduce-scattered, each rank keeping the averaged gradient of its own shard.
 Gradients are reduce-scattered after every micro-batch, so they stay sharded during accumulation
 (the point of ZeRO) at the cost of one reduce-scatter per micro-batch. So ZeRO-3 gathers the parameters twice per micro-batch and ZeRO-2 once, trading memory (ZeRO-2
-keeps every layer's full parameters alive between forward and backward) for traffic. The root
-unit is never resharded after forward: backward needs it at once.
+keeps every layer's full parameters alive between forward and backward) for traffic. Frozen
+weights travel too: with LoRA, the all-gathers carry the whole base model (the embedding table
+first of all) while the reduce-scatters carry only the adapters' gradients.
 
 Mixed precision has three separate dtypes (`MixedPrecisionPolicy`): the dtype parameters are
 gathered and computed in, the dtype gradients are reduce-scattered in (summing many bf16
@@ -90,6 +91,24 @@ class FSDP(Strategy):
                 layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + p.fsdp_prefetch])
                 layer.set_modules_to_backward_prefetch(layers[max(0, i - p.fsdp_prefetch) : i][::-1])
         return model
+
+    def expected_comm_bytes(self, model: nn.Module, micro_batches: int) -> dict[str, int]:
+        n = self.env.world_size
+        param_dtype = _dtype(self.cfg.parallel.fsdp_param_dtype, None)
+        reduce_dtype = _dtype(self.cfg.parallel.fsdp_reduce_dtype, param_dtype)
+
+        def padded_bytes(p: torch.Tensor, dtype: torch.dtype | None) -> int:
+            # FSDP2 shards dim 0, padding it to a multiple of the world size.
+            rows = -(-p.shape[0] // n) * n
+            return rows * (p.numel() // p.shape[0]) * (dtype or p.dtype).itemsize
+
+        params = list(model.parameters())  # every unit's parameters: layers and root
+        gathers = 2 if self.reshard_after_forward else 1
+        return {
+            "all_gather": micro_batches * gathers * sum(padded_bytes(p, param_dtype) for p in params),
+            "reduce_scatter": micro_batches
+            * sum(padded_bytes(p, reduce_dtype) for p in params if p.requires_grad),
+        }
 
 
 class ZeRO2(FSDP):

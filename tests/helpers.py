@@ -1,0 +1,71 @@
+"""Shared by the multi-process tests: run `distft train` for real and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+# Small enough for two CPU cores, big enough to exercise accumulation: global batch 4 = micro 1
+# x 2 accumulation steps x 2 ranks (and x 4 accumulation steps in the single-process reference).
+PARITY = [
+    "--model", "micro",
+    "train.max_steps=3",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "data.max_length=384",
+    "data.max_rows=32",
+    "optim.warmup_steps=1",
+    "optim.lr=1e-3",
+]  # fmt: skip
+
+
+def distft(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh process, as a user would."""
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "distft.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=run_env,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"distft {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def adapter(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "adapter" / "adapter_model.safetensors")
+
+
+def assert_same_training(run: Path, reference: Path, rtol: float = 1e-5) -> None:
+    """Per-step losses and every final adapter tensor equal the reference run's, to `rtol` (fp32).
+
+    Tensors are compared by relative norm of the difference. An element-wise test would be unfair
+    to any parallel run: Adam divides each gradient by its own running magnitude, so an element
+    whose gradient is ~0 (lora_A's are exactly 0 on the first step, while lora_B is still 0) turns
+    a 1e-7 summation-order difference into a visible one, whatever the strategy.
+    """
+    got, want = metrics(run), metrics(reference)
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g["loss"] - w["loss"]) <= rtol * abs(w["loss"]), (g["step"], g["loss"], w["loss"])
+    a, b = adapter(run), adapter(reference)
+    assert a.keys() == b.keys() and a
+    for name in b:
+        error = (a[name] - b[name]).norm() / b[name].norm()
+        assert error <= rtol, f"{name}: relative difference {error:.2e}"
