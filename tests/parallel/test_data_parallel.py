@@ -87,8 +87,19 @@ def test_two_nodes_match_one(reference, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "two-nodes"
-    nodes = [
-        subprocess.Popen(
+
+    def node(rank: int) -> subprocess.Popen:
+        args = [
+            "--nproc",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+        ]
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -96,14 +107,7 @@ def test_two_nodes_match_one(reference, tmp_path):
                 "train",
                 "--strategy",
                 "ddp",
-                "--nproc",
-                "1",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(rank),
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
+                *args,
                 *PARITY,
                 "--out",
                 str(out),
@@ -111,9 +115,9 @@ def test_two_nodes_match_one(reference, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
-        for rank in range(2)
-    ]
+        )
+
+    nodes = [node(0), node(1)]
     logs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert_same_training(out, reference)
