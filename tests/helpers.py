@@ -64,6 +64,12 @@ def assert_same_training(run: Path, reference: Path, rtol: float = 1e-5) -> None
     assert [m["step"] for m in got] == [m["step"] for m in want]
     for g, w in zip(got, want, strict=True):
         assert abs(g["loss"] - w["loss"]) <= rtol * abs(w["loss"]), (g["step"], g["loss"], w["loss"])
+        # The gradient norm catches a gradient off by a constant factor, which Adam would absorb.
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= rtol * w["grad_norm"], (
+            g["step"],
+            g["grad_norm"],
+            w["grad_norm"],
+        )
     a, b = adapter(run), adapter(reference)
     assert a.keys() == b.keys() and a
     for name in b:

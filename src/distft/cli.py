@@ -221,7 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may sit anywhere among the flags (`--model micro optim.lr=1e-3 --max-steps 5`);
+    # argparse only takes positionals in one run, so the rest are collected here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or args.command != "train"]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     handlers: dict[str, Any] = {
         "train": lambda: cmd_train(args),
         "infer": lambda: cmd_infer(args),

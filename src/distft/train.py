@@ -194,7 +194,8 @@ def train(cfg: Config) -> TrainResult:
             if isinstance(counter, CommCounter):
                 record["comm_bytes"] = dict(counter.stats.bytes)
                 record["comm_calls"] = dict(counter.stats.calls)
-                record["comm_bytes_expected"] = strategy.expected_comm_bytes(model, accum)
+                expected = strategy.expected_comm_bytes(model, rank_batches(examples, strategy, cfg, pad_id))
+                record["comm_bytes_expected"] = expected
             last = step + 1 == cfg.train.max_steps
             if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or last:
                 record["eval_loss"] = result.eval_losses[step + 1] = evaluate()

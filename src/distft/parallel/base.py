@@ -14,6 +14,7 @@ The defaults below are the single-process behaviour; a strategy overrides only w
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import ClassVar
 
 import torch
@@ -93,10 +94,32 @@ class Strategy:
         return total
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
-        """Clip the global gradient norm (sharded gradients included) and return it."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        """Clip the global gradient norm and return it (before clipping).
+
+        One implementation for every strategy, so their logged norms compare: squares are summed
+        in float64 (fp32 sums over a 150k x hidden embedding gradient drift by ~1e-5), sharded
+        gradients (DTensors) contribute their local shard and are summed over ranks, each element
+        counted once.
+        """
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        sharded = torch.zeros_like(square)
+        for g in grads:
+            if isinstance(g, DTensor):
+                copies = math.prod(
+                    g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate()
+                )
+                sharded += torch.linalg.vector_norm(g.to_local(), dtype=torch.float64) ** 2 / copies
+            else:
+                square += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+        if any(isinstance(g, DTensor) for g in grads):
+            dist.all_reduce(sharded)
+        norm = (square + sharded).sqrt()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+            for g in grads:
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+        return float(norm)
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Sum of the loss over the global batch, known on every rank."""
@@ -119,7 +142,7 @@ class Strategy:
                     state[name] = full.detach().cpu().clone()
         return state if self.env.is_main else None
 
-    def expected_comm_bytes(self, model: nn.Module, micro_batches: int) -> dict[str, int]:
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
         """Analytic bytes per optimizer step by collective kind (`distft.comm` convention).
 
         Checked against the measured counts in the tests and shown beside them by `bench`. The

@@ -33,7 +33,7 @@ import contextlib
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distft.parallel.base import Strategy, trainable_bytes
+from distft.parallel.base import Batch, Strategy, trainable_bytes
 
 
 class DDP(Strategy):
@@ -54,7 +54,7 @@ class DDP(Strategy):
             static_graph=p.ddp_static_graph,
         )
 
-    def expected_comm_bytes(self, model: nn.Module, micro_batches: int) -> dict[str, int]:
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
         # Every trainable gradient once per optimizer step (not per micro-batch), plus the loss.
         return {"all_reduce": trainable_bytes(model) + 4}
 

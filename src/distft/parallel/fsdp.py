@@ -39,7 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from distft.config import Config, ConfigError
 from distft.model import DTYPES, causal_lm
-from distft.parallel.base import Strategy
+from distft.parallel.base import Batch, Strategy
 
 
 def _dtype(name: str, default: torch.dtype | None) -> torch.dtype | None:
@@ -92,7 +92,7 @@ class FSDP(Strategy):
                 layer.set_modules_to_backward_prefetch(layers[max(0, i - p.fsdp_prefetch) : i][::-1])
         return model
 
-    def expected_comm_bytes(self, model: nn.Module, micro_batches: int) -> dict[str, int]:
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
         n = self.env.world_size
         param_dtype = _dtype(self.cfg.parallel.fsdp_param_dtype, None)
         reduce_dtype = _dtype(self.cfg.parallel.fsdp_reduce_dtype, param_dtype)
@@ -105,9 +105,10 @@ class FSDP(Strategy):
         params = list(model.parameters())  # every unit's parameters: layers and root
         gathers = 2 if self.reshard_after_forward else 1
         return {
-            "all_gather": micro_batches * gathers * sum(padded_bytes(p, param_dtype) for p in params),
-            "reduce_scatter": micro_batches
+            "all_gather": len(batches) * gathers * sum(padded_bytes(p, param_dtype) for p in params),
+            "reduce_scatter": len(batches)
             * sum(padded_bytes(p, reduce_dtype) for p in params if p.requires_grad),
+            "all_reduce": 4 + 8,  # the loss (fp32) and the gradient norm's sum of squares (float64)
         }
 
 

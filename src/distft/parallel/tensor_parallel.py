@@ -1,0 +1,147 @@
+"""Tensor parallelism with PyTorch's own `parallelize_module` (DTensor), made to carry LoRA.
+
+What each rank holds: a slice of every projection inside every decoder layer, and a full copy of
+everything else (embeddings, norms, lm_head, the residual stream). A `Linear` weight is
+(out, in) in torch's convention:
+- q_proj, k_proj, v_proj, gate_proj, up_proj are column-parallel: sharded on `out` (dim 0), so
+  each rank computes its own attention heads (and KV heads) and its own slice of the MLP;
+- o_proj and down_proj are row-parallel: sharded on `in` (dim 1), so each rank turns its heads /
+  MLP slice into a partial sum of the full output.
+Every rank reads the same batch; there is no data parallelism here.
+
+Which collectives run, and when (per decoder layer, per micro-batch):
+- forward: an all-reduce of the (batch, seq, hidden) partial sums after o_proj and after
+  down_proj, and, with LoRA, of the (batch, seq, r) partial sums after their lora_A;
+- backward: the conjugate all-reduces of activation gradients where the replicated residual
+  stream enters a column-parallel projection. `ColwiseParallel` converts its input on its own,
+  so PyTorch issues one per projection (q, k, v, gate, up, and each colwise lora_B: 5 + 5 per
+  layer), where Megatron's hand-written version (`tp-sp`) needs one per block (2 per layer).
+
+The collision with PEFT, and how it is resolved here. PEFT's LoRA layer computes
+`base_layer(x) + lora_B(lora_A(x)) * scale`, adding plain tensors. `ColwiseParallel` accepts only
+`nn.Linear`, so it cannot wrap PEFT's layer; aimed at `base_layer` alone, the base output is a
+local shard (out/N) while the LoRA path is full-size (out): the add fails. Keeping DTensors
+(`use_local_output=False`) fails differently: LoRA's plain weights meet a DTensor input. What
+works is to shard each adapter together with its base, so both paths produce the same layout:
+- column-parallel base: lora_A replicated (r x in), lora_B column-parallel (out/N x r);
+- row-parallel base: lora_A row-parallel (r x in/N, its partial sums all-reduced),
+  lora_B replicated (out x r).
+PEFT is applied first, then the plan shards `base_layer` and the adapter inside each wrapper.
+
+Which gradients are partial. Qwen3's q_norm / k_norm weights are replicated but applied to this
+rank's heads only: their gradients are partial sums and are all-reduced after backward
+(`after_backward`; they train only in full finetuning). lora_A of a column-parallel projection
+looks similar but is not: lora_B's input is converted to a replicated DTensor, whose backward
+all-reduces the gradient flowing into lora_A's output, so lora_A's gradient is already complete.
+All-reducing it again doubles it, an error AdamW's scale invariance all but hides in the weights;
+the parity tests compare gradient norms for that reason.
+
+Paper: Shoeybi et al., "Megatron-LM" (1909.08053).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+from transformers import PretrainedConfig
+
+from distft.config import Config, ConfigError
+from distft.model import causal_lm
+from distft.parallel.base import Batch, Strategy, unwrap
+
+COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
+    """The plan for one decoder layer, as data: module path -> how it is sharded."""
+    plan: dict[str, ParallelStyle] = {}
+    for path in COLUMN + ROW:
+        module = layer.get_submodule(path)
+        colwise = path in COLUMN
+        if hasattr(module, "base_layer"):  # a PEFT LoRA layer: shard the adapter with its base
+            plan[f"{path}.base_layer"] = ColwiseParallel() if colwise else RowwiseParallel()
+            for adapter in module.lora_A:
+                if colwise:
+                    plan[f"{path}.lora_B.{adapter}"] = ColwiseParallel()  # lora_A stays replicated
+                else:
+                    plan[f"{path}.lora_A.{adapter}"] = RowwiseParallel()  # lora_B stays replicated
+        else:
+            plan[path] = ColwiseParallel() if colwise else RowwiseParallel()
+    return plan
+
+
+def partial_gradient_params(layer: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters applied to this rank's heads only: their gradients are partial."""
+    params = [*layer.self_attn.q_norm.parameters(), *layer.self_attn.k_norm.parameters()]
+    return [p for p in params if p.requires_grad]
+
+
+class TensorParallel(Strategy):
+    name = "tp"
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        return 1  # every rank works on the same batch
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        n = cfg.world_size
+        heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+        if heads % n or kv_heads % n:
+            raise ConfigError(
+                f"--strategy {cls.name} splits attention heads across {n} ranks, but {cfg.model.name} has "
+                f"{heads} query heads and {kv_heads} KV heads; the TP degree must divide both "
+                f"(e.g. --nproc {next(d for d in range(n, 0, -1) if heads % d == 0 and kv_heads % d == 0)})."
+            )
+        if model_config.intermediate_size % n:
+            raise ConfigError(
+                f"--strategy {cls.name}: intermediate_size {model_config.intermediate_size} is not divisible by {n}."
+            )
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        model.to(self.env.device)
+        self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+        layers = causal_lm(model.lm).model.layers
+        self.partial_grads: list[nn.Parameter] = []
+        for layer in layers:
+            self.partial_grads += partial_gradient_params(layer)
+            parallelize_module(layer, self.mesh, layer_plan(layer))
+        return model
+
+    def after_backward(self, model: nn.Module) -> None:
+        # Each rank saw only its heads: sum the partial gradients over the TP group.
+        for p in self.partial_grads:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        return local_sum  # every rank computed the same, full loss
+
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+        """Per micro-batch and layer: forward, 2 all-reduces of (batch, seq, hidden) after the row
+        projections (+ 2 of (batch, seq, r) after their lora_A); backward, one all-reduce per
+        column projection's input (5, + 5 for the colwise lora_B inputs). Layer 0's attention
+        input needs no gradient when the embeddings are frozen (LoRA): 3 fewer there."""
+        lm = causal_lm(unwrap(model).lm)
+        hidden, n_layers = lm.config.hidden_size, lm.config.num_hidden_layers
+        lora = self.cfg.train.method == "lora"
+        targets = set(self.cfg.lora.target_modules) if lora else set()
+        row_adapters = sum(path.split(".")[-1] in targets for path in ROW)
+        column_adapters = sum(path.split(".")[-1] in targets for path in COLUMN)
+        itemsize = next(lm.parameters()).element_size()
+        activations = 2 * n_layers + 5 * n_layers - (3 if lora else 0)
+        adapters = n_layers * (row_adapters + column_adapters)
+        rank = self.cfg.lora.rank
+        tokens = sum(b["input_ids"].numel() for b in batches)
+        partial = sum(p.numel() * p.element_size() for p in self.partial_grads)
+        norm = 8  # the float64 sum of squared gradient shards (clip_grad_norm_)
+        return {"all_reduce": itemsize * tokens * (hidden * activations + rank * adapters) + partial + norm}
