@@ -19,10 +19,14 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+
+if TYPE_CHECKING:
+    from distft.config import Config
 
 
 @contextlib.contextmanager
@@ -89,9 +93,9 @@ def save_base(lm: nn.Module, tokenizer: object, out: Path) -> None:
 class MetricsWriter:
     """`metrics.jsonl`: one JSON object per logged step, flushed as it is written."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, append: bool = False):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("w", encoding="utf-8")
+        self._file = path.open("a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -99,3 +103,145 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-state checkpoints (torch.distributed.checkpoint)
+# ---------------------------------------------------------------------------------------------
+#
+# DIR/checkpoints/step-000040/ holds the trainable weights and optimizer state as DCP shards
+# (each rank writes its own; DCP reshards on load, so a data-parallel run can resume at another
+# world size), plus `trainer.pt`: the step, the LR scheduler, and every rank's RNG states.
+# All ranks write into `.step-000040.tmp`; rank 0 renames it once every rank is done, so a
+# directory named step-* is always complete and a crash mid-write leaves only a temporary.
+
+CHECKPOINTS = "checkpoints"
+
+
+def _state_dict_options(full: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Frozen base weights are rebuilt from the model source on resume; saving them would copy
+    # the whole base model into every checkpoint. strict=False because the model then has keys
+    # (the frozen ones) that the checkpoint does not.
+    return StateDictOptions(ignore_frozen_params=True, strict=False, full_state_dict=full)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = Path(run_dir) / CHECKPOINTS
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+    return steps[-1] if steps else None
+
+
+def save_training_state(
+    run_dir: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: object,
+    rank: int,
+    world_size: int,
+    keep_last: int,
+) -> Path:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / f"step-{step:06d}"
+    tmp = root / f".step-{step:06d}.tmp"
+    distributed = dist.is_available() and dist.is_initialized()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if distributed:
+        dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=not distributed)
+    rng = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    torch.save(rng, tmp / f"rng-{rank}.pt")
+    if rank == 0:
+        torch.save(
+            {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size}, tmp / "trainer.pt"
+        )
+    if distributed:
+        dist.barrier()
+    if rank == 0:
+        for f in tmp.iterdir():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+        tmp.rename(final)
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    if distributed:
+        dist.barrier()
+    return final
+
+
+def load_training_state(
+    checkpoint: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, rank: int
+) -> int:
+    """Restore weights, optimizer, scheduler and this rank's RNG; return the step to resume after."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    distributed = dist.is_available() and dist.is_initialized()
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not distributed)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_state_dict_options(),
+    )
+    trainer = torch.load(checkpoint / "trainer.pt", weights_only=False)
+    scheduler.load_state_dict(trainer["scheduler"])
+    rng_file = checkpoint / f"rng-{rank}.pt"
+    if rng_file.is_file():  # absent when resuming at a larger world size: that rank starts fresh
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    return int(trainer["step"])
+
+
+# Settings a resumed run may change: where and how it runs, how often it reports, how long.
+RESUMABLE_CHANGES = (
+    "train.max_steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.device",
+    "model.activation_checkpointing", "model.autocast", "data.max_rows",
+)  # fmt: skip
+
+
+def check_resume(cfg: Config) -> Path | None:
+    """The checkpoint this run will resume from, or None; refuses a run dir of another config."""
+    from distft.config import ConfigError, config_differences, load_config
+
+    out = Path(cfg.output.dir)
+    checkpoint = latest_checkpoint(out) if cfg.output.resume else None
+    if checkpoint is None or not (out / "config.toml").is_file():
+        return checkpoint
+    saved = load_config(out / "config.toml")
+    ignore = RESUMABLE_CHANGES + tuple(
+        f"{s}.{k}" for s in ("output", "parallel") for k in vars(getattr(cfg, s))
+    )
+    diffs = config_differences(saved, cfg, ignore=ignore)
+    if diffs:
+        raise ConfigError(
+            f"{out} holds a run with a different config, and its checkpoint {checkpoint.name} would resume "
+            f"into it ({'; '.join(diffs)}). Use another --out, or output.resume=false to start over there."
+        )
+    return checkpoint
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop metrics lines past `last_step` (written after the checkpoint a run resumes from)."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))

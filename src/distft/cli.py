@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from distft.config import Config, ConfigError, load_config, to_toml
@@ -34,6 +35,7 @@ TRAIN_FLAGS = {  # flag -> config field it sets
     "nnodes": "parallel.nnodes",
     "node_rank": "parallel.node_rank",
     "rdzv_endpoint": "parallel.rdzv_endpoint",
+    "checkpoint_every": "output.checkpoint_every",
 }
 
 
@@ -64,6 +66,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nnodes", type=int, help="number of nodes (run the same command on each)")
     p.add_argument("--node-rank", type=int, help="this node's index, 0..nnodes-1")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node runs")
+    p.add_argument("--checkpoint-every", type=int, help="write a resumable checkpoint every N steps")
+    p.add_argument(
+        "--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, with its config"
+    )
+    p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     p.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. optim.lr=1e-4"
     )
@@ -75,16 +82,27 @@ def config_from_args(args: argparse.Namespace) -> Config:
         for flag, field in TRAIN_FLAGS.items()
         if getattr(args, flag, None) is not None
     ]
-    return load_config(args.config, [*args.overrides, *flags])
+    if args.no_resume:
+        flags.append("output.resume=false")
+    config_file = args.config
+    if args.resume:
+        run = Path(args.resume)
+        if not (run / "config.toml").is_file():
+            raise ConfigError(f"--resume {run}: no config.toml there; it is not a distft run directory.")
+        config_file = config_file or run / "config.toml"
+        flags.append(f"output.dir={run}")
+    return load_config(config_file, [*args.overrides, *flags])
 
 
 def preflight(cfg: Config) -> None:
     """Everything that can be checked without training: model architecture and every data row."""
+    from distft.checkpoint import check_resume
     from distft.data import ChatFormatter, load_rows, tokenize_rows
     from distft.model import is_preset, model_config
     from distft.parallel import STRATEGIES
     from distft.tokenizer import load_tokenizer
 
+    check_resume(cfg)
     STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config(cfg.model.name))
     formatter = ChatFormatter(load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name), cfg.data)
     for split in load_rows(cfg.data, seed=cfg.train.seed).values():

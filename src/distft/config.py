@@ -166,6 +166,12 @@ class OutputConfig:
     """Run directory: adapter/, metrics.jsonl, config.toml."""
     save_base: bool = True
     """Save a randomly initialised preset base next to the adapter, so the adapter can be loaded."""
+    checkpoint_every: int = 0
+    """Write a resumable training-state checkpoint every N steps (0: never)."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+    resume: bool = True
+    """Continue from the latest checkpoint in `dir` if there is one."""
 
 
 @dataclass
@@ -339,6 +345,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"`optim.lr` must be positive, got {cfg.optim.lr}.")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"`optim.min_lr_ratio` must be in [0, 1], got {cfg.optim.min_lr_ratio}.")
+    if cfg.output.checkpoint_every < 0 or cfg.output.keep_last < 1:
+        raise ConfigError(
+            "`output.checkpoint_every` cannot be negative and `output.keep_last` must be at least 1."
+        )
     if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0 or cfg.train.eval_every < 0:
         raise ConfigError(
             "`optim.warmup_steps`, `optim.grad_clip` and `train.eval_every` cannot be negative."

@@ -93,6 +93,10 @@ class TrainingProgress:
             self._task = self._progress.add_task("train", total=self.total, loss="-", tps="-")
         return self
 
+    def advance_to(self, step: int) -> None:
+        if self._progress:
+            self._progress.update(self._task, completed=step)
+
     def update(self, record: dict[str, Any]) -> None:
         if not self._progress:
             return

@@ -22,7 +22,17 @@ from pathlib import Path
 
 import torch
 
-from distft.checkpoint import MetricsWriter, atomic_write_text, save_adapter, save_base, save_full_model
+from distft.checkpoint import (
+    MetricsWriter,
+    atomic_write_text,
+    check_resume,
+    load_training_state,
+    save_adapter,
+    save_base,
+    save_full_model,
+    save_training_state,
+    truncate_metrics,
+)
 from distft.comm import CommCounter
 from distft.config import Config, grad_accumulation_steps, to_toml
 from distft.data import (
@@ -122,6 +132,10 @@ def train(cfg: Config) -> TrainResult:
     use_autocast = cfg.model.autocast and env.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
 
+    start_step = 0
+    checkpoint = check_resume(cfg)
+    if checkpoint is not None:
+        start_step = load_training_state(checkpoint, model, optimizer, scheduler, env.rank)
     accum = grad_accumulation_steps(cfg)
     progress.header(
         cfg,
@@ -132,7 +146,10 @@ def train(cfg: Config) -> TrainResult:
         batch=(cfg.train.micro_batch_size, accum, strategy.dp_size),
         data={"train": train_set.summary(), "validation": val_set.summary()},
     )
-    metrics = MetricsWriter(out / "metrics.jsonl") if env.is_main else None
+    if env.is_main and start_step:
+        truncate_metrics(out / "metrics.jsonl", start_step)
+        progress.console.print(f"resuming from {checkpoint} (step {start_step})")
+    metrics = MetricsWriter(out / "metrics.jsonl", append=start_step > 0) if env.is_main else None
     pad_id = tokenizer.pad_token_id
 
     # ---- one optimizer step ---------------------------------------------------------------
@@ -165,7 +182,8 @@ def train(cfg: Config) -> TrainResult:
     result = TrainResult(output_dir=out)
     model.train()
     with progress:
-        for step in range(cfg.train.max_steps):
+        progress.advance_to(start_step)
+        for step in range(start_step, cfg.train.max_steps):
             idx = global_batch_indices(
                 step, len(train_set.examples), cfg.train.global_batch_size, cfg.train.seed
             )
@@ -174,7 +192,7 @@ def train(cfg: Config) -> TrainResult:
                 torch.cuda.synchronize()
             # Collectives are counted on the first step only: the pattern repeats every step, and
             # the counter sees every dispatched op, which would slow the steps it watches.
-            counter = CommCounter() if env.distributed and step == 0 else contextlib.nullcontext()
+            counter = CommCounter() if env.distributed and step == start_step else contextlib.nullcontext()
             t0 = time.perf_counter()
             with counter:
                 loss, grad_norm = train_step(examples)  # .item() inside waits for the device
@@ -202,6 +220,10 @@ def train(cfg: Config) -> TrainResult:
             if metrics and ((step + 1) % cfg.train.log_every == 0 or last or "eval_loss" in record):
                 metrics.write(record)
             progress.update(record)
+            if cfg.output.checkpoint_every and (step + 1) % cfg.output.checkpoint_every == 0 and not last:
+                save_training_state(
+                    out, step + 1, model, optimizer, scheduler, env.rank, env.world_size, cfg.output.keep_last
+                )
 
     # ---- export ---------------------------------------------------------------------------
     state = strategy.trainable_state_dict(model)

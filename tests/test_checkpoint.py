@@ -1,0 +1,66 @@
+"""Training-state checkpoints: exact resume, atomic writes, pruning, and refusing a foreign run dir."""
+
+import shutil
+
+import pytest
+
+from distft.checkpoint import atomic_directory, latest_checkpoint
+from distft.cli import main
+from tests.helpers import adapter, metrics
+
+RUN = [
+    "--model", "micro",
+    "train.max_steps=6",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.eval_every=0",
+    "data.max_rows=32",
+    "data.max_length=384",
+    "lora.dropout=0.1",  # resuming must restore the RNG too
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("a")
+    assert main(["train", *RUN, "--out", str(out)]) == 0
+    return out
+
+
+def test_resume_is_exact(uninterrupted, tmp_path):
+    out = tmp_path / "b"
+    assert main(["train", *RUN, "--checkpoint-every", "2", "output.keep_last=2", "--out", str(out)]) == 0
+    # Keep the last two complete checkpoints (steps 2 and 4; none after the final step).
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    # Simulate a crash after step 4: drop what came later, then resume.
+    shutil.rmtree(out / "adapter")
+    assert main(["train", "--resume", str(out)]) == 0
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]
+    a, b = adapter(out), adapter(uninterrupted)
+    assert all((a[k] == b[k]).all() for k in b), "bitwise equal in fp32 on CPU"
+
+
+def test_partial_checkpoint_is_never_loaded(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step-000002").mkdir(parents=True)
+    (root / ".step-000004.tmp").mkdir()  # a crash mid-write leaves only this
+    assert latest_checkpoint(tmp_path).name == "step-000002"
+
+
+def test_atomic_directory_keeps_the_old_version_on_failure(tmp_path):
+    final = tmp_path / "adapter"
+    with atomic_directory(final) as d:
+        (d / "weights").write_text("old")
+    with pytest.raises(RuntimeError), atomic_directory(final) as d:
+        (d / "weights").write_text("half-written")
+        raise RuntimeError("disk full")
+    assert (final / "weights").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_refuses_to_resume_into_a_different_run(uninterrupted, tmp_path, capsys):
+    out = tmp_path / "c"
+    assert main(["train", *RUN, "--checkpoint-every", "3", "--out", str(out)]) == 0
+    assert main(["train", *RUN, "optim.lr=5e-3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "different config" in err and "optim.lr: 0.01 -> 0.005" in err
