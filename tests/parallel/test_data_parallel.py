@@ -14,6 +14,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from distft.cli import main
 from distft.config import load_config
 from distft.model import apply_method, load_base_model
 from tests.helpers import PARITY, assert_same_training, distft, metrics
@@ -117,4 +118,29 @@ def test_two_nodes_match_one(reference, tmp_path):
     nodes = [node(0), node(1)]
     logs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert_same_training(out, reference)
+
+
+def test_fsdp_checkpoint_resumes_at_another_world_size(reference, tmp_path):
+    """DCP reshards: a ZeRO-3 checkpoint written by 2 ranks resumes in 1 process, same training."""
+    out = tmp_path / "resharded"
+    distft(
+        "train", "--strategy", "fsdp", "--nproc", "2", *PARITY, "--checkpoint-every", "2", "--out", str(out)
+    )
+    assert (out / "checkpoints" / "step-000002").is_dir()
+    (out / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()[:2])
+    )
+    proc = distft("train", "--resume", str(out), "--nproc", "1")
+    assert "resuming from" in proc.stdout and "step 2" in proc.stdout
+    assert_same_training(out, reference)
+
+
+def test_ddp_static_graph(reference, tmp_path, capsys):
+    static = ["--strategy", "ddp", "--nproc", "2", *PARITY, "parallel.ddp_static_graph=true"]
+    # With accumulation, DDP's reducer would fail mid-run: refused before launch instead.
+    assert main(["train", *static, "--out", str(tmp_path / "refused")]) == 2
+    assert "cannot be combined with gradient accumulation" in capsys.readouterr().err
+    out = tmp_path / "static"
+    distft("train", *static, "train.micro_batch_size=2", "--out", str(out))  # no accumulation
     assert_same_training(out, reference)

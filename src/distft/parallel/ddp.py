@@ -33,11 +33,23 @@ import contextlib
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distft.config import Config, ConfigError
 from distft.parallel.base import Batch, Strategy, trainable_bytes
 
 
 class DDP(Strategy):
     name = "ddp"
+
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        accumulation = cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.world_size)
+        if cfg.parallel.ddp_static_graph and accumulation > 1:
+            raise ConfigError(
+                "parallel.ddp_static_graph=true cannot be combined with gradient accumulation "
+                f"({accumulation} micro-batches per step): a static graph expects every backward to "
+                "all-reduce, and DDP's reducer fails on the first backward under no_sync(). Raise "
+                "train.micro_batch_size to global_batch_size / ranks, or leave the static graph off."
+            )
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model = model.to(self.env.device)
@@ -50,7 +62,7 @@ class DDP(Strategy):
             forward_sync_buffers=False,
             find_unused_parameters=False,
             # The graph is the same every step (same layers, same adapters), which lets DDP fix
-            # its bucket order after the first iteration.
+            # its bucket order after the first iteration; incompatible with no_sync() (see above).
             static_graph=p.ddp_static_graph,
         )
 
