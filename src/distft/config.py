@@ -158,6 +158,8 @@ class ParallelConfig:
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA runs)."""
     fsdp_prefetch: int = 1
     """FSDP: decoder layers whose all-gather is issued ahead of use, forward and backward (0: none)."""
+    sequence_parallel: bool = True
+    """tp-sp: split the residual stream, norms and loss along the sequence; false: plain Megatron TP."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ not depend on the strategy or the process count.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import resource
 import time
@@ -21,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from distft.activations import SavedActivations
 from distft.checkpoint import (
     MetricsWriter,
     atomic_write_text,
@@ -78,6 +81,15 @@ def peak_memory_bytes(env: DistEnv) -> int:
     if env.device.type == "cuda":
         return torch.cuda.max_memory_allocated(env.device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def gather_rank_summaries(env: DistEnv, summary: dict) -> list[dict]:
+    """Every rank's end-of-run figures (peak memory, activation bytes), on every rank."""
+    if not env.distributed:
+        return [summary]
+    gathered: list[dict | None] = [None] * env.world_size
+    dist.all_gather_object(gathered, summary)
+    return gathered  # type: ignore[return-value]
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -180,6 +192,7 @@ def train(cfg: Config) -> TrainResult:
 
     # ---- the loop -------------------------------------------------------------------------
     result = TrainResult(output_dir=out)
+    saved_bytes = 0
     model.train()
     with progress:
         progress.advance_to(start_step)
@@ -192,7 +205,9 @@ def train(cfg: Config) -> TrainResult:
                 torch.cuda.synchronize()
             # Collectives are counted on the first step only: the pattern repeats every step, and
             # the counter sees every dispatched op, which would slow the steps it watches.
-            counter = CommCounter() if env.distributed and step == start_step else contextlib.nullcontext()
+            first = step == start_step
+            counter = CommCounter() if env.distributed and first else contextlib.nullcontext()
+            strategy.activation_probe = SavedActivations(model) if first else None
             t0 = time.perf_counter()
             with counter:
                 loss, grad_norm = train_step(examples)  # .item() inside waits for the device
@@ -209,6 +224,10 @@ def train(cfg: Config) -> TrainResult:
                 "step_time_s": step_time,
                 "peak_mem_bytes": peak_memory_bytes(env),
             }
+            if strategy.activation_probe is not None:
+                saved_bytes = record["saved_activation_bytes"] = (
+                    strategy.activation_probe.bytes
+                )  # 1st micro-batch
             if isinstance(counter, CommCounter):
                 record["comm_bytes"] = dict(counter.stats.bytes)
                 record["comm_calls"] = dict(counter.stats.calls)
@@ -226,6 +245,12 @@ def train(cfg: Config) -> TrainResult:
                 )
 
     # ---- export ---------------------------------------------------------------------------
+    summary = {
+        "rank": env.rank,
+        "peak_mem_bytes": peak_memory_bytes(env),
+        "saved_activation_bytes": saved_bytes,
+    }
+    ranks = gather_rank_summaries(env, summary)
     state = strategy.trainable_state_dict(model)
     if env.is_main:
         lm_unwrapped = unwrap(model).lm
@@ -234,6 +259,7 @@ def train(cfg: Config) -> TrainResult:
         else:
             save_full_model(causal_lm(lm_unwrapped), state, out / "model")
         metrics.close()
+        atomic_write_text(out / "ranks.json", json.dumps(ranks, indent=1))
         progress.done(out)
     result.model = unwrap(model)
     shutdown(env)

@@ -5,9 +5,12 @@ from __future__ import annotations
 from distft.parallel.base import Strategy
 from distft.parallel.ddp import DDP
 from distft.parallel.fsdp import FSDP, ZeRO2
+from distft.parallel.megatron import MegatronTPSP
 from distft.parallel.single import Single
 from distft.parallel.tensor_parallel import TensorParallel
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (Single, DDP, FSDP, ZeRO2, TensorParallel)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (Single, DDP, FSDP, ZeRO2, TensorParallel, MegatronTPSP)
+}
 
 __all__ = ["STRATEGIES", "Strategy"]

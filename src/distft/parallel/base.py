@@ -52,6 +52,8 @@ class Strategy:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg = cfg
         self.env = env
+        # Set by the loop for one step: wraps the first micro-batch's forward (activation bytes).
+        self.activation_probe: contextlib.AbstractContextManager | None = None
         self.dp_size = self.data_parallel_size(cfg)
         self.dp_rank = env.rank if self.dp_size > 1 else 0
 
@@ -76,7 +78,8 @@ class Strategy:
         total = torch.zeros((), device=self.env.device)
         for i, batch in enumerate(micro_batches):
             with self.accumulating(model, last_micro_batch=i == len(micro_batches) - 1):
-                loss_sum = model(**batch)
+                with self.activation_probe if i == 0 and self.activation_probe else contextlib.nullcontext():
+                    loss_sum = model(**batch)
                 (loss_sum * scale).backward()
             total += loss_sum.detach().float()
         self.after_backward(model)

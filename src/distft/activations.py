@@ -1,0 +1,55 @@
+"""Measuring the activation memory a forward pass keeps for backward.
+
+Autograd calls a pack hook for every tensor an op saves for its backward. Counting the distinct
+storages behind those tensors, minus the storages of parameters (weights saved by matmuls are
+not activations; under FSDP they are the gathered copies, registered on the module while it
+runs), gives the bytes of activations this rank holds between forward and backward: the number
+that sequence parallelism divides by N and that activation checkpointing trades for compute.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+
+class SavedActivations:
+    """`with SavedActivations(model) as probe: loss = model(...)`; then `probe.bytes`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.bytes = 0
+        self._seen: set[int] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _parameter_storages(self) -> set[int]:
+        # Read at pack time: FSDP swaps gathered parameters in and out of the modules.
+        return {
+            _storage(p).data_ptr()
+            for m in self.model.modules()
+            for p in m._parameters.values()
+            if p is not None
+        }
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = _storage(t)
+        try:
+            ptr = storage.data_ptr()
+        except RuntimeError:  # fake/meta tensors DTensor makes while propagating shardings
+            return t
+        if ptr not in self._seen and storage.nbytes() and ptr not in self._parameter_storages():
+            self._seen.add(ptr)
+            self.bytes += storage.nbytes()
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
