@@ -223,6 +223,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from distft.bench import cmd_bench as run
+
+    return run(args)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -234,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_infer_parser(sub)
     add_eval_parser(sub)
+    from distft.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may sit anywhere among the flags (`--model micro optim.lr=1e-3 --max-steps 5`);
     # argparse only takes positionals in one run, so the rest are collected here.
     args, extra = parser.parse_known_args(argv)
-    stray = [e for e in extra if e.startswith("-") or "=" not in e or args.command != "train"]
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
@@ -252,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": lambda: cmd_train(args),
         "infer": lambda: cmd_infer(args),
         "eval": lambda: cmd_eval(args),
+        "bench": lambda: cmd_bench(args),
     }
     try:
         return handlers[args.command]()

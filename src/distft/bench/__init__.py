@@ -1,0 +1,53 @@
+"""`distft bench`: every strategy on the same model, data and machine, measured side by side."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from distft.bench.harness import BenchSettings, run_bench
+from distft.bench.report import write_report
+
+DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp"
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run strategies side by side and write a report with plots",
+        description="Run each strategy with the same model, data, global batch, sequence length and seed; "
+        "collect step time, tokens/s, peak memory per rank, bytes per collective (measured and analytic) "
+        "and loss curves; write DIR/results.json, DIR/report.md and PNG plots.",
+    )
+    p.add_argument(
+        "--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated (default {DEFAULT_STRATEGIES})"
+    )
+    p.add_argument("--nproc", type=int, default=2, help="processes for the multi-process strategies")
+    p.add_argument("--model", default="tiny", help="preset, local directory or hub id")
+    p.add_argument("--steps", type=int, default=10, help="measured optimizer steps per strategy")
+    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward on a rank")
+    p.add_argument("--seq-len", type=int, default=512, help="data.max_length")
+    p.add_argument("--out", default="runs/bench", help="output directory")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every `distft train`")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    settings = BenchSettings(
+        strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
+        nproc=args.nproc,
+        model=args.model,
+        steps=args.steps,
+        warmup=args.warmup,
+        global_batch_size=args.global_batch,
+        micro_batch_size=args.micro_batch,
+        seq_len=args.seq_len,
+        overrides=list(args.overrides),
+    )
+    out = Path(args.out)
+    summary = run_bench(settings, out)
+    report = write_report(summary, out)
+    print(report.read_text())
+    print(f"\nwrote {report}, {out / 'results.json'} and plots")
+    return 1 if summary["failures"] or not all(a["agrees"] for a in summary["loss_agreement"].values()) else 0

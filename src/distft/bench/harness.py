@@ -1,0 +1,160 @@
+"""Run every strategy on the same model, data, global batch and seed, and collect what happened.
+
+Each strategy runs as a real `distft train` (through torchrun for the multi-process ones), so
+the benchmark measures exactly what users run. Its figures come from the files every run writes:
+`metrics.jsonl` (step times, tokens, losses, bytes per collective on the first step, measured and
+analytic) and `ranks.json` (peak memory and saved-activation bytes of every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from distft.config import ConfigError
+
+
+@dataclass
+class BenchSettings:
+    strategies: list[str]
+    nproc: int = 2
+    model: str = "tiny"
+    steps: int = 10
+    warmup: int = 3
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    seq_len: int = 512
+    seed: int = 0
+    overrides: list[str] = field(default_factory=list)
+
+    def train_args(self, strategy: str, out: Path) -> list[str]:
+        nproc = 1 if strategy == "single" else self.nproc
+        return [
+            "train", "--strategy", strategy, "--nproc", str(nproc), "--model", self.model,
+            "--max-steps", str(self.warmup + self.steps), "--out", str(out), "--no-resume",
+            f"train.global_batch_size={self.global_batch_size}", f"train.micro_batch_size={self.micro_batch_size}",
+            f"data.max_length={self.seq_len}", f"train.seed={self.seed}", "train.eval_every=0", "train.log_every=1",
+            *self.overrides,
+        ]  # fmt: skip
+
+
+@dataclass
+class StrategyResult:
+    strategy: str
+    world_size: int
+    wall_s: float
+    step_time_s: dict[str, float]  # median, min, max over the measured steps
+    tokens_per_s: dict[str, float]
+    losses: list[float]
+    ranks: list[dict]  # per rank: peak_mem_bytes, saved_activation_bytes
+    comm_bytes: dict[str, int]
+    comm_bytes_expected: dict[str, int]
+    extra: dict = field(default_factory=dict)  # strategy-specific figures (e.g. pipeline idle time)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_strategy(settings: BenchSettings, strategy: str, out: Path) -> StrategyResult:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "distft.cli", *settings.train_args(strategy, out)],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    wall = time.perf_counter() - start
+    (out.parent / f"{strategy}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"{strategy} failed (exit {proc.returncode}): {' | '.join(tail)}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    measured = records[settings.warmup :] or records
+    first = records[0]
+    extra = {k: v for k, v in records[-1].items() if k.startswith("pp_")}
+    return StrategyResult(
+        strategy=strategy,
+        world_size=1 if strategy == "single" else settings.nproc,
+        wall_s=wall,
+        step_time_s=_spread([r["step_time_s"] for r in measured]),
+        tokens_per_s=_spread([r["tokens_per_s"] for r in measured]),
+        losses=[r["loss"] for r in records],
+        ranks=json.loads((out / "ranks.json").read_text()),
+        comm_bytes=first.get("comm_bytes", {}),
+        comm_bytes_expected=first.get("comm_bytes_expected", {}),
+        extra=extra,
+    )
+
+
+def loss_agreement(results: list[StrategyResult], rtol: float = 1e-4) -> dict[str, dict]:
+    """Every strategy trains the same thing: compare its losses with the first one's, step by step."""
+    reference = results[0]
+    report = {}
+    for r in results:
+        worst = max(abs(a - b) / abs(b) for a, b in zip(r.losses, reference.losses, strict=True))
+        report[r.strategy] = {"max_relative_difference": worst, "agrees": worst <= rtol}
+    return report
+
+
+def environment() -> dict:
+    import peft
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "backend": "nccl" if cuda else "gloo",
+    }
+
+
+def run_bench(settings: BenchSettings, out: Path) -> dict:
+    from distft.bench.reference import time_plain_loop
+    from distft.parallel import STRATEGIES
+
+    unknown = [s for s in settings.strategies if s not in STRATEGIES]
+    if unknown:
+        raise ConfigError(f"Unknown strategies {', '.join(unknown)}; available: {', '.join(STRATEGIES)}.")
+    if settings.warmup < 0 or settings.steps < 1:
+        raise ConfigError("--steps must be at least 1 and --warmup cannot be negative.")
+    out.mkdir(parents=True, exist_ok=True)
+    results, failures = [], {}
+    for strategy in settings.strategies:
+        print(f"bench: {strategy} ...", flush=True)
+        try:
+            results.append(run_strategy(settings, strategy, out / "runs" / strategy))
+        except RuntimeError as err:
+            failures[strategy] = str(err)
+            print(f"bench: {err}", flush=True)
+    if not results:
+        raise ConfigError(f"Every strategy failed: {failures}")
+    reference = time_plain_loop(settings)
+    ours = next((r for r in results if r.strategy == "single"), None)
+    summary = {
+        "settings": asdict(settings),
+        "environment": environment(),
+        "results": [asdict(r) for r in results],
+        "failures": failures,
+        "loss_agreement": loss_agreement(results),
+        "plain_loop": reference,
+        "overhead_ratio": ours.step_time_s["median"] / reference["step_time_s"]["median"] if ours else None,
+        "config": (out / "runs" / results[0].strategy / "config.toml").read_text(),
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    return summary
