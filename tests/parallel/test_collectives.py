@@ -91,7 +91,11 @@ def _check_collectives(rank: int, world: int) -> None:
     # (seq, batch, hidden) float64 tensor; all-reduce: copy's backward and reduce's forward.
     size = seq * batch * hidden * 8
     assert dict(counter.stats.calls) == {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 2}
-    assert dict(counter.stats.bytes) == {"all_reduce": 2 * size, "all_gather": 2 * size, "reduce_scatter": 2 * size}
+    assert dict(counter.stats.bytes) == {
+        "all_reduce": 2 * size,
+        "all_gather": 2 * size,
+        "reduce_scatter": 2 * size,
+    }
 
     # Gathering weight shards along any dimension (export).
     weight = rand(4, 6, seed=3)

@@ -79,6 +79,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
@@ -171,6 +172,12 @@ class ParallelLinear(nn.Module):
         out = F.linear(x, self.base_layer.weight)
         lora = F.linear(F.linear(self.lora_dropout[a](x), self.lora_A[a].weight), self.lora_B[a].weight)
         return out + lora * self.scaling  # PEFT's order of operations, for bit-level parity
+
+
+# PEFT's adapter export finds adapter weights by walking its tuner layers (an isinstance check),
+# not by name. A virtual subclass passes that check without inheriting the tuner layer's
+# machinery (its `weight` property would shadow the shard registered under that name).
+BaseTunerLayer.register(ParallelLinear)
 
 
 class ColumnParallelLinear(ParallelLinear):
