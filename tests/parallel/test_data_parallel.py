@@ -24,13 +24,6 @@ ACCUMULATION = 2  # global batch 4 = micro 1 x 2 x 2 ranks
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    distft("train", *PARITY, "--out", str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
 def micro_lora():
     cfg = load_config(None, ["model.name=micro"])
     torch.manual_seed(0)

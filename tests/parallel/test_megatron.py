@@ -137,13 +137,6 @@ def test_matches_one_process_in_every_gradient(capfd):
 # ---- through the CLI: the real loop on 2 processes -------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    distft("train", *PARITY, "--out", str(out))
-    return out
-
-
 def test_trains_like_one_process(reference, tmp_path):
     out = tmp_path / "tp-sp"
     proc = distft("train", "--strategy", "tp-sp", "--nproc", str(WORLD), *PARITY, "--out", str(out))

@@ -6,13 +6,6 @@ from distft.cli import main
 from tests.helpers import PARITY, assert_same_training, distft, metrics
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    distft("train", *PARITY, "--out", str(out))
-    return out
-
-
 def test_matches_single_process(reference, tmp_path):
     out = tmp_path / "tp"
     proc = distft("train", "--strategy", "tp", "--nproc", "2", *PARITY, "--out", str(out))
