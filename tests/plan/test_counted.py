@@ -147,6 +147,14 @@ def test_components_exact_and_activations_close(capfd):
     assert fsdp_lora[1]["optimizer"] < fsdp_lora[0]["optimizer"]
     assert fsdp_lora[1]["parameters"] == fsdp_lora[0]["parameters"]
 
+    print("\n| method | strategy | rank | parameters | gradients | optimizer state | = predicted |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for r in state:  # asserted equal to the prediction in each rank
+        c = r["counted"]
+        print(
+            f"| {r['method']} | {r['strategy']} | {r['rank']} | {c['parameters']:,} | {c['gradients']:,} | {c['optimizer']:,} | yes |"
+        )
+
     # Activations: the fullest rank against the prediction for the fullest rank.
     acts: dict[tuple, dict] = {}
     for r in (r for r in rows if r["kind"] == "activations"):

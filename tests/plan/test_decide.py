@@ -54,13 +54,13 @@ SCENARIOS = [
         "--model meta-llama/Llama-2-13b-hf --method full --gpu a100-80gb --seq-len 4096 --activation-checkpointing",
         "single",
         "lora",
-        ["Full finetuning needs more memory", "LORA fits"],
+        ["Full finetuning needs more memory", "LoRA fits"],
     ),
     (  # 13B full finetuning on eight 24 GB cards: fits nowhere (208 GB of state); QLoRA + DDP does.
         "--model llama-2-13b --method full --gpus 8 --gpu rtx4090 --activation-checkpointing",
         "ddp",
         "qlora",
-        ["Full finetuning needs more memory", "QLORA fits"],
+        ["Full finetuning needs more memory", "QLoRA fits"],
     ),
     (  # ... on two such nodes (16 cards) full finetuning fits with FSDP.
         "--model llama-2-13b --method full --gpus 8 --nodes 2 --gpu rtx4090 --activation-checkpointing",

@@ -47,6 +47,7 @@ from distft.plan.traffic import (
     step_seconds,
 )
 
+METHOD_NAMES = {"full": "Full finetuning", "lora": "LoRA", "qlora": "QLoRA"}
 TIGHT = 0.9  # a fit above 90% of the usable memory is flagged: fragmentation can tip it over
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "tp", "tp-sp", "pp", "fsdp+tp", "ddp+pp", "fsdp+pp")
@@ -371,7 +372,7 @@ def decide(req: Request, estimates: dict[str, Estimate] | None = None, depth: in
         steps.append(
             Step(
                 "0. Can LoRA or QLoRA do it?",
-                f"{t.method.upper()} is the plan: {trained / 1e6:.1f}M adapter parameters train; the "
+                f"{METHOD_NAMES[t.method]} is the plan: {trained / 1e6:.1f}M adapter parameters train; the "
                 f"{req.model.num_params() / 1e9:.2f}B base is frozen"
                 + (" in 4-bit NF4" if t.method == "qlora" else "")
                 + ", so gradients and optimizer state cover the adapters only.",
@@ -636,7 +637,7 @@ def _nothing_fits(req: Request, est: dict[str, Estimate], steps: list[Step], dep
             r = options[method]
             return Recommendation(
                 r.strategy, method, r.activation_checkpointing,
-                f"{what} Full finetuning needs more memory than these GPUs offer; {method.upper()} fits with "
+                f"{what} Full finetuning needs more memory than these GPUs offer; {METHOD_NAMES[method]} fits with "
                 f"{r.label}: {r.reason}",
                 steps, [_gpus_needed(req)], r.layout,
             )  # fmt: skip

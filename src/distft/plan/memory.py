@@ -10,7 +10,8 @@ Five components, in bytes per rank:
    and, under mixed precision, an fp32 master copy (`Precision.master`), plus one fp32 step
    counter per trainable tensor. Mixed precision is therefore 2 + 2 + 4 + 4 + 4 = 16 bytes per
    trained parameter; bf16 weights with fp32 moments and no master copy is 12 (the seeds' 13B
-   table: 26 + 26 + 104 = 156 GB); LoRA pays this only on the adapters.
+   table: 26 + 26 + 104 = 156 GB). LoRA pays this only on the adapters, which PEFT keeps in fp32
+   over a 16-bit base (`autocast_adapter_dtype`): 4 + 4 + 8 = 16 bytes per adapter parameter.
 4. Activations: what autograd saves for backward (`activation_bytes`, the per-layer model
    below), plus a transient working set (one layer's recompute under activation checkpointing,
    or the logits at the loss).
@@ -45,8 +46,11 @@ term is a tensor autograd keeps, counted once even when several ops save it:
   the fp32 softmax (4 B nq S^2) and its compute-dtype copy (c B nq S^2 unless c = 4), repeated k
   and v, and the output's contiguous copy.
 - MLP: gate output, SiLU output, up output and their product (4 c T I).
-- LoRA: each adapted projection keeps lora_A's output (c T r); lora_A's input is the projection's
-  input, already counted.
+- LoRA: each adapted projection keeps lora_A's output (T r). lora_A's input is the projection's
+  input, shared, when adapters and activations have the same dtype; PEFT casts the input to the
+  adapters' fp32, so over a bf16 base each adapter keeps its own copy of its input (4 T in, or
+  c T in under bf16 autocast, which also keeps bf16 casts of the adapter weights). LoRA dropout
+  makes a copy too, plus a boolean mask. distft's Megatron layers (tp-sp) do not cast.
 - outside the layers: token ids (8 T, full finetuning), rotary cos/sin (2 c S d), the loss mask
   (T bytes), the final norm, lm_head's input (c n h, full finetuning) and the fp32 log-softmax
   (4 n V) over the n labelled positions (distft computes logits only where there is a loss).
@@ -539,7 +543,9 @@ def comm_buffer_bytes(spec: ModelSpec, training: Training, layout: Layout, stage
             if trainable_only and not trains:
                 continue
             numel = math.prod(local_shape(t, tp, 0))
-            total += numel * (p.grad if grad else _param_element_bytes(t, training))
+            total += numel * (
+                _trained_element_bytes(t, training)[0] if grad else _param_element_bytes(t, training)
+            )
         return int(total)
 
     if layout.shard == "full" and layout.dp > 1:

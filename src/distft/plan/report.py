@@ -110,6 +110,12 @@ def print_json(req: Request, estimates: dict[str, Estimate], rec: Recommendation
     print(json.dumps(to_dict(req, estimates, rec), indent=1))
 
 
+COLUMNS = (
+    "strategy", "params", "grads", "optimizer", "activations", "buffers", "total", "fits",
+    "comm/step", "comm time", "tokens/s", "distft",
+)  # fmt: skip
+
+
 def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -127,30 +133,22 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
     links = req.intra.label + (f" within nodes, {req.inter.label} between" if req.nodes > 1 else "")
     tflops = f", {req.gpu.bf16_tflops:g} bf16 TFLOP/s peak" if req.gpu.bf16_tflops else ""
     console.print(
-        f"[bold]hardware[/] {req.nodes} x {req.gpus_per_node} {req.gpu.label}{tflops}; {format_bytes(req.gpu_memory)} "
+        f"[bold]hardware[/] {req.world} x {req.gpu.label} ({req.nodes} node{'s' if req.nodes > 1 else ''}){tflops}; "
+        f"{format_bytes(req.gpu_memory)} "
         f"each, {format_bytes(req.usable)} usable after {format_bytes(req.overhead)} overhead; {links}"
     )
     table = Table(
         title="bytes per GPU (the fullest rank) and traffic per optimizer step", title_justify="left"
     )
-    for col in (
-        "strategy",
-        "params",
-        "grads",
-        "optimizer",
-        "activations",
-        "buffers",
-        "total",
-        "fits",
-        "comm/step",
-        "comm time",
-        "step time",
-        "distft",
-    ):
-        table.add_column(col, justify="left" if col in ("strategy", "fits", "distft") else "right")
+    for col in COLUMNS:
+        if col == "strategy":
+            table.add_column(col, no_wrap=True)
+            continue
+        table.add_column(col, justify="left" if col in ("fits", "distft") else "right")
+    skipped = []
     for e in estimates.values():
         if not e.applicable:
-            table.add_row(e.label, *["-"] * 6, f"[dim]{e.note}[/]", "-", "-", "-", e.in_distft)
+            skipped.append(f"{e.label} ({e.note})")
             continue
         fits = "[green]yes[/]" if e.fits else "[red]no[/]"
         table.add_row(
@@ -168,6 +166,8 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
             e.in_distft,
         )
     console.print(table)
+    if skipped:
+        console.print(f"[dim]not applicable: {'; '.join(skipped)}[/]", highlight=False)
     console.print("[bold]decision[/]")
     for s in rec.steps:
         console.print(f"  [bold]{s.question}[/] {s.answer}", highlight=False)

@@ -37,6 +37,7 @@ from distft.plan.memory import (
     Training,
     _param_element_bytes,
     _seq,
+    _trained_element_bytes,
     local_shape,
     stage_layers,
     stage_tensors,
@@ -87,7 +88,9 @@ def _held_bytes(
         numel = math.prod(shape)
         if layout.shard == "full" and layout.dp > 1 and shape[0]:
             numel = math.ceil(shape[0] / layout.dp) * layout.dp * (numel // shape[0])
-        total += numel * (training.precision.grad if grad else _param_element_bytes(t, training))
+        total += numel * (
+            _trained_element_bytes(t, training)[0] if grad else _param_element_bytes(t, training)
+        )
     return total
 
 
