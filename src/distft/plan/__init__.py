@@ -79,7 +79,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpu", help=f"GPU profile: {', '.join(GPUS)}")
     p.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB, 80GB (default: the profile's)")
-    p.add_argument("--interconnect", choices=INTERCONNECTS, help="GPU-to-GPU link (default: the profile's)")
+    p.add_argument(
+        "--interconnect",
+        choices=INTERCONNECTS,
+        help="link between GPUs of a node (pcie, nvlink: the profile's generation) or between nodes "
+        "(infiniband = NDR 400 Gb/s, ib-hdr = 200 Gb/s); default: the profile's link inside a node, NDR between",
+    )
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on a GPU (default 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")

@@ -42,6 +42,9 @@ class Link:
     latency_s: float  # per ring step (assumption)
     inter_node: bool = False
 
+    VENDOR_FIELDS = ("bandwidth",)
+    ASSUMED_FIELDS = ("efficiency", "latency_s")
+
     @property
     def effective(self) -> float:
         return self.bandwidth * self.efficiency
@@ -71,7 +74,9 @@ class GPU:
     bf16_tflops: float | None  # dense bf16 tensor-core peak, TFLOP/s (vendor figure)
     pcie: str  # the host link
     nvlink: str | None  # the GPU-to-GPU link of the usual multi-GPU system, if any
-    vendor: bool = True
+    vendor: bool = True  # memory and bf16_tflops are datasheet figures (False: user-given memory only)
+
+    VENDOR_FIELDS = ("memory", "bf16_tflops")
 
 
 GPUS: dict[str, GPU] = {
@@ -83,7 +88,8 @@ GPUS: dict[str, GPU] = {
     "a100-80gb": GPU("a100-80gb", "A100 SXM 80 GB", 80 * GiB, 312.0, "pcie4", "nvlink3"),
     "h100": GPU("h100", "H100 SXM 80 GB", 80 * GiB, 989.0, "pcie5", "nvlink4"),
     "h100-pcie": GPU("h100-pcie", "H100 PCIe 80 GB", 80 * GiB, 756.0, "pcie5", None),
-    "h200": GPU("h200", "H200 SXM 141 GB", 141 * GB, 989.0, "pcie5", "nvlink4"),
+    # HBM capacities are binary in practice: an "80 GB" card has 80 GiB (nvidia-smi: 81,559 MiB usable).
+    "h200": GPU("h200", "H200 SXM 141 GB", 141 * GiB, 989.0, "pcie5", "nvlink4"),
 }
 GPU_ALIASES = {
     "4090": "rtx4090",
@@ -109,8 +115,8 @@ def find_gpu(name: str) -> GPU:
 
 
 def match_gpu(memory: int, interconnect: str | None) -> GPU | None:
-    """The profile with exactly this memory (and, if several, this kind of link), or None."""
-    same = [g for g in GPUS.values() if g.memory == memory]
+    """The profile with this memory, within 3% (and, if several, this kind of link), or None."""
+    same = [g for g in GPUS.values() if abs(g.memory - memory) <= 0.03 * g.memory]
     if interconnect in ("nvlink", "nvlink3", "nvlink4"):
         same = [g for g in same if g.nvlink and g.nvlink.startswith("nvlink")] or same
     elif interconnect and interconnect.startswith("pcie"):

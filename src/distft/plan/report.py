@@ -42,6 +42,11 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
             "intra_node_link": asdict(req.intra),
             "inter_node_link": asdict(req.inter) if req.nodes > 1 else None,
             "mfu_assumed": req.mfu,
+            "vendor_figures": {
+                "gpu": list(type(req.gpu).VENDOR_FIELDS) if req.gpu.vendor else [],
+                "links": list(type(req.intra).VENDOR_FIELDS),
+                "assumed": [*type(req.intra).ASSUMED_FIELDS, "mfu_assumed", "overhead_bytes"],
+            },
         },
         "strategies": [_estimate_dict(e) for e in estimates.values()],
         "recommendation": {
