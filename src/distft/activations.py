@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if isinstance(t, AsyncCollectiveTensor):
+        # DTensor's all-reduced outputs (e.g. what a row-parallel LoRA's lora_B saves) are wrappers
+        # without a storage of their own; the tensor they wrap holds the bytes.
+        t = t.elem
+    return t.untyped_storage()
 
 
 class SavedActivations:

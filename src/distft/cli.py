@@ -1,4 +1,4 @@
-"""`distft` command line: train, infer, eval (plan and bench plug in the same way).
+"""`distft` command line: train, infer, eval, plan and bench.
 
 Every user error (a bad config, an impossible strategy/model combination, a malformed dataset
 row) is checked here, before any worker process is launched, and reported as one paragraph with
@@ -229,6 +229,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from distft.plan import cmd_plan as run
+
+    return run(args)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -241,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_infer_parser(sub)
     add_eval_parser(sub)
     from distft.bench import add_bench_parser
+    from distft.plan import add_plan_parser
 
+    add_plan_parser(sub)
     add_bench_parser(sub)
     return parser
 
@@ -262,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "infer": lambda: cmd_infer(args),
         "eval": lambda: cmd_eval(args),
         "bench": lambda: cmd_bench(args),
+        "plan": lambda: cmd_plan(args),
     }
     try:
         return handlers[args.command]()

@@ -1,0 +1,179 @@
+"""`distft plan`: how much GPU memory each strategy needs, what it moves, and which one to use.
+
+- `model_spec`: the architecture as a list of weight tensors (presets, built-in table, config.json);
+- `memory`: parameters, gradients, optimizer state, activations and buffers per rank and layout;
+- `hardware`: GPU and link profiles, ring-collective volumes, `comm_time`;
+- `traffic`: the collectives of each layout per step, compute time, exposed communication;
+- `decide`: every layout evaluated, then the decision tree;
+- `report`: the rich table and the JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from distft.config import ConfigError
+from distft.plan.decide import Estimate, Recommendation, Request, decide, evaluate
+from distft.plan.hardware import (
+    GPUS,
+    INTERCONNECTS,
+    LINKS,
+    comm_time,
+    find_gpu,
+    generic_gpu,
+    inter_node_link,
+    intra_node_link,
+    match_gpu,
+    parse_bytes,
+)
+from distft.plan.memory import (
+    PRECISIONS,
+    QuantConfig,
+    Training,
+    activation_bytes,
+    nf4_bytes,
+    qlora_base_bytes,
+    state_bytes,
+)
+from distft.plan.model_spec import ModelSpec, resolve_model
+
+__all__ = [
+    "GPUS",
+    "LINKS",
+    "PRECISIONS",
+    "Estimate",
+    "ModelSpec",
+    "QuantConfig",
+    "Recommendation",
+    "Request",
+    "Training",
+    "activation_bytes",
+    "comm_time",
+    "decide",
+    "evaluate",
+    "make_request",
+    "nf4_bytes",
+    "qlora_base_bytes",
+    "resolve_model",
+    "state_bytes",
+]
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="memory per GPU for every strategy, and which one to use",
+        description="Estimate, for every parallel strategy, the bytes each GPU holds (parameters, gradients, "
+        "optimizer state, activations, communication buffers), whether that fits, the bytes moved per "
+        "step and their time on the interconnect; then walk the decision tree to a recommendation.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="preset, hub id (Qwen/Qwen3-4B, llama-3-70b ...), directory or config.json",
+    )
+    p.add_argument(
+        "--method", default="lora", choices=["full", "lora", "qlora"], help="what trains (default lora)"
+    )
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpu", help=f"GPU profile: {', '.join(GPUS)}")
+    p.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB, 80GB (default: the profile's)")
+    p.add_argument(
+        "--interconnect",
+        choices=INTERCONNECTS,
+        help="link between GPUs of a node (pcie, nvlink: the profile's generation) or between nodes "
+        "(infiniband = NDR 400 Gb/s, ib-hdr = 200 Gb/s); default: the profile's link inside a node, NDR between",
+    )
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on a GPU (default 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument(
+        "--label-tokens", type=int, default=256, help="loss positions per sequence (default 256: a summary)"
+    )
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    p.add_argument(
+        "--precision", default="mixed", choices=list(PRECISIONS), help="bytes per weight/grad/state"
+    )
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (all attention and MLP projections)")
+    p.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved-1f1b"])
+    p.add_argument("--pp-microbatches", type=int, help="micro-batches per pipeline step (default 2 x stages)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for compute time")
+    p.add_argument(
+        "--overhead", default="1GiB", help="memory per GPU not available to tensors (default 1GiB)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+
+
+def make_request(args: argparse.Namespace) -> Request:
+    """Validate the command line and build the request (every error is a ConfigError)."""
+    positive = {
+        "--gpus": args.gpus,
+        "--nodes": args.nodes,
+        "--seq-len": args.seq_len,
+        "--micro-batch": args.micro_batch,
+        "--grad-accum": args.grad_accum,
+        "--label-tokens": args.label_tokens,
+        "--lora-rank": args.lora_rank,
+    }
+    for flag, value in positive.items():
+        if value is None or value < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {value}.")
+    if args.pp_microbatches is not None and args.pp_microbatches < 1:
+        raise ConfigError(f"--pp-microbatches must be a positive integer, got {args.pp_microbatches}.")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu is a fraction of the peak, in (0, 1]; got {args.mfu}.")
+    if args.gpu is None and args.gpu_mem is None:
+        raise ConfigError(
+            "Say what the GPUs are: --gpu (one of "
+            + ", ".join(GPUS)
+            + ") or --gpu-mem (e.g. 24GiB), or both."
+        )
+    memory = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+    gpu = find_gpu(args.gpu) if args.gpu else match_gpu(memory, args.interconnect) or generic_gpu(memory)
+    memory = memory or gpu.memory
+    try:
+        overhead = parse_bytes(args.overhead)
+    except ConfigError:
+        raise ConfigError(f"--overhead {args.overhead!r} is not a memory size (e.g. 1GiB, 512MiB).") from None
+    if overhead >= memory:
+        raise ConfigError(
+            f"--overhead {args.overhead} leaves nothing of --gpu-mem {args.gpu_mem or gpu.label}."
+        )
+    model = resolve_model(args.model)
+    training = Training(
+        method=args.method,
+        precision=PRECISIONS[args.precision],
+        lora_rank=args.lora_rank,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        label_tokens=args.label_tokens,
+        activation_checkpointing=args.activation_checkpointing,
+        attention=args.attention,
+    )
+    return Request(
+        model=model,
+        training=training,
+        gpu=gpu,
+        gpu_memory=memory,
+        gpus_per_node=args.gpus,
+        nodes=args.nodes,
+        intra=intra_node_link(gpu, args.interconnect),
+        inter=inter_node_link(args.interconnect),
+        grad_accum=args.grad_accum,
+        pp_schedule=args.pp_schedule,
+        pp_microbatches=args.pp_microbatches,
+        mfu=args.mfu,
+        overhead=overhead,
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from distft.plan.report import print_json, print_rich
+
+    req = make_request(args)
+    estimates = evaluate(req)
+    rec = decide(req, estimates)
+    (print_json if args.json else print_rich)(req, estimates, rec)
+    return 0

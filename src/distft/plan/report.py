@@ -1,0 +1,194 @@
+"""The plan as a rich table and a walk through the decision tree, or as one JSON document."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from distft.plan.decide import Estimate, Recommendation, Request, _command
+from distft.plan.hardware import format_bytes, format_seconds
+from distft.plan.memory import trainable_params
+
+
+def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> dict:
+    t = req.training
+    return {
+        "model": {
+            "name": req.model.name,
+            "source": req.model.source,
+            "parameters": req.model.num_params(),
+            "trainable_parameters": trainable_params(req.model, t),
+            "architecture": {k: v for k, v in asdict(req.model).items() if k not in ("name", "source")},
+        },
+        "training": {
+            "method": t.method,
+            "precision": asdict(t.precision),
+            "seq_len": t.seq_len,
+            "micro_batch": t.micro_batch,
+            "grad_accum": req.grad_accum,
+            "label_tokens": t.label_tokens,
+            "activation_checkpointing": t.activation_checkpointing,
+            "attention": t.attention,
+            "padding_mask": t.has_padding_mask,
+            "lora": {"rank": t.lora_rank, "targets": list(t.lora_targets)} if t.lora else None,
+        },
+        "hardware": {
+            "gpu": asdict(req.gpu),
+            "gpu_memory_bytes": req.gpu_memory,
+            "overhead_bytes": req.overhead,
+            "usable_bytes": req.usable,
+            "gpus_per_node": req.gpus_per_node,
+            "nodes": req.nodes,
+            "intra_node_link": asdict(req.intra),
+            "inter_node_link": asdict(req.inter) if req.nodes > 1 else None,
+            "mfu_assumed": req.mfu,
+            "vendor_figures": {
+                "gpu": list(type(req.gpu).VENDOR_FIELDS) if req.gpu.vendor else [],
+                "links": list(type(req.intra).VENDOR_FIELDS),
+                "assumed": [*type(req.intra).ASSUMED_FIELDS, "mfu_assumed", "overhead_bytes"],
+            },
+        },
+        "strategies": [_estimate_dict(e) for e in estimates.values()],
+        "recommendation": {
+            "strategy": rec.strategy,
+            "label": rec.label,
+            "method": rec.method,
+            "activation_checkpointing": rec.activation_checkpointing,
+            "layout": asdict(rec.layout) if rec.layout else None,
+            "reason": rec.reason,
+            "steps": [asdict(s) for s in rec.steps],
+            "alternatives": rec.alternatives,
+            "command": _command(req, rec.strategy, rec.method, rec.activation_checkpointing)
+            if rec.strategy
+            else None,
+        },
+    }
+
+
+def _estimate_dict(e: Estimate) -> dict:
+    return {
+        "strategy": e.strategy,
+        "label": e.label,
+        "applicable": e.applicable,
+        "note": e.note,
+        "in_distft": e.in_distft,
+        "layout": asdict(e.layout),
+        "stage": e.stage,
+        "bytes_per_gpu": {
+            "parameters": e.params,
+            "gradients": e.grads,
+            "optimizer_states": e.optimizer,
+            "activations": e.activations,
+            "communication_buffers": e.buffers,
+            "total": e.total,
+        },
+        "activation_detail": e.activation_detail,
+        "buffer_detail": e.buffer_detail,
+        "fits": e.fits,
+        "communication": {
+            "wire_bytes_per_step": e.comm_bytes,
+            "seconds_per_step": e.comm_s,
+            "collectives": [
+                {
+                    "what": c.what,
+                    "kind": c.kind,
+                    "logical_bytes": c.logical_bytes,
+                    "wire_bytes": c.wire_bytes,
+                    "calls": c.calls,
+                    "group": c.group,
+                    "link": c.link.name,
+                    "overlapped": c.overlapped,
+                    "seconds": c.seconds,
+                }
+                for c in e.collectives
+            ],
+        },
+        "compute_seconds_per_step": e.compute_s,
+        "step_seconds": e.step_s,
+        "tokens_per_step": e.tokens_per_step,
+        "tokens_per_second": e.tokens_per_s,
+        "min_global_batch": e.min_global_batch,
+    }
+
+
+def print_json(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> None:
+    print(json.dumps(to_dict(req, estimates, rec), indent=1))
+
+
+COLUMNS = (
+    "strategy", "params", "grads", "optimizer", "activations", "buffers", "total", "fits",
+    "comm/step", "comm time", "tokens/s", "distft",
+)  # fmt: skip
+
+
+def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 150))
+    t = req.training
+    console.print(f"[bold]model[/] {req.model.describe()} [dim](from {req.model.source})[/]")
+    trained = trainable_params(req.model, t)
+    console.print(
+        f"[bold]training[/] {t.method}, {trained / 1e6:,.1f}M trainable, {t.precision.name} precision "
+        f"({t.precision.description}), seq {t.seq_len} x micro-batch {t.micro_batch} x accumulation "
+        f"{req.grad_accum}, loss on {min(t.label_tokens, t.seq_len)} positions per sequence, {t.attention} attention, "
+        f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
+    )
+    links = req.intra.label + (f" within nodes, {req.inter.label} between" if req.nodes > 1 else "")
+    tflops = f", {req.gpu.bf16_tflops:g} bf16 TFLOP/s peak" if req.gpu.bf16_tflops else ""
+    console.print(
+        f"[bold]hardware[/] {req.world} x {req.gpu.label} ({req.nodes} node{'s' if req.nodes > 1 else ''}){tflops}; "
+        f"{format_bytes(req.gpu_memory)} "
+        f"each, {format_bytes(req.usable)} usable after {format_bytes(req.overhead)} overhead; {links}"
+    )
+    table = Table(
+        title="bytes per GPU (the fullest rank) and traffic per optimizer step", title_justify="left"
+    )
+    for col in COLUMNS:
+        if col == "strategy":
+            table.add_column(col, no_wrap=True)
+            continue
+        table.add_column(col, justify="left" if col in ("fits", "distft") else "right")
+    skipped = []
+    for e in estimates.values():
+        if not e.applicable:
+            skipped.append(f"{e.label} ({e.note})")
+            continue
+        fits = "[green]yes[/]" if e.fits else "[red]no[/]"
+        table.add_row(
+            e.label,
+            format_bytes(e.params),
+            format_bytes(e.grads),
+            format_bytes(e.optimizer),
+            format_bytes(e.activations),
+            format_bytes(e.buffers),
+            format_bytes(e.total),
+            fits,
+            format_bytes(e.comm_bytes),
+            format_seconds(e.comm_s),
+            f"{e.tokens_per_s:,.0f}" if e.tokens_per_s else "-",
+            e.in_distft,
+        )
+    console.print(table)
+    if skipped:
+        console.print(f"[dim]not applicable: {'; '.join(skipped)}[/]", highlight=False)
+    console.print("[bold]decision[/]")
+    for s in rec.steps:
+        console.print(f"  [bold]{s.question}[/] {s.answer}", highlight=False)
+    ckpt = (
+        " with activation checkpointing"
+        if rec.activation_checkpointing and not t.activation_checkpointing
+        else ""
+    )
+    method = f" ({rec.method})" if rec.method != t.method else ""
+    console.print(f"[bold green]recommendation: {rec.label}{method}{ckpt}[/] {rec.reason}", highlight=False)
+    for a in rec.alternatives:
+        console.print(f"  [dim]alternative:[/] {a}", highlight=False)
+    command = _command(req, rec.strategy, rec.method, rec.activation_checkpointing) if rec.strategy else None
+    if command:
+        console.print(f"  [dim]run:[/] {command}", highlight=False)
+    console.print(
+        "[dim]Vendor peak figures for memory, TFLOP/s and links; collective efficiency "
+        f"({req.intra.efficiency:.0%} of {req.intra.label}) and MFU ({req.mfu:.0%}) are assumptions.[/]"
+    )

@@ -1,0 +1,322 @@
+"""The decision tree on the seeds' scenarios, the seeds' figures, the hardware model and the CLI.
+
+Each scenario is a `distft plan` command line; the test asserts the recommendation and the reason
+it gives, as a user reads them. No network: hub ids resolve from the built-in table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from distft.cli import build_parser, main
+from distft.config import ConfigError
+from distft.plan import evaluate, make_request
+from distft.plan.decide import decide
+from distft.plan.hardware import GB, LINKS, GiB, comm_time, parse_bytes, wire_bytes
+from distft.plan.memory import (
+    PRECISIONS,
+    Layout,
+    QuantConfig,
+    Training,
+    chunk_rows,
+    inflight_microbatches,
+    nf4_bytes,
+    qlora_base_bytes,
+    state_bytes,
+)
+from distft.plan.model_spec import resolve_model
+
+
+def plan(command: str):
+    req = make_request(build_parser().parse_args(["plan", *command.split()]))
+    estimates = evaluate(req)
+    return req, estimates, decide(req, estimates)
+
+
+def answers(rec) -> dict[str, str]:
+    return {s.question.split(".")[0]: s.answer for s in rec.steps}
+
+
+# ---- the seeds' scenarios ----------------------------------------------------------------------
+
+SCENARIOS = [
+    # (command line, recommended strategy, method, words the reason must contain)
+    (  # Qwen3-4B LoRA on the series' 2x RTX 4090 over PCIe: it fits one card, so DDP for throughput.
+        "--model Qwen/Qwen3-4B --method lora --gpus 2 --gpu-mem 24GiB --interconnect pcie --seq-len 2048",
+        "ddp",
+        "lora",
+        ["fits on one GPU", "throughput with DDP"],
+    ),
+    (  # 13B full finetuning on one A100 80GB: no; LoRA on the one GPU does.
+        "--model meta-llama/Llama-2-13b-hf --method full --gpu a100-80gb --seq-len 4096 --activation-checkpointing",
+        "single",
+        "lora",
+        ["Full finetuning needs more memory", "LoRA fits"],
+    ),
+    (  # 13B full finetuning on eight 24 GB cards: fits nowhere (208 GB of state); QLoRA + DDP does.
+        "--model llama-2-13b --method full --gpus 8 --gpu rtx4090 --activation-checkpointing",
+        "ddp",
+        "qlora",
+        ["Full finetuning needs more memory", "QLoRA fits"],
+    ),
+    (  # ... on two such nodes (16 cards) full finetuning fits with FSDP.
+        "--model llama-2-13b --method full --gpus 8 --nodes 2 --gpu rtx4090 --activation-checkpointing",
+        "fsdp",
+        "full",
+        ["FSDP over all 16 GPUs"],
+    ),
+    (  # Weights and gradients fit one card, AdamW's state does not: ZeRO.
+        "--model qwen3-1.7b --method full --gpus 2 --gpu rtx4090 --activation-checkpointing",
+        "zero1",
+        "full",
+        ["only the optimizer state does not"],
+    ),
+    (  # Sharding needed on PCIe: FSDP's weight traffic cannot hide behind compute, TP+SP wins.
+        "--model qwen3-14b --method lora --gpus 2 --gpu rtx4090 --seq-len 512 --activation-checkpointing",
+        "tp-sp",
+        "lora",
+        ["slow for FSDP", "TP+SP moves activations", "faster"],
+    ),
+    (  # ... the same question on NVLink: FSDP's traffic hides behind compute.
+        "--model qwen3-32b --method lora --gpus 4 --gpu a100-40gb --seq-len 512 --activation-checkpointing",
+        "fsdp",
+        "lora",
+        ["hides behind compute"],
+    ),
+    (  # 70B on one 8-GPU node at 4k tokens: FSDP shards the weights, not the activations: FSDP x TP.
+        "--model llama-3-70b --method lora --gpus 8 --gpu h100 --seq-len 4096",
+        "fsdp+tp",
+        "lora",
+        ["because of activations", "sequence parallelism"],
+    ),
+    (  # 70B full finetuning across 4 nodes: FSDP inside each node on NVLink, a pipeline across nodes
+        # ("PP cheaply spans nodes"): FSDP alone or FSDP x TP would all-gather over InfiniBand.
+        "--model llama-3-70b --method full --gpus 8 --nodes 4 --gpu h100 --interconnect infiniband "
+        "--seq-len 4096 --activation-checkpointing",
+        "fsdp+pp",
+        "full",
+        ["point-to-point", "FSDP stays on NVLink", "global batch of at least"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "command,strategy,method,words", SCENARIOS, ids=[s[1] + ":" + s[0][8:30] for s in SCENARIOS]
+)
+def test_scenario(command, strategy, method, words):
+    _, estimates, rec = plan(command)
+    assert (rec.strategy, rec.method) == (strategy, method), rec.reason
+    for w in words:
+        assert w in rec.reason, (w, rec.reason)
+    assert estimates[strategy].applicable if method == rec.method else True
+
+
+def test_13b_full_on_24gb_cards_is_neither_single_nor_ddp():
+    _, estimates, rec = plan(
+        "--model llama-2-13b --method full --gpus 8 --gpu rtx4090 --activation-checkpointing"
+    )
+    assert not estimates["single"].fits and not estimates["ddp"].fits
+    assert estimates["ddp"].total == estimates["single"].total  # DDP buys throughput, never memory
+    steps = answers(rec)
+    assert "QLoRA" in steps["0"] and "(fits)" in steps["0"]  # step 0 already says QLoRA fits one card
+    assert steps["2"].startswith("No")  # even without AdamW's state the weights + gradients do not fit
+    assert any("fits from 16" in a for a in rec.alternatives)  # how many cards full finetuning needs
+
+
+def test_70b_one_node_offers_checkpointing_and_says_why():
+    _, estimates, rec = plan("--model llama-3-70b --method lora --gpus 8 --gpu h100 --seq-len 4096")
+    steps = answers(rec)
+    assert steps["4"].startswith("Yes")  # sequence length is the problem
+    assert not estimates["fsdp"].fits and estimates["fsdp+tp"].fits
+    assert any("activation checkpointing" in a for a in rec.alternatives)
+
+
+def test_qwen3_4b_matches_the_4090_profile_and_walks_steps_0_and_1():
+    req, _, rec = plan("--model Qwen/Qwen3-4B --method lora --gpus 2 --gpu-mem 24GiB --interconnect pcie")
+    assert req.gpu.name == "rtx4090" and req.intra.name == "pcie4"
+    assert req.model.name == "Qwen/Qwen3-4B" and req.model.source == "built-in table"
+    assert [s.question[:2] for s in rec.steps] == ["0.", "1."]
+
+
+# ---- the seeds' figures ------------------------------------------------------------------------
+
+
+def test_bytes_per_parameter_of_full_finetuning():
+    """16 bytes per parameter with AdamW under mixed precision; the seeds' 13B table (bf16 weights and
+    gradients, fp32 moments): 26 + 26 + 104 = 156 GB; 70B at 12 bytes ~ 840 GB."""
+    spec = resolve_model("llama-2-13b")
+    assert PRECISIONS["mixed"].trained_bytes == 16 and PRECISIONS["bf16"].trained_bytes == 12
+    s = state_bytes(spec, Training(method="full", precision=PRECISIONS["bf16"]), Layout("single"))
+    assert s.params / GB == pytest.approx(26, rel=0.01)
+    assert s.grads / GB == pytest.approx(26, rel=0.01)
+    assert s.optimizer / GB == pytest.approx(104, rel=0.01)
+    big = state_bytes(
+        resolve_model("llama-3-70b"), Training(method="full", precision=PRECISIONS["bf16"]), Layout("single")
+    )
+    assert big.total / GB == pytest.approx(840, rel=0.02)
+    fsdp4 = state_bytes(
+        spec, Training(method="full", precision=PRECISIONS["bf16"]), Layout("fsdp", dp=4, shard="full")
+    )
+    assert fsdp4.total / GB == pytest.approx(
+        39, rel=0.01
+    )  # "156 GB on one device ... roughly 39 GB across four"
+
+
+def test_lora_trains_only_adapters():
+    spec = resolve_model("qwen3-4b")
+    lora = state_bytes(spec, Training(method="lora"), Layout("single"))
+    adapters = sum(t.numel for t in spec.lora_tensors(16))
+    assert adapters == 36 * 16 * (
+        2560 + 4096 + 2 * (2560 + 1024) + 4096 + 2560 + 2 * (2560 + 9728) + 9728 + 2560
+    )
+    assert lora.grads == 4 * adapters  # fp32 adapters (PEFT), fp32 gradients
+    assert lora.optimizer == 8 * adapters + 4 * len(spec.lora_tensors(16))  # m, v and one step per tensor
+    assert lora.params == 2 * spec.num_params() + 4 * adapters  # frozen bf16 base + fp32 adapters
+
+
+def test_qlora_storage_formula():
+    """NF4: half a byte per weight + an absmax per 64: fp32 (0.0625 B/param), or with double
+    quantization an int8 per 64 and an fp32 scale per 256 blocks (~0.0159 B/param)."""
+    n = 64 * 256 * 10
+    assert nf4_bytes(n, QuantConfig(double_quant=False)) == n / 2 + n / 64 * 4
+    assert nf4_bytes(n) == n / 2 + n / 64 + n / 64 / 256 * 4
+    torchao = QuantConfig(scale_bytes=2, per_tensor_bytes=17 * 2)  # bf16 scales, mean + 16-entry code book
+    assert nf4_bytes(n, torchao) == n / 2 + n / 64 + n / 64 / 256 * 2 + 34
+    spec = resolve_model("llama-2-13b")
+    linear = sum(t.numel for t in spec.tensors() if t.kind == "linear")
+    rest = spec.num_params() - linear
+    total = qlora_base_bytes(spec)
+    assert total == pytest.approx(linear * (0.5 + 1 / 64 + 4 / 64 / 256) + 2 * rest, rel=1e-6)
+    assert total < 8 * GB  # "QLoRA can fit a 13B model ... on a single 24 GB GPU"
+
+
+def test_fsdp_chunks_and_pipeline_in_flight():
+    assert [chunk_rows(5, 2, r) for r in range(2)] == [3, 2]  # torch.chunk: the last rank is short
+    assert [chunk_rows(1, 2, r) for r in range(2)] == [1, 0]
+    lay = Layout("pp", pp=4, microbatches=8)
+    assert [inflight_microbatches(lay, s)[0] for s in range(4)] == [4, 3, 2, 1]  # 1F1B: min(m, p - s)
+    assert inflight_microbatches(Layout("pp", pp=4, microbatches=8, schedule="gpipe"), 3)[0] == 8
+    inter = Layout("pp", pp=4, microbatches=8, schedule="interleaved-1f1b")
+    assert inflight_microbatches(inter, 0) == (min(16, 1 * 4 + 2 * 3 + 1), 2)
+
+
+# ---- hardware ----------------------------------------------------------------------------------
+
+
+def test_ring_collective_volumes_and_time():
+    link = LINKS["pcie4"]
+    assert wire_bytes("all_reduce", 1e9, 2) == 1e9  # 2 (N-1)/N
+    assert wire_bytes("all_gather", 8e9, 8) == 7e9  # (N-1)/N
+    assert wire_bytes("send", 1e9, 2) == 1e9
+    want = 2 * 3 / 4 * 1e9 / (32e9 * 0.7) + 2 * 3 * 15e-6
+    assert math.isclose(comm_time("all_reduce", 1e9, 4, link), want)
+    assert comm_time("all_reduce", 1e9, 1, link) == 0.0
+
+
+@pytest.mark.parametrize(
+    "text,value", [("24GiB", 24 * GiB), ("80GB", 80 * GB), ("24 G", 24 * GiB), ("512MiB", 512 * 2**20)]
+)
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+# ---- the command line --------------------------------------------------------------------------
+
+
+def test_json_has_every_strategy_and_component(capsys):
+    cmd = ["plan", "--model", "Qwen/Qwen3-4B", "--method", "lora", "--gpus", "2", "--gpu-mem", "24GiB",
+           "--interconnect", "pcie", "--json"]  # fmt: skip
+    assert main(cmd) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = [s["strategy"] for s in doc["strategies"]]
+    assert names == [
+        "single",
+        "ddp",
+        "zero1",
+        "zero2",
+        "fsdp",
+        "tp",
+        "tp-sp",
+        "pp",
+        "fsdp+tp",
+        "ddp+pp",
+        "fsdp+pp",
+    ]
+    components = {
+        "parameters",
+        "gradients",
+        "optimizer_states",
+        "activations",
+        "communication_buffers",
+        "total",
+    }
+    for s in doc["strategies"]:
+        if s["applicable"]:
+            assert set(s["bytes_per_gpu"]) == components
+            assert s["bytes_per_gpu"]["total"] == sum(
+                v for k, v in s["bytes_per_gpu"].items() if k != "total"
+            )
+            assert s["communication"]["seconds_per_step"] >= 0
+    rec = doc["recommendation"]
+    assert rec["strategy"] == "ddp" and rec["steps"][0]["question"].startswith("0.")
+    assert rec["command"].startswith(
+        "distft train --model Qwen/Qwen3-4B --method lora --strategy ddp --nproc 2"
+    )
+
+
+def test_rich_output(capsys):
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpu", "rtx4090"]) == 0
+    out = capsys.readouterr().out
+    assert "TP + SP" in out and "recommendation:" in out and "1. Does it fit on one GPU?" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "acme/NoSuchModel-7B", "--gpu", "h100"], "offline"),
+        (["--model", "no-such-preset", "--gpu", "h100"], "Unknown model"),
+        (["--model", "tiny", "--gpu-mem", "24 bananas"], "not a memory size"),
+        (["--model", "tiny", "--gpu-mem=-3GiB"], "not a memory size"),
+        (["--model", "tiny", "--gpu", "h100", "--gpus", "0"], "--gpus must be a positive integer"),
+        (["--model", "tiny"], "Say what the GPUs are"),
+        (["--model", "tiny", "--gpu", "tpu-v5"], "Unknown --gpu"),
+    ],
+)
+def test_bad_input_is_one_paragraph_and_exit_2(args, message, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("distft plan: error:")
+    assert err.strip().count("\n") == 0  # one paragraph
+
+
+def test_hub_fetch_failure_is_a_config_error(monkeypatch):
+    """Online, an unknown hub id is fetched (config.json only); any failure is a ConfigError."""
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+
+    def unreachable(*args, **kwargs):
+        raise OSError("Connection refused")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    with pytest.raises(ConfigError, match="could not be fetched"):
+        resolve_model("acme/NoSuchModel-7B")
+
+
+def test_local_config_json(tmp_path):
+    cfg = {
+        "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
+        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    assert spec.num_params() == resolve_model("qwen3-4b").num_params() and spec.qk_norm
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_moe", "num_experts": 128}))
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        resolve_model(str(tmp_path))
