@@ -62,8 +62,17 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_adapter(peft_model: nn.Module, state: dict[str, torch.Tensor], out: Path, base_ref: str) -> None:
-    """Write `state` (the trained LoRA weights, peft's full names) as a PEFT adapter in `out`."""
+def save_adapter(
+    peft_model: nn.Module,
+    state: dict[str, torch.Tensor],
+    out: Path,
+    base_ref: str,
+    quantization: dict | None = None,
+) -> None:
+    """Write `state` (the trained LoRA weights, peft's full names) as a PEFT adapter in `out`.
+
+    A QLoRA adapter also gets `quantization.json` (`distft.quant`): it was trained against the
+    NF4-quantized base, which `distft infer` rebuilds (dequantized) before loading it."""
     from peft import get_peft_model_state_dict
 
     adapter = get_peft_model_state_dict(peft_model, state_dict=state)
@@ -76,6 +85,10 @@ def save_adapter(peft_model: nn.Module, state: dict[str, torch.Tensor], out: Pat
             str(tmp / "adapter_model.safetensors"),
             metadata={"format": "pt"},
         )
+        if quantization is not None:
+            from distft.quant import QUANTIZATION_FILE
+
+            (tmp / QUANTIZATION_FILE).write_text(json.dumps(quantization, indent=1) + "\n")
 
 
 def save_full_model(lm: nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
