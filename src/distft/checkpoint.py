@@ -140,6 +140,19 @@ def _state_dict_options(full: bool = False):
     return StateDictOptions(ignore_frozen_params=True, strict=False, full_state_dict=full)
 
 
+def _without_frozen(model: nn.Module, state: dict) -> dict:
+    """Drop frozen parameters under every name. `ignore_frozen_params` drops each under one name
+    only, and `SummaryLM` reaches the backbone and lm_head under a second one (`backbone.*`,
+    `lm_head.*`): without this a LoRA checkpoint holds the whole frozen base, and a QLoRA one
+    holds NF4 weights that DCP cannot load back (it narrows them, which NF4Tensor refuses)."""
+    frozen = {
+        name.removeprefix("module.")  # DDP's wrapper; get_state_dict's names omit it
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if not p.requires_grad
+    }
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     root = Path(run_dir) / CHECKPOINTS
     steps = sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
@@ -170,6 +183,7 @@ def save_training_state(
     if distributed:
         dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
+    model_state = _without_frozen(model, model_state)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=not distributed)
     rng = {
         "torch": torch.get_rng_state(),
@@ -204,6 +218,7 @@ def load_training_state(
 
     distributed = dist.is_available() and dist.is_initialized()
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
+    model_state = _without_frozen(model, model_state)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not distributed)
     set_state_dict(

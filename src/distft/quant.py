@@ -53,13 +53,13 @@ Traps met on the way, handled here:
 - Tensor parallelism splits o_proj and down_proj along dim 1 (row-parallel); NF4Tensor splits only
   along dim 0 (`aten.split(NF4Tensor, dim=1)` is not implemented: its blocks run along rows in
   memory), so QLoRA with tp, tp-sp and fsdp+tp is refused before launch.
-- Importing torchao on CPU logs a warning per CUDA extension it cannot load; `nf4_api` quiets them.
+- Importing torchao on CPU logs a warning per CUDA extension it cannot load (and transformers
+  imports it whenever it is installed): `distft/__init__.py` quiets its logger.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import warnings
 from dataclasses import dataclass
@@ -80,20 +80,13 @@ META = ("scaler_mean", "nf4")  # replicated with every shard
 
 @functools.cache
 def nf4_api():
-    """torchao's NF4 module, imported without its CUDA-extension warnings (NF4 is pure PyTorch)."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
+    """torchao's NF4 module (pure PyTorch), imported without its warnings (see distft/__init__.py)."""
     try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:  # pragma: no cover - torchao is a dependency
-        raise ConfigError("--method qlora needs torchao (pip install 'torchao>=0.18').") from None
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+        raise ConfigError("--method qlora needs torchao (pip install 'torchao==0.18.*').") from None
     return nf4_tensor
 
 

@@ -101,6 +101,13 @@ class FSDP(Strategy):
                 )
         if p.fsdp_prefetch < 0:
             raise ConfigError(f"`parallel.fsdp_prefetch` cannot be negative, got {p.fsdp_prefetch}.")
+        if cfg.train.method == "qlora" and cfg.world_size == 1:
+            # FSDP2 skips the real all-gather on one rank and torchao's NF4 post-all-gather hook
+            # then fails ("expected 3, got 1"); one rank shards nothing anyway.
+            raise ConfigError(
+                f"--method qlora with --strategy {cls.name} needs 2 or more processes (FSDP over one rank "
+                "shards nothing, and torchao's NF4 gather hook fails there): use --strategy single."
+            )
 
     @classmethod
     def nf4_shards(cls, cfg: Config) -> int:
