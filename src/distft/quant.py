@@ -17,21 +17,23 @@ Layout of one weight of n elements (block B = `model.quant_block_size`, 64; grou
 | `scaler_mean`         | s        | 1          | the mean subtracted from the absmaxes                  |
 | `nf4`                 | s        | 16         | the NF4 code book (a copy per tensor)                  |
 
-so 0.5 + 1/B + s/(B G) bytes per element plus 17 s bytes per tensor: 0.515686 bytes per element
-in an fp32 model (the planner's 0.5 + 1/64 + 4/16384). `model.double_quant=false` keeps each
+so 0.5 + 1/B + s/(B G) bytes per element plus 17 s bytes per tensor: 0.515869 bytes per element
+in an fp32 model (the planner's 0.5 + 1/64 + 4/16384), 0.515747 in bf16 (torchao keeps the group
+scale in the model dtype). `model.double_quant=false` keeps each
 absmax in the model dtype instead (`quantized_scalers` becomes n / B values of s bytes, the factors
 become ones, the mean zero): 0.5 + s/B + s/(B G) per element. `quantized_bytes` measures what a
 model (or one rank's shard of it) actually holds; `nf4_bytes` is the formula.
 
-Why QLoRA and FSDP usually do not mix. FSDP shards every parameter along dim 0, all-gathers the
-shards before use and reduce-scatters gradients, treating each parameter as a plain dense tensor
-of its dtype. bitsandbytes' `Params4bit` is not one: the 4-bit codes are packed into a uint8
-tensor of a different shape, and the absmax and double-quantization state (`quant_state`) live
-in a Python object beside it, not in the tensor. FSDP (v1 flattening into one FlatParameter,
-v2 chunking each parameter) can split and gather the packed bytes but not the quant_state, so a
-gathered weight dequantizes with the wrong scales or fails; mixing its uint8 storage with bf16
-parameters in one flat buffer is refused outright. (bitsandbytes' workaround stores the codes in
-a bf16 `quant_storage` so FSDP1 can flatten them, with the state kept replicated.)
+Why QLoRA and FSDP usually do not mix. FSDP treats every parameter as a dense tensor of its
+dtype: it splits it along dim 0 (FSDP2) or flattens a unit's parameters into one buffer (FSDP1),
+all-gathers the pieces before use and reduce-scatters gradients. bitsandbytes' `Params4bit` is
+not such a tensor: the 4-bit codes are packed into a uint8 tensor of another shape, and the
+absmaxes, the double-quantization state and the original shape live in a Python `quant_state`
+object beside it. FSDP can move the packed bytes but neither shards nor gathers the quant_state,
+so a gathered weight has no scales (or the wrong ones), and its uint8 storage cannot share FSDP1's
+flat buffer with bf16 parameters. (The known bitsandbytes route stores the codes in a bf16
+`quant_storage` so FSDP1 can flatten them with the rest, and keeps the quant state whole on
+every rank.)
 
 What makes it work here. torchao's NF4Tensor is a tensor subclass whose codes, block scales and
 group factors are all inner tensors, laid out so that a dim-0 chunk of the weight is a chunk of
