@@ -51,7 +51,7 @@ def test_resolved_config_round_trips(tmp_path):
         ("", ["train.max_steps=ten"], "must be an integer"),
         ("", ["train.max_steps=0"], "must be positive"),
         ("", ["lora.rank=-1"], "`lora.rank` must be positive"),
-        ("", ["train.method=qlora2"], "choose one of lora, full"),
+        ("", ["train.method=qlora2"], "choose one of lora, qlora, full"),
         ("", ["parallel.strategy=zero9"], "parallel.strategy"),
         ("", ["optim.lr"], "section.key=value"),
         ("", ["model.autocast=maybe"], "true or false"),

@@ -25,6 +25,16 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return t.untyped_storage()
 
 
+def _data_ptrs(t: torch.Tensor) -> list[int]:
+    """Storages behind a parameter; a wrapper subclass (QLoRA's NF4Tensor) has none of its own,
+    its data lives in inner tensors."""
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [ptr for name in names for ptr in _data_ptrs(getattr(t, name))]
+    return [t.untyped_storage().data_ptr()]
+
+
 class SavedActivations:
     """`with SavedActivations(model) as probe: loss = model(...)`; then `probe.bytes`."""
 
@@ -37,10 +47,11 @@ class SavedActivations:
     def _parameter_storages(self) -> set[int]:
         # Read at pack time: FSDP swaps gathered parameters in and out of the modules.
         return {
-            _storage(p).data_ptr()
+            ptr
             for m in self.model.modules()
             for p in m._parameters.values()
             if p is not None
+            for ptr in _data_ptrs(p)
         }
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,17 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_adapter(peft_model: nn.Module, state: dict[str, torch.Tensor], out: Path, base_ref: str) -> None:
-    """Write `state` (the trained LoRA weights, peft's full names) as a PEFT adapter in `out`."""
+def save_adapter(
+    peft_model: nn.Module,
+    state: dict[str, torch.Tensor],
+    out: Path,
+    base_ref: str,
+    quantization: dict | None = None,
+) -> None:
+    """Write `state` (the trained LoRA weights, peft's full names) as a PEFT adapter in `out`.
+
+    A QLoRA adapter also gets `quantization.json` (`distft.quant`): it was trained against the
+    NF4-quantized base, which `distft infer` rebuilds (dequantized) before loading it."""
     from peft import get_peft_model_state_dict
 
     adapter = get_peft_model_state_dict(peft_model, state_dict=state)
@@ -76,6 +85,10 @@ def save_adapter(peft_model: nn.Module, state: dict[str, torch.Tensor], out: Pat
             str(tmp / "adapter_model.safetensors"),
             metadata={"format": "pt"},
         )
+        if quantization is not None:
+            from distft.quant import QUANTIZATION_FILE
+
+            (tmp / QUANTIZATION_FILE).write_text(json.dumps(quantization, indent=1) + "\n")
 
 
 def save_full_model(lm: nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
@@ -127,6 +140,19 @@ def _state_dict_options(full: bool = False):
     return StateDictOptions(ignore_frozen_params=True, strict=False, full_state_dict=full)
 
 
+def _without_frozen(model: nn.Module, state: dict) -> dict:
+    """Drop frozen parameters under every name. `ignore_frozen_params` drops each under one name
+    only, and `SummaryLM` reaches the backbone and lm_head under a second one (`backbone.*`,
+    `lm_head.*`): without this a LoRA checkpoint holds the whole frozen base, and a QLoRA one
+    holds NF4 weights that DCP cannot load back (it narrows them, which NF4Tensor refuses)."""
+    frozen = {
+        name.removeprefix("module.")  # DDP's wrapper; get_state_dict's names omit it
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if not p.requires_grad
+    }
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     root = Path(run_dir) / CHECKPOINTS
     steps = sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
@@ -157,6 +183,7 @@ def save_training_state(
     if distributed:
         dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
+    model_state = _without_frozen(model, model_state)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp), no_dist=not distributed)
     rng = {
         "torch": torch.get_rng_state(),
@@ -191,6 +218,7 @@ def load_training_state(
 
     distributed = dist.is_available() and dist.is_initialized()
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_dict_options())
+    model_state = _without_frozen(model, model_state)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not distributed)
     set_state_dict(

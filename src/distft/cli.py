@@ -54,7 +54,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--model", help="preset (tiny, micro, qwen3-4b, ...), local directory, or hub id (e.g. Qwen/Qwen3-4B)"
     )
     p.add_argument(
-        "--method", choices=["lora", "full"], help="LoRA adapters on a frozen base, or full finetuning"
+        "--method",
+        choices=["lora", "qlora", "full"],
+        help="LoRA adapters on a frozen base, the same on a 4-bit NF4 base (single, ddp, fsdp, zero2), "
+        "or full finetuning",
     )
     p.add_argument("--data", help="sample (bundled meetings), a .jsonl/.parquet file, or a hub dataset id")
     p.add_argument("--max-steps", type=int, help="optimizer steps")

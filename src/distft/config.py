@@ -46,6 +46,13 @@ class ModelConfig:
     """Attention kernel passed to transformers: sdpa or eager."""
     seed: int = 0
     """Seed of the random initialisation of preset models."""
+    quant_block_size: int = 64
+    """QLoRA: weights per NF4 block; each block is scaled by its absmax."""
+    quant_scaler_block_size: int = 256
+    """QLoRA double quantization: blocks whose 8-bit absmaxes share one scale (capped to a weight's
+    block count; under FSDP each rank must hold whole groups, checked before launch)."""
+    double_quant: bool = True
+    """QLoRA: store the block absmaxes in 8 bits (double quantization); false: in the model dtype."""
 
 
 @dataclass
@@ -110,7 +117,8 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     method: str = "lora"
-    """lora (adapters on a frozen base) or full (every weight trains)."""
+    """lora (adapters on a frozen base), qlora (adapters on a frozen 4-bit NF4 base, `distft.quant`)
+    or full (every weight trains)."""
     max_steps: int = 100
     """Optimizer steps."""
     global_batch_size: int = 8
@@ -160,6 +168,12 @@ class ParallelConfig:
     """FSDP: decoder layers whose all-gather is issued ahead of use, forward and backward (0: none)."""
     sequence_parallel: bool = True
     """tp-sp: split the residual stream, norms and loss along the sequence; false: plain Megatron TP."""
+    dp: int = 0
+    """2D strategies (fsdp+tp): data-parallel degree; 0: world size / (tp x pp)."""
+    tp: int = 1
+    """2D strategies (fsdp+tp): tensor-parallel degree, the inner (fastest-varying) mesh dimension."""
+    pp: int = 1
+    """Reserved for pipeline + data parallel strategies (ddp+pp, fsdp+pp); 1 elsewhere."""
 
 
 @dataclass
@@ -300,7 +314,7 @@ def apply_override(cfg: Config, item: str) -> None:
 # Validation
 # ---------------------------------------------------------------------------------------------
 
-METHODS = ("lora", "full")
+METHODS = ("lora", "qlora", "full")
 DTYPES = ("float32", "bfloat16")
 TRUNCATIONS = ("head", "tail", "middle")
 
@@ -365,6 +379,27 @@ def validate(cfg: Config) -> None:
             f"(ranks 0..{cfg.parallel.nnodes - 1})."
         )
     strategy = STRATEGIES[cfg.parallel.strategy]
+    if cfg.train.method == "qlora":
+        if cfg.model.quant_block_size <= 0 or cfg.model.quant_block_size % 2:
+            raise ConfigError(
+                f"`model.quant_block_size` must be a positive even number, got {cfg.model.quant_block_size}."
+            )
+        if cfg.model.quant_scaler_block_size <= 0:
+            raise ConfigError(
+                f"`model.quant_scaler_block_size` must be positive, got {cfg.model.quant_scaler_block_size}."
+            )
+        if not strategy.supports_qlora:
+            raise ConfigError(
+                f"--method qlora cannot run with --strategy {strategy.name}: {strategy.qlora_refusal}. "
+                f"QLoRA runs with {', '.join(s for s, c in STRATEGIES.items() if c.supports_qlora)}; "
+                f"or keep --strategy {strategy.name} with --method lora."
+            )
+    if not strategy.mesh_degrees and (cfg.parallel.dp or cfg.parallel.tp != 1 or cfg.parallel.pp != 1):
+        raise ConfigError(
+            f"parallel.dp, parallel.tp and parallel.pp set the mesh of a multi-dimensional strategy "
+            f"(fsdp+tp); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, or use "
+            "--strategy fsdp+tp."
+        )
     strategy.validate_config(cfg)
     dp = strategy.data_parallel_size(cfg)
     per_step = cfg.train.micro_batch_size * dp

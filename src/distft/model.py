@@ -144,11 +144,17 @@ def load_base_model(cfg: ModelConfig) -> nn.Module:
 
 
 def apply_method(model: nn.Module, cfg: Config) -> nn.Module:
-    """LoRA: freeze the base and inject adapters (peft). Full: every weight trains."""
+    """LoRA: freeze the base and inject adapters (peft). QLoRA: the same on a base whose decoder
+    projections are 4-bit NF4 (`distft.quant`). Full: every weight trains."""
     if cfg.train.method == "full":
         model.requires_grad_(True)
         return model
     from peft import LoraConfig, get_peft_model
+
+    if cfg.train.method == "qlora":
+        from distft.quant import NF4Spec, quantize_base
+
+        quantize_base(model, NF4Spec.from_config(cfg.model))  # before PEFT wraps the projections
 
     lora = LoraConfig(
         r=cfg.lora.rank,

@@ -53,6 +53,7 @@ from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, i
 from distft.parallel import STRATEGIES, Strategy
 from distft.parallel.base import unwrap
 from distft.progress import TrainingProgress
+from distft.quant import quantization, storage_layout
 from distft.tokenizer import load_tokenizer
 
 
@@ -131,6 +132,7 @@ def train(cfg: Config) -> TrainResult:
         causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainable, total = count_parameters(lm)
     model = strategy.parallelize(SummaryLM(lm))
+    param_bytes = storage_layout(model)  # this rank's parameters at rest, NF4 parts apart (distft.quant)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -249,13 +251,14 @@ def train(cfg: Config) -> TrainResult:
         "rank": env.rank,
         "peak_mem_bytes": peak_memory_bytes(env),
         "saved_activation_bytes": saved_bytes,
+        "param_bytes": param_bytes,
     }
     ranks = gather_rank_summaries(env, summary)
     state = strategy.trainable_state_dict(model)
     if env.is_main:
         lm_unwrapped = unwrap(model).lm
-        if cfg.train.method == "lora":
-            save_adapter(lm_unwrapped, state, out / "adapter", base_ref)
+        if cfg.train.method in ("lora", "qlora"):
+            save_adapter(lm_unwrapped, state, out / "adapter", base_ref, quantization(cfg))
         else:
             save_full_model(causal_lm(lm_unwrapped), state, out / "model")
         metrics.close()

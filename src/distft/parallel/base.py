@@ -33,6 +33,11 @@ class Strategy:
     name: ClassVar[str]
     distributed: ClassVar[bool] = True  # needs a process group (launched through torchrun)
     fixed_sequence_length: ClassVar[bool] = False  # pad every batch to data.max_length (pipelines)
+    # --method qlora (NF4 base weights, `distft.quant`) runs only where a strategy opts in; the
+    # reason is shown to users of the others.
+    supports_qlora: ClassVar[bool] = False
+    qlora_refusal: ClassVar[str] = "this strategy has not been taught to place NF4 base weights"
+    mesh_degrees: ClassVar[bool] = False  # takes parallel.dp / tp / pp (multi-dimensional strategies)
 
     # -- before launch: pure functions of the config -----------------------------------------
     @classmethod
@@ -42,6 +47,15 @@ class Strategy:
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
         """Raise ConfigError when the architecture cannot be split this way."""
+        if cfg.train.method == "qlora":
+            from distft.quant import NF4Spec, check_quantizable
+
+            check_quantizable(NF4Spec.from_config(cfg.model), model_config, shards=cls.nf4_shards(cfg))
+
+    @classmethod
+    def nf4_shards(cls, cfg: Config) -> int:
+        """How many ways each NF4 base weight is split (FSDP: its degree)."""
+        return 1
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
@@ -109,10 +123,9 @@ class Strategy:
         sharded = torch.zeros_like(square)
         for g in grads:
             if isinstance(g, DTensor):
-                copies = math.prod(
-                    g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate()
-                )
-                sharded += torch.linalg.vector_norm(g.to_local(), dtype=torch.float64) ** 2 / copies
+                sharded += torch.linalg.vector_norm(
+                    g.to_local(), dtype=torch.float64
+                ) ** 2 / self.grad_copies(g)
             else:
                 square += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
         if any(isinstance(g, DTensor) for g in grads):
@@ -123,6 +136,11 @@ class Strategy:
             for g in grads:
                 (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
         return float(norm)
+
+    def grad_copies(self, g: DTensor) -> int:
+        """How many ranks hold this same gradient shard (counted once in the norm): the sizes of
+        the mesh dimensions it is replicated over."""
+        return math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_replicate())
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Sum of the loss over the global batch, known on every rank."""

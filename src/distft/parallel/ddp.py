@@ -23,22 +23,30 @@ Settings that silently cost speed (guarded here):
 - `gradient_as_bucket_view=True` lets gradients live inside the communication buckets, saving one
   copy of the gradients in memory and a copy per step.
 
+QLoRA: the NF4 base weights are left out of DDP (`_set_params_and_buffers_to_ignore_for_model`).
+DDP would broadcast them from rank 0 at construction, and torchao implements that copy by
+re-quantizing the dequantized weight: a silently different base on every rank. Each rank
+quantizes the same seeded weights itself, bit for bit, so nothing needs broadcasting.
+
 Paper: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training" (2006.15704).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import ClassVar
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distft.config import Config, ConfigError
 from distft.parallel.base import Batch, Strategy, trainable_bytes
+from distft.quant import nf4_parameter_names
 
 
 class DDP(Strategy):
     name = "ddp"
+    supports_qlora: ClassVar[bool] = True
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
@@ -54,6 +62,9 @@ class DDP(Strategy):
     def parallelize(self, model: nn.Module) -> nn.Module:
         model = model.to(self.env.device)
         p = self.cfg.parallel
+        quantized = nf4_parameter_names(model)
+        if quantized:  # identical on every rank already; a broadcast would re-quantize them
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quantized)
         return DistributedDataParallel(
             model,
             device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,

@@ -24,6 +24,11 @@ gathered and computed in, the dtype gradients are reduce-scattered in (summing m
 gradients loses precision: float32 is the safe choice), and the dtype of the root's outputs.
 The sharded parameters and the optimizer keep the model dtype.
 
+QLoRA (`--method qlora`): the NF4 base weights are torchao NF4Tensors, which FSDP2 shards and
+gathers through their `fsdp_pre/post_all_gather` hooks: a unit's all-gather carries the 4-bit codes
+and 8-bit block scales (about 0.52 bytes per weight instead of 2 or 4), and every rank stores 1/N
+of them. Why this usually fails with bitsandbytes, and what it requires: `distft.quant`.
+
 Paper: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models" (1910.02054); Zhao et al., "PyTorch FSDP" (2304.11277).
 """
@@ -34,21 +39,56 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from distft.config import Config, ConfigError
 from distft.model import DTYPES, causal_lm
 from distft.parallel.base import Batch, Strategy
+from distft.quant import is_nf4, nf4_gather_bytes
 
 
 def _dtype(name: str, default: torch.dtype | None) -> torch.dtype | None:
     return DTYPES[name] if name else default
 
 
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_forward: bool) -> nn.Module:
+    """`fully_shard` each decoder layer, then the root, over the 1D `mesh`; set up prefetching.
+
+    Shared by `fsdp`/`zero2` (mesh: every rank) and `fsdp+tp` (mesh: the "dp" dimension of the 2D
+    mesh, applied after tensor parallelism, so FSDP shards each rank's TP shard)."""
+    p = cfg.parallel
+    param_dtype = _dtype(p.fsdp_param_dtype, None)
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        reduce_dtype=_dtype(p.fsdp_reduce_dtype, param_dtype),
+        output_dtype=_dtype(p.fsdp_output_dtype, None),
+    )
+    offload = CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy()
+    shard = {
+        "mesh": mesh,
+        "mp_policy": policy,
+        "offload_policy": offload,
+        "reshard_after_forward": reshard_after_forward,
+    }
+
+    layers = list(causal_lm(model.lm).model.layers)
+    for layer in layers:
+        fully_shard(layer, **shard)
+    fully_shard(model, **shard)  # root: embeddings, final norm, (tied) lm_head
+
+    # Issue the all-gathers of the next layers early, so they overlap this layer's compute.
+    if p.fsdp_prefetch:
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + p.fsdp_prefetch])
+            layer.set_modules_to_backward_prefetch(layers[max(0, i - p.fsdp_prefetch) : i][::-1])
+    return model
+
+
 class FSDP(Strategy):
     name = "fsdp"
     reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
+    supports_qlora: ClassVar[bool] = True
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
@@ -61,36 +101,22 @@ class FSDP(Strategy):
                 )
         if p.fsdp_prefetch < 0:
             raise ConfigError(f"`parallel.fsdp_prefetch` cannot be negative, got {p.fsdp_prefetch}.")
+        if cfg.train.method == "qlora" and cfg.world_size == 1:
+            # FSDP2 skips the real all-gather on one rank and torchao's NF4 post-all-gather hook
+            # then fails ("expected 3, got 1"); one rank shards nothing anyway.
+            raise ConfigError(
+                f"--method qlora with --strategy {cls.name} needs 2 or more processes (FSDP over one rank "
+                "shards nothing, and torchao's NF4 gather hook fails there): use --strategy single."
+            )
+
+    @classmethod
+    def nf4_shards(cls, cfg: Config) -> int:
+        return cfg.world_size
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        p = self.cfg.parallel
         model.to(self.env.device)
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
-        param_dtype = _dtype(p.fsdp_param_dtype, None)
-        policy = MixedPrecisionPolicy(
-            param_dtype=param_dtype,
-            reduce_dtype=_dtype(p.fsdp_reduce_dtype, param_dtype),
-            output_dtype=_dtype(p.fsdp_output_dtype, None),
-        )
-        offload = CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy()
-        shard = {
-            "mesh": mesh,
-            "mp_policy": policy,
-            "offload_policy": offload,
-            "reshard_after_forward": self.reshard_after_forward,
-        }
-
-        layers = list(causal_lm(model.lm).model.layers)
-        for layer in layers:
-            fully_shard(layer, **shard)
-        fully_shard(model, **shard)  # root: embeddings, final norm, (tied) lm_head
-
-        # Issue the all-gathers of the next layers early, so they overlap this layer's compute.
-        if p.fsdp_prefetch:
-            for i, layer in enumerate(layers):
-                layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + p.fsdp_prefetch])
-                layer.set_modules_to_backward_prefetch(layers[max(0, i - p.fsdp_prefetch) : i][::-1])
-        return model
+        return apply_fsdp(model, mesh, self.cfg, self.reshard_after_forward)
 
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
         n = self.env.world_size
@@ -98,6 +124,8 @@ class FSDP(Strategy):
         reduce_dtype = _dtype(self.cfg.parallel.fsdp_reduce_dtype, param_dtype)
 
         def padded_bytes(p: torch.Tensor, dtype: torch.dtype | None) -> int:
+            if is_nf4(p):  # codes, block scales and group factors (never padded)
+                return nf4_gather_bytes(p, n)
             # FSDP2 shards dim 0, padding it to a multiple of the world size.
             rows = -(-p.shape[0] // n) * n
             return rows * (p.numel() // p.shape[0]) * (dtype or p.dtype).itemsize

@@ -95,6 +95,7 @@ from distft.parallel.collectives import (
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
+from distft.quant import TP_REFUSAL
 
 # The plan, as data: each decoder layer's projections and how their base weights are split.
 PLAN: dict[str, str] = {
@@ -327,6 +328,7 @@ def saved_activation_bytes(model: nn.Module, batch: Batch) -> int:
 
 class MegatronTPSP(Strategy):
     name = "tp-sp"
+    qlora_refusal: ClassVar[str] = TP_REFUSAL
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:

@@ -16,6 +16,7 @@ from distft.parallel.base import Strategy
 class Single(Strategy):
     name = "single"
     distributed: ClassVar[bool] = False
+    supports_qlora: ClassVar[bool] = True
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -41,6 +41,8 @@ Paper: Shoeybi et al., "Megatron-LM" (1909.08053).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -56,6 +58,7 @@ from transformers import PretrainedConfig
 from distft.config import Config, ConfigError
 from distft.model import causal_lm
 from distft.parallel.base import Batch, Strategy, unwrap
+from distft.quant import TP_REFUSAL
 
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
@@ -79,6 +82,40 @@ def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
+def check_tp_degree(cfg: Config, model_config: PretrainedConfig, n: int, knob: str) -> None:
+    """ConfigError unless `n` TP ranks can split the heads and the MLP; `knob` names the setting."""
+    heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+    strategy = cfg.parallel.strategy
+    if heads % n or kv_heads % n:
+        raise ConfigError(
+            f"--strategy {strategy} splits attention heads across {n} ranks, but {cfg.model.name} has "
+            f"{heads} query heads and {kv_heads} KV heads; the TP degree must divide both "
+            f"(e.g. {knob}{next(d for d in range(n, 0, -1) if heads % d == 0 and kv_heads % d == 0)})."
+        )
+    if model_config.intermediate_size % n:
+        raise ConfigError(
+            f"--strategy {strategy}: intermediate_size {model_config.intermediate_size} is not divisible by {n}."
+        )
+
+
+def activation_all_reduce_bytes(cfg: Config, lm: nn.Module, batches: list[Batch]) -> int:
+    """Bytes TP all-reduces for `batches` (this rank's micro-batches). Per micro-batch and layer:
+    forward, 2 all-reduces of (batch, seq, hidden) after the row projections (+ 2 of (batch, seq, r)
+    after their lora_A); backward, one all-reduce per column projection's input (5, + 5 for the
+    colwise lora_B inputs). Layer 0's attention input needs no gradient when the embeddings are
+    frozen (LoRA): 3 fewer there."""
+    hidden, n_layers = lm.config.hidden_size, lm.config.num_hidden_layers
+    lora = cfg.train.method in ("lora", "qlora")
+    targets = set(cfg.lora.target_modules) if lora else set()
+    row_adapters = sum(path.split(".")[-1] in targets for path in ROW)
+    column_adapters = sum(path.split(".")[-1] in targets for path in COLUMN)
+    itemsize = next(lm.parameters()).element_size()
+    activations = 2 * n_layers + 5 * n_layers - (3 if lora else 0)
+    adapters = n_layers * (row_adapters + column_adapters)
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    return itemsize * tokens * (hidden * activations + cfg.lora.rank * adapters)
+
+
 def partial_gradient_params(layer: nn.Module) -> list[nn.Parameter]:
     """Replicated parameters applied to this rank's heads only: their gradients are partial."""
     params = [*layer.self_attn.q_norm.parameters(), *layer.self_attn.k_norm.parameters()]
@@ -87,6 +124,7 @@ def partial_gradient_params(layer: nn.Module) -> list[nn.Parameter]:
 
 class TensorParallel(Strategy):
     name = "tp"
+    qlora_refusal: ClassVar[str] = TP_REFUSAL
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
@@ -94,18 +132,7 @@ class TensorParallel(Strategy):
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
-        n = cfg.world_size
-        heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
-        if heads % n or kv_heads % n:
-            raise ConfigError(
-                f"--strategy {cls.name} splits attention heads across {n} ranks, but {cfg.model.name} has "
-                f"{heads} query heads and {kv_heads} KV heads; the TP degree must divide both "
-                f"(e.g. --nproc {next(d for d in range(n, 0, -1) if heads % d == 0 and kv_heads % d == 0)})."
-            )
-        if model_config.intermediate_size % n:
-            raise ConfigError(
-                f"--strategy {cls.name}: intermediate_size {model_config.intermediate_size} is not divisible by {n}."
-            )
+        check_tp_degree(cfg, model_config, cfg.world_size, knob="--nproc ")
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
@@ -127,21 +154,9 @@ class TensorParallel(Strategy):
         return local_sum  # every rank computed the same, full loss
 
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """Per micro-batch and layer: forward, 2 all-reduces of (batch, seq, hidden) after the row
-        projections (+ 2 of (batch, seq, r) after their lora_A); backward, one all-reduce per
-        column projection's input (5, + 5 for the colwise lora_B inputs). Layer 0's attention
-        input needs no gradient when the embeddings are frozen (LoRA): 3 fewer there."""
-        lm = causal_lm(unwrap(model).lm)
-        hidden, n_layers = lm.config.hidden_size, lm.config.num_hidden_layers
-        lora = self.cfg.train.method == "lora"
-        targets = set(self.cfg.lora.target_modules) if lora else set()
-        row_adapters = sum(path.split(".")[-1] in targets for path in ROW)
-        column_adapters = sum(path.split(".")[-1] in targets for path in COLUMN)
-        itemsize = next(lm.parameters()).element_size()
-        activations = 2 * n_layers + 5 * n_layers - (3 if lora else 0)
-        adapters = n_layers * (row_adapters + column_adapters)
-        rank = self.cfg.lora.rank
-        tokens = sum(b["input_ids"].numel() for b in batches)
+        """The activations' all-reduces (`activation_all_reduce_bytes`), the partial gradients
+        and the gradient norm."""
+        activations = activation_all_reduce_bytes(self.cfg, causal_lm(unwrap(model).lm), batches)
         partial = sum(p.numel() * p.element_size() for p in self.partial_grads)
         norm = 8  # the float64 sum of squared gradient shards (clip_grad_norm_)
-        return {"all_reduce": itemsize * tokens * (hidden * activations + rank * adapters) + partial + norm}
+        return {"all_reduce": activations + partial + norm}

@@ -1,0 +1,165 @@
+"""2D parallelism (`fsdp+tp`): FSDP across one mesh dimension, tensor parallelism inside the other.
+
+The ranks form a (dp, tp) `DeviceMesh` (`distft.parallel.mesh.ParallelDims`, tp the inner,
+neighbouring ranks). Each TP group of `tp` ranks is one model replica split by tensor parallelism
+and reads one data-parallel shard of the global batch; FSDP shards each rank's TP slice across the
+`dp` ranks that hold the same slice. Built as torchtitan does: TP first (the plan and LoRA
+treatment of `tensor_parallel.py`), then FSDP2 `fully_shard(..., mesh=mesh["dp"])` per decoder
+layer and root (`fsdp.apply_fsdp`), which turns every parameter into a DTensor on the 2D mesh.
+
+What each rank holds, with dp = tp = 2 (rank = 2 dp_index + tp_index):
+- of a column-parallel projection (q, k, v, gate, up: out/tp rows per TP rank) and its lora_B:
+  half of this TP rank's rows, i.e. 1/(dp tp) of the weight;
+- of a row-parallel projection (o, down: in/tp columns per TP rank) and its lora_A: half of the rows
+  of this TP rank's columns, again 1/(dp tp);
+- of everything TP replicates (embeddings / tied lm_head, norms, column lora_A, row lora_B):
+  1/dp, the same shard as the other rank of its TP group;
+- the gradients and AdamW state of its shards only;
+- activations of its data shard, with attention heads and MLP features split by tp.
+
+Which collectives run on which dimension (per micro-batch):
+- dp (FSDP, groups {0, 2} and {1, 3}): all-gather of each layer's TP-local parameters before its
+  forward and again before its backward (ZeRO-3), reduce-scatter of its adapter gradients after
+  its backward; the loss sum is all-reduced over dp too (TP ranks share one loss);
+- tp (groups {0, 1} and {2, 3}): tensor parallelism's activation all-reduces, 2 per layer forward
+  after the row projections (+ 2 rank-r ones for LoRA) and one per column projection's input in
+  backward; with full finetuning also q_norm / k_norm's partial gradients (`after_backward`);
+- the whole mesh: the gradient norm's float64 sum of squares (one scalar).
+So the heavy, per-layer activation traffic stays inside a TP group (one node, fast links) and the
+weight traffic of FSDP crosses groups, each moving 1/tp of what 1D FSDP would.
+
+Batch accounting: the global batch splits into dp shards (not dp x tp): `data_parallel_size` is
+dp, a rank's data shard is its dp coordinate, and both ranks of a TP group run the same
+micro-batches.
+
+Papers: Megatron-LM (1909.08053) for TP; ZeRO (1910.02054) and PyTorch FSDP (2304.11277);
+torchtitan (2410.06511) for the 2D composition.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from transformers import PretrainedConfig
+
+from distft.config import Config, ConfigError
+from distft.distributed import DistEnv
+from distft.model import DTYPES, causal_lm
+from distft.parallel.base import Batch, Strategy, unwrap
+from distft.parallel.fsdp import FSDP, apply_fsdp
+from distft.parallel.mesh import ParallelDims
+from distft.parallel.tensor_parallel import (
+    activation_all_reduce_bytes,
+    check_tp_degree,
+    layer_plan,
+    partial_gradient_params,
+)
+from distft.quant import TP_REFUSAL
+
+
+class FSDPTensorParallel(Strategy):
+    name = "fsdp+tp"
+    mesh_degrees: ClassVar[bool] = True
+    qlora_refusal: ClassVar[str] = TP_REFUSAL
+
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        FSDP.validate_config(cfg)  # the fsdp_* settings apply to the dp dimension
+        dims = ParallelDims.from_config(cfg)
+        if dims.pp != 1:
+            raise ConfigError(
+                "parallel.pp is reserved for pipeline strategies (ddp+pp, fsdp+pp); --strategy fsdp+tp "
+                "takes parallel.dp and parallel.tp only."
+            )
+        if dims.tp < 2:
+            raise ConfigError(
+                f"--strategy fsdp+tp needs parallel.tp of 2 or more (it is {dims.tp}); with one TP rank it "
+                f"is plain FSDP: use --strategy fsdp, or e.g. --nproc {cfg.parallel.nproc} parallel.tp=2."
+            )
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        check_tp_degree(cfg, model_config, ParallelDims.from_config(cfg).tp, knob="parallel.tp=")
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        return ParallelDims.from_config(cfg).dp
+
+    def __init__(self, cfg: Config, env: DistEnv):
+        super().__init__(cfg, env)
+        self.dims = ParallelDims.from_config(cfg)
+        self.dp_rank = self.dims.coordinates(env.rank)["dp"]
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        model.to(self.env.device)
+        self.mesh = self.dims.build_mesh(self.env.device.type)
+        layers = list(causal_lm(model.lm).model.layers)
+        for layer in layers:  # 1. TP inside each layer, on the inner dimension
+            parallelize_module(layer, self.mesh["tp"], layer_plan(layer))
+        self._fsdp_bytes = self._fsdp_unit_bytes(model)  # TP-local sizes, before FSDP shards them
+        apply_fsdp(model, self.mesh["dp"], self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
+        # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
+        self.partial_grads = [p for layer in layers for p in partial_gradient_params(layer)]
+        return model
+
+    def after_backward(self, model: nn.Module) -> None:
+        # q_norm / k_norm (full finetuning) saw only this rank's heads: sum over the TP group.
+        # FSDP has already averaged them over dp; each rank adds up its own dp shard.
+        for p in self.partial_grads:
+            if p.grad is not None:
+                dist.all_reduce(p.grad.to_local(), group=self.mesh["tp"].get_group())
+
+    def grad_copies(self, g: DTensor) -> int:
+        # A parameter TP replicates lives on the dp sub-mesh only; each TP rank holds a copy.
+        return super().grad_copies(g) * (self.env.world_size // g.device_mesh.size())
+
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        # full_tensor() of a TP-and-FSDP-sharded weight (_StridedShard, Shard) logs that it takes
+        # one all-gather per mesh dimension. True, and at export only: quieted.
+        logger = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            return super().trainable_state_dict(model)
+        finally:
+            logger.setLevel(level)
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        local_sum = local_sum.clone()  # each TP group computed the loss of its data shard once
+        dist.all_reduce(local_sum, group=self.mesh["dp"].get_group())
+        return local_sum
+
+    def _fsdp_unit_bytes(self, model: nn.Module) -> tuple[int, int]:
+        """(all-gathered, reduce-scattered) bytes of one pass over every FSDP unit: each TP-local
+        parameter with dim 0 padded to a multiple of dp (the trainable ones for the second)."""
+        p, dp = self.cfg.parallel, self.dims.dp
+        param_dtype = DTYPES[p.fsdp_param_dtype] if p.fsdp_param_dtype else None
+        reduce_dtype = DTYPES[p.fsdp_reduce_dtype] if p.fsdp_reduce_dtype else param_dtype
+        gathered = scattered = 0
+        for param in model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            rows = -(-local.shape[0] // dp) * dp
+            elements = rows * (local.numel() // local.shape[0])
+            gathered += elements * (param_dtype or local.dtype).itemsize
+            if param.requires_grad:
+                scattered += elements * (reduce_dtype or local.dtype).itemsize
+        return gathered, scattered
+
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+        """FSDP over dp (two all-gathers and one reduce-scatter of the TP-local units per
+        micro-batch), TP over tp (`activation_all_reduce_bytes` of this rank's micro-batches), the
+        loss (fp32) and the gradient norm (float64), and full finetuning's partial gradients."""
+        gathered, scattered = self._fsdp_bytes
+        lm = causal_lm(unwrap(model).lm)
+        partial = sum(p.to_local().numel() * p.element_size() for p in self.partial_grads)
+        return {
+            "all_gather": len(batches) * 2 * gathered,
+            "reduce_scatter": len(batches) * scattered,
+            "all_reduce": activation_all_reduce_bytes(self.cfg, lm, batches) + partial + 4 + 8,
+        }

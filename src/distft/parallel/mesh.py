@@ -1,0 +1,70 @@
+"""The topology of a multi-dimensional run: degrees per dimension, validated, and one DeviceMesh.
+
+`ParallelDims` holds the data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`, reserved
+for ddp+pp / fsdp+pp) degrees. Their product must equal the world size; `dp=0` means "whatever
+is left" (world / (tp x pp)). Validation runs in `__post_init__`, so a `ParallelDims` that exists
+is consistent, and the CLI checks it before any process is launched.
+
+Ranks are laid out row-major over (pp, dp, tp), tp fastest: with dp=2 x tp=2, ranks {0, 1} form
+the TP group of data shard 0 and {2, 3} that of shard 1, while {0, 2} and {1, 3} are the FSDP
+groups. TP exchanges activations every layer and FSDP weights once per layer, so TP gets the
+neighbouring ranks (the same node, NVLink), as in torchtitan and Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distft.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    """Data-parallel degree: ranks reading distinct data (FSDP shards across them)."""
+    tp: int
+    """Tensor-parallel degree: ranks sharing each layer (and each batch)."""
+    pp: int
+    """Pipeline degree (reserved: 1 until a `+pp` strategy exists)."""
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"`parallel.{name}` must be at least 1, got {getattr(self, name)}.")
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise ConfigError(
+                f"parallel.dp x parallel.tp x parallel.pp = {self.dp} x {self.tp} x {self.pp} = "
+                f"{self.dp * self.tp * self.pp}, but the run has {self.world_size} processes "
+                "(--nproc x --nnodes). The degrees must multiply to the world size; parallel.dp=0 takes "
+                "what is left."
+            )
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ParallelDims:
+        p, world = cfg.parallel, cfg.world_size
+        if p.tp < 1 or p.pp < 1 or p.dp < 0:
+            raise ConfigError(
+                f"parallel.tp and parallel.pp must be at least 1 and parallel.dp at least 0 (auto); got "
+                f"dp={p.dp}, tp={p.tp}, pp={p.pp}."
+            )
+        dp = p.dp or (world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else 0)
+        if dp == 0:
+            raise ConfigError(
+                f"parallel.tp x parallel.pp = {p.tp} x {p.pp} does not divide the {world} processes; "
+                "pick degrees whose product divides --nproc x --nnodes."
+            )
+        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along each dimension (row-major over pp, dp, tp)."""
+        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """One DeviceMesh over every rank, named dimensions of size > 1 or the (dp, tp) pair."""
+        dims = [(n, d) for n, d in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if d > 1 or n != "pp"]
+        return init_device_mesh(
+            device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims)
+        )

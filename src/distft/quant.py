@@ -1,0 +1,314 @@
+"""QLoRA's 4-bit base: NF4 weights (torchao's `NF4Tensor`) that FSDP2 can shard, and their bytes.
+
+`--method qlora` stores every projection of every decoder layer (q, k, v, o, gate, up, down) as
+4-bit NormalFloat (Dettmers et al., "QLoRA", 2305.14314) and trains LoRA adapters in the model
+dtype on top. Embeddings (tied to lm_head in Qwen3) and norms stay in the model dtype, as in
+QLoRA and bitsandbytes. The forward dequantizes one weight at a time (`F.linear` on an NF4Tensor
+runs torchao's `LinearNF4`), so compute and the adapters' gradients are in the model dtype.
+
+Layout of one weight of n elements (block B = `model.quant_block_size`, 64; group G =
+`model.quant_scaler_block_size`, 256, capped to the weight's block count; s = model dtype bytes):
+
+| tensor                | dtype    | elements   | what                                                   |
+|-----------------------|----------|------------|--------------------------------------------------------|
+| `quantized_data`      | uint8    | n / 2      | two 4-bit codes per byte, row-major                    |
+| `quantized_scalers`   | int8     | n / B      | each block's absmax, minus their mean, 8-bit (double quant) |
+| `quantization_factor` | s        | n / (B G)  | one scale per group of G block absmaxes                |
+| `scaler_mean`         | s        | 1          | the mean subtracted from the absmaxes                  |
+| `nf4`                 | s        | 16         | the NF4 code book (a copy per tensor)                  |
+
+so 0.5 + 1/B + s/(B G) bytes per element plus 17 s bytes per tensor: 0.515869 bytes per element
+in an fp32 model (the planner's 0.5 + 1/64 + 4/16384), 0.515747 in bf16 (torchao keeps the group
+scale in the model dtype). `model.double_quant=false` keeps each
+absmax in the model dtype instead (`quantized_scalers` becomes n / B values of s bytes, the factors
+become ones, the mean zero): 0.5 + s/B + s/(B G) per element. `quantized_bytes` measures what a
+model (or one rank's shard of it) actually holds; `nf4_bytes` is the formula.
+
+Why QLoRA and FSDP usually do not mix. FSDP treats every parameter as a dense tensor of its
+dtype: it splits it along dim 0 (FSDP2) or flattens a unit's parameters into one buffer (FSDP1),
+all-gathers the pieces before use and reduce-scatters gradients. bitsandbytes' `Params4bit` is
+not such a tensor: the 4-bit codes are packed into a uint8 tensor of another shape, and the
+absmaxes, the double-quantization state and the original shape live in a Python `quant_state`
+object beside it. FSDP can move the packed bytes but neither shards nor gathers the quant_state,
+so a gathered weight has no scales (or the wrong ones), and its uint8 storage cannot share FSDP1's
+flat buffer with bf16 parameters. (The known bitsandbytes route stores the codes in a bf16
+`quant_storage` so FSDP1 can flatten them with the rest, and keeps the quant state whole on
+every rank.)
+
+What makes it work here. torchao's NF4Tensor is a tensor subclass whose codes, block scales and
+group factors are all inner tensors, laid out so that a dim-0 chunk of the weight is a chunk of
+each of them, and it implements what FSDP2 needs: `torch.chunk`/`split` along dim 0 (sharding at
+`fully_shard`), `new_zeros`/`copy_`/`view` (the padded shard), and the `fsdp_pre_all_gather` /
+`fsdp_post_all_gather` extension points: FSDP2 all-gathers the three inner tensors (as bytes, in
+the same collective as the unit's LoRA weights) and rebuilds a full NF4Tensor from them, carrying
+the per-tensor mean and code book as metadata. The gathered tensor is bit-identical to the one a
+single process quantized, so FSDP-QLoRA trains exactly like one process. The conditions, checked
+before launch (`check_shardable`): each weight's rows divide by the FSDP degree (NF4 cannot be
+padded) and so does its number of scale groups (a shard holds whole groups). The frozen 4-bit
+base has no gradient, so reduce-scatters carry only the adapters' gradients, as with LoRA.
+
+Traps met on the way, handled here:
+- DDP broadcasts every parameter from rank 0 at construction; NF4Tensor implements that
+  broadcast's `copy_` by re-quantizing the dequantized weight, so every rank silently ends up with
+  a slightly different base (1e-5 relative in the loss). Every rank quantizes the same seeded
+  weights identically, so the NF4 weights are left out of DDP (`nf4_parameter_names`).
+- Tensor parallelism splits o_proj and down_proj along dim 1 (row-parallel); NF4Tensor splits only
+  along dim 0 (`aten.split(NF4Tensor, dim=1)` is not implemented: its blocks run along rows in
+  memory), so QLoRA with tp, tp-sp and fsdp+tp is refused before launch.
+- Importing torchao on CPU logs a warning per CUDA extension it cannot load (and transformers
+  imports it whenever it is installed): `distft/__init__.py` quiets its logger.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from distft.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+NF4_CODES = 16  # entries of the code book stored with each tensor
+INNER = ("quantized_data", "quantized_scalers", "quantization_factor")  # what FSDP2 shards and gathers
+META = ("scaler_mean", "nf4")  # replicated with every shard
+
+
+@functools.cache
+def nf4_api():
+    """torchao's NF4 module (pure PyTorch), imported without its warnings (see distft/__init__.py)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError:  # pragma: no cover - torchao is a dependency
+        raise ConfigError("--method qlora needs torchao (pip install 'torchao==0.18.*').") from None
+    return nf4_tensor
+
+
+@dataclass(frozen=True)
+class NF4Spec:
+    block_size: int = 64
+    """Weights per block; each block stores its absmax."""
+    scaler_block_size: int = 256
+    """Blocks per double-quantization group (capped to a weight's block count, see `group_size`)."""
+    double_quant: bool = True
+    """8-bit absmaxes with a scale per group; false: absmaxes in the model dtype."""
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> NF4Spec:
+        return cls(cfg.quant_block_size, cfg.quant_scaler_block_size, cfg.double_quant)
+
+    def group_size(self, numel: int) -> int:
+        """Blocks per scale group for a weight of `numel` elements: the configured size, or the
+        largest divisor of it that divides the weight's block count (small test models)."""
+        return math.gcd(self.scaler_block_size, numel // self.block_size)
+
+    def to_dict(self) -> dict:
+        return {"format": "nf4", **self.__dict__}
+
+
+def is_nf4(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return "NF4Tensor" in type(local).__name__ and hasattr(local, "quantized_data")
+
+
+def quantize(weight: torch.Tensor, spec: NF4Spec) -> torch.Tensor:
+    """`weight` (out, in) as an NF4Tensor of the same shape and outer dtype."""
+    nf4 = nf4_api()
+    weight = weight.detach().contiguous()
+    q = nf4.NF4Tensor.from_tensor(weight, spec.block_size, spec.group_size(weight.numel()))
+    if spec.double_quant:
+        return q
+    # Single quantization: keep each block's absmax exactly, in the model dtype. The container
+    # stays torchao's (so FSDP2 shards it the same way); unit factors and a zero mean make its
+    # dequantization `scalers / 1 + 0` exact.
+    absmax = weight.flatten().view(-1, spec.block_size).abs().amax(dim=1)
+    return nf4.NF4Tensor(
+        nf4.SubclassTensorArgs(weight.size(), weight.stride(), 0, weight.dtype, weight.device, False),
+        q.block_size,
+        q.n_blocks,
+        q.scaler_block_size,
+        absmax,
+        torch.ones_like(q.quantization_factor),
+        torch.zeros_like(q.scaler_mean),
+        q.quantized_data,
+        q.nf4,
+    )
+
+
+def quantized_linears(lm: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """Every projection inside the decoder layers (attention and MLP), by name."""
+    from distft.model import causal_lm
+
+    layers = causal_lm(lm).model.layers
+    return [
+        (f"layers.{i}.{name}", module)
+        for i, layer in enumerate(layers)
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear)
+    ]
+
+
+@torch.no_grad()
+def quantize_base(lm: nn.Module, spec: NF4Spec) -> nn.Module:
+    """Replace each decoder projection's weight with a frozen NF4 parameter, in place."""
+    for _, linear in quantized_linears(lm):
+        linear.weight = nn.Parameter(quantize(linear.weight, spec), requires_grad=False)
+    return lm
+
+
+@torch.no_grad()
+def dequantize_base(lm: nn.Module, spec: NF4Spec) -> nn.Module:
+    """The base a QLoRA adapter was trained on, as plain weights: each projection quantized and
+    dequantized, in place. Load the adapter on this (`PeftModel.from_pretrained`) to reproduce the
+    trained model without torchao at inference time."""
+    for _, linear in quantized_linears(lm):
+        w = linear.weight
+        q = w if is_nf4(w) else quantize(w, spec)
+        linear.weight = nn.Parameter(q.get_original_weight().to(w.dtype), requires_grad=False)
+    return lm
+
+
+# Why tp, tp-sp and fsdp+tp refuse --method qlora (shown to the user before launch).
+TP_REFUSAL = (
+    "tensor parallelism splits o_proj and down_proj along their input dimension (dim 1, row-parallel), "
+    "and an NF4 weight splits only along dim 0, where its blocks and scale groups stay whole "
+    "(torchao raises NotImplementedError for aten.split(NF4Tensor, dim=1))"
+)
+
+
+QUANTIZATION_FILE = "quantization.json"  # beside a QLoRA adapter: how to rebuild its base
+
+
+def quantization(cfg) -> dict | None:
+    """What `QUANTIZATION_FILE` records for a run (None unless --method qlora)."""
+    if cfg.train.method != "qlora":
+        return None
+    return {**NF4Spec.from_config(cfg.model).to_dict(), "modules": "every nn.Linear in the decoder layers"}
+
+
+def nf4_parameter_names(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if is_nf4(p)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes
+# ---------------------------------------------------------------------------------------------
+
+
+def nf4_bytes(numel: int, spec: NF4Spec, itemsize: int = 4, shards: int = 1) -> dict[str, int]:
+    """The storage of one weight of `numel` elements, by inner tensor, on one of `shards` FSDP
+    ranks; `itemsize` is the model dtype's (4 fp32, 2 bf16). Matches `quantized_bytes` exactly."""
+    blocks = numel // spec.block_size
+    groups = blocks // spec.group_size(numel)
+    return {
+        "quantized_data": numel // 2 // shards,
+        "quantized_scalers": blocks // shards * (1 if spec.double_quant else itemsize),
+        "quantization_factor": groups // shards * itemsize,
+        "scaler_mean": itemsize,  # every shard carries the per-tensor metadata
+        "nf4": NF4_CODES * itemsize,
+    }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def storage_layout(model: nn.Module) -> dict[str, int]:
+    """Bytes of parameters this rank holds, by kind: the NF4 inner tensors one by one, and
+    `dense` for every other parameter (embeddings, norms, adapters); sharded parameters
+    (DTensors: FSDP, TP) count their local shard only."""
+    layout = dict.fromkeys((*INNER, *META, "dense"), 0)
+    for p in model.parameters():
+        local = _local(p)
+        if is_nf4(p):
+            for name in (*INNER, *META):
+                inner = getattr(local, name)
+                layout[name] += inner.numel() * inner.element_size()
+        else:
+            layout["dense"] += local.numel() * local.element_size()
+    return layout
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's NF4 weights (codes, block scales, group factors, per-tensor mean and
+    code book): what a planner's NF4 formula should predict."""
+    layout = storage_layout(model)
+    return sum(layout[k] for k in (*INNER, *META))
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Every parameter byte this rank holds: NF4 weights plus dense ones."""
+    return sum(storage_layout(model).values())
+
+
+def nf4_gather_bytes(p: torch.Tensor, shards: int) -> int:
+    """Bytes FSDP2 all-gathers for one NF4 parameter: its inner tensors from every shard."""
+    local = _local(p)
+    return shards * sum(getattr(local, k).numel() * getattr(local, k).element_size() for k in INNER)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before launch
+# ---------------------------------------------------------------------------------------------
+
+
+def projection_shapes(model_config: PretrainedConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each decoder projection of a Qwen3 architecture (torch's Linear convention)."""
+    c = model_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    return {
+        "q_proj": (q, c.hidden_size),
+        "k_proj": (kv, c.hidden_size),
+        "v_proj": (kv, c.hidden_size),
+        "o_proj": (c.hidden_size, q),
+        "gate_proj": (c.intermediate_size, c.hidden_size),
+        "up_proj": (c.intermediate_size, c.hidden_size),
+        "down_proj": (c.hidden_size, c.intermediate_size),
+    }
+
+
+def check_quantizable(spec: NF4Spec, model_config: PretrainedConfig, shards: int = 1) -> None:
+    """ConfigError unless every projection splits into whole NF4 blocks and, across `shards`
+    FSDP ranks, into whole rows and whole scale groups per rank."""
+    shapes = projection_shapes(model_config)
+    for name, (rows, cols) in shapes.items():
+        if (rows * cols) % spec.block_size:
+            raise ConfigError(
+                f"--method qlora: {name} ({rows} x {cols} = {rows * cols} weights) does not split into NF4 "
+                f"blocks of model.quant_block_size={spec.block_size}; pick a block size that divides it."
+            )
+    blocks = {name: rows * cols // spec.block_size for name, (rows, cols) in shapes.items()}
+    for name, (rows, cols) in shapes.items():
+        groups = blocks[name] // spec.group_size(rows * cols)
+        if rows % shards == 0 and groups % shards == 0:
+            continue
+        # The largest group size that lets every projection split (if rows allow it at all).
+        fits = [
+            g
+            for g in (256, 128, 64, 32, 16, 8, 4, 2, 1)
+            if all(b % (g * shards) == 0 for b in blocks.values())
+        ]
+        rows_ok = all(r % shards == 0 for r, _ in shapes.values())
+        fix = (
+            f"set model.quant_scaler_block_size={fits[0]} (or lower)"
+            if fits and rows_ok
+            else "use fewer ranks"
+        )
+        raise ConfigError(
+            f"--method qlora with FSDP over {shards} ranks: {name} ({rows} x {cols}) holds {blocks[name]} NF4 "
+            f"blocks in {groups} double-quantization group(s) of {spec.group_size(rows * cols)}, and each rank "
+            f"must hold whole rows and whole groups (an NF4 weight cannot be padded or cut inside a group): {fix}."
+        )
