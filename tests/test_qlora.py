@@ -38,7 +38,9 @@ QLORA = [*PARITY, "train.max_steps=2", "--method", "qlora", "model.quant_scaler_
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_nf4_storage_layout_matches_the_formula(double_quant):
     spec = NF4Spec(64, 256, double_quant)
-    weight = torch.randn(256, 256) * 0.05  # 1,024 blocks of 64: 4 groups of 256
+    weight = (
+        torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 0.05
+    )  # 1,024 blocks of 64: 4 groups of 256
     q = torch.nn.Parameter(quantize(weight, spec), requires_grad=False)
     layout = storage_layout(torch.nn.ParameterList([q]))
     assert {k: v for k, v in layout.items() if k != "dense"} == nf4_bytes(weight.numel(), spec)
@@ -52,14 +54,17 @@ def test_nf4_storage_layout_matches_the_formula(double_quant):
 
 
 def test_single_quantization_keeps_exact_block_scales():
-    weight = torch.randn(64, 64)
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     exact = quantize(weight, NF4Spec(64, 4, double_quant=False)).get_original_weight()
     double = quantize(weight, NF4Spec(64, 4, double_quant=True)).get_original_weight()
     # Each block's largest weight is NF4's code +-1 times its absmax: exact without double quant.
     blocks = weight.flatten().view(-1, 64)
     idx = blocks.abs().argmax(dim=1, keepdim=True)
     torch.testing.assert_close(exact.flatten().view(-1, 64).gather(1, idx), blocks.gather(1, idx))
-    assert (double - weight).abs().max() >= (exact - weight).abs().max() * 0.99
+    # Double quantization stores the absmaxes in 8 bits: the weights move, by a fraction of a code
+    # step, and the mean error barely changes (a max-error comparison is noise either way).
+    assert 0 < (double - exact).abs().max() < 0.05
+    assert (double - weight).abs().mean() <= (exact - weight).abs().mean() * 1.01
 
 
 def test_qlora_model_quantizes_every_decoder_projection():
