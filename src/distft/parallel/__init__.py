@@ -6,11 +6,12 @@ from distft.parallel.base import Strategy
 from distft.parallel.ddp import DDP
 from distft.parallel.fsdp import FSDP, ZeRO2
 from distft.parallel.megatron import MegatronTPSP
+from distft.parallel.pipeline import PipelineParallel
 from distft.parallel.single import Single
 from distft.parallel.tensor_parallel import TensorParallel
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Single, DDP, FSDP, ZeRO2, TensorParallel, MegatronTPSP)
+    cls.name: cls for cls in (Single, DDP, FSDP, ZeRO2, TensorParallel, MegatronTPSP, PipelineParallel)
 }
 
 __all__ = ["STRATEGIES", "Strategy"]
