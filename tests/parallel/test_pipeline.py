@@ -89,6 +89,9 @@ def test_timeline_is_written_and_well_formed(runs):
         assert timeline["step"] == cfg.train.max_steps
         assert timeline["idle_fraction_theory"] == pytest.approx(lay.theoretical_idle_fraction())
         assert 0 <= timeline["idle_fraction"] < 1
+        # The replay follows the schedule's own action order: it completes for every schedule.
+        assert 0 <= timeline["idle_fraction_replayed"] < 1
+        assert 0 <= timeline["idle_fraction_imbalance_floor"] < 1
         kinds = "FBW" if schedule in ("zero-bubble", "zbv") else "FB"
         assert [r["rank"] for r in timeline["ranks"]] == list(range(WORLD))
         for r in timeline["ranks"]:
@@ -114,7 +117,7 @@ def _logits(base_dir, adapter_dir) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-def test_adapter_loads_in_one_process(runs, reference):
+def test_adapter_loads_in_one_process(runs, reference, capsys):
     """Stages hold adapters under global layer indices: the export is an ordinary PEFT adapter."""
     want = _logits(reference / "base", reference / "adapter")
     for schedule in ("interleaved-1f1b", "zbv"):  # looped and V-shaped placements
@@ -123,6 +126,9 @@ def test_adapter_loads_in_one_process(runs, reference):
         assert layers == {"0", "1", "2", "3"}, schedule
         got = _logits(out / "base", out / "adapter")
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # What users run: `distft infer` loads the run's adapter in one process and generates.
+    assert main(["infer", "--run", str(runs["zbv"]), "--max-new-tokens", "2"]) == 0
+    assert "generated summary" in capsys.readouterr().out
 
 
 def test_resumes_from_a_checkpoint(runs, reference, tmp_path):

@@ -76,12 +76,19 @@ schedule's `step()` on that rank. `metrics.jsonl` gets `idle_fraction` (mean ove
 `idle_fraction_theory`; `DIR/pipeline_timeline.json` holds the last step:
 
     {"schedule": "1f1b", "p": 2, "m": 4, "V": 1, "step": 10, "step_time_s": 0.41,
-     "idle_fraction": 0.32, "idle_fraction_theory": 0.2,
+     "idle_fraction": 0.32, "idle_fraction_theory": 0.2, "idle_fraction_imbalance_floor": 0.3,
+     "idle_fraction_replayed": 0.33,
      "ranks": [{"rank": 0, "stages": [0], "step_time_s": 0.40, "busy_s": 0.27,
                 "idle_fraction": 0.33,
                 "events": [{"stage": 0, "microbatch": 0, "kind": "F", "start": 0.001,
                             "end": 0.012}, ...]}, ...]}
 
+`idle_fraction_imbalance_floor` = 1 - mean(busy) / max(busy): no schedule makes a step shorter
+than its busiest rank, so with unequal stages the others idle at least that much (on the CPU
+presets the last stage, with lm_head over 151,936 tokens, outweighs all decoder layers).
+`idle_fraction_replayed`: the schedule's own action order replayed with each pass taking its
+measured mean time and messages free (`replay`); measured minus replayed is what the stage times
+do not explain (waiting on messages, overhead), replayed minus theory what unequal stages cost.
 Times are seconds from that rank's step start. kind: F forward (on the last stage it includes
 lm_head and the loss), B backward (input and weight gradients; input only under zero-bubble and
 zbv, whose first stage does all its work in W, having no input gradient to send), W weight
@@ -96,6 +103,7 @@ Megatron-LM" (interleaved 1F1B, 2104.04473); Qi et al., "Zero Bubble Pipeline Pa
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +230,50 @@ def layout(cfg: Config) -> Layout:
     return Layout(par.schedule, p, v, m, train.global_batch_size // m)
 
 
+Action = tuple[str, int, int]  # (kind F|B|W, stage, micro-batch)
+
+
+def replay(actions: list[list[Action]], durations: dict[tuple[int, str], float]) -> float | None:
+    """Idle fraction of `actions` (each rank's compute, in order) if every pass took its measured
+    mean duration and messages were instant; None if the actions do not all complete.
+
+    Dependencies: F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i); W(s, i) after
+    B(s, i). Against the measured idle fraction it separates what the stage times explain (the
+    schedule's bubble plus unequal stages) from what they do not (waiting on messages, overhead).
+    """
+    last = max(s for row in actions for _, s, _ in row)
+    done: dict[Action, float] = {}
+    free, busy, nxt = [0.0] * len(actions), [0.0] * len(actions), [0] * len(actions)
+    progress = True
+    while progress:
+        progress = False
+        for r, row in enumerate(actions):
+            while nxt[r] < len(row):
+                kind, s, i = row[nxt[r]]
+                deps = {"F": [("F", s - 1, i)] if s else [], "W": [("B", s, i)]}.get(
+                    kind, [("F", s, i)] + ([("B", s + 1, i)] if s < last else [])
+                )
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                free[r] = done[(kind, s, i)] = start + durations[(s, kind)]
+                busy[r] += durations[(s, kind)]
+                nxt[r] += 1
+                progress = True
+    if any(n < len(row) for n, row in zip(nxt, actions, strict=True)):
+        return None
+    return statistics.mean(1 - b / max(free) for b in busy)
+
+
+def mean_durations(ranks: list[dict]) -> dict[tuple[int, str], float]:
+    """Mean duration of each (stage, kind) pass over a timeline's events."""
+    spans: dict[tuple[int, str], list[float]] = {}
+    for r in ranks:
+        for e in r["events"]:
+            spans.setdefault((e["stage"], e["kind"]), []).append(e["end"] - e["start"])
+    return {key: statistics.mean(v) for key, v in spans.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # A stage: embedding (first), a run of decoder layers, final norm + lm_head + loss (last)
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +284,8 @@ class StageModule(nn.Module):
 
     forward(x, attention_mask, labels): x is input_ids (batch, seq) on the first stage and the
     hidden states (batch, seq, hidden) elsewhere; returns the hidden states, or on the last stage
-    the summed token loss (a scalar), so the loss head is part of the stage's timed forward and its
-    parameters (lm_head) belong to the stage for the zero-bubble weight pass.
+    the summed token loss (shape (1,)), so the loss head is part of the stage's timed forward and
+    its parameters (lm_head) belong to the stage for the zero-bubble weight pass.
     """
 
     def __init__(self, backbone: nn.Module, lm_head: nn.Module, layer_ids: range, first: bool, last: bool):
@@ -583,6 +635,31 @@ class PipelineParallel(Strategy):
             out["send"], out["recv"] = send, recv
         return out
 
+    def _actions(self) -> list[list[Action]]:
+        """Each rank's F/B/W passes in the order this schedule runs them (for `replay`)."""
+        lay = self.layout
+        p, m = lay.ranks, lay.microbatches
+        if lay.schedule == "gpipe":
+            return [[("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(p)]
+        if lay.schedule == "1f1b":  # torch's order: p-r warm-up forwards, then backward-first pairs
+            rows = []
+            for r in range(p):
+                warm = min(m, p - r)
+                row = [("F", r, i) for i in range(warm)]
+                for i in range(m - warm):
+                    row += [("B", r, i), ("F", r, warm + i)]
+                rows.append(row + [("B", r, i) for i in range(m - warm, m)])
+            return rows
+        kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+        return [
+            [
+                (kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
+                for a in self.schedule.pipeline_order[r]
+                if a is not None and a.computation_type.name in kinds
+            ]
+            for r in range(p)
+        ]
+
     def step_report(self, step: int) -> dict:
         """Gather every rank's timeline; idle fraction measured and theoretical; the file on the last step."""
         busy = sum(e["end"] - e["start"] for e in self.events)
@@ -600,7 +677,8 @@ class PipelineParallel(Strategy):
         ranks: list[dict | None] = [None] * self.env.world_size
         dist.all_gather_object(ranks, mine)
         lay = self.layout
-        measured = sum(r["idle_fraction"] for r in ranks) / len(ranks)
+        measured = statistics.mean(r["idle_fraction"] for r in ranks)
+        busy_r = [r["busy_s"] for r in ranks]
         theory = lay.theoretical_idle_fraction()
         if self.env.is_main and step == self.cfg.train.max_steps:
             timeline = {
@@ -612,6 +690,9 @@ class PipelineParallel(Strategy):
                 "step_time_s": max(r["step_time_s"] for r in ranks),
                 "idle_fraction": measured,
                 "idle_fraction_theory": theory,
+                # No schedule beats the busiest rank: the others idle at least this much on average.
+                "idle_fraction_imbalance_floor": 1 - statistics.mean(busy_r) / max(busy_r),
+                "idle_fraction_replayed": replay(self._actions(), mean_durations(ranks)),
                 "ranks": ranks,
             }
             atomic_write_text(
