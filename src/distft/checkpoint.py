@@ -136,8 +136,13 @@ def _state_dict_options(full: bool = False):
 
     # Frozen base weights are rebuilt from the model source on resume; saving them would copy
     # the whole base model into every checkpoint. strict=False because the model then has keys
-    # (the frozen ones) that the checkpoint does not.
-    return StateDictOptions(ignore_frozen_params=True, strict=False, full_state_dict=full)
+    # (the frozen ones) that the checkpoint does not. The optimizer state is flattened to one key
+    # per parameter name (`param_groups.<fqn>.lr`, ...): unflattened, param_groups is one list of
+    # names per rank under a single key, which DCP stores once, so ranks that hold different
+    # parameters (pipeline stages) would load each other's groups.
+    return StateDictOptions(
+        ignore_frozen_params=True, strict=False, full_state_dict=full, flatten_optimizer_state_dict=True
+    )
 
 
 def _without_frozen(model: nn.Module, state: dict) -> dict:

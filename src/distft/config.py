@@ -168,6 +168,13 @@ class ParallelConfig:
     """FSDP: decoder layers whose all-gather is issued ahead of use, forward and backward (0: none)."""
     sequence_parallel: bool = True
     """tp-sp: split the residual stream, norms and loss along the sequence; false: plain Megatron TP."""
+    schedule: str = "1f1b"
+    """pp: gpipe, 1f1b, interleaved-1f1b, zero-bubble (interleaved ZB-H1) or zbv (zero bubble, V-shaped)."""
+    microbatches: int = 0
+    """pp: micro-batches the global batch is cut into per step (m); sets train.micro_batch_size to
+    global_batch_size / m. 0: keep train.micro_batch_size (m = global_batch_size / micro_batch_size)."""
+    stages_per_rank: int = 0
+    """pp: virtual stages per rank (V). 0: 2 for interleaved-1f1b and zbv, 1 for the others."""
     dp: int = 0
     """2D strategies (fsdp+tp): data-parallel degree; 0: world size / (tp x pp)."""
     tp: int = 1

@@ -225,6 +225,7 @@ def train(cfg: Config) -> TrainResult:
                 "tokens_per_s": tokens / step_time,
                 "step_time_s": step_time,
                 "peak_mem_bytes": peak_memory_bytes(env),
+                **strategy.step_report(step + 1),
             }
             if strategy.activation_probe is not None:
                 saved_bytes = record["saved_activation_bytes"] = (

@@ -81,6 +81,9 @@ def run_strategy(settings: BenchSettings, strategy: str, out: Path) -> StrategyR
     measured = records[settings.warmup :] or records
     first = records[0]
     extra = {k: v for k, v in records[-1].items() if k.startswith("pp_")}
+    for key in ("idle_fraction", "idle_fraction_theory"):  # pipeline bubble, measured and in theory
+        if key in measured[-1]:
+            extra[key] = statistics.median(r[key] for r in measured)
     return StrategyResult(
         strategy=strategy,
         world_size=1 if strategy == "single" else settings.nproc,

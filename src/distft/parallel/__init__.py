@@ -7,11 +7,22 @@ from distft.parallel.ddp import DDP
 from distft.parallel.fsdp import FSDP, ZeRO2
 from distft.parallel.fsdp_tp import FSDPTensorParallel
 from distft.parallel.megatron import MegatronTPSP
+from distft.parallel.pipeline import PipelineParallel
 from distft.parallel.single import Single
 from distft.parallel.tensor_parallel import TensorParallel
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (Single, DDP, FSDP, ZeRO2, TensorParallel, MegatronTPSP, FSDPTensorParallel)
+    cls.name: cls
+    for cls in (
+        Single,
+        DDP,
+        FSDP,
+        ZeRO2,
+        TensorParallel,
+        MegatronTPSP,
+        PipelineParallel,
+        FSDPTensorParallel,
+    )
 }
 
 __all__ = ["STRATEGIES", "Strategy"]

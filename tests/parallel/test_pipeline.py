@@ -1,0 +1,207 @@
+"""Pipeline parallelism (`pp`) trains, exports and checkpoints exactly what one process does.
+
+Every schedule runs once through the CLI on 2 gloo ranks (one torchrun launch each) and the
+tests below read what those runs wrote: per-step losses, gradient norms and the adapter against
+the single-process run on the same global batch; bytes sent between stages on the first step
+against the analytic count; the timeline file. No timing value is asserted (2 shared cores).
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from distft.cli import main
+from distft.config import load_config
+from distft.parallel.pipeline import layout
+from tests.helpers import PARITY, adapter, assert_same_training, distft, metrics
+
+WORLD = 2
+SCHEDULES = {  # schedule -> extra arguments of its run
+    "gpipe": ["parallel.microbatches=2"],  # 2 micro-batches of 2 sequences instead of 4 of 1
+    "1f1b": [],
+    "interleaved-1f1b": ["--checkpoint-every", "2"],  # V=2: stages 0,2 on rank 0 and 1,3 on rank 1
+    "zero-bubble": [],
+    "zbv": [],  # V-shaped: stages 0,3 on rank 0 and 1,2 on rank 1
+}
+# micro: hidden 32; PARITY: sequences padded to 384, global batch 4 (fp32 activations).
+ACTIVATIONS_PER_STEP = 4 * 384 * 32 * 4  # one direction, one stage boundary, all micro-batches
+# Boundaries that cross from or to rank 0 (each carries activations one way, gradients back).
+HOPS = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 3, "zero-bubble": 1, "zbv": 2}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    assert main(["train", *PARITY, "--out", str(out)]) == 0  # in-process: one interpreter start fewer
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp")
+    for schedule, extra in SCHEDULES.items():
+        out = root / schedule
+        args = ["--strategy", "pp", "--nproc", str(WORLD), *PARITY, f"parallel.schedule={schedule}", *extra]
+        distft("train", *args, "--out", str(out))
+    return {schedule: root / schedule for schedule in SCHEDULES}
+
+
+def test_every_schedule_trains_like_one_process(runs, reference):
+    for schedule, out in runs.items():
+        try:
+            assert_same_training(out, reference)
+        except AssertionError as err:
+            raise AssertionError(f"{schedule}: {err}") from err
+        assert metrics(out)[-1]["eval_loss"] == pytest.approx(metrics(reference)[-1]["eval_loss"], rel=1e-5)
+
+
+def test_bytes_between_stages_match_the_analytic_count(runs):
+    for schedule, out in runs.items():
+        first = metrics(out)[0]  # rank 0's counter, first step
+        assert first["comm_bytes"] == first["comm_bytes_expected"], schedule
+        # Independently of the strategy's formula: one hidden-state tensor per micro-batch per
+        # boundary forward, one gradient back; the loss (fp32) and the squared norm (fp64) after.
+        m = 2 if schedule == "gpipe" else 4
+        hops = HOPS[schedule]
+        assert first["comm_bytes"] == {
+            "send": hops * ACTIVATIONS_PER_STEP,
+            "recv": hops * ACTIVATIONS_PER_STEP,
+            "all_reduce": 4 + 8,
+        }, schedule
+        assert first["comm_calls"] == {"send": hops * m, "recv": hops * m, "all_reduce": 2}, schedule
+
+
+def test_timeline_is_written_and_well_formed(runs):
+    for schedule, out in runs.items():
+        timeline = json.loads((out / "pipeline_timeline.json").read_text())
+        cfg = load_config(out / "config.toml")
+        lay = layout(cfg)
+        assert (timeline["schedule"], timeline["p"], timeline["m"], timeline["V"]) == (
+            schedule,
+            WORLD,
+            lay.microbatches,
+            lay.stages_per_rank,
+        )
+        assert timeline["step"] == cfg.train.max_steps
+        assert timeline["idle_fraction_theory"] == pytest.approx(lay.theoretical_idle_fraction())
+        assert 0 <= timeline["idle_fraction"] < 1
+        # The replay follows the schedule's own action order: it completes for every schedule.
+        assert 0 <= timeline["idle_fraction_replayed"] < 1
+        assert 0 <= timeline["idle_fraction_imbalance_floor"] < 1
+        kinds = "FBW" if schedule in ("zero-bubble", "zbv") else "FB"
+        assert [r["rank"] for r in timeline["ranks"]] == list(range(WORLD))
+        for r in timeline["ranks"]:
+            assert r["stages"] == lay.stages_of(r["rank"])
+            assert 0 <= r["idle_fraction"] < 1
+            assert r["busy_s"] == pytest.approx(sum(e["end"] - e["start"] for e in r["events"]))
+            for e in r["events"]:
+                assert 0 <= e["start"] <= e["end"] <= r["step_time_s"], (schedule, e)
+            # Every stage of this rank computed each of its passes once per micro-batch.
+            done = sorted((e["stage"], e["kind"], e["microbatch"]) for e in r["events"])
+            assert done == sorted(
+                (s, k, i) for s in r["stages"] for k in kinds for i in range(lay.microbatches)
+            ), schedule
+        for record in metrics(out):
+            assert 0 <= record["idle_fraction"] < 1
+            assert record["idle_fraction_theory"] == timeline["idle_fraction_theory"]
+
+
+def _logits(base_dir, adapter_dir) -> torch.Tensor:
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+    ids = torch.randint(0, 5000, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_adapter_loads_in_one_process(runs, reference, capsys):
+    """Stages hold adapters under global layer indices: the export is an ordinary PEFT adapter."""
+    want = _logits(reference / "base", reference / "adapter")
+    for schedule in ("interleaved-1f1b", "zbv"):  # looped and V-shaped placements
+        out = runs[schedule]
+        layers = {name.split("layers.")[1].split(".")[0] for name in adapter(out)}
+        assert layers == {"0", "1", "2", "3"}, schedule
+        got = _logits(out / "base", out / "adapter")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # What users run: `distft infer` loads the run's adapter in one process and generates.
+    assert main(["infer", "--run", str(runs["zbv"]), "--max-new-tokens", "2"]) == 0
+    assert "generated summary" in capsys.readouterr().out
+
+
+def test_resumes_from_a_checkpoint(runs, reference, tmp_path):
+    """Stage parameters are checkpointed under their global names; a resumed run ends the same."""
+    out = tmp_path / "resumed"
+    shutil.copytree(runs["interleaved-1f1b"], out)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
+    proc = distft("train", "--resume", str(out))
+    assert "resuming from" in proc.stdout
+    assert_same_training(out, reference)
+
+
+def test_full_finetune_sums_the_tied_embedding(tmp_path):
+    """micro ties embedding and lm_head: stage 0 (rank 0) and the last stage (rank 1) each hold a
+    copy and see half of its uses; their gradients are summed so both copies stay equal."""
+    full = [*PARITY, "--method", "full", "train.max_steps=2"]
+    assert main(["train", *full, "--out", str(tmp_path / "single")]) == 0
+    distft("train", "--strategy", "pp", "--nproc", str(WORLD), *full, "--out", str(tmp_path / "pp"))
+    got, want = metrics(tmp_path / "pp"), metrics(tmp_path / "single")
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+    embedding = 151_936 * 32 * 4
+    assert (
+        got[0]["comm_bytes"]["all_reduce"] == embedding + 4 + 8 == got[0]["comm_bytes_expected"]["all_reduce"]
+    )
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "pp" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "single" / "model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in b:
+        assert (a[name] - b[name]).norm() <= 1e-5 * b[name].norm(), name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.microbatches=1"], "at least as many micro-batches as pipeline ranks"),
+        (["parallel.microbatches=3"], "cannot be cut into 3 equal micro-batches"),
+        (["--nproc", "3", "parallel.schedule=interleaved-1f1b"], "needs 6 stages"),
+        (["parallel.schedule=gpipe", "parallel.stages_per_rank=2"], "runs one stage per rank"),
+        (["parallel.schedule=zbv", "parallel.stages_per_rank=3"], "exactly 2 stages per rank"),
+        (
+            ["parallel.schedule=interleaved-1f1b", "train.global_batch_size=10", "parallel.microbatches=5"],
+            "rounds",
+        ),
+        (["parallel.schedule=pipedream"], "choose one of"),
+        (["--nproc", "1"], "--nproc 2 or more"),
+    ],
+)
+def test_impossible_pipelines_fail_before_launch(overrides, message, capsys):
+    args = ["train", "--strategy", "pp", "--nproc", "2", "--model", "micro", *overrides]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_layout():
+    def lay(schedule, nproc=2, **parallel):
+        extra = [f"parallel.{k}={v}" for k, v in parallel.items()]
+        return layout(
+            load_config(
+                None,
+                ["parallel.strategy=pp", f"parallel.nproc={nproc}", f"parallel.schedule={schedule}", *extra],
+            )
+        )
+
+    looped, v_shaped = lay("interleaved-1f1b"), lay("zbv")
+    assert [looped.stages_of(r) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [v_shaped.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
+    assert [list(lay("gpipe", nproc=3).layers_of(s, 4)) for s in range(3)] == [[0, 1], [2], [3]]
+    # tiny's default global batch 8 / micro-batch 4: m = 2; microbatches=4 makes the micro-batch 2.
+    assert (lay("1f1b").microbatches, lay("1f1b", microbatches=4).micro_batch_size) == (2, 2)
+    assert lay("gpipe", microbatches=4).theoretical_idle_fraction() == pytest.approx(1 / 5)
+    assert lay("interleaved-1f1b", microbatches=4).theoretical_idle_fraction() == pytest.approx(1 / 9)
+    assert lay("zbv", microbatches=4).theoretical_idle_fraction() == pytest.approx(1 / 25)
