@@ -39,6 +39,7 @@ from distft.parallel.base import Batch, Strategy, trainable_bytes
 
 class DDP(Strategy):
     name = "ddp"
+    collectives = "the all-reduce of gradients (ddp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -49,6 +49,7 @@ def _dtype(name: str, default: torch.dtype | None) -> torch.dtype | None:
 class FSDP(Strategy):
     name = "fsdp"
     reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
+    collectives = "the all-gathers of parameters / reduce-scatters of gradients (fsdp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -87,6 +87,7 @@ def partial_gradient_params(layer: nn.Module) -> list[nn.Parameter]:
 
 class TensorParallel(Strategy):
     name = "tp"
+    collectives = "the all-reduces of activations (tp)"
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
