@@ -57,7 +57,8 @@ def test_configured_fields():
     ("line", "message"),
     [
         ('{"transcript": "A: hi", "summary": ', "not valid JSON"),
-        ('{"transcript": "A: hi"}', "no transcript/summary fields"),
+        ('{"transcript": "A: hi"}', "missing field `summary`"),
+        ('{"text": "A: hi"}', "no transcript/summary fields"),
         ('{"transcript": "A: hi", "summary": "  "}', "field `summary` is empty"),
         ("[1, 2]", "expected a JSON object"),
     ],

@@ -1,8 +1,10 @@
 """`distft` command line: train, infer, eval, plan and bench.
 
 Every user error (a bad config, an impossible strategy/model combination, a malformed dataset
-row) is checked here, before any worker process is launched, and reported as one paragraph with
-exit code 2. A multi-process run re-launches this same command under torchrun, once per rank.
+row, an output directory that cannot take the run) is checked here, before any worker process is
+launched, and reported as one paragraph with exit code 2. A failure during training (a diverged
+step, a collective that timed out, a checkpoint that could not be written) is one paragraph with
+exit code 1. A multi-process run re-launches this same command under torchrun, once per rank.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from distft.config import Config, ConfigError, load_config, to_toml
+from distft.errors import TrainingError
 
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
 
@@ -36,6 +40,7 @@ TRAIN_FLAGS = {  # flag -> config field it sets
     "node_rank": "parallel.node_rank",
     "rdzv_endpoint": "parallel.rdzv_endpoint",
     "checkpoint_every": "output.checkpoint_every",
+    "max_restarts": "parallel.max_restarts",
 }
 
 
@@ -71,6 +76,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, for multi-node runs")
     p.add_argument("--checkpoint-every", type=int, help="write a resumable checkpoint every N steps")
     p.add_argument(
+        "--max-restarts",
+        type=int,
+        help="restart every rank up to R times after one fails (torchrun's elastic agent); each restart "
+        "resumes from the latest checkpoint",
+    )
+    p.add_argument(
         "--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, with its config"
     )
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
@@ -98,24 +109,31 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def preflight(cfg: Config) -> None:
-    """Everything that can be checked without training: model architecture and every data row."""
-    from distft.checkpoint import check_resume
+    """Everything that can be checked without training: devices, the output directory, the model
+    architecture and every data row."""
+    from distft.checkpoint import check_output_dir, check_resume
     from distft.data import ChatFormatter, load_rows, tokenize_rows
     from distft.model import is_preset, model_config
     from distft.parallel import STRATEGIES
     from distft.tokenizer import load_tokenizer
 
-    check_resume(cfg)
-    STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config(cfg.model.name))
-    formatter = ChatFormatter(load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name), cfg.data)
-    for split in load_rows(cfg.data, seed=cfg.train.seed).values():
-        tokenize_rows(split, formatter)
+    if cfg.train.device == "cuda" and _cuda_count() == 0:
+        raise ConfigError(
+            "train.device=cuda, but this machine has no CUDA device; use train.device=cpu or auto."
+        )
     on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cuda_count() > 0)
     if on_cuda and cfg.parallel.nproc > _cuda_count():
         raise ConfigError(
             f"--nproc {cfg.parallel.nproc} asks for more processes than the {_cuda_count()} GPU(s) on this "
             "node; each process needs its own GPU."
         )
+    check_resume(cfg)
+    architecture = model_config(cfg.model.name)
+    STRATEGIES[cfg.parallel.strategy].validate_model(cfg, architecture)
+    check_output_dir(cfg, architecture)
+    formatter = ChatFormatter(load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name), cfg.data)
+    for split in load_rows(cfg.data, seed=cfg.train.seed).values():
+        tokenize_rows(split, formatter)
 
 
 def _cuda_count() -> int:
@@ -127,7 +145,14 @@ def _cuda_count() -> int:
 def torchrun_command(cfg: Config, config_file: str) -> list[str]:
     """`distft train --config FILE` (the resolved config), once per rank, under PyTorch's launcher."""
     p = cfg.parallel
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc}"]
+    # distft.launch is torchrun with a one-paragraph failure report instead of the agent's traceback.
+    cmd = [
+        sys.executable,
+        "-m",
+        "distft.launch",
+        f"--nproc-per-node={p.nproc}",
+        f"--max-restarts={p.max_restarts}",
+    ]
     if p.nnodes == 1:
         cmd.append("--standalone")  # picks a free port on this machine
     else:
@@ -276,10 +301,19 @@ def main(argv: list[str] | None = None) -> int:
         "plan": lambda: cmd_plan(args),
     }
     try:
-        return handlers[args.command]()
+        code = handlers[args.command]()
     except ConfigError as err:
         print(f"distft {args.command}: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        code = EXIT_USAGE
+    except TrainingError as err:
+        if err.every_rank or os.environ.get("RANK", "0") == "0":
+            print(f"distft {args.command}: error: {err}", file=sys.stderr)
+        code = EXIT_FAILURE
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun ends here, hard
+        from distft.distributed import exit_worker
+
+        exit_worker(code)
+    return code
 
 
 if __name__ == "__main__":

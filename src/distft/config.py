@@ -135,6 +135,9 @@ class TrainConfig:
     """Seed for data order and dropout."""
     device: str = "auto"
     """auto (CUDA when present, else CPU), cpu or cuda."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN/inf: `stop` (before the optimizer step, so the
+    weights and the last checkpoint stay good) or `skip` (no update; the run goes on)."""
 
 
 @dataclass
@@ -150,6 +153,9 @@ class ParallelConfig:
     """HOST:PORT of the rendezvous for multi-node runs."""
     timeout_s: int = 600
     """A collective that waits longer than this fails instead of hanging."""
+    max_restarts: int = 0
+    """torchrun's elastic agent restarts every rank this many times after one fails (a killed
+    rank, a lost peer); each restart resumes from the latest checkpoint."""
     ddp_bucket_mb: float = 25.0
     """DDP: gradients are all-reduced in buckets of this size, overlapping backward."""
     ddp_gradient_as_bucket_view: bool = True
@@ -342,6 +348,7 @@ def validate(cfg: Config) -> None:
     _choice(cfg.model.attn_implementation, ("sdpa", "eager"), "model.attn_implementation")
     _choice(cfg.data.truncation, TRUNCATIONS, "data.truncation")
     _choice(cfg.train.device, ("auto", "cpu", "cuda"), "train.device")
+    _choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
     _choice(cfg.parallel.strategy, sorted(STRATEGIES), "parallel.strategy")
     positive = {
         "lora.rank": cfg.lora.rank,
@@ -406,6 +413,14 @@ def validate(cfg: Config) -> None:
             f"parallel.dp, parallel.tp and parallel.pp set the mesh of a multi-dimensional strategy "
             f"(fsdp+tp); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, or use "
             "--strategy fsdp+tp."
+        )
+    if cfg.parallel.max_restarts < 0:
+        raise ConfigError(f"`parallel.max_restarts` cannot be negative, got {cfg.parallel.max_restarts}.")
+    if cfg.parallel.max_restarts and not strategy.distributed:
+        raise ConfigError(
+            f"--max-restarts is handled by torchrun's elastic agent, which --strategy {cfg.parallel.strategy} "
+            "does not use (it runs in this process). Pick a multi-process strategy (e.g. --strategy ddp "
+            "--nproc 1), or rerun with --resume DIR after a failure."
         )
     strategy.validate_config(cfg)
     dp = strategy.data_parallel_size(cfg)

@@ -81,6 +81,8 @@ def row_from_record(record: dict[str, Any], cfg: DataConfig, origin: str) -> Mee
         fields = (cfg.transcript_field or "transcript", cfg.summary_field or "summary")
     else:
         fields = next((s for s in KNOWN_SCHEMAS if s[0] in record and s[1] in record), None)
+        # A known schema with one of its two fields present: report the other one as missing.
+        fields = fields or next((s for s in KNOWN_SCHEMAS if s[0] in record or s[1] in record), None)
         if fields is None:
             known = "; ".join(f"{{{t}, {s}}}" for t, s in KNOWN_SCHEMAS)
             raise DataError(
@@ -154,7 +156,13 @@ def load_rows(cfg: DataConfig, seed: int = 0) -> dict[str, list[MeetingRow]]:
         if not path.is_file():
             raise DataError(f"Dataset file {path} does not exist.")
         reader = _read_parquet if path.suffix == ".parquet" else _read_jsonl
-        splits = _split_off(reader(path, cfg), cfg.validation_fraction, seed)
+        rows = reader(path, cfg)
+        if len(rows) < 2:
+            raise DataError(
+                f"Dataset file {path} has {len(rows)} row(s); training needs at least 2 (one is held out "
+                "for validation), each a JSON object with a transcript and a summary."
+            )
+        splits = _split_off(rows, cfg.validation_fraction, seed)
     elif Path(cfg.source).exists():
         raise DataError(f"{cfg.source}: a local dataset must be a .jsonl or .parquet file.")
     else:

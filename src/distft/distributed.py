@@ -7,13 +7,18 @@ code runs both ways unchanged. A single process (no torchrun) needs no process g
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import re
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from distft.errors import TrainingError
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,15 @@ class DistEnv:
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def restart_count() -> int:
+    """How many times torchrun's elastic agent has restarted this run's ranks (0: first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class CollectiveError(TrainingError):
+    """A collective timed out or lost a peer; the message names the rank and the operation."""
 
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
@@ -82,20 +96,70 @@ def barrier(env: DistEnv) -> None:
         dist.barrier()
 
 
-def shutdown(env: DistEnv, exit_code: int = 0) -> None:
-    """Leave the group cleanly, then exit hard.
+def shutdown(env: DistEnv) -> None:
+    """Leave the group cleanly (the process itself ends in `exit_worker`)."""
+    if env.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_worker(exit_code: int) -> None:
+    """End a rank launched by torchrun hard, after flushing its output (no-op otherwise).
 
     gloo sometimes aborts a rank at interpreter shutdown ("terminate called without an active
     exception") after a good run, which torchrun reports as a failure. Outputs are flushed and the
-    group destroyed first, so skipping the interpreter's teardown loses nothing.
+    group destroyed first, so skipping the interpreter's teardown loses nothing. After a failed
+    collective the group cannot be left cleanly at all; exiting hard is the only clean way out.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun only (not by a group of one)
+        os._exit(exit_code)
+
+
+# Substrings of the errors gloo and NCCL raise when a peer is slow or gone (plain RuntimeErrors in
+# torch 2.13 for gloo; `DistError` subclasses elsewhere).
+_TIMEOUT = ("timed out", "timeout")
+_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused", "socket closed")
+
+
+@contextlib.contextmanager
+def naming_collective(
+    env: DistEnv, what: str, timeout_s: float, advice: Callable[[], str] = str
+) -> Iterator[None]:
+    """Run collectives; a timeout or a lost peer becomes a `CollectiveError` naming rank and `what`.
+
+    gloo honours the process group's timeout (`parallel.timeout_s`) but says only "Timed out
+    waiting 600000ms for recv operation", and on NCCL the watchdog's message is no clearer:
+    neither says which rank waited or for what. The loop wraps each phase of a step in this, with
+    `what` naming the operation (e.g. "the all-reduce of gradients (ddp) in step 3's backward");
+    `advice()` (what to do next) is appended.
     """
     if not env.distributed:
+        yield
         return
     try:
-        dist.barrier()
-        dist.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if launched_by_torchrun():
-            os._exit(exit_code)
+        yield
+    except CollectiveError:
+        raise
+    except Exception as err:
+        text = str(err).lower()
+        timed_out = any(s in text for s in _TIMEOUT)
+        lost = any(s in text for s in _LOST)
+        if not (timed_out or lost or isinstance(err, dist.DistError)):
+            raise
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        detail = re.sub(r"^\[[^\]]*\]\s*", "", detail)  # gloo prefixes its source path: [.../pair.cc:598]
+        if timed_out:
+            what_happened = (
+                f"waited more than parallel.timeout_s={timeout_s:g} s in {what} and gave up: another rank "
+                "is stuck or gone"
+            )
+        else:
+            what_happened = (
+                f"lost its connection to another rank during {what}: that rank died (its own message, "
+                "if it left one, is above)"
+            )
+        raise CollectiveError(
+            f"Rank {env.rank} of {env.world_size} {what_happened} ({env.backend}: {detail}). {advice()}".strip()
+        ) from None

@@ -99,26 +99,47 @@ def model_config(name: str) -> PretrainedConfig:
             raise ConfigError(f"Model directory {name} has no config.json.")
         return AutoConfig.from_pretrained(name)
     try:
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, local_files_only=hub_offline())
     except OSError as err:
         raise ConfigError(_unreachable_model_message(name, err)) from None
 
 
+def hub_offline() -> bool:
+    """True when the Hugging Face hub cannot be used: HF_HUB_OFFLINE is set, or its host does not
+    accept a connection within 3 s.
+
+    Without the probe an unreachable hub costs huggingface_hub's five retries (~30 s) per file
+    before failing; with it, hub ids load from the local cache at once (`local_files_only`), and
+    an uncached one fails in seconds. Behind a proxy the probe cannot tell, so it is skipped.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+    except OSError:
+        return True
+    return False
+
+
 def _unreachable_model_message(name: str, err: Exception) -> str:
-    offline = (
-        os.environ.get("HF_HUB_OFFLINE") == "1"
-        or "offline" in str(err).lower()
-        or "connect" in str(err).lower()
-    )
+    offline = hub_offline() or "offline" in str(err).lower() or "connect" in str(err).lower()
     why = (
-        "the hub cannot be reached (offline)"
+        "the Hugging Face hub cannot be reached (offline: HF_HUB_OFFLINE is set or there is no network), "
+        "and it is not in the local cache"
         if offline
         else f"loading it failed ({str(err).splitlines()[0]})"
     )
     return (
         f"Model {name!r} is not a preset, not a local directory, and {why}. "
-        f"Use a preset ({', '.join(PRESETS)}), or download the model elsewhere and point --model at the "
-        "directory holding its config.json and *.safetensors."
+        f"Use a preset ({', '.join(PRESETS)}), or download the model where there is network "
+        f"(`hf download {name} --local-dir DIR`) and point --model at DIR, the directory holding its "
+        "config.json and *.safetensors."
     )
 
 
@@ -135,6 +156,8 @@ def load_base_model(cfg: ModelConfig) -> nn.Module:
             model = Qwen3ForCausalLM(config)
         model = model.to(dtype)
     else:
+        if not Path(cfg.name).is_dir():
+            kwargs["local_files_only"] = hub_offline()
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.name, **kwargs)
         except OSError as err:

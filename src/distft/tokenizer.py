@@ -158,8 +158,10 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
             return _finish(AutoTokenizer.from_pretrained(model_path))
         log.warning("%s has no tokenizer files; using the offline Qwen3 tokenizer", model_path)
         return qwen3_tokenizer()
+    from distft.model import hub_offline
+
     try:
-        return _finish(AutoTokenizer.from_pretrained(model_path))
+        return _finish(AutoTokenizer.from_pretrained(model_path, local_files_only=hub_offline()))
     except OSError:
         log.warning(
             "could not fetch the tokenizer of %s (offline?); using the offline Qwen3 tokenizer", model_path

@@ -24,12 +24,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distft import faults
 from distft.activations import SavedActivations
 from distft.checkpoint import (
     MetricsWriter,
     atomic_write_text,
     check_resume,
+    clear_checkpoints,
     load_training_state,
+    resume_hint,
     save_adapter,
     save_base,
     save_full_model,
@@ -48,13 +51,26 @@ from distft.data import (
     rank_micro_batches,
     tokenize_rows,
 )
-from distft.distributed import DistEnv, init_distributed, shutdown
+from distft.distributed import (
+    DistEnv,
+    init_distributed,
+    naming_collective,
+    restart_count,
+    shutdown,
+)
+from distft.errors import TrainingError
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.parallel import STRATEGIES, Strategy
 from distft.parallel.base import unwrap
 from distft.progress import TrainingProgress
 from distft.quant import quantization, storage_layout
 from distft.tokenizer import load_tokenizer
+
+
+class NonFiniteError(TrainingError):
+    """A step's loss or gradient norm is NaN or infinite (train.on_nonfinite=stop)."""
+
+    every_rank = False  # the loss and the norm are global: every rank stops at the same step
 
 
 @dataclass
@@ -146,10 +162,22 @@ def train(cfg: Config) -> TrainResult:
     use_autocast = cfg.model.autocast and env.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
 
+    def collective(what: str):  # a timeout or a lost peer names this rank and `what`
+        def advice() -> str:
+            return f"{resume_hint(out)} If the wait was legitimate, raise parallel.timeout_s."
+
+        return naming_collective(env, what, cfg.parallel.timeout_s, advice)
+
     start_step = 0
-    checkpoint = check_resume(cfg)
+    # An elastic restart (torchrun --max-restarts) resumes its own run even with output.resume=false.
+    checkpoint = check_resume(cfg, force=restart_count() > 0)
+    if checkpoint is None and env.is_main and restart_count() == 0:
+        clear_checkpoints(out)  # starting over: the old run's checkpoints would outrank ours
     if checkpoint is not None:
-        start_step = load_training_state(checkpoint, model, optimizer, scheduler, env.rank)
+        with collective(f"loading {checkpoint}"):
+            state = strategy.checkpoint_state(model, optimizer)
+            start_step = load_training_state(checkpoint, state, scheduler, env.rank)
+            strategy.load_checkpoint_state(model, optimizer, state)
     accum = grad_accumulation_steps(cfg)
     progress.header(
         cfg,
@@ -167,16 +195,30 @@ def train(cfg: Config) -> TrainResult:
     pad_id = tokenizer.pad_token_id
 
     # ---- one optimizer step ---------------------------------------------------------------
-    def train_step(examples: list[Example]) -> tuple[float, float]:
+    def train_step(examples: list[Example], step: int) -> tuple[float, float, bool]:
+        """Returns (loss, gradient norm, whether the weights were updated); `step` is 1-based."""
         n_tokens = count_label_tokens(examples)
         batches = rank_batches(examples, strategy, cfg, pad_id)
-        with autocast:
+        with autocast, collective(f"{strategy.collectives} in step {step}'s forward/backward"):
             loss_sum = strategy.forward_backward(model, batches, n_tokens)
-        grad_norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        faults.poison_gradients(model, step)
+        with collective(f"the all-reduces of the gradient norm and the loss in step {step}"):
+            grad_norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
+            loss = strategy.reduce_loss(loss_sum).item() / n_tokens
+        # Both are global (reduced over ranks), so every rank takes the same branch here.
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+        elif cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"Step {step}: the loss is {loss:.4g} and the gradient norm {grad_norm:.4g}; training "
+                "diverged, and stopped before the optimizer step, so no weight took the update. "
+                f"{resume_hint(out)} Resume with train.on_nonfinite=skip to skip such steps, or lower "
+                "optim.lr in a new run."
+            )
+        scheduler.step()  # a skipped step still counts: the LR stays a function of the step
         optimizer.zero_grad(set_to_none=True)
-        return strategy.reduce_loss(loss_sum).item() / n_tokens, grad_norm
+        return loss, grad_norm, finite
 
     @torch.no_grad()
     def evaluate() -> float:
@@ -199,6 +241,7 @@ def train(cfg: Config) -> TrainResult:
     with progress:
         progress.advance_to(start_step)
         for step in range(start_step, cfg.train.max_steps):
+            faults.before_step(step + 1, env.rank)  # test-only: off unless DISTFT_FAULT_* is set
             idx = global_batch_indices(
                 step, len(train_set.examples), cfg.train.global_batch_size, cfg.train.seed
             )
@@ -212,7 +255,7 @@ def train(cfg: Config) -> TrainResult:
             strategy.activation_probe = SavedActivations(model) if first else None
             t0 = time.perf_counter()
             with counter:
-                loss, grad_norm = train_step(examples)  # .item() inside waits for the device
+                loss, grad_norm, updated = train_step(examples, step + 1)  # .item() waits for the device
             step_time = time.perf_counter() - t0
             tokens = sum(len(e.input_ids) for e in examples)
             result.losses.append(loss)
@@ -227,6 +270,10 @@ def train(cfg: Config) -> TrainResult:
                 "peak_mem_bytes": peak_memory_bytes(env),
                 **strategy.step_report(step + 1),
             }
+            if not updated:
+                record["skipped"] = True  # non-finite loss or gradient norm (train.on_nonfinite=skip)
+                if progress.enabled:
+                    progress.console.print(f"step {step + 1}: loss {loss}, grad_norm {grad_norm}: skipped")
             if strategy.activation_probe is not None:
                 saved_bytes = record["saved_activation_bytes"] = (
                     strategy.activation_probe.bytes
@@ -238,14 +285,17 @@ def train(cfg: Config) -> TrainResult:
                 record["comm_bytes_expected"] = expected
             last = step + 1 == cfg.train.max_steps
             if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or last:
-                record["eval_loss"] = result.eval_losses[step + 1] = evaluate()
+                with collective(f"the all-reduce of the validation loss after step {step + 1}"):
+                    record["eval_loss"] = result.eval_losses[step + 1] = evaluate()
             if metrics and ((step + 1) % cfg.train.log_every == 0 or last or "eval_loss" in record):
                 metrics.write(record)
             progress.update(record)
             if cfg.output.checkpoint_every and (step + 1) % cfg.output.checkpoint_every == 0 and not last:
-                save_training_state(
-                    out, step + 1, model, optimizer, scheduler, env.rank, env.world_size, cfg.output.keep_last
-                )
+                with collective(f"writing the checkpoint of step {step + 1}"):
+                    state = strategy.checkpoint_state(model, optimizer)
+                    save_training_state(
+                        out, step + 1, state, scheduler, env.rank, env.world_size, cfg.output.keep_last
+                    )
 
     # ---- export ---------------------------------------------------------------------------
     summary = {
@@ -254,8 +304,9 @@ def train(cfg: Config) -> TrainResult:
         "saved_activation_bytes": saved_bytes,
         "param_bytes": param_bytes,
     }
-    ranks = gather_rank_summaries(env, summary)
-    state = strategy.trainable_state_dict(model)
+    with collective("gathering the trained weights for export"):
+        ranks = gather_rank_summaries(env, summary)
+        state = strategy.trainable_state_dict(model)
     if env.is_main:
         lm_unwrapped = unwrap(model).lm
         if cfg.train.method in ("lora", "qlora"):

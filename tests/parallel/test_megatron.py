@@ -178,14 +178,6 @@ def test_head_count_must_divide(capsys):
     assert "4 query heads and 2 KV heads" in err and "--nproc 2" in err
 
 
-def test_refuses_resumable_checkpoints(capsys):
-    assert (
-        main(["train", "--strategy", "tp-sp", "--nproc", "2", "--model", "micro", "--checkpoint-every", "1"])
-        == 2
-    )
-    assert "checkpoint_every" in capsys.readouterr().err
-
-
 def test_model_layout_is_unchanged_for_export():
     """The adapter's parameter names are PEFT's, whatever the strategy (what `save_adapter` needs)."""
     _, lm = build("lora")

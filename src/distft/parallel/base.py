@@ -6,7 +6,9 @@ The loop in `distft.train` never asks which strategy it runs. It asks the strate
 - wrap the model (`parallelize`) and run forward + backward over this rank's micro-batches
   (`forward_backward`), which is where DDP defers its all-reduce and a pipeline runs its schedule;
 - combine per-rank loss sums (`reduce_loss`) and gather the trained weights into the single-model
-  layout on rank 0 (`trainable_state_dict`), so every strategy exports the same PEFT adapter.
+  layout on rank 0 (`trainable_state_dict`), so every strategy exports the same PEFT adapter;
+- present its weights and optimizer state to `torch.distributed.checkpoint` and take them back
+  (`checkpoint_state`, `load_checkpoint_state`), shards as DTensors so DCP can reshard them.
 
 The defaults below are the single-process behaviour; a strategy overrides only what it changes.
 """
@@ -38,6 +40,8 @@ class Strategy:
     supports_qlora: ClassVar[bool] = False
     qlora_refusal: ClassVar[str] = "this strategy has not been taught to place NF4 base weights"
     mesh_degrees: ClassVar[bool] = False  # takes parallel.dp / tp / pp (multi-dimensional strategies)
+    # What forward_backward communicates, for error messages ("timed out in ...").
+    collectives: ClassVar[str] = "collectives"
 
     # -- before launch: pure functions of the config -----------------------------------------
     @classmethod
@@ -163,6 +167,40 @@ class Strategy:
                     state[name] = full.detach().cpu().clone()
         return state if self.env.is_main else None
 
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Trainable weights and optimizer state as `torch.distributed.checkpoint` saves and loads
+        them: keyed by the single-model names, sharded tensors as DTensors (FSDP and TP parameters
+        already are), replicated ones as plain tensors (written once). Frozen weights are left out."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from distft.checkpoint import state_dict_options
+
+        model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options())
+        # `SummaryLM` reaches the same modules as `lm.*` and as `backbone.*` / `lm_head.*`, and
+        # `state_dict()` lists every alias; `ignore_frozen_params` drops only the first name of a
+        # frozen weight. Keep one name per trainable parameter, or every checkpoint would carry
+        # the whole frozen base (and full finetuning's weights twice).
+        trainable = {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
+        model_state = {k: v for k, v in model_state.items() if k in trainable}
+        # Flattened optimizer state: `state.<fqn>.<exp_avg|exp_avg_sq|step>` (state_dict_options).
+        optimized = {optimizer_state_owner(k)[0] for k in optim_state if k.startswith("state.")}
+        assert optimized <= trainable, "optimizer state under names the model lacks"
+        return {"model": model_state, "optim": optim_state}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Put a `checkpoint_state` dict, loaded by DCP, back into the model and the optimizer."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from distft.checkpoint import state_dict_options
+
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=state_dict_options(),
+        )
+
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
         """Analytic bytes per optimizer step by collective kind (`distft.comm` convention).
 
@@ -181,6 +219,12 @@ class Strategy:
 
     def is_logging_rank(self) -> bool:
         return self.env.is_main
+
+
+def optimizer_state_owner(key: str) -> tuple[str, str]:
+    """`state.<fqn>.exp_avg` -> (fqn, "exp_avg") in a flattened optimizer state dict."""
+    fqn, _, name = key.removeprefix("state.").rpartition(".")
+    return fqn, name
 
 
 def trainable_bytes(model: nn.Module) -> int:

@@ -47,6 +47,7 @@ from distft.quant import nf4_parameter_names
 class DDP(Strategy):
     name = "ddp"
     supports_qlora: ClassVar[bool] = True
+    collectives = "the all-reduce of gradients (ddp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -89,6 +89,7 @@ class FSDP(Strategy):
     name = "fsdp"
     reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
     supports_qlora: ClassVar[bool] = True
+    collectives = "the all-gathers of parameters / reduce-scatters of gradients (fsdp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -68,6 +68,14 @@ for the positions appended so that N divides S (token 0, label -100). Rotary emb
 global position ids 0..S-1 explicitly, computed once per forward (attention runs on the gathered
 full sequence, so no rank ever sees shard-local positions).
 
+Checkpoints. `torch.distributed.checkpoint` knows a sharded tensor only as a DTensor; the shards
+here are plain tensors under the unsharded names (so that the loop, the gradient norm and the
+export stay simple). For save and load only, `checkpoint_state` presents each shard, and its
+AdamW moments, as a DTensor with Shard(partition_dim) on a 1-D mesh of the TP ranks, under the
+single-model names: each rank writes its own slice and the checkpoint is the unsplit model's.
+Per-rank keys (`rank1/q_proj...`) would also have worked, but would tie a checkpoint to one TP
+degree and one strategy; as DTensors it reshards like FSDP's.
+
 Papers: Shoeybi et al., "Megatron-LM" (1909.08053); Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models" (2205.05198).
 """
@@ -81,13 +89,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from distft.config import Config, ConfigError
 from distft.model import causal_lm, summed_loss
-from distft.parallel.base import Batch, Strategy, unwrap
+from distft.parallel.base import Batch, Strategy, optimizer_state_owner, unwrap
 from distft.parallel.collectives import (
     all_gather_dim,
     copy_to_tp_region,
@@ -329,18 +338,12 @@ def saved_activation_bytes(model: nn.Module, batch: Batch) -> int:
 class MegatronTPSP(Strategy):
     name = "tp-sp"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
+    collectives = "the all-gathers / reduce-scatters of activations (tp-sp)"
+    mesh: DeviceMesh | None = None  # only checkpoints use one (DTensor views of the shards)
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
         return 1  # every rank works on the same batch
-
-    @classmethod
-    def validate_config(cls, cfg: Config) -> None:
-        if cfg.output.checkpoint_every:
-            raise ConfigError(
-                "--strategy tp-sp cannot write resumable checkpoints yet: its shards are plain tensors "
-                "under the unsharded names, which DCP would save as replicas. Set output.checkpoint_every=0."
-            )
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
@@ -410,6 +413,48 @@ class MegatronTPSP(Strategy):
         local_sum = local_sum.clone()
         dist.all_reduce(local_sum)  # each rank's share: the loss over its sequence shard
         return local_sum
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The checkpoint of the unsplit model, each rank writing its shards (module docstring).
+
+        A shard here is a plain tensor under the unsharded name; handed to DCP as is, it would be
+        taken for a replica, and only rank 0's slice written. Instead each shard (and its AdamW
+        moments, which have its shape) is wrapped as a DTensor placed Shard(partition_dim) on a
+        1-D mesh of the TP ranks, which describes exactly what it is: one slice of the full
+        tensor. Keys are the inner `SummaryLM`'s, as for every other strategy, so the checkpoint
+        loads at another TP degree or into another strategy (DCP reshards on load). The wrap
+        shares storage, so loading into it writes the shards in place.
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        inner = unwrap(model)  # the same Parameters, without MegatronLM's `module.` prefix
+        state = super().checkpoint_state(inner, optimizer)
+        params = dict(inner.named_parameters())
+        if self.mesh is None:  # all TP ranks (the default group), made on first use
+            self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+
+        def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
+            p = params.get(name)
+            dim = partition_dim(p) if p is not None else None
+            if dim is None or not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                return t  # replicated, or the optimizer's scalar step count
+            return DTensor.from_local(t, self.mesh, [Shard(dim)], run_check=False)
+
+        state["model"] = {k: wrap(k, v) for k, v in state["model"].items()}
+        state["optim"] = {  # flattened: `state.<fqn>.exp_avg` has the parameter's shape
+            k: wrap(optimizer_state_owner(k)[0], v) if k.startswith("state.") else v
+            for k, v in state["optim"].items()
+        }
+        return state
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.tensor import DTensor
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        state = {part: {k: local(v) for k, v in state[part].items()} for part in ("model", "optim")}
+        super().load_checkpoint_state(unwrap(model), optimizer, state)
 
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """Trainable weights under the single-model names, shards gathered (a collective each), on rank 0."""

@@ -125,6 +125,7 @@ def partial_gradient_params(layer: nn.Module) -> list[nn.Parameter]:
 class TensorParallel(Strategy):
     name = "tp"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
+    collectives = "the all-reduces of activations (tp)"
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:

@@ -1,0 +1,56 @@
+"""Test-only fault injection, switched on by environment variables (never by the config).
+
+The reliability tests need a rank that dies, a rank that hangs and a step that diverges, at a
+known step, in a real multi-process run. Each is one environment variable read by the loop; all
+are off unless set, and cost one dictionary lookup per step when off.
+
+| variable                     | effect                                                             |
+|------------------------------|--------------------------------------------------------------------|
+| DISTFT_FAULT_KILL_AT_STEP=N  | rank DISTFT_FAULT_RANK sends itself SIGKILL as step N begins, as a  |
+|                              | crashed machine would (no cleanup, no message)                     |
+| DISTFT_FAULT_HANG_AT_STEP=N  | rank DISTFT_FAULT_RANK sleeps DISTFT_FAULT_HANG_S seconds (default  |
+|                              | 3600) as step N begins: a stuck rank, so its peers wait in the     |
+|                              | next collective                                                    |
+| DISTFT_FAULT_NAN_AT_STEP=N   | every rank's gradients turn NaN after step N's backward            |
+| DISTFT_FAULT_RANK=R          | the rank that dies or hangs (default 1)                            |
+
+Kill and hang strike on the first attempt only: torchrun's elastic agent sets
+TORCHELASTIC_RESTART_COUNT to 1, 2, ... on restarts, and a restarted run must then finish, as it
+would after a real, one-off fault. NaN strikes on every attempt (a diverging run diverges again).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from distft.distributed import restart_count
+
+
+def _at(variable: str, step: int) -> bool:
+    value = os.environ.get(variable)
+    return value is not None and int(value) == step
+
+
+def before_step(step: int, rank: int) -> None:
+    """Kill or stall this rank as 1-based step `step` begins, if asked to."""
+    if restart_count() or rank != int(os.environ.get("DISTFT_FAULT_RANK", "1")):
+        return
+    if _at("DISTFT_FAULT_KILL_AT_STEP", step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _at("DISTFT_FAULT_HANG_AT_STEP", step):
+        time.sleep(float(os.environ.get("DISTFT_FAULT_HANG_S", "3600")))
+
+
+def poison_gradients(model: nn.Module, step: int) -> None:
+    """Fill every gradient with NaN in step `step`, on every rank, if asked to."""
+    if not _at("DISTFT_FAULT_NAN_AT_STEP", step):
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(torch.nan)

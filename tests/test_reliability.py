@@ -1,0 +1,409 @@
+"""Reliability (issue 8): exact resume for every strategy, a killed rank, a hung collective, a
+diverged step, a failed checkpoint write, and bad input refused before anything is launched.
+
+Faults are injected with the test-only DISTFT_FAULT_* variables (`distft.faults`). Launches are
+grouped to keep the file short: one 2-process spawn trains and resumes every strategy in turn,
+and only the killed rank and the hung collective need torchrun for real.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from distft.checkpoint import latest_checkpoint, truncate_metrics
+from distft.cli import main
+from distft.config import load_config, to_toml
+from tests.helpers import adapter, assert_same_training, distft, metrics
+
+WORLD = 2
+STRATEGIES = ["ddp", "fsdp", "zero2", "tp", "tp-sp"]
+# 4 steps, a checkpoint after step 2; dropout on, so a resume that failed to restore any rank's
+# RNG would draw other dropout masks and show in the losses.
+RUN = [
+    "model.name=micro",
+    "train.max_steps=4",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "data.max_length=256",
+    "data.max_rows=32",
+    "optim.warmup_steps=1",
+    "optim.lr=1e-3",
+    "lora.dropout=0.1",
+    "output.checkpoint_every=2",
+    "output.save_base=false",  # the adapters are compared as tensors, never loaded onto a base
+]
+# Resumed at another world size the dropout masks differ by construction (each rank draws its
+# own): these runs turn dropout off and compare to 1e-5, as the parity tests do.
+NO_DROPOUT = ["lora.dropout=0.0"]
+
+
+def crash_after_step_2(full: Path, crashed: Path) -> None:
+    """What a crash during step 3 or 4 leaves: the run dir with everything after step 2 gone."""
+    shutil.copytree(full, crashed, ignore=shutil.ignore_patterns("adapter"))
+    truncate_metrics(crashed / "metrics.jsonl", 2)
+
+
+# ---- resume is exact, for every strategy (one 2-process spawn, in-process `train`) -------------
+
+
+RUNS = [(s, s, RUN) for s in STRATEGIES] + [
+    (f"{s}-no-dropout", s, [*RUN, *NO_DROPOUT]) for s in ("ddp", "tp-sp")
+]
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _train_and_resume(rank: int, world: int, ports: list[int], root: str) -> None:
+    """Each strategy: an uninterrupted run, then a resume of its crashed copy (same processes)."""
+    from distft.train import train
+
+    torch.set_num_threads(1)
+    root_dir = Path(root)
+    for name, strategy, overrides in RUNS:
+        full, crashed = root_dir / name / "full", root_dir / name / "crashed"
+        common = [*overrides, f"parallel.strategy={strategy}", f"parallel.nproc={world}"]
+        for out in (full, crashed):
+            if out == crashed:
+                if "dropout" in name:
+                    break  # resumed elsewhere, at another world size
+                ready = crashed / ".copied"
+                if rank == 0:
+                    crash_after_step_2(full, crashed)
+                    ready.touch()
+                while not ready.exists():  # no process group between runs: wait on the file
+                    time.sleep(0.05)
+            # As torchrun would set them; `train` joins the group and leaves it at the end. A new
+            # port each time: a rank done early would otherwise meet the last run's store.
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(ports.pop()),
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+            )
+            train(load_config(None, [*common, f"output.dir={out}"]))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("strategies")
+    mp.spawn(_train_and_resume, args=(WORLD, _free_ports(2 * len(RUNS)), str(root)), nprocs=WORLD, join=True)
+    return root
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_is_exact(runs, strategy):
+    """Per-step losses, gradient norms and the final adapter equal the uninterrupted run's, bitwise."""
+    full, resumed = runs / strategy / "full", runs / strategy / "crashed"
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-000002"]
+    got, want = metrics(resumed), metrics(full)
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in want]
+    a, b = adapter(resumed), adapter(full)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "tp-sp"])
+def test_checkpoint_resumes_in_one_process(runs, strategy, tmp_path):
+    """DCP reshards: a 2-rank DDP checkpoint, and a tp-sp one (shards saved as DTensors under the
+    unsplit names), resume as `--strategy single` and train on like the 2-rank run (fp32, 1e-5)."""
+    full, crashed = runs / f"{strategy}-no-dropout" / "full", tmp_path / "crashed"
+    crash_after_step_2(full, crashed)
+    assert main(["train", "--resume", str(crashed), "--strategy", "single", "--nproc", "1"]) == 0
+    assert_same_training(crashed, full)
+
+
+# ---- a killed rank: torchrun restarts every rank, which resume from the last checkpoint -------
+
+
+def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(runs, tmp_path):
+    out = tmp_path / "killed"
+    proc = distft(
+        "train", "--strategy", "ddp", "--nproc", "2", "--max-restarts", "1", *RUN, "--out", str(out),
+        env={"DISTFT_FAULT_KILL_AT_STEP": "3"},  # rank 1 SIGKILLs itself as step 3 begins
+    )  # fmt: skip
+    assert "exitcode: -9" in proc.stderr  # the agent saw the kill, then restarted both ranks
+    assert "resuming from" in proc.stdout and "(step 2)" in proc.stdout
+    got, want = metrics(out), metrics(runs / "ddp" / "full")
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in got] == [
+        (m["step"], m["loss"], m["grad_norm"]) for m in want
+    ]
+    a, b = adapter(out), adapter(runs / "ddp" / "full")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+# ---- a hung rank: the collective fails within parallel.timeout_s, naming rank and operation ---
+
+
+def test_hung_rank_fails_within_the_timeout_naming_rank_and_operation(tmp_path):
+    cmd = [
+        sys.executable, "-m", "distft.cli", "train", "--strategy", "ddp", "--nproc", "2", *RUN,
+        "train.max_steps=3", "output.checkpoint_every=0", "parallel.timeout_s=3", "--out", str(tmp_path / "hung"),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "DISTFT_FAULT_HANG_AT_STEP": "2",
+        "DISTFT_FAULT_HANG_S": "300",
+    }
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (
+        "Rank 0 of 2 waited more than parallel.timeout_s=3 s in the all-reduce of gradients (ddp) "
+        "in step 2's forward/backward" in proc.stderr
+    ), proc.stderr[-3000:]
+    assert "distft: the run failed. Rank 0 ended first (exit code 1)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- a diverged step: stop before the update (or skip it); the checkpoint stays good ----------
+
+SINGLE = [*RUN, "train.micro_batch_size=2"]
+
+
+def test_nonfinite_step_stops_then_resumes_and_skips(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "nan"
+    monkeypatch.setenv("DISTFT_FAULT_NAN_AT_STEP", "3")  # every gradient NaN after step 3's backward
+    assert main(["train", *SINGLE, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Step 3: the loss is" in err and "gradient norm nan" in err and "step-000002, is intact" in err
+    assert "Traceback" not in err
+    assert [m["step"] for m in metrics(out)] == [1, 2]
+    assert latest_checkpoint(out).name == "step-000002" and not (out / "adapter").exists()
+
+    # The checkpoint loads; with train.on_nonfinite=skip (a change a resume accepts) step 3 is
+    # skipped, weights untouched, and the run finishes.
+    assert main(["train", "--resume", str(out), "train.on_nonfinite=skip"]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    records = metrics(out)
+    assert [m["step"] for m in records] == [1, 2, 3, 4]
+    assert records[2]["skipped"] and math.isnan(records[2]["grad_norm"])
+    assert "skipped" not in records[3] and math.isfinite(records[3]["loss"])
+    assert all(torch.isfinite(t).all() for t in adapter(out).values())
+
+
+# ---- a failed checkpoint write leaves the previous checkpoint loadable ------------------------
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    out = tmp_path / "disk-full"
+    real_save, calls = dcp.save, []
+
+    def save_then_fill_the_disk(state, checkpoint_id, **kwargs):
+        calls.append(checkpoint_id)
+        if len(calls) == 1:
+            return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dcp, "save", save_then_fill_the_disk)
+    run = [*SINGLE, "output.checkpoint_every=1", "train.max_steps=3"]
+    assert main(["train", *run, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Writing the checkpoint of step 2 failed on rank 0" in err and "No space left on device" in err
+    assert "step-000001, is intact" in err and "Traceback" not in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]  # no temporary
+
+    monkeypatch.setattr(dcp, "save", real_save)
+    assert main(["train", "--resume", str(out)]) == 0
+    assert "step-000001 (step 1)" in capsys.readouterr().out  # "resuming from .../step-000001 (step 1)"
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+
+
+# ---- bad input: one paragraph, exit code 2, no traceback, nothing launched --------------------
+
+
+def _file(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+def _row(**fields) -> str:
+    return json.dumps(fields) + "\n"
+
+
+MEETING = _row(transcript="A: " + "we should ship the remote control on time " * 8, summary="They plan.")
+
+
+def _foreign_run(tmp: Path) -> str:
+    """A run dir whose config (optim.lr) differs from the command's, with a checkpoint in it."""
+    run = tmp / "foreign"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    (run / "config.toml").write_text(to_toml(load_config(None, ["model.name=micro", "optim.lr=5e-3"])))
+    return str(run)
+
+
+def _no_network(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+
+    def unreachable(*args, **kwargs):
+        raise OSError(errno.ENETUNREACH, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+
+
+# (id, extra argv (a callable of tmp_path for files), monkeypatch set-up, key phrase of the message)
+BAD_INPUTS = [
+    ("unknown strategy", ["--strategy", "zero9"], None, "`parallel.strategy` is 'zero9'; choose one of"),
+    ("nproc below 1", ["--nproc", "0"], None, "`parallel.nproc` must be positive, got 0"),
+    (
+        "nproc above the GPUs",
+        ["--strategy", "ddp", "--nproc", "2", "train.device=cuda"],
+        lambda mp_: mp_.setattr("distft.cli._cuda_count", lambda: 1),
+        "--nproc 2 asks for more processes than the 1 GPU(s) on this node",
+    ),
+    (
+        "cuda without a GPU",
+        ["train.device=cuda"],
+        lambda mp_: mp_.setattr("distft.cli._cuda_count", lambda: 0),
+        "train.device=cuda, but this machine has no CUDA device",
+    ),
+    (
+        "TP degree vs heads",
+        ["--strategy", "tp", "--nproc", "3"],
+        None,
+        "4 query heads and 2 KV heads; the TP degree must divide both (e.g. --nproc 2)",
+    ),
+    (
+        "micro-batches vs batch",
+        ["train.global_batch_size=6", "train.micro_batch_size=4"],
+        None,
+        "train.global_batch_size (6) must be a multiple of train.micro_batch_size",
+    ),
+    ("LoRA rank 0", ["lora.rank=0"], None, "`lora.rank` must be positive, got 0"),
+    ("empty dataset", lambda t: ["--data", _file(t, "empty.jsonl", "")], None, "has 0 row(s)"),
+    (
+        "row without summary",
+        lambda t: ["--data", _file(t, "rows.jsonl", MEETING + _row(transcript="A: hi"))],
+        None,
+        "rows.jsonl:2: missing field `summary`",
+    ),
+    (
+        "malformed JSON row",
+        lambda t: ["--data", _file(t, "bad.jsonl", MEETING + '{"transcript": \n')],
+        None,
+        "bad.jsonl:2: not valid JSON",
+    ),
+    ("missing data file", lambda t: ["--data", str(t / "nope.jsonl")], None, "nope.jsonl does not exist"),
+    (
+        "no room for the summary",
+        ["data.max_length=64"],
+        None,
+        "leave 0 of data.max_length=64 tokens for the transcript",
+    ),
+    (
+        "unknown model, HF_HUB_OFFLINE",
+        ["--model", "nobody/no-such-model"],
+        lambda mp_: mp_.setenv("HF_HUB_OFFLINE", "1"),
+        "the Hugging Face hub cannot be reached (offline",
+    ),
+    (
+        "unknown model, no network",
+        ["--model", "nobody/no-such-model"],
+        _no_network,
+        "point --model at DIR, the directory holding its config.json",
+    ),
+    (
+        "different config in --out",
+        lambda t: ["--out", _foreign_run(t), "optim.lr=1e-3"],
+        None,
+        "holds a run with a different config, and its checkpoint step-000002 would resume into it (optim.lr: 0.005 -> 0.001",
+    ),
+    ("--resume a non-run dir", lambda t: ["--resume", str(t)], None, "not a distft run directory"),
+    (
+        "malformed TOML",
+        lambda t: ["--config", _file(t, "bad.toml", "[optim]\nlr = \n")],
+        None,
+        "(at line 2, column 6)",
+    ),
+    (
+        "unknown config key",
+        ["optim.warmup_step=5"],
+        None,
+        "Unknown config key `optim.warmup_step`. Did you mean `warmup_steps`?",
+    ),
+    ("missing config file", lambda t: ["--config", str(t / "nope.toml")], None, "nope.toml does not exist"),
+    (
+        "unwritable output dir",
+        lambda t: ["--out", str(Path(_file(t, "a-file", "")) / "run")],
+        None,
+        "/a-file/run is not writable (",
+    ),
+    (
+        "disk too small",
+        [],
+        lambda mp_: mp_.setattr(
+            shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12 - 5000, 5000)
+        ),
+        "has 5000 bytes free, but the run needs about",
+    ),
+    (
+        "unknown on_nonfinite",
+        ["train.on_nonfinite=ignore"],
+        None,
+        "`train.on_nonfinite` is 'ignore'; choose one of stop, skip",
+    ),
+    (
+        "negative max-restarts",
+        ["--strategy", "ddp", "--nproc", "2", "--max-restarts", "-1"],
+        None,
+        "`parallel.max_restarts` cannot be negative",
+    ),
+    ("max-restarts in one process", ["--max-restarts", "2"], None, "which --strategy single does not use"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "setup", "phrase"), [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
+def test_bad_input_is_refused_before_launch(argv, setup, phrase, tmp_path, monkeypatch, capsys):
+    def launched(*args, **kwargs):
+        raise AssertionError("a process was launched (or training started) for bad input")
+
+    monkeypatch.setattr(subprocess, "call", launched)
+    monkeypatch.setattr(subprocess, "Popen", launched)
+    monkeypatch.setattr("distft.train.train", launched)
+    if setup:
+        setup(monkeypatch)
+    args = argv(tmp_path) if callable(argv) else argv
+    if "--out" not in args and "--resume" not in args:
+        args = [*args, "--out", str(tmp_path / "run")]
+    start = time.perf_counter()
+    assert main(["train", "--model", "micro", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (message,) = [line for line in err.splitlines() if line.startswith("distft train: error: ")]
+    assert phrase in message, err  # the whole message is that one line: one paragraph
+    assert time.perf_counter() - start < 20  # fails fast (no network retries)
+
+
+def test_bad_input_table_is_large_enough():
+    assert len(BAD_INPUTS) >= 15
