@@ -1,4 +1,4 @@
-"""The activation model against the bytes autograd really saves, in one process (no ranks needed).
+"""The activation model against the bytes autograd really saves: one process, and the real pipeline.
 
 Measured with `SavedActivations` (a saved-tensor hook; each storage counted once, parameters
 excluded) on the real forward of the `micro` preset: eager attention (the S x S scores), bf16
