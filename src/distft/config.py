@@ -177,16 +177,18 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """pp: gpipe, 1f1b, interleaved-1f1b, zero-bubble (interleaved ZB-H1) or zbv (zero bubble, V-shaped)."""
     microbatches: int = 0
-    """pp: micro-batches the global batch is cut into per step (m); sets train.micro_batch_size to
-    global_batch_size / m. 0: keep train.micro_batch_size (m = global_batch_size / micro_batch_size)."""
+    """pp: micro-batches the global batch (ddp+pp: a replica's share) is cut into per step (m); sets
+    train.micro_batch_size to global_batch_size / m. 0: keep train.micro_batch_size (m = global_batch_size / micro_batch_size)."""
     stages_per_rank: int = 0
     """pp: virtual stages per rank (V). 0: 2 for interleaved-1f1b and zbv, 1 for the others."""
     dp: int = 0
-    """2D strategies (fsdp+tp): data-parallel degree; 0: world size / (tp x pp)."""
+    """2D strategies (fsdp+tp, ddp+pp): data-parallel degree; 0: world size / (tp x pp)."""
     tp: int = 1
     """2D strategies (fsdp+tp): tensor-parallel degree, the inner (fastest-varying) mesh dimension."""
     pp: int = 1
-    """Reserved for pipeline + data parallel strategies (ddp+pp, fsdp+pp); 1 elsewhere."""
+    """ddp+pp: pipeline degree (ranks per pipeline replica), the outermost mesh dimension; 1 elsewhere.
+    parallel.schedule, microbatches and stages_per_rank apply to each replica's pipeline, whose
+    micro-batches cut global_batch_size / dp sequences."""
 
 
 @dataclass
@@ -408,11 +410,12 @@ def validate(cfg: Config) -> None:
                 f"QLoRA runs with {', '.join(s for s, c in STRATEGIES.items() if c.supports_qlora)}; "
                 f"or keep --strategy {strategy.name} with --method lora."
             )
+    mesh = [name for name, c in STRATEGIES.items() if c.mesh_degrees]
     if not strategy.mesh_degrees and (cfg.parallel.dp or cfg.parallel.tp != 1 or cfg.parallel.pp != 1):
         raise ConfigError(
             f"parallel.dp, parallel.tp and parallel.pp set the mesh of a multi-dimensional strategy "
-            f"(fsdp+tp); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, or use "
-            "--strategy fsdp+tp."
+            f"({', '.join(mesh)}); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, "
+            f"or use --strategy {' or '.join(mesh)}."
         )
     if cfg.parallel.max_restarts < 0:
         raise ConfigError(f"`parallel.max_restarts` cannot be negative, got {cfg.parallel.max_restarts}.")

@@ -1,14 +1,16 @@
-"""The activation model against the bytes autograd really saves, in one process (no ranks needed).
+"""The activation model against the bytes autograd really saves: one process, and the real pipeline.
 
 Measured with `SavedActivations` (a saved-tensor hook; each storage counted once, parameters
 excluded) on the real forward of the `micro` preset: eager attention (the S x S scores), bf16
 (fp32 norm internals beside bf16 tensors), activation checkpointing (each layer keeps its input),
-and pipeline stages, a contiguous slice of layers run for every micro-batch a schedule keeps in
-flight (GPipe: all m; 1F1B: min(m, p - s)), as distft's pipeline strategy will.
+and pipeline stages: a hand-built stage (a contiguous slice of layers) run for every micro-batch
+a schedule keeps in flight (GPipe: all m; 1F1B: min(m, p - s)), and the real `pp` strategy's
+stages on 2 gloo ranks (one launch, ~25 s), one micro-batch each, measured inside torch's schedule.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -16,9 +18,12 @@ import torch
 
 from distft.activations import SavedActivations
 from distft.config import load_config
+from distft.data import ChatFormatter, count_label_tokens, global_batch_indices, load_rows, tokenize_rows
 from distft.model import SummaryLM, apply_method, causal_lm, load_base_model, summed_loss
 from distft.plan.memory import PRECISIONS, Layout, Training, activation_bytes, stage_layers
 from distft.plan.model_spec import resolve_model
+from distft.tokenizer import load_tokenizer
+from tests.helpers import distft
 
 SPEC = resolve_model("micro")
 TOLERANCE = 0.15  # the brief's bound; the model is exact on these cases (see test output)
@@ -169,3 +174,35 @@ def test_bf16_autocast(method, b, s, labels):
     want = activation_bytes(SPEC, replace(t, autocast=True), Layout("single")).saved
     print(f"autocast {method} b={b} s={s}: measured {got} predicted {want}")
     assert abs(want - got) <= 0.01 * got
+
+
+def test_pipeline_stages_of_the_real_strategy(tmp_path):
+    """The `pp` strategy itself, on 2 gloo ranks: each rank's probe (`ranks.json`) counts what its
+    stage saved for backward on the first micro-batch of step 1, run by torch's schedule with the
+    stage's own mask, rotary and loss code. The plan's figure for one micro-batch of that stage
+    (its in-flight count is checked by `test_pipeline_stage_in_flight`) must agree within 15%."""
+    out = tmp_path / "pp"
+    distft(
+        "train", "--strategy", "pp", "--nproc", "2", "--model", "micro", "lora.rank=5",
+        "parallel.schedule=gpipe", "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=1",
+        "train.eval_batches=1", "data.max_length=192", "data.max_rows=8", "output.save_base=false",
+        "--out", str(out),
+    )  # fmt: skip
+    # The rows of that micro-batch, as the loop picks them: the label count sizes the loss's logits.
+    cfg = load_config(out / "config.toml")
+    train_set = tokenize_rows(
+        load_rows(cfg.data, seed=cfg.train.seed)["train"], ChatFormatter(load_tokenizer(None), cfg.data)
+    )
+    idx = global_batch_indices(0, len(train_set.examples), cfg.train.global_batch_size, cfg.train.seed)
+    first = train_set.examples[idx[0]]
+    assert len(first.input_ids) == 192  # truncated to max_length: no padding reaches attention
+    t = training("lora", 1, 192, count_label_tokens([first]), padded=False)
+    layout = Layout("pp", pp=2, schedule="gpipe", microbatches=2)
+    ranks = json.loads((out / "ranks.json").read_text())
+    for stage, rank in enumerate(ranks):  # gpipe, 2 ranks: stage s on rank s
+        want = activation_bytes(SPEC, t, layout, stage)
+        one_microbatch = sum(want.detail.values())
+        assert want.saved == one_microbatch * want.inflight
+        got = rank["saved_activation_bytes"]
+        print(f"pp (real stages) lora stage {stage}: measured {got} predicted {one_microbatch}")
+        assert abs(one_microbatch - got) <= TOLERANCE * got

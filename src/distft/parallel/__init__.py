@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from distft.parallel.base import Strategy
 from distft.parallel.ddp import DDP
+from distft.parallel.ddp_pp import DDPPipelineParallel
 from distft.parallel.fsdp import FSDP, ZeRO2
 from distft.parallel.fsdp_tp import FSDPTensorParallel
 from distft.parallel.megatron import MegatronTPSP
@@ -22,6 +23,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         MegatronTPSP,
         PipelineParallel,
         FSDPTensorParallel,
+        DDPPipelineParallel,
     )
 }
 

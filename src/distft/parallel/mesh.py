@@ -1,14 +1,17 @@
 """The topology of a multi-dimensional run: degrees per dimension, validated, and one DeviceMesh.
 
-`ParallelDims` holds the data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`, reserved
-for ddp+pp / fsdp+pp) degrees. Their product must equal the world size; `dp=0` means "whatever
+`ParallelDims` holds the data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`, taken by
+ddp+pp; 1 elsewhere) degrees. Their product must equal the world size; `dp=0` means "whatever
 is left" (world / (tp x pp)). Validation runs in `__post_init__`, so a `ParallelDims` that exists
 is consistent, and the CLI checks it before any process is launched.
 
 Ranks are laid out row-major over (pp, dp, tp), tp fastest: with dp=2 x tp=2, ranks {0, 1} form
 the TP group of data shard 0 and {2, 3} that of shard 1, while {0, 2} and {1, 3} are the FSDP
 groups. TP exchanges activations every layer and FSDP weights once per layer, so TP gets the
-neighbouring ranks (the same node, NVLink), as in torchtitan and Megatron-LM.
+neighbouring ranks (the same node, NVLink), as in torchtitan and Megatron-LM. pp is the outermost
+dimension: with dp=2 x pp=2, ranks {0, 2} and {1, 3} are the two pipelines and {0, 1}, {2, 3} the
+data-parallel groups of pipeline ranks 0 and 1; a stage boundary sends one activation per
+micro-batch, the cheapest traffic, so it may cross nodes (torchtitan's order too).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class ParallelDims:
     tp: int
     """Tensor-parallel degree: ranks sharing each layer (and each batch)."""
     pp: int
-    """Pipeline degree (reserved: 1 until a `+pp` strategy exists)."""
+    """Pipeline degree: ranks a model is cut across in stages (ddp+pp; 1 for every other strategy)."""
     world_size: int
 
     def __post_init__(self) -> None:
@@ -63,8 +66,10 @@ class ParallelDims:
         return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """One DeviceMesh over every rank, named dimensions of size > 1 or the (dp, tp) pair."""
-        dims = [(n, d) for n, d in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if d > 1 or n != "pp"]
+        """One DeviceMesh over every rank: ("dp", "tp") without a pipeline, ("pp", "dp") with one
+        and tp = 1, all three otherwise."""
+        keep = {"pp": self.pp > 1, "dp": True, "tp": self.tp > 1 or self.pp == 1}
+        dims = [(n, d) for n, d in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if keep[n]]
         return init_device_mesh(
             device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims)
         )

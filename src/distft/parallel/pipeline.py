@@ -147,7 +147,7 @@ SINGLE_STAGE = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: exactly one 
 @dataclass(frozen=True)
 class Layout:
     schedule: str
-    ranks: int  # p: pipeline ranks (the whole world; no data parallelism here)
+    ranks: int  # p: pipeline ranks (the whole world under pp; parallel.pp under ddp+pp)
     stages_per_rank: int  # V
     microbatches: int  # m
     micro_batch_size: int  # sequences per micro-batch
@@ -184,20 +184,35 @@ class Layout:
         return (p - 1) / (v * m + p - 1)  # V = 1 for gpipe and 1f1b
 
 
-def layout(cfg: Config) -> Layout:
-    """The pipeline described by `cfg`, checked; raises ConfigError for one that cannot run."""
+def layout(cfg: Config, ranks: int | None = None, replicas: int = 1) -> Layout:
+    """The pipeline described by `cfg`, checked; raises ConfigError for one that cannot run.
+
+    `ranks`: pipeline ranks (default: the world size); `replicas`: data-parallel copies of the
+    pipeline (ddp+pp), each running its share of the global batch through its own schedule.
+    """
     par, train = cfg.parallel, cfg.train
     if par.schedule not in SCHEDULES:
         choices = ", ".join(SCHEDULES)
         raise ConfigError(f"`parallel.schedule` is {par.schedule!r}; choose one of {choices}.")
-    p = cfg.world_size
+    p = ranks or cfg.world_size
     if p < 2:
         raise ConfigError("--strategy pp splits the model across processes: use --nproc 2 or more.")
     if par.stages_per_rank < 0 or par.microbatches < 0:
         raise ConfigError("`parallel.stages_per_rank` and `parallel.microbatches` cannot be negative.")
-    if not par.microbatches and train.global_batch_size % train.micro_batch_size:
+    if train.global_batch_size % replicas:
         raise ConfigError(
-            f"train.global_batch_size ({train.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"train.global_batch_size ({train.global_batch_size}) must be a multiple of parallel.dp ({replicas}): "
+            "each data-parallel pipeline replica runs an equal share."
+        )
+    batch = train.global_batch_size // replicas  # sequences through one pipeline per step
+    what = (
+        f"train.global_batch_size ({batch})"
+        if replicas == 1
+        else f"each replica's share of train.global_batch_size ({train.global_batch_size} / {replicas} = {batch})"
+    )
+    if not par.microbatches and batch % train.micro_batch_size:
+        raise ConfigError(
+            f"{what} must be a multiple of train.micro_batch_size "
             f"({train.micro_batch_size}), or set the number of micro-batches with parallel.microbatches."
         )
     v = par.stages_per_rank or SCHEDULES[par.schedule][1]
@@ -208,11 +223,10 @@ def layout(cfg: Config) -> Layout:
         )
     if par.schedule == "zbv" and v != 2:
         raise ConfigError(f"parallel.schedule=zbv places exactly 2 stages per rank (a V); got {v}.")
-    m = par.microbatches or train.global_batch_size // train.micro_batch_size
-    if train.global_batch_size % m:
+    m = par.microbatches or batch // train.micro_batch_size
+    if batch % m:
         raise ConfigError(
-            f"train.global_batch_size ({train.global_batch_size}) cannot be cut into {m} equal micro-batches: "
-            "parallel.microbatches must divide it."
+            f"{what} cannot be cut into {m} equal micro-batches: parallel.microbatches must divide it."
         )
     if par.schedule == "1f1b" and m < p:
         raise ConfigError(
@@ -227,7 +241,7 @@ def layout(cfg: Config) -> Layout:
                 f"equal size, which m = {m} over p = {p} ranks does not allow. Use a multiple of {p}, "
                 f"e.g. parallel.microbatches={p * rounds}."
             )
-    return Layout(par.schedule, p, v, m, train.global_batch_size // m)
+    return Layout(par.schedule, p, v, m, batch // m)
 
 
 Action = tuple[str, int, int]  # (kind F|B|W, stage, micro-batch)
@@ -369,18 +383,23 @@ class PipelineParallel(Strategy):
     fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
 
     @classmethod
+    def pipeline_layout(cls, cfg: Config) -> Layout:
+        """This strategy's pipeline: every rank is a pipeline rank (ddp+pp: parallel.pp of them)."""
+        return layout(cfg)
+
+    @classmethod
     def validate_config(cls, cfg: Config) -> None:
-        lay = layout(cfg)
+        lay = cls.pipeline_layout(cfg)
         # The loop cuts the global batch by train.micro_batch_size: make it the pipeline's micro-batch.
         cfg.train.micro_batch_size = lay.micro_batch_size
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
-        lay = layout(cfg)
+        lay = cls.pipeline_layout(cfg)
         layers = model_config.num_hidden_layers
         if lay.num_stages > layers:
             raise ConfigError(
-                f"--strategy pp with {lay.ranks} ranks x {lay.stages_per_rank} stages per rank needs "
+                f"--strategy {cls.name} with {lay.ranks} pipeline ranks x {lay.stages_per_rank} stages per rank needs "
                 f"{lay.num_stages} stages of at least one decoder layer, but {cfg.model.name} has {layers}. "
                 "Use fewer processes or parallel.stages_per_rank."
             )
@@ -390,9 +409,23 @@ class PipelineParallel(Strategy):
         return 1  # every rank sees the whole batch; stage 0 reads the ids, the last stage the labels
 
     # -- set-up --------------------------------------------------------------------------------
+    def pipelines(self) -> list[list[int]]:
+        """Global ranks of every pipeline, each indexed by pipeline rank (pp: one, the world)."""
+        return [list(range(self.env.world_size))]
+
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's pipeline (None: the default group)."""
+        return None
+
     def parallelize(self, model: nn.Module) -> nn.Module:
-        self.layout = lay = layout(self.cfg)
-        rank, device = self.env.rank, self.env.device
+        self.layout = lay = self.pipeline_layout(self.cfg)
+        pipelines = self.pipelines()
+        # This rank's pipeline (global ranks by pipeline rank) and its place in it. Layout methods
+        # speak pipeline ranks; p2p outside the schedule (evaluation) maps them through pp_ranks.
+        self.pp_ranks = next(ranks for ranks in pipelines if self.env.rank in ranks)
+        self.pp_rank = rank = self.pp_ranks.index(self.env.rank)
+        self.pp_group = self.pipeline_group()
+        device = self.env.device
         backbone, lm_head = model.backbone, model.lm_head
         num_layers = len(backbone.layers)
         self.stage_ids = lay.stages_of(rank)
@@ -408,7 +441,7 @@ class PipelineParallel(Strategy):
             owned += [
                 m for m in (module.embed_tokens, *module.layers.values(), module.norm, module.lm_head) if m
             ]
-            stage = PipelineStage(module, s, lay.num_stages, device)
+            stage = PipelineStage(module, s, lay.num_stages, device, group=self.pp_group)
             self._instrument(stage)
             self.stages.append(stage)
         self.holds_first, self.holds_last = 0 in self.stage_ids, last in self.stage_ids
@@ -426,7 +459,10 @@ class PipelineParallel(Strategy):
         self.tied_weight: nn.Parameter | None = None
         self.tie_group = None
         if tied and lm_head.weight.requires_grad and first_rank != last_rank:
-            self.tie_group = dist.new_group([first_rank, last_rank])  # every rank takes part in creating it
+            for ranks in pipelines:  # one pair per pipeline; every rank takes part in creating each
+                group = dist.new_group([ranks[first_rank], ranks[last_rank]])
+                if self.env.rank in ranks:
+                    self.tie_group = group
             if rank in (first_rank, last_rank):
                 self.tied_weight = lm_head.weight
         self.counts_tied_in_norm = rank != last_rank or first_rank == last_rank
@@ -535,7 +571,7 @@ class PipelineParallel(Strategy):
         stages (a metadata exchange) on every switch between training and evaluation. Speed does
         not matter here; this path is sequential, plain and the same for every schedule.
         """
-        lay, me = self.layout, self.env.rank
+        lay, me, ranks = self.layout, self.pp_rank, self.pp_ranks
         batch = self._full_batch(micro_batches)
         chunks = {k: v.split(lay.micro_batch_size) for k, v in batch.items()}
         hidden_size = model.module.backbone.config.hidden_size
@@ -548,12 +584,12 @@ class PipelineParallel(Strategy):
             for s in self.stage_ids:
                 if s > 0 and lay.rank_of(s - 1) != me:
                     x = torch.empty((*ids.shape, hidden_size), dtype=dtype, device=self.env.device)
-                    dist.recv(x, src=lay.rank_of(s - 1))
+                    dist.recv(x, src=ranks[lay.rank_of(s - 1)])
                 x = modules[s](x, attention_mask=mask, labels=labels)
                 if s == lay.num_stages - 1:
                     total += x.float().sum()
                 elif lay.rank_of(s + 1) != me:
-                    dist.send(x.to(dtype).contiguous(), dst=lay.rank_of(s + 1))
+                    dist.send(x.to(dtype).contiguous(), dst=ranks[lay.rank_of(s + 1)])
         return total
 
     def _full_batch(self, micro_batches: list[Batch]) -> Batch:
@@ -570,14 +606,15 @@ class PipelineParallel(Strategy):
         return batch
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
-        """The norm over every stage's gradients (float64 squares, summed over ranks), then clip."""
+        """The norm over every stage's gradients (float64 squares, summed over the pipeline's ranks:
+        data-parallel replicas hold equal gradients and are not counted twice), then clip."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         square = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for p in model.parameters():
             if p.grad is None or (p is self.tied_weight and not self.counts_tied_in_norm):
                 continue  # the tied copy on the last stage's rank is counted on the first's
             square += torch.linalg.vector_norm(p.grad, dtype=torch.float64) ** 2
-        dist.all_reduce(square)
+        dist.all_reduce(square, group=self.pp_group)
         norm = square.sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -611,7 +648,7 @@ class PipelineParallel(Strategy):
 
     # -- figures -------------------------------------------------------------------------------
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        lay, me = self.layout, self.env.rank
+        lay, me = self.layout, self.pp_rank
         hidden = model.module.backbone.config.hidden_size
         itemsize = next(model.module.parameters()).element_size()
         seq = batches[0]["input_ids"].shape[1]

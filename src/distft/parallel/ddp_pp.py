@@ -1,0 +1,126 @@
+"""2D parallelism (`ddp+pp`): data parallelism across replicas of a pipeline.
+
+The ranks form a ("pp", "dp") `DeviceMesh` (`distft.parallel.mesh.ParallelDims`, pp outermost):
+with dp = pp = 2, ranks {0, 2} are pipeline replica 0 and {1, 3} replica 1; {0, 1} and {2, 3}
+are the data-parallel groups of pipeline ranks 0 and 1. Each replica is exactly the `pp`
+strategy (`PipelineParallel`: the same stages, schedules, loss and timeline) over its column of
+the mesh, and reads its own 1/dp of the global batch.
+
+What each rank holds: the stage(s) its pipeline rank holds under `pp` (decoder layers, the
+embedding on the first stage, norm + lm_head + loss on the last), their gradients and AdamW
+state, whole (nothing is sharded across dp); the activations of its replica's micro-batches.
+
+What runs on which mesh dimension, per optimizer step:
+- pp (inside a replica): the schedule's send/recv of one (mb, seq, hidden) activation per
+  micro-batch per stage boundary forward and of its gradient backward; the gradient norm's float64
+  sum of squares (every stage's share, once: the replicas hold equal gradients after the dp
+  all-reduce, so summing over dp too would count each dp times); full finetuning of a tied
+  embedding: the sum of the two copies' gradients, between the first and the last stage's ranks;
+- dp (same pipeline rank, different replicas): one all-reduce of this rank's trainable stage
+  gradients, flattened into one buffer, after the schedule;
+- all ranks: the loss sum (only last stages have one; the sum over the world is the global batch's).
+
+Why one flat all-reduce after the schedule and not DDP around the stage module. The gradient each
+replica accumulates is already d(its token-loss sum / the global label-token count): the schedule's
+loss function divides by the global count, gradients are not scaled by the micro-batch count
+(`scale_grads=False`). The SUM over dp is therefore exactly the single-process gradient (an
+average would need a dp x scale first, inexact when dp is not a power of two). torch's stage does
+know DDP (`backward_maybe_with_nosync`: no_sync for all but the last backward, then it reaches
+into DDP's reducer), but only for a full backward: zero-bubble and zbv split backward into input
+and weight passes (`autograd.grad` on the parameters), which DDP's hooks do not follow; an
+interleaved rank holds several stages, each its own DDP with its own last backward; and DDP
+renames parameters (`module.`), which the global-name view (`PipelineModel`) and the export rely
+on. One all-reduce after `step()` is correct for every schedule, moves the same bytes (the
+trainable gradients, once per step), and is one collective per rank. What it gives up is DDP's
+overlap of the all-reduce with the pipeline's drain: negligible for LoRA's few MB, worth bucketing
+per stage for full finetuning at scale (not done).
+
+Batch accounting: `data_parallel_size` is dp, a rank's data shard its dp coordinate; the layout
+cuts global_batch_size / dp sequences into the schedule's micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from distft.config import Config, ConfigError
+from distft.distributed import DistEnv
+from distft.parallel.base import Batch, trainable_bytes
+from distft.parallel.mesh import ParallelDims
+from distft.parallel.pipeline import Layout, PipelineParallel, layout
+
+
+class DDPPipelineParallel(PipelineParallel):
+    name = "ddp+pp"
+    mesh_degrees: ClassVar[bool] = True
+
+    @classmethod
+    def pipeline_layout(cls, cfg: Config) -> Layout:
+        dims = ParallelDims.from_config(cfg)
+        return layout(cfg, ranks=dims.pp, replicas=dims.dp)
+
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        dims = ParallelDims.from_config(cfg)  # dp x tp x pp = world size, else a ConfigError
+        if dims.tp != 1:
+            raise ConfigError(
+                f"--strategy ddp+pp takes parallel.dp and parallel.pp; parallel.tp must be 1 (got {dims.tp})."
+            )
+        if dims.pp < 2:
+            raise ConfigError(
+                f"--strategy ddp+pp needs parallel.pp of 2 or more (it is {dims.pp}); with one pipeline rank "
+                f"it is plain DDP: use --strategy ddp, or e.g. --nproc {cfg.world_size} parallel.pp=2."
+            )
+        if dims.dp < 2:
+            raise ConfigError(
+                f"--strategy ddp+pp with parallel.dp=1 is a single pipeline: use --strategy pp "
+                f"--nproc {cfg.world_size}, or raise --nproc to a multiple of parallel.pp={dims.pp}."
+            )
+        super().validate_config(cfg)
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        return ParallelDims.from_config(cfg).dp
+
+    def __init__(self, cfg: Config, env: DistEnv):
+        super().__init__(cfg, env)
+        self.dims = ParallelDims.from_config(cfg)
+        self.dp_rank = self.dims.coordinates(env.rank)["dp"]
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        self.mesh = self.dims.build_mesh(self.env.device.type)  # ("pp", "dp")
+        self.dp_group = self.mesh["dp"].get_group()
+        view = super().parallelize(model)
+        assert dist.get_process_group_ranks(self.pp_group) == self.pp_ranks
+        return view
+
+    def pipelines(self) -> list[list[int]]:
+        """Column d of the (pp, dp) mesh: replica d's global ranks, by pipeline rank."""
+        ranks = self.mesh.mesh  # (pp, dp) tensor of global ranks
+        return [ranks[:, d].tolist() for d in range(self.dims.dp)]
+
+    def pipeline_group(self) -> dist.ProcessGroup:
+        return self.mesh["pp"].get_group()
+
+    def after_backward(self, model: nn.Module) -> None:
+        super().after_backward(model)  # a tied embedding's two copies, inside the pipeline
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)  # SUM: see the module docstring
+        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(synced)
+
+    @torch.no_grad()
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+        """pp's (p2p between stages, loss, norm, tied embedding) plus, over dp, every trainable
+        gradient of this rank's stages once."""
+        out = super().expected_comm_bytes(model, batches)
+        out["all_reduce"] += trainable_bytes(model)
+        return out
