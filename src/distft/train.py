@@ -84,6 +84,11 @@ def peak_memory_bytes(env: DistEnv) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def local_bytes(tensors) -> int:
+    """Bytes of these tensors' local storage (a DTensor counts its shard on this rank only)."""
+    return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
+
+
 def gather_rank_summaries(env: DistEnv, summary: dict) -> list[dict]:
     """Every rank's end-of-run figures (peak memory, activation bytes), on every rank."""
     if not env.distributed:
@@ -253,6 +258,11 @@ def train(cfg: Config) -> TrainResult:
         "peak_mem_bytes": peak_memory_bytes(env),
         "saved_activation_bytes": saved_bytes,
         "param_bytes": param_bytes,
+        # Gradients are freed after every step: each trainable parameter's gradient has its shape.
+        "grad_bytes": local_bytes(p for p in model.parameters() if p.requires_grad),
+        "optimizer_bytes": local_bytes(
+            v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        ),
     }
     ranks = gather_rank_summaries(env, summary)
     state = strategy.trainable_state_dict(model)

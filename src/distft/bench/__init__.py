@@ -7,8 +7,10 @@ from pathlib import Path
 
 from distft.bench.harness import BenchSettings, run_bench
 from distft.bench.report import write_report
+from distft.config import ConfigError
 
-DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp"
+DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp,tp-sp,pp"  # every strategy that runs on 2 processes
+PP_SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv"
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,13 +31,42 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward on a rank")
     p.add_argument("--seq-len", type=int, default=512, help="data.max_length")
+    p.add_argument(
+        "--pp-sweep",
+        nargs="?",
+        const=PP_SCHEDULES,
+        default="",
+        metavar="SCHEDULES",
+        help=f"also run pp for each schedule (default with no value: {PP_SCHEDULES}) and each --pp-microbatches: "
+        "idle fraction vs micro-batches against theory, and a Gantt chart per schedule",
+    )
+    p.add_argument(
+        "--pp-microbatches", default="4,8", help="micro-batch counts of the pipeline sweep (default 4,8)"
+    )
+    p.add_argument(
+        "--project",
+        default="",
+        metavar="PROFILES",
+        help="project the measured compute and bytes onto hardware profiles, e.g. 2xrtx4090-pcie,8xh100-nvlink "
+        "(N x a `distft plan` GPU, optionally -pcie/-nvlink/...), and say which strategy should win there",
+    )
     p.add_argument("--out", default="runs/bench", help="output directory")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every `distft train`")
 
 
+def _names(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        microbatches = [int(m) for m in _names(args.pp_microbatches)]
+    except ValueError:
+        raise ConfigError(
+            f"--pp-microbatches takes comma-separated integers, got {args.pp_microbatches!r}."
+        ) from None
     settings = BenchSettings(
-        strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
+        strategies=_names(args.strategies),
         nproc=args.nproc,
         model=args.model,
         steps=args.steps,
@@ -44,6 +75,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch,
         seq_len=args.seq_len,
         overrides=list(args.overrides),
+        pp_schedules=_names(args.pp_sweep),
+        pp_microbatches=microbatches,
+        project=_names(args.project),
     )
     out = Path(args.out)
     summary = run_bench(settings, out)
