@@ -179,3 +179,18 @@ def test_pipeline_plots_from_a_fabricated_sweep(bench, tmp_path):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| 1f1b | 4 | 0.200 | 40% | 20% | 10% | 35% |" in report
     assert "![1f1b timeline](pp_gantt_1f1b.png)" in report
+
+
+def test_report_only_recomputes_projections_without_running(bench, tmp_path):
+    import shutil
+
+    out, _ = bench
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("runs"))
+    args = ["bench", "--report-only", "--project", "2xh100-nvlink,8xh100-nvlink", "--out", str(copy)]
+    assert main(args) == 0
+    results = json.loads((copy / "results.json").read_text())
+    assert [p["profile"] for p in results["projections"]] == ["2xh100-nvlink", "8xh100-nvlink"]
+    eight = results["projections"][1]["strategies"]["ddp"]
+    assert "cannot feed 8 replicas" in eight["note"]  # a global batch of 4: said, not projected
+    assert "### projected: 8xh100-nvlink" in (copy / "report.md").read_text()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import asdict
 from pathlib import Path
 
-from distft.bench.harness import BenchSettings, run_bench
+from distft.bench.harness import BenchSettings, add_predictions, run_bench
 from distft.bench.report import write_report
 from distft.config import ConfigError
 
@@ -51,11 +53,32 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "(N x a `distft plan` GPU, optionally -pcie/-nvlink/...), and say which strategy should win there",
     )
     p.add_argument("--out", default="runs/bench", help="output directory")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rewrite DIR/report.md, the plots and the projections from DIR/results.json "
+        "(with this command's --project profiles)",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every `distft train`")
 
 
 def _names(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def rereport(out: Path, project: list[str]) -> dict:
+    """The summary of an earlier run, its predictions and projections recomputed."""
+    path = out / "results.json"
+    if not path.exists():
+        raise ConfigError(f"--report-only: {path} does not exist; run `distft bench --out {out}` first.")
+    summary = json.loads(path.read_text())
+    settings = BenchSettings(
+        **{**summary["settings"], "project": project or summary["settings"].get("project", [])}
+    )
+    summary["settings"] = asdict(settings)
+    add_predictions(summary, settings)
+    path.write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -80,7 +103,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         project=_names(args.project),
     )
     out = Path(args.out)
-    summary = run_bench(settings, out)
+    summary = rereport(out, settings.project) if args.report_only else run_bench(settings, out)
     report = write_report(summary, out)
     print(report.read_text())
     print(f"\nwrote {report}, {out / 'results.json'} and plots")

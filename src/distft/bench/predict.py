@@ -99,7 +99,12 @@ def _estimate(req: Request, settings, strategy: str, n: int):
     """The plan's estimate of `strategy` on n ranks with the bench's global batch."""
     n = 1 if strategy == "single" else n
     dp = n if strategy in ("ddp", "zero2", "fsdp") else 1
-    accum = max(1, settings.global_batch_size // (settings.micro_batch_size * dp))
+    accum = settings.global_batch_size // (settings.micro_batch_size * dp)
+    if accum < 1:
+        raise ConfigError(
+            f"a global batch of {settings.global_batch_size} cannot feed {dp} replicas a micro-batch of "
+            f"{settings.micro_batch_size} each"
+        )
     req = replace(req, grad_accum=accum, pp_microbatches=accum if strategy == "pp" else None)
     degrees = {"ddp": "dp", "zero2": "dp", "fsdp": "dp", "tp": "tp", "tp-sp": "tp", "pp": "pp"}
     kwargs = {degrees[strategy]: n} if strategy in degrees else {}
@@ -139,7 +144,11 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
     for r in results:
         name = r["strategy"]
         n = 1 if name == "single" else profile.gpus
-        e = _estimate(req, settings, name, n)
+        try:
+            e = _estimate(req, settings, name, n)
+        except ConfigError as err:
+            rows[name] = {"ranks": n, "note": str(err)}
+            continue
         if not e.applicable or e.compute_s is None:
             rows[name] = {"ranks": n, "note": e.note or "the plan cannot estimate it"}
             continue
