@@ -88,6 +88,9 @@ def test_loss_agreement_catches_a_planted_divergence(bench):
     planted = dataclasses.replace(runs[1], losses=[*runs[1].losses[:-1], runs[1].losses[-1] * 1.01])
     verdict = loss_agreement([runs[0], planted])
     assert verdict["single"]["agrees"] and not verdict["ddp"]["agrees"]
+    # The pipeline sweep's runs are checked the same way, by name.
+    verdict = loss_agreement(runs, others={"pp-1f1b-m4": runs[1].losses, "pp-zbv-m4": planted.losses})
+    assert verdict["pp-1f1b-m4"]["agrees"] and not verdict["pp-zbv-m4"]["agrees"]
 
 
 # ---- projection and pipeline plots, on fabricated inputs (no runs) -------------------------

@@ -7,7 +7,14 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from distft.bench.harness import BenchSettings, add_predictions, run_bench
+from distft.bench.harness import (
+    BenchSettings,
+    StrategyResult,
+    add_predictions,
+    loss_agreement,
+    run_bench,
+    sweep_losses,
+)
 from distft.bench.report import write_report
 from distft.config import ConfigError
 
@@ -77,6 +84,8 @@ def rereport(out: Path, project: list[str]) -> dict:
     )
     summary["settings"] = asdict(settings)
     add_predictions(summary, settings)
+    runs = [StrategyResult(**r) for r in summary["results"]]
+    summary["loss_agreement"] = loss_agreement(runs, others=sweep_losses(summary.get("pp_sweep") or []))
     path.write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -136,13 +136,21 @@ def run_pp_sweep(settings: BenchSettings, out: Path) -> tuple[list[dict], dict[s
     return sweep, failures
 
 
-def loss_agreement(results: list[StrategyResult], rtol: float = 1e-4) -> dict[str, dict]:
-    """Every strategy trains the same thing: compare its losses with the first one's, step by step."""
-    reference = results[0]
+def sweep_losses(sweep: list[dict]) -> dict[str, list[float]]:
+    return {f"pp-{s['schedule']}-m{s['microbatches']}": s["losses"] for s in sweep}
+
+
+def loss_agreement(
+    results: list[StrategyResult], rtol: float = 1e-4, others: dict[str, list[float]] | None = None
+) -> dict[str, dict]:
+    """Every strategy trains the same thing: compare its losses with the first one's, step by step
+    (and those of `others`, e.g. the pipeline sweep's runs, by name)."""
+    reference = results[0].losses
+    curves = {r.strategy: r.losses for r in results} | (others or {})
     report = {}
-    for r in results:
-        worst = max(abs(a - b) / abs(b) for a, b in zip(r.losses, reference.losses, strict=True))
-        report[r.strategy] = {"max_relative_difference": worst, "agrees": worst <= rtol}
+    for name, losses in curves.items():
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+        report[name] = {"max_relative_difference": worst, "agrees": worst <= rtol}
     return report
 
 
@@ -219,7 +227,7 @@ def run_bench(settings: BenchSettings, out: Path) -> dict:
         "environment": environment(),
         "results": [asdict(r) for r in results],
         "failures": failures,
-        "loss_agreement": loss_agreement(results),
+        "loss_agreement": loss_agreement(results, others=sweep_losses(sweep)),
         "plain_loop": reference,
         "overhead_ratio": ours.step_time_s["median"] / reference["step_time_s"]["median"] if ours else None,
         "config": (out / "runs" / results[0].strategy / "config.toml").read_text(),
