@@ -177,7 +177,14 @@ def test_pipeline_plots_from_a_fabricated_sweep(bench, tmp_path):
                           "losses": [1.0], "idle_fraction": 0.4, "idle_fraction_theory": 1 / (m + 1),
                           "idle_fraction_replayed": 0.35, "idle_fraction_imbalance_floor": 0.1,
                           "timeline": timeline})  # fmt: skip
-    report = write_report({**results, "pp_sweep": sweep}, tmp_path).read_text()
+    pp = {
+        **results["results"][1],
+        "strategy": "pp",
+        "extra": {"idle_fraction": 0.5, "idle_fraction_theory": 0.2},
+    }
+    summary = {**results, "results": [*results["results"], pp], "pp_sweep": sweep}
+    report = write_report(summary, tmp_path).read_text()
+    assert "pp: each rank idles 50% of the step" in report
     for name in ("pp_idle.png", "pp_gantt_gpipe.png", "pp_gantt_1f1b.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert "| 1f1b | 4 | 0.200 | 40% | 20% | 10% | 35% |" in report

@@ -355,6 +355,11 @@ def write_report(summary: dict, out: Path) -> Path:
             f"| {r['strategy']} | {r['world_size']} | {st['median']:.3f} [{st['min']:.3f}-{st['max']:.3f}] "
             f"| {r['tokens_per_s']['median']:,.0f} | {' / '.join(peak)} | {' / '.join(saved)} |"
         )
+    for r in results:
+        if "idle_fraction" in r.get("extra", {}):
+            x = r["extra"]
+            lines += ["", f"{r['strategy']}: each rank idles {x['idle_fraction']:.0%} of the step (median over the "
+                      f"measured steps; {x['idle_fraction_theory']:.0%} in theory with equal stages)."]  # fmt: skip
     lines += ["", "![throughput](throughput.png)", ""]
     lines += memory_section(summary)
 
