@@ -138,6 +138,9 @@ def train(cfg: Config) -> TrainResult:
     trainable, total = count_parameters(lm)
     model = strategy.parallelize(SummaryLM(lm))
     param_bytes = storage_layout(model)  # this rank's parameters at rest, NF4 parts apart (distft.quant)
+    # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
+    # before a forward-only pass can leave ZeRO-2's parameters gathered.
+    grad_bytes = local_bytes(p for p in model.parameters() if p.requires_grad)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -258,8 +261,7 @@ def train(cfg: Config) -> TrainResult:
         "peak_mem_bytes": peak_memory_bytes(env),
         "saved_activation_bytes": saved_bytes,
         "param_bytes": param_bytes,
-        # Gradients are freed after every step: each trainable parameter's gradient has its shape.
-        "grad_bytes": local_bytes(p for p in model.parameters() if p.requires_grad),
+        "grad_bytes": grad_bytes,
         "optimizer_bytes": local_bytes(
             v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
         ),
