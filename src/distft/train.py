@@ -100,6 +100,11 @@ def peak_memory_bytes(env: DistEnv) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def local_bytes(tensors) -> int:
+    """Bytes of these tensors' local storage (a DTensor counts its shard on this rank only)."""
+    return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors)
+
+
 def gather_rank_summaries(env: DistEnv, summary: dict) -> list[dict]:
     """Every rank's end-of-run figures (peak memory, activation bytes), on every rank."""
     if not env.distributed:
@@ -149,6 +154,9 @@ def train(cfg: Config) -> TrainResult:
     trainable, total = count_parameters(lm)
     model = strategy.parallelize(SummaryLM(lm))
     param_bytes = storage_layout(model)  # this rank's parameters at rest, NF4 parts apart (distft.quant)
+    # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
+    # before a forward-only pass can leave ZeRO-2's parameters gathered.
+    grad_bytes = local_bytes(p for p in model.parameters() if p.requires_grad)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -303,6 +311,10 @@ def train(cfg: Config) -> TrainResult:
         "peak_mem_bytes": peak_memory_bytes(env),
         "saved_activation_bytes": saved_bytes,
         "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optimizer_bytes": local_bytes(
+            v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        ),
     }
     with collective("gathering the trained weights for export"):
         ranks = gather_rank_summaries(env, summary)

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
+from dataclasses import asdict
 from pathlib import Path
 
-from distft.bench.harness import BenchSettings, run_bench
+from distft.bench.harness import (
+    BenchSettings,
+    StrategyResult,
+    add_predictions,
+    loss_agreement,
+    run_bench,
+    sweep_losses,
+)
 from distft.bench.report import write_report
+from distft.config import ConfigError
 
-DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp"
+DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp,tp-sp,pp"  # every strategy that runs on 2 processes
+PP_SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv"
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,13 +40,65 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward on a rank")
     p.add_argument("--seq-len", type=int, default=512, help="data.max_length")
+    p.add_argument(
+        "--pp-sweep",
+        nargs="?",
+        const=PP_SCHEDULES,
+        default="",
+        metavar="SCHEDULES",
+        help=f"also run pp for each schedule (default with no value: {PP_SCHEDULES}) and each --pp-microbatches: "
+        "idle fraction vs micro-batches against theory, and a Gantt chart per schedule",
+    )
+    p.add_argument(
+        "--pp-microbatches", default="4,8", help="micro-batch counts of the pipeline sweep (default 4,8)"
+    )
+    p.add_argument(
+        "--project",
+        default="",
+        metavar="PROFILES",
+        help="project the measured compute and bytes onto hardware profiles, e.g. 2xrtx4090-pcie,8xh100-nvlink "
+        "(N x a `distft plan` GPU, optionally -pcie/-nvlink/...), and say which strategy should win there",
+    )
     p.add_argument("--out", default="runs/bench", help="output directory")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rewrite DIR/report.md, the plots and the projections from DIR/results.json "
+        "(with this command's --project profiles)",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every `distft train`")
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def _names(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def rereport(out: Path, project: list[str]) -> dict:
+    """The summary of an earlier run, its predictions and projections recomputed."""
+    path = out / "results.json"
+    if not path.exists():
+        raise ConfigError(f"--report-only: {path} does not exist; run `distft bench --out {out}` first.")
+    summary = json.loads(path.read_text())
     settings = BenchSettings(
-        strategies=[s.strip() for s in args.strategies.split(",") if s.strip()],
+        **{**summary["settings"], "project": project or summary["settings"].get("project", [])}
+    )
+    summary["settings"] = asdict(settings)
+    add_predictions(summary, settings)
+    runs = [StrategyResult(**r) for r in summary["results"]]
+    summary["loss_agreement"] = loss_agreement(runs, others=sweep_losses(summary.get("pp_sweep") or []))
+    path.write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        microbatches = [int(m) for m in _names(args.pp_microbatches)]
+    except ValueError:
+        raise ConfigError(
+            f"--pp-microbatches takes comma-separated integers, got {args.pp_microbatches!r}."
+        ) from None
+    settings = BenchSettings(
+        strategies=_names(args.strategies),
         nproc=args.nproc,
         model=args.model,
         steps=args.steps,
@@ -44,9 +107,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch,
         seq_len=args.seq_len,
         overrides=list(args.overrides),
+        pp_schedules=_names(args.pp_sweep),
+        pp_microbatches=microbatches,
+        project=_names(args.project),
     )
     out = Path(args.out)
-    summary = run_bench(settings, out)
+    summary = rereport(out, settings.project) if args.report_only else run_bench(settings, out)
     report = write_report(summary, out)
     print(report.read_text())
     print(f"\nwrote {report}, {out / 'results.json'} and plots")

@@ -35,15 +35,18 @@ class BenchSettings:
     seq_len: int = 512
     seed: int = 0
     overrides: list[str] = field(default_factory=list)
+    pp_schedules: list[str] = field(default_factory=list)  # the pipeline sweep (empty: none)
+    pp_microbatches: list[int] = field(default_factory=lambda: [4, 8])
+    project: list[str] = field(default_factory=list)  # hardware profiles, e.g. 2xrtx4090-pcie
 
-    def train_args(self, strategy: str, out: Path) -> list[str]:
+    def train_args(self, strategy: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
         nproc = 1 if strategy == "single" else self.nproc
         return [
             "train", "--strategy", strategy, "--nproc", str(nproc), "--model", self.model,
             "--max-steps", str(self.warmup + self.steps), "--out", str(out), "--no-resume",
             f"train.global_batch_size={self.global_batch_size}", f"train.micro_batch_size={self.micro_batch_size}",
             f"data.max_length={self.seq_len}", f"train.seed={self.seed}", "train.eval_every=0", "train.log_every=1",
-            *self.overrides,
+            *self.overrides, *extra,
         ]  # fmt: skip
 
 
@@ -58,6 +61,8 @@ class StrategyResult:
     ranks: list[dict]  # per rank: peak_mem_bytes, saved_activation_bytes
     comm_bytes: dict[str, int]
     comm_bytes_expected: dict[str, int]
+    comm_calls: dict[str, int] = field(default_factory=dict)
+    tokens_per_step: float = 0.0  # median over the measured steps
     extra: dict = field(default_factory=dict)  # strategy-specific figures (e.g. pipeline idle time)
 
 
@@ -65,18 +70,21 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_strategy(settings: BenchSettings, strategy: str, out: Path) -> StrategyResult:
+def run_strategy(
+    settings: BenchSettings, strategy: str, out: Path, extra: tuple[str, ...] = ()
+) -> StrategyResult:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "distft.cli", *settings.train_args(strategy, out)],
+        [sys.executable, "-m", "distft.cli", *settings.train_args(strategy, out, extra)],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     wall = time.perf_counter() - start
-    (out.parent / f"{strategy}.log").write_text(proc.stdout + proc.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{strategy} failed (exit {proc.returncode}): {' | '.join(tail)}")
+        raise RuntimeError(f"{out.name} failed (exit {proc.returncode}): {' | '.join(tail)}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = records[settings.warmup :] or records
     first = records[0]
@@ -94,17 +102,55 @@ def run_strategy(settings: BenchSettings, strategy: str, out: Path) -> StrategyR
         ranks=json.loads((out / "ranks.json").read_text()),
         comm_bytes=first.get("comm_bytes", {}),
         comm_bytes_expected=first.get("comm_bytes_expected", {}),
+        comm_calls=first.get("comm_calls", {}),
+        tokens_per_step=statistics.median(r["tokens"] for r in measured),
         extra=extra,
     )
 
 
-def loss_agreement(results: list[StrategyResult], rtol: float = 1e-4) -> dict[str, dict]:
-    """Every strategy trains the same thing: compare its losses with the first one's, step by step."""
-    reference = results[0]
+def run_pp_sweep(settings: BenchSettings, out: Path) -> tuple[list[dict], dict[str, str]]:
+    """`pp` once per schedule and micro-batch count: measured idle fraction against theory, and
+    the last step's timeline (`pipeline_timeline.json`) for the Gantt charts."""
+    sweep, failures = [], {}
+    for schedule in settings.pp_schedules:
+        for m in settings.pp_microbatches:
+            name = f"pp-{schedule}-m{m}"
+            print(f"bench: {name} ...", flush=True)
+            run_dir = out / "runs" / name
+            try:
+                r = run_strategy(
+                    settings, "pp", run_dir, (f"parallel.schedule={schedule}", f"parallel.microbatches={m}")
+                )
+            except RuntimeError as err:
+                failures[name] = str(err)
+                print(f"bench: {err}", flush=True)
+                continue
+            timeline = json.loads((run_dir / "pipeline_timeline.json").read_text())
+            sweep.append({
+                "schedule": schedule, "microbatches": m, "step_time_s": r.step_time_s, "losses": r.losses,
+                "idle_fraction": r.extra.get("idle_fraction"), "idle_fraction_theory": r.extra.get("idle_fraction_theory"),
+                "idle_fraction_replayed": timeline.get("idle_fraction_replayed"),
+                "idle_fraction_imbalance_floor": timeline.get("idle_fraction_imbalance_floor"),
+                "timeline": timeline,
+            })  # fmt: skip
+    return sweep, failures
+
+
+def sweep_losses(sweep: list[dict]) -> dict[str, list[float]]:
+    return {f"pp-{s['schedule']}-m{s['microbatches']}": s["losses"] for s in sweep}
+
+
+def loss_agreement(
+    results: list[StrategyResult], rtol: float = 1e-4, others: dict[str, list[float]] | None = None
+) -> dict[str, dict]:
+    """Every strategy trains the same thing: compare its losses with the first one's, step by step
+    (and those of `others`, e.g. the pipeline sweep's runs, by name)."""
+    reference = results[0].losses
+    curves = {r.strategy: r.losses for r in results} | (others or {})
     report = {}
-    for r in results:
-        worst = max(abs(a - b) / abs(b) for a, b in zip(r.losses, reference.losses, strict=True))
-        report[r.strategy] = {"max_relative_difference": worst, "agrees": worst <= rtol}
+    for name, losses in curves.items():
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+        report[name] = {"max_relative_difference": worst, "agrees": worst <= rtol}
     return report
 
 
@@ -127,6 +173,23 @@ def environment() -> dict:
     }
 
 
+def add_predictions(summary: dict, settings: BenchSettings) -> None:
+    """The plan's memory prediction for the measured strategies, and the projections (`predict`)."""
+    from distft.bench.predict import parse_profile, plan_memory, project
+
+    precision = "fp32" if summary["environment"]["device"] == "cpu" else "mixed"
+    names = [r["strategy"] for r in summary["results"]]
+    labels = int(summary["plain_loop"].get("label_tokens_per_sequence") or 256)
+    summary["plan_memory"] = {
+        "precision": precision,
+        "label_tokens": labels,
+        "strategies": plan_memory(settings, names, precision, labels),
+    }
+    summary["projections"] = [
+        project(settings, summary["results"], parse_profile(p)) for p in settings.project
+    ]
+
+
 def run_bench(settings: BenchSettings, out: Path) -> dict:
     from distft.bench.reference import time_plain_loop
     from distft.parallel import STRATEGIES
@@ -134,6 +197,14 @@ def run_bench(settings: BenchSettings, out: Path) -> dict:
     unknown = [s for s in settings.strategies if s not in STRATEGIES]
     if unknown:
         raise ConfigError(f"Unknown strategies {', '.join(unknown)}; available: {', '.join(STRATEGIES)}.")
+    from distft.bench.predict import parse_profile
+    from distft.parallel.pipeline import SCHEDULES
+
+    for profile in settings.project:
+        parse_profile(profile)  # fail before running anything
+    bad = [s for s in settings.pp_schedules if s not in SCHEDULES]
+    if bad:
+        raise ConfigError(f"Unknown pipeline schedules {', '.join(bad)}; available: {', '.join(SCHEDULES)}.")
     if settings.warmup < 0 or settings.steps < 1:
         raise ConfigError("--steps must be at least 1 and --warmup cannot be negative.")
     out.mkdir(parents=True, exist_ok=True)
@@ -147,6 +218,8 @@ def run_bench(settings: BenchSettings, out: Path) -> dict:
             print(f"bench: {err}", flush=True)
     if not results:
         raise ConfigError(f"Every strategy failed: {failures}")
+    sweep, sweep_failures = run_pp_sweep(settings, out)
+    failures.update(sweep_failures)
     reference = time_plain_loop(settings)
     ours = next((r for r in results if r.strategy == "single"), None)
     summary = {
@@ -154,10 +227,12 @@ def run_bench(settings: BenchSettings, out: Path) -> dict:
         "environment": environment(),
         "results": [asdict(r) for r in results],
         "failures": failures,
-        "loss_agreement": loss_agreement(results),
+        "loss_agreement": loss_agreement(results, others=sweep_losses(sweep)),
         "plain_loop": reference,
         "overhead_ratio": ours.step_time_s["median"] / reference["step_time_s"]["median"] if ours else None,
         "config": (out / "runs" / results[0].strategy / "config.toml").read_text(),
+        "pp_sweep": sweep,
     }
+    add_predictions(summary, settings)
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     return summary

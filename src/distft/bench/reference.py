@@ -57,5 +57,8 @@ def time_plain_loop(settings) -> dict:  # settings: BenchSettings
 
     measured = times[settings.warmup :]
     return {
-        "step_time_s": {"median": statistics.median(measured), "min": min(measured), "max": max(measured)}
+        "step_time_s": {"median": statistics.median(measured), "min": min(measured), "max": max(measured)},
+        # What the plan's activation model needs to compare with the data actually trained on.
+        "label_tokens_per_sequence": statistics.median(sum(t != IGNORE for t in e.labels) for e in examples),
+        "tokens_per_sequence": statistics.median(len(e.input_ids) for e in examples),
     }

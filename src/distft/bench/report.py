@@ -30,21 +30,54 @@ def plot_throughput(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_memory(results: list[dict], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    labels, peak, saved = [], [], []
+COMPONENTS = [  # (measured key in ranks.json, plan key, label)
+    ("param_bytes", "params", "parameters"),
+    ("grad_bytes", "grads", "gradients"),
+    ("optimizer_bytes", "optimizer", "optimizer state"),
+    ("saved_activation_bytes", "activations", "activations"),
+]
+COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
+
+
+def measured_components(rank: dict) -> dict[str, float]:
+    """Bytes by component on one rank; param_bytes is a dict by storage kind (dense, NF4 parts)."""
+    out = {}
+    for key, _, label in COMPONENTS:
+        value = rank.get(key, 0)
+        out[label] = float(sum(value.values()) if isinstance(value, dict) else value)
+    return out
+
+
+def plot_memory(results: list[dict], path: Path, plan: dict | None = None) -> None:
+    """Per rank, measured bytes stacked by component; beside each strategy the plan's prediction."""
+    plan = (plan or {}).get("strategies", {})
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * sum(len(r["ranks"]) + 1 for r in results)), 4))
+    labels, x, bars, hatched = [], 0, [], []
     for r in results:
         for rank in r["ranks"]:
-            labels.append(f"{r['strategy']}\nr{rank['rank']}")
-            peak.append(rank["peak_mem_bytes"] / 2**20)
-            saved.append(rank["saved_activation_bytes"] / 2**20)
-    x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], peak, width=0.4, label="peak memory (RSS on CPU, allocated on CUDA)")
-    ax.bar([i + 0.2 for i in x], saved, width=0.4, label="activations saved for backward (1 micro-batch)")
-    ax.set_xticks(list(x), labels, fontsize=7)
+            bars.append((x, measured_components(rank), False))
+            labels.append((x, f"{r['strategy']}\nr{rank['rank']}"))
+            x += 1
+        predicted = plan.get(r["strategy"], {})
+        if "params" in predicted:
+            bars.append((x, {label: float(predicted[key]) for _, key, label in COMPONENTS}, True))
+            labels.append((x, f"{r['strategy']}\nplan"))
+            hatched.append(x)
+            x += 1
+        x += 0.5
+    for pos, parts, is_plan in bars:
+        bottom = 0.0
+        for (_, _, label), color in zip(COMPONENTS, COLORS, strict=True):
+            value = parts[label] / 2**20
+            ax.bar(pos, value, bottom=bottom, color=color, hatch="//" if is_plan else None,
+                   alpha=0.55 if is_plan else 1.0, edgecolor="white", width=0.8)  # fmt: skip
+            bottom += value
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="grey", hatch="//"))
+    ax.legend(handles, [label for _, _, label in COMPONENTS] + ["distft plan's prediction"], fontsize=7)
+    ax.set_xticks([p for p, _ in labels], [t for _, t in labels], fontsize=7)
     ax.set_ylabel("MiB per rank")
-    ax.legend(fontsize=7)
-    ax.set_title("Memory per rank")
+    ax.set_title("Memory per rank by component: measured (solid) and the plan's prediction (hatched)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -81,16 +114,222 @@ def plot_losses(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+SCHEDULE_COLORS = {"gpipe": "#4C72B0", "1f1b": "#DD8452", "interleaved-1f1b": "#55A868",
+                   "zero-bubble": "#C44E52", "zbv": "#8172B3"}  # fmt: skip
+KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+
+
+def plot_pp_idle(sweep: list[dict], path: Path) -> None:
+    """Measured idle fraction against micro-batches, one line per schedule, theory dashed."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for schedule in dict.fromkeys(s["schedule"] for s in sweep):
+        runs = sorted((s for s in sweep if s["schedule"] == schedule), key=lambda s: s["microbatches"])
+        m = [s["microbatches"] for s in runs]
+        color = SCHEDULE_COLORS.get(schedule)
+        ax.plot(m, [s["idle_fraction"] for s in runs], "o-", color=color, label=f"{schedule} measured")
+        ax.plot(
+            m,
+            [s["idle_fraction_theory"] for s in runs],
+            "x--",
+            color=color,
+            alpha=0.7,
+            label=f"{schedule} theory",
+        )
+    ax.set_xlabel("micro-batches per step (m)")
+    ax.set_ylabel("idle fraction (mean over ranks)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Pipeline bubble: measured (solid) vs equal-stage theory (dashed)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ideal_timeline(timeline: dict) -> list[list[dict]]:
+    """The measured order of passes on each rank, replayed with equal stage times and free messages:
+    F = 1 unit, a full backward 2, a split one B 1 + W 1 (a W alone, with no B to send, 2).
+    The schedule's order is what torch ran (its action list), so this is the schedule's ideal."""
+    rows = [sorted(r["events"], key=lambda e: e["start"]) for r in timeline["ranks"]]
+    present = {(e["kind"], e["stage"], e["microbatch"]) for row in rows for e in row}
+    last = max(s for _, s, _ in present)
+    split = any(k == "W" for k, _, _ in present)
+
+    def duration(kind: str, stage: int, mb: int) -> float:
+        if kind == "F":
+            return 1.0
+        if kind == "B":
+            return 1.0 if split else 2.0
+        return 1.0 if ("B", stage, mb) in present else 2.0
+
+    done: dict[tuple, float] = {}
+    free, nxt = [0.0] * len(rows), [0] * len(rows)
+    out: list[list[dict]] = [[] for _ in rows]
+    progress = True
+    while progress:
+        progress = False
+        for r, row in enumerate(rows):
+            while nxt[r] < len(row):
+                e = row[nxt[r]]
+                kind, s, i = e["kind"], e["stage"], e["microbatch"]
+                deps = {"F": [("F", s - 1, i)], "W": [("B", s, i)]}.get(kind, [("F", s, i), ("B", s + 1, i)])
+                deps = [d for d in deps if d in present and (d[1] <= last)]
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d] for d in deps])
+                free[r] = done[(kind, s, i)] = start + duration(kind, s, i)
+                out[r].append({**e, "start": start, "end": free[r]})
+                nxt[r] += 1
+                progress = True
+    return out
+
+
+def _gantt(ax, rows: list[list[dict]], title: str, unit: str) -> None:
+    for r, events in enumerate(rows):
+        for e in events:
+            ax.barh(r, e["end"] - e["start"], left=e["start"], color=KIND_COLORS.get(e["kind"], "grey"),
+                    edgecolor="white", linewidth=0.5, alpha=0.6 + 0.4 * (e["stage"] == min(x["stage"] for x in events)))  # fmt: skip
+            label = e["kind"] + str(e["microbatch"])
+            ax.text((e["start"] + e["end"]) / 2, r, label if e["stage"] == min(x["stage"] for x in events) else label.lower(),
+                    ha="center", va="center", fontsize=5)  # fmt: skip
+    ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_title(title, fontsize=9)
+
+
+def plot_pp_gantt(timeline: dict, path: Path) -> None:
+    """The last step's passes per rank as measured, beside the schedule's ideal (equal stage times)."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * len(timeline["ranks"]) * 2))
+    measured = [
+        [{**e, "start": e["start"] * 1e3, "end": e["end"] * 1e3} for e in r["events"]]
+        for r in timeline["ranks"]
+    ]
+    head = f"{timeline['schedule']} (p={timeline['p']}, m={timeline['m']}, V={timeline['V']})"
+    _gantt(
+        top, measured, f"{head}: measured, idle {timeline['idle_fraction']:.0%}", "ms from the step's start"
+    )
+    _gantt(bottom, ideal_timeline(timeline), f"{head}: ideal, idle {timeline['idle_fraction_theory']:.0%} "
+           "(torch's order, equal stage times)", "units (forward = 1)")  # fmt: skip
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
+    top.legend(handles, ["F forward", "B backward", "W weight grad"], fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def memory_section(summary: dict) -> list[str]:
+    plan = summary.get("plan_memory") or {"strategies": {}, "precision": "?"}
+    lines = [
+        "## Memory by component: measured vs `distft plan`",
+        "",
+        "Measured per rank: parameters and gradients are the local storage of the rank's parameters "
+        "(gradients have their parameters' shapes and are freed between steps), optimizer state the "
+        "AdamW tensors after the last step, activations what autograd saved for one micro-batch on the "
+        f"first step. The plan's figures (precision `{plan['precision']}`, {plan.get('label_tokens', 256)} "
+        "loss positions per sequence: the data's median summary) are for its fullest rank, with the "
+        "activations saved for every in-flight micro-batch (the loss's transient logits left out) at the "
+        "full sequence length, where the measurement saw one micro-batch of real, often shorter sequences.",
+        "",
+        "| strategy | rank | parameters | gradients | optimizer state | activations | plan: parameters "
+        "| plan: gradients | plan: optimizer state | plan: activations |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary["results"]:
+        predicted = plan["strategies"].get(r["strategy"], {})
+        pcells = [_mib(predicted[k]) if k in predicted else "-" for _, k, _ in COMPONENTS]
+        for rank in r["ranks"]:
+            m = measured_components(rank)
+            cells = [_mib(m[label]) for _, _, label in COMPONENTS]
+            lines.append(f"| {r['strategy']} | {rank['rank']} | {' | '.join(cells)} | {' | '.join(pcells)} |")
+    lines += ["", "MiB. ![memory](memory.png)", ""]
+    return lines
+
+
+def pipeline_section(sweep: list[dict]) -> list[str]:
+    if not sweep:
+        return []
+    lines = [
+        "## Pipeline schedules: idle fraction vs micro-batches (measured vs theory)",
+        "",
+        "Idle fraction = 1 - busy / step time per rank, mean over ranks, median over the measured steps. "
+        "Theory assumes equal stage times and free messages (`parallel/pipeline.py`); the imbalance floor "
+        "is what unequal stages force (1 - mean busy / max busy); replayed is torch's order replayed with "
+        "the measured pass times.",
+        "",
+        "| schedule | m | step time (s, median) | idle measured | idle theory | imbalance floor | replayed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def pct(x):
+        return "-" if x is None else f"{x:.0%}"
+
+    for s in sweep:
+        lines.append(
+            f"| {s['schedule']} | {s['microbatches']} | {s['step_time_s']['median']:.3f} | {pct(s['idle_fraction'])} "
+            f"| {pct(s['idle_fraction_theory'])} | {pct(s['idle_fraction_imbalance_floor'])} "
+            f"| {pct(s['idle_fraction_replayed'])} |"
+        )
+    lines += ["", "![idle fraction vs micro-batches](pp_idle.png)", ""]
+    for schedule in dict.fromkeys(s["schedule"] for s in sweep):
+        lines += [f"![{schedule} timeline](pp_gantt_{schedule}.png)", ""]
+    return lines
+
+
+def projection_section(projections: list[dict]) -> list[str]:
+    if not projections:
+        return []
+    lines = [
+        "## Projected (not measured): the measured bytes and the plan's compute on other hardware",
+        "",
+        "Compute per rank: the plan's FLOPs for each strategy's layout / (the GPU's dense bf16 peak x "
+        f"{projections[0]['mfu']:.0%} MFU). Communication: the bytes and calls measured per collective on "
+        "the first step, through the profile's ring `comm_time` (a recv is the other direction of a send). "
+        "DDP's, ZeRO-2's and FSDP's collectives overlap compute (only their excess shows); TP's, TP+SP's "
+        "and the pipeline's sit on the critical path; a pipeline adds its bubble. Tokens per step are the "
+        "measured ones. These figures are for the benchmarked model and batch: a small model is "
+        "latency-bound on fast hardware, so they say little about a 4B model (ask `distft plan`).",
+        "",
+    ]
+    for p in projections:
+        lines += [
+            f"### projected: {p['profile']} ({p['gpus']} x {p['gpu']}, {p['link']})",
+            "",
+            "| strategy | ranks | compute (ms) | comm (ms) | exposed comm (ms) | bubble (ms) | step (ms) "
+            "| tokens/s | vs one GPU |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, row in p["strategies"].items():
+            if "note" in row:
+                lines.append(f"| {name} | {row['ranks']} | not estimated: {row['note']} | | | | | | |")
+                continue
+            vs = "-" if row["speedup_vs_single"] is None else f"{row['speedup_vs_single']:.2f}x"
+            lines.append(
+                f"| {name} | {row['ranks']} | {row['compute_s'] * 1e3:.3f} | {row['comm_s'] * 1e3:.3f} "
+                f"| {row['exposed_comm_s'] * 1e3:.3f} | {row['bubble_s'] * 1e3:.3f} | {row['step_s'] * 1e3:.3f} "
+                f"| {row['tokens_per_s']:,.0f} | {vs} |"
+            )
+        lines += ["", f"Projected winner on {p['profile']}: **{p['winner']}**.", ""]
+        for c in p["claims"]:
+            verdict = "supports" if c["supported"] else "does not support"
+            lines.append(f'- Seeds\' claim "{c["claim"]}": the projection {verdict} it ({c["evidence"]}).')
+        lines.append("")
+    return lines
+
+
 def write_report(summary: dict, out: Path) -> Path:
     results = summary["results"]
-    plots = {
-        "throughput.png": plot_throughput,
-        "memory.png": plot_memory,
-        "comm.png": plot_comm,
-        "losses.png": plot_losses,
-    }
+    plots = {"throughput.png": plot_throughput, "comm.png": plot_comm, "losses.png": plot_losses}
     for name, plot in plots.items():
         plot(results, out / name)
+    plot_memory(results, out / "memory.png", summary.get("plan_memory"))
+    sweep = summary.get("pp_sweep") or []
+    if sweep:
+        plot_pp_idle(sweep, out / "pp_idle.png")
+        first = {}
+        for run in sorted(sweep, key=lambda s: s["microbatches"]):
+            first.setdefault(run["schedule"], run)  # the smallest m: fewest bars, most readable
+        for schedule, run in first.items():
+            plot_pp_gantt(run["timeline"], out / f"pp_gantt_{schedule}.png")
 
     s, env = summary["settings"], summary["environment"]
     lines = [
@@ -116,7 +355,13 @@ def write_report(summary: dict, out: Path) -> Path:
             f"| {r['strategy']} | {r['world_size']} | {st['median']:.3f} [{st['min']:.3f}-{st['max']:.3f}] "
             f"| {r['tokens_per_s']['median']:,.0f} | {' / '.join(peak)} | {' / '.join(saved)} |"
         )
-    lines += ["", "![throughput](throughput.png)", "", "![memory](memory.png)", ""]
+    for r in results:
+        if "idle_fraction" in r.get("extra", {}):
+            x = r["extra"]
+            lines += ["", f"{r['strategy']}: each rank idles {x['idle_fraction']:.0%} of the step (median over the "
+                      f"measured steps; {x['idle_fraction_theory']:.0%} in theory with equal stages)."]  # fmt: skip
+    lines += ["", "![throughput](throughput.png)", ""]
+    lines += memory_section(summary)
 
     lines += [
         "## Bytes moved per optimizer step (rank 0, measured vs analytic)",
@@ -146,6 +391,7 @@ def write_report(summary: dict, out: Path) -> Path:
         )
     lines += ["", "![losses](losses.png)", ""]
 
+    lines += pipeline_section(summary.get("pp_sweep") or [])
     if summary.get("overhead_ratio"):
         plain = summary["plain_loop"]["step_time_s"]["median"]
         lines += [
@@ -156,6 +402,7 @@ def write_report(summary: dict, out: Path) -> Path:
             "distft is faster: its loss head runs lm_head on the summary tokens only.",
             "",
         ]
+    lines += projection_section(summary.get("projections") or [])
     if summary["failures"]:
         lines += ["## Failures", ""] + [f"- {k}: {v}" for k, v in summary["failures"].items()] + [""]
     report = out / "report.md"

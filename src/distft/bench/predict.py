@@ -1,0 +1,207 @@
+"""What `distft plan` predicts for the benchmarked settings, and the measurements projected onto
+other hardware. Both reuse the plan's own functions; nothing here is measured.
+
+Prediction (`plan_memory`): the plan's per-rank parameters, gradients, optimizer state and
+activations for the same model, LoRA rank, micro-batch, sequence length and strategy, in the
+precision distft runs in on this device (fp32 on the CPU: `model.dtype` follows the device).
+
+Projection (`project`), per strategy on a profile `NxGPU-LINK` (e.g. `2xrtx4090-pcie`):
+- compute per rank = the plan's FLOPs for this strategy's layout at N ranks (`traffic.step_flops`)
+  / (the GPU's dense bf16 peak x an assumed MFU, 0.4 by default): what the plan itself assumes;
+- communication = the bytes and calls measured per collective kind on the first step (rank 0,
+  logical sizes), through the profile's ring `comm_time` over N ranks; a recv is the other
+  direction of a send and costs nothing extra. Logical bytes per step do not depend on N for
+  DDP, ZeRO, FSDP and TP (the ring factor does), so bytes measured at 2 ranks carry over;
+- overlap, as the plan assumes: DDP's, ZeRO-2's and FSDP's collectives hide behind compute and
+  only their excess shows; TP's, TP+SP's and the pipeline's sends sit on the critical path; a
+  pipeline adds its bubble, (p - 1) / m of the compute (`traffic.bubble_fraction`);
+- tokens/s = the measured tokens per step / the projected step time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from distft.config import ConfigError, load_config
+from distft.plan.decide import Request, _layout, estimate
+from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
+from distft.plan.memory import PRECISIONS, Training
+from distft.plan.model_spec import resolve_model
+from distft.plan.traffic import bubble_fraction
+
+OVERLAPPED = {"ddp", "zero2", "fsdp"}  # their collectives overlap backward (the plan's assumption)
+MFU = 0.4
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    gpus: int
+    gpu: str
+    interconnect: str | None
+
+
+def parse_profile(text: str) -> Profile:
+    """`2xrtx4090-pcie`, `8xh100-nvlink`, `2xa100-80gb`: N x a plan GPU profile, then optionally
+    a plan interconnect (pcie, nvlink, nvlink4 ...; default: the GPU's usual link)."""
+    m = re.fullmatch(r"(\d+)x([a-z0-9-]+)", text.strip().lower())
+    if not m or int(m.group(1)) < 1:
+        raise ConfigError(
+            f"--project {text!r}: give N x GPU[-LINK], e.g. 2xrtx4090-pcie or 8xh100-nvlink; "
+            f"GPUs: {', '.join(GPUS)}; links: {', '.join(INTERCONNECTS)}."
+        )
+    n, rest = int(m.group(1)), m.group(2)
+    gpu, link = rest, None
+    if rest not in GPUS and "-" in rest:
+        head, tail = rest.rsplit("-", 1)
+        if tail in INTERCONNECTS:
+            gpu, link = head, tail
+    find_gpu(gpu)  # raises ConfigError for an unknown GPU
+    return Profile(text.strip(), n, gpu, link)
+
+
+def _request(
+    settings,
+    gpus: int,
+    gpu_name: str | None,
+    interconnect: str | None,
+    precision: str,
+    label_tokens: int = 256,
+) -> Request:
+    cfg = load_config(None, [f"model.name={settings.model}", *settings.overrides])
+    gpu = find_gpu(gpu_name) if gpu_name else generic_gpu(64 * GiB)
+    training = Training(
+        method=cfg.train.method,
+        precision=PRECISIONS[precision],
+        lora_rank=cfg.lora.rank,
+        lora_targets=tuple(cfg.lora.target_modules),
+        autocast=precision != "fp32",
+        seq_len=settings.seq_len,
+        micro_batch=settings.micro_batch_size,
+        label_tokens=label_tokens,
+    )
+    return Request(
+        model=resolve_model(settings.model),
+        training=training,
+        gpu=gpu,
+        gpu_memory=gpu.memory,
+        gpus_per_node=gpus,
+        nodes=1,
+        intra=intra_node_link(gpu, interconnect),
+        inter=intra_node_link(gpu, interconnect),
+        pp_schedule=cfg.parallel.schedule if cfg.parallel.schedule in ("gpipe", "1f1b") else "1f1b",
+        mfu=MFU,
+    )
+
+
+def _estimate(req: Request, settings, strategy: str, n: int):
+    """The plan's estimate of `strategy` on n ranks with the bench's global batch."""
+    n = 1 if strategy == "single" else n
+    dp = n if strategy in ("ddp", "zero2", "fsdp") else 1
+    accum = settings.global_batch_size // (settings.micro_batch_size * dp)
+    if accum < 1:
+        raise ConfigError(
+            f"a global batch of {settings.global_batch_size} cannot feed {dp} replicas a micro-batch of "
+            f"{settings.micro_batch_size} each"
+        )
+    req = replace(req, grad_accum=accum, pp_microbatches=accum if strategy == "pp" else None)
+    degrees = {"ddp": "dp", "zero2": "dp", "fsdp": "dp", "tp": "tp", "tp-sp": "tp", "pp": "pp"}
+    kwargs = {degrees[strategy]: n} if strategy in degrees else {}
+    return estimate(req, _layout(req, strategy, **kwargs), strategy)
+
+
+def plan_memory(
+    settings, strategies: list[str], precision: str, label_tokens: int = 256
+) -> dict[str, dict[str, int]]:
+    """Bytes per rank (the fullest rank) by component, as `distft plan` predicts them, with the
+    data's median loss positions per sequence (`label_tokens`, the summary)."""
+    out = {}
+    for strategy in strategies:
+        try:
+            req = _request(settings, settings.nproc, None, None, precision, label_tokens)
+            e = _estimate(req, settings, strategy, settings.nproc)
+        except (ConfigError, ValueError, KeyError) as err:  # a strategy the plan does not model
+            out[strategy] = {"error": str(err)}
+            continue
+        out[strategy] = {
+            "params": e.params,
+            "grads": e.grads,
+            "optimizer": e.optimizer,
+            # Saved for backward (every in-flight micro-batch), without the loss's transient logits:
+            # what the measurement (autograd's saved tensors) counts.
+            "activations": e.activations - e.activation_detail.get("transient", 0),
+            "buffers": e.buffers,
+        }
+    return out
+
+
+def project(settings, results: list[dict], profile: Profile) -> dict:
+    """Every measured strategy's step time and tokens/s projected onto `profile` (see the docstring)."""
+    req = _request(settings, profile.gpus, profile.gpu, profile.interconnect, "mixed")
+    link = req.intra
+    rows = {}
+    for r in results:
+        name = r["strategy"]
+        n = 1 if name == "single" else profile.gpus
+        try:
+            e = _estimate(req, settings, name, n)
+        except ConfigError as err:
+            rows[name] = {"ranks": n, "note": str(err)}
+            continue
+        if not e.applicable or e.compute_s is None:
+            rows[name] = {"ranks": n, "note": e.note or "the plan cannot estimate it"}
+            continue
+        compute = e.compute_s
+        calls = r.get("comm_calls", {})
+        comm = sum(
+            comm_time(kind, b, n, link, calls.get(kind, 1))
+            for kind, b in r["comm_bytes"].items()
+            if kind != "recv"
+        )
+        bubble = bubble_fraction(e.layout) * compute
+        exposed = max(0.0, comm - compute) if name in OVERLAPPED else comm
+        step = compute + bubble + exposed
+        tokens = r.get("tokens_per_step") or r["tokens_per_s"]["median"] * r["step_time_s"]["median"]
+        rows[name] = {
+            "ranks": n,
+            "compute_s": compute,
+            "comm_s": comm,
+            "exposed_comm_s": exposed,
+            "bubble_s": bubble,
+            "step_s": step,
+            "tokens_per_s": tokens / step if step else 0.0,
+        }
+    estimated = {k: v for k, v in rows.items() if "note" not in v}
+    single = estimated.get("single")
+    for row in estimated.values():
+        row["speedup_vs_single"] = row["tokens_per_s"] / single["tokens_per_s"] if single else None
+    best = max(estimated, key=lambda k: estimated[k]["tokens_per_s"]) if estimated else None
+    return {
+        "profile": profile.name,
+        "gpus": profile.gpus,
+        "gpu": req.gpu.label,
+        "link": link.label,
+        "mfu": MFU,
+        "strategies": rows,
+        "winner": best,
+        "claims": claims(estimated, profile, link.name),
+    }
+
+
+def claims(rows: dict, profile: Profile, link: str) -> list[dict]:
+    """The seeds' claims, checked against one projection where they apply."""
+    out = []
+    if link.startswith("pcie") and "tp-sp" in rows and "fsdp" in rows:
+        a, b = rows["tp-sp"]["tokens_per_s"], rows["fsdp"]["tokens_per_s"]
+        out.append(
+            {
+                "claim": "TP+SP beats FSDP on PCIe",
+                "supported": a > b,
+                "evidence": f"{a / b:.2f}x FSDP's tokens/s",
+            }
+        )
+    if profile.gpus == 2 and "ddp" in rows and rows["ddp"]["speedup_vs_single"] is not None:
+        s = rows["ddp"]["speedup_vs_single"]
+        out.append({"claim": "DDP near 2x on 2 GPUs", "supported": s >= 1.8, "evidence": f"{s:.2f}x one GPU"})
+    return out
