@@ -22,7 +22,7 @@ demo: install  ## train the tiny Qwen3 on the bundled meetings (CPU), then summa
 test: install  ## lint, then the whole suite (CPU, gloo; GPU tests skip without CUDA)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: most of a test is single-threaded start-up
 
 format: install
 	$(VENV)/bin/ruff check --fix src tests

@@ -198,7 +198,9 @@ def train(cfg: Config) -> TrainResult:
     )
     if env.is_main and start_step:
         truncate_metrics(out / "metrics.jsonl", start_step)
-        progress.console.print(f"resuming from {checkpoint} (step {start_step})")
+        progress.console.print(
+            f"resuming from {checkpoint} (step {start_step})", soft_wrap=True
+        )  # a path stays whole
     metrics = MetricsWriter(out / "metrics.jsonl", append=start_step > 0) if env.is_main else None
     pad_id = tokenizer.pad_token_id
 
