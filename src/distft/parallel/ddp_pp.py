@@ -49,13 +49,12 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from distft.config import Config, ConfigError
-from distft.distributed import DistEnv
 from distft.parallel.base import Batch, trainable_bytes
-from distft.parallel.mesh import ParallelDims
+from distft.parallel.mesh import MeshStrategy, ParallelDims
 from distft.parallel.pipeline import Layout, PipelineParallel, layout
 
 
-class DDPPipelineParallel(PipelineParallel):
+class DDPPipelineParallel(MeshStrategy, PipelineParallel):
     name = "ddp+pp"
     mesh_degrees: ClassVar[bool] = True
 
@@ -82,15 +81,6 @@ class DDPPipelineParallel(PipelineParallel):
                 f"--nproc {cfg.world_size}, or raise --nproc to a multiple of parallel.pp={dims.pp}."
             )
         super().validate_config(cfg)
-
-    @classmethod
-    def data_parallel_size(cls, cfg: Config) -> int:
-        return ParallelDims.from_config(cfg).dp
-
-    def __init__(self, cfg: Config, env: DistEnv):
-        super().__init__(cfg, env)
-        self.dims = ParallelDims.from_config(cfg)
-        self.dp_rank = self.dims.coordinates(env.rank)["dp"]
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         self.mesh = self.dims.build_mesh(self.env.device.type)  # ("pp", "dp")

@@ -49,11 +49,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from transformers import PretrainedConfig
 
 from distft.config import Config, ConfigError
-from distft.distributed import DistEnv
 from distft.model import DTYPES, causal_lm
 from distft.parallel.base import Batch, Strategy, unwrap
 from distft.parallel.fsdp import FSDP, apply_fsdp
-from distft.parallel.mesh import ParallelDims
+from distft.parallel.mesh import MeshStrategy, ParallelDims
 from distft.parallel.tensor_parallel import (
     activation_all_reduce_bytes,
     check_tp_degree,
@@ -63,7 +62,7 @@ from distft.parallel.tensor_parallel import (
 from distft.quant import TP_REFUSAL
 
 
-class FSDPTensorParallel(Strategy):
+class FSDPTensorParallel(MeshStrategy, Strategy):
     name = "fsdp+tp"
     mesh_degrees: ClassVar[bool] = True
     qlora_refusal: ClassVar[str] = TP_REFUSAL
@@ -86,15 +85,6 @@ class FSDPTensorParallel(Strategy):
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
         check_tp_degree(cfg, model_config, ParallelDims.from_config(cfg).tp, knob="parallel.tp=")
-
-    @classmethod
-    def data_parallel_size(cls, cfg: Config) -> int:
-        return ParallelDims.from_config(cfg).dp
-
-    def __init__(self, cfg: Config, env: DistEnv):
-        super().__init__(cfg, env)
-        self.dims = ParallelDims.from_config(cfg)
-        self.dp_rank = self.dims.coordinates(env.rank)["dp"]
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)

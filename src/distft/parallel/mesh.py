@@ -73,3 +73,18 @@ class ParallelDims:
         return init_device_mesh(
             device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims)
         )
+
+
+class MeshStrategy:
+    """Mixin for a strategy on a multi-dimensional mesh: the data-parallel degree and this rank's
+    data-parallel index come from `ParallelDims`, not from the world size. List it before the
+    strategy class it extends."""
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        return ParallelDims.from_config(cfg).dp
+
+    def __init__(self, cfg: Config, env) -> None:
+        super().__init__(cfg, env)  # type: ignore[call-arg]
+        self.dims = ParallelDims.from_config(cfg)
+        self.dp_rank = self.dims.coordinates(env.rank)["dp"]
