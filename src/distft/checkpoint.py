@@ -13,11 +13,9 @@ new one, never a mix.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,44 +24,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from distft.errors import TrainingError
+from distft.io.files import atomic_directory, atomic_write_text
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from distft.config import Config
-
-
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield a temporary directory that replaces `final` only if the block completes."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        for f in tmp.iterdir():  # data on disk before the rename makes it visible
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save_adapter(
@@ -135,19 +101,6 @@ class MetricsWriter:
 # docs/reliability.md describes the layout and what a resume restores.
 
 CHECKPOINTS = "checkpoints"
-
-
-def state_dict_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # Frozen base weights are rebuilt from the model source on resume; saving them would copy
-    # the whole base model into every checkpoint. strict=False because the model then has keys
-    # (the frozen ones) that the checkpoint does not (PITFALLS.md: ignore_frozen_params alone
-    # still fails strict loading). The optimizer state is flattened to one key per parameter name
-    # (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`, ...): unflattened, param_groups is one list
-    # of names per rank under a single key, which DCP stores once, so ranks that hold different
-    # parameters (pipeline stages) would load each other's groups.
-    return StateDictOptions(ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(TrainingError):

@@ -22,11 +22,13 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.distributed import DistEnv
+from distft.parallel.grads import clip_grad_norm_
 
 Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, labels: each (micro_batch, seq)
 
@@ -115,31 +117,17 @@ class Strategy:
         return total
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
-        """Clip the global gradient norm and return it (before clipping).
+        """Clip the global gradient norm and return it (before clipping): `distft.parallel.grads`."""
+        shared, replicated = self.gradient_shares(model)
+        return clip_grad_norm_(shared, replicated, max_norm, self.env.device)
 
-        One implementation for every strategy, so their logged norms compare: squares are summed
-        in float64 (fp32 sums over a 150k x hidden embedding gradient drift by ~1e-5), sharded
-        gradients (DTensors) contribute their local shard and are summed over ranks, each element
-        counted once.
-        """
+    def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
+        """Where each gradient element lives, for the norm: (shared, replicated) as
+        `grads.clip_grad_norm_` takes them. Sharded gradients (DTensors) are summed over ranks, each
+        divided by the number of ranks holding the same shard, so every element counts once."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        sharded = torch.zeros_like(square)
-        for g in grads:
-            if isinstance(g, DTensor):
-                sharded += torch.linalg.vector_norm(
-                    g.to_local(), dtype=torch.float64
-                ) ** 2 / self.grad_copies(g)
-            else:
-                square += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
-        if any(isinstance(g, DTensor) for g in grads):
-            dist.all_reduce(sharded)
-        norm = (square + sharded).sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-            for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
-        return float(norm)
+        shared = [(g, self.grad_copies(g)) for g in grads if isinstance(g, DTensor)]
+        return shared, [g for g in grads if not isinstance(g, DTensor)]
 
     def grad_copies(self, g: DTensor) -> int:
         """How many ranks hold this same gradient shard (counted once in the norm): the sizes of
@@ -171,10 +159,6 @@ class Strategy:
         """Trainable weights and optimizer state as `torch.distributed.checkpoint` saves and loads
         them: keyed by the single-model names, sharded tensors as DTensors (FSDP and TP parameters
         already are), replicated ones as plain tensors (written once). Frozen weights are left out."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        from distft.checkpoint import state_dict_options
-
         model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options())
         # `SummaryLM` reaches the same modules as `lm.*` and as `backbone.*` / `lm_head.*`, and
         # `state_dict()` lists every alias; `ignore_frozen_params` drops only the first name of a
@@ -189,10 +173,6 @@ class Strategy:
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Put a `checkpoint_state` dict, loaded by DCP, back into the model and the optimizer."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        from distft.checkpoint import state_dict_options
-
         set_state_dict(
             model,
             optimizer,
@@ -236,3 +216,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
+
+
+def state_dict_options() -> StateDictOptions:
+    # Frozen base weights are rebuilt from the model source on resume; saving them would copy
+    # the whole base model into every checkpoint. strict=False because the model then has keys
+    # (the frozen ones) that the checkpoint does not (PITFALLS.md: ignore_frozen_params alone
+    # still fails strict loading). The optimizer state is flattened to one key per parameter name
+    # (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`, ...): unflattened, param_groups is one list
+    # of names per rank under a single key, which DCP stores once, so ranks that hold different
+    # parameters (pipeline stages) would load each other's groups.
+    return StateDictOptions(ignore_frozen_params=True, strict=False, flatten_optimizer_state_dict=True)

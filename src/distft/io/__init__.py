@@ -1,0 +1,1 @@
+"""Run outputs on disk: atomic files, checkpoints, exports, checks before writing."""

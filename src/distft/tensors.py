@@ -1,0 +1,23 @@
+"""Tensor helpers every layer uses (a leaf: imports torch only).
+
+Sharded strategies hand out `DTensor`s: a global view over per-rank shards. Counting bytes, filling
+or scaling a gradient in place needs the shard this rank holds, which `local` returns for a DTensor
+and a plain tensor alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes these tensors occupy on this rank (a DTensor counts its shard only)."""
+    return sum(local(t).nbytes for t in tensors)
