@@ -426,12 +426,12 @@ def validate(cfg: Config) -> None:
             "--nproc 1), or rerun with --resume DIR after a failure."
         )
     strategy.validate_config(cfg)
-    dp = strategy.data_parallel_size(cfg)
-    per_step = cfg.train.micro_batch_size * dp
+    dp, micro = strategy.data_parallel_size(cfg), strategy.micro_batch_size(cfg)
+    per_step = micro * dp
     if cfg.train.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size x data-parallel ranks ({cfg.train.micro_batch_size} x {dp} = {per_step}), "
+            f"train.micro_batch_size x data-parallel ranks ({micro} x {dp} = {per_step}), "
             "so every rank runs the same number of whole micro-batches."
         )
 
@@ -439,8 +439,8 @@ def validate(cfg: Config) -> None:
 def grad_accumulation_steps(cfg: Config) -> int:
     from distft.parallel import STRATEGIES
 
-    dp = STRATEGIES[cfg.parallel.strategy].data_parallel_size(cfg)
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    strategy = STRATEGIES[cfg.parallel.strategy]
+    return cfg.train.global_batch_size // (strategy.micro_batch_size(cfg) * strategy.data_parallel_size(cfg))
 
 
 # ---------------------------------------------------------------------------------------------

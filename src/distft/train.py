@@ -122,7 +122,7 @@ def rank_batches(
     examples: list[Example], strategy: Strategy, cfg: Config, pad_id: int
 ) -> list[dict[str, torch.Tensor]]:
     pad_to = cfg.data.max_length if strategy.fixed_sequence_length else None
-    micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, cfg.train.micro_batch_size)
+    micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, strategy.micro_batch_size(cfg))
     return [to_device(collate(mb, pad_id, pad_to), strategy.env.device) for mb in micro]
 
 
@@ -193,7 +193,7 @@ def train(cfg: Config) -> TrainResult:
         device=str(env.device),
         backend=env.backend or "none",
         params=(trainable, total),
-        batch=(cfg.train.micro_batch_size, accum, strategy.dp_size),
+        batch=(strategy.micro_batch_size(cfg), accum, strategy.dp_size),
         data={"train": train_set.summary(), "validation": val_set.summary()},
     )
     if env.is_main and start_step:

@@ -64,6 +64,11 @@ class Strategy:
         return 1
 
     @classmethod
+    def micro_batch_size(cls, cfg: Config) -> int:
+        """Sequences per forward/backward on one rank (a pipeline derives it from its micro-batch count)."""
+        return cfg.train.micro_batch_size
+
+    @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
         """How many ranks read distinct data (the global batch is split this many ways)."""
         return cfg.world_size

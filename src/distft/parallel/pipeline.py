@@ -389,9 +389,11 @@ class PipelineParallel(Strategy):
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
-        lay = cls.pipeline_layout(cfg)
-        # The loop cuts the global batch by train.micro_batch_size: make it the pipeline's micro-batch.
-        cfg.train.micro_batch_size = lay.micro_batch_size
+        cls.pipeline_layout(cfg)  # raises ConfigError for a pipeline that cannot run
+
+    @classmethod
+    def micro_batch_size(cls, cfg: Config) -> int:
+        return cls.pipeline_layout(cfg).micro_batch_size  # the global batch is cut into m of these
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
