@@ -2,14 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from distft.config import (
-    Config,
-    ConfigError,
-    config_differences,
-    grad_accumulation_steps,
-    load_config,
-    to_toml,
-)
+from distft.config import Config, config_differences, grad_accumulation_steps, load_config, to_toml
+from distft.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
 

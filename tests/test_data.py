@@ -6,7 +6,6 @@ from distft.config import DataConfig
 from distft.data import (
     IGNORE,
     ChatFormatter,
-    DataError,
     MeetingRow,
     collate,
     count_label_tokens,
@@ -15,6 +14,7 @@ from distft.data import (
     rank_micro_batches,
     row_from_record,
 )
+from distft.errors import DataError
 from distft.tokenizer import qwen3_tokenizer
 
 

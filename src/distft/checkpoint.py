@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from distft.errors import TrainingError
+from distft.errors import CheckpointError, ConfigError
 from distft.io.files import atomic_directory, atomic_write_text
 
 if TYPE_CHECKING:
@@ -101,10 +101,6 @@ class MetricsWriter:
 # docs/reliability.md describes the layout and what a resume restores.
 
 CHECKPOINTS = "checkpoints"
-
-
-class CheckpointError(TrainingError):
-    """Writing a checkpoint failed; the previous one is untouched."""
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -231,7 +227,7 @@ def check_resume(cfg: Config, force: bool = False) -> Path | None:
 
     `force`: resume even with output.resume=false (an elastic restart continues its own run).
     """
-    from distft.config import ConfigError, config_differences, load_config
+    from distft.config import config_differences, load_config
 
     out = Path(cfg.output.dir)
     checkpoint = latest_checkpoint(out) if cfg.output.resume or force else None
@@ -307,8 +303,6 @@ def check_output_dir(cfg: Config, model_config: PretrainedConfig) -> None:
     """Refuse, before anything is launched, an output directory that cannot be written or lacks
     the space for the run's outputs (`output_bytes`)."""
     import tempfile
-
-    from distft.config import ConfigError
 
     out = Path(cfg.output.dir)
     try:

@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from distft.config import Config, ConfigError, load_config, to_toml
-from distft.errors import TrainingError
+from distft.config import Config, load_config, to_toml
+from distft.errors import ConfigError, TrainingError
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2

@@ -22,10 +22,7 @@ from typing import Any
 
 import tomllib
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem; the message says what is wrong and how to fix it."""
-
+from distft.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # Sections

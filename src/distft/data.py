@@ -28,15 +28,12 @@ from typing import Any
 
 import torch
 
-from distft.config import ConfigError, DataConfig
+from distft.config import DataConfig
+from distft.errors import DataError
 
 IGNORE = -100
 MIN_TRANSCRIPT_TOKENS = 32  # below this a "summary" of the transcript is meaningless
 _PLACEHOLDER = "\x00TRANSCRIPT\x00"
-
-
-class DataError(ConfigError):
-    """A dataset problem, reported with the file and line (or row) it comes from."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distft.errors import TrainingError
+from distft.errors import CollectiveError
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,6 @@ def launched_by_torchrun() -> bool:
 def restart_count() -> int:
     """How many times torchrun's elastic agent has restarted this run's ranks (0: first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-class CollectiveError(TrainingError):
-    """A collective timed out or lost a peer; the message names the rank and the operation."""
 
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:

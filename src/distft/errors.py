@@ -1,10 +1,37 @@
-"""Failures during training, reported as one paragraph (no torch import: the CLI catches them).
+"""Every error distft reports to a user, in one place (no torch import: the CLI catches them).
 
-`distft.config.ConfigError` is the other kind: a user error found before anything runs (exit 2).
+Two families, told apart by when they happen and how the CLI exits:
+- `ConfigError` (exit 2): a user error found before anything runs: a wrong config, an impossible
+  strategy/model combination, a malformed dataset row. The message says what is wrong and how to
+  fix it, in one paragraph.
+- `TrainingError` (exit 1): a failure during training (a collective that timed out, a checkpoint
+  that could not be written, a diverged step), reported as one paragraph, never a traceback.
 """
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message says what is wrong and how to fix it."""
+
+
+class DataError(ConfigError):
+    """A dataset problem, reported with the file and line (or row) it comes from."""
 
 
 class TrainingError(RuntimeError):
     """A failure during training, reported as one paragraph (the CLI exits with code 1)."""
 
     every_rank = True  # False: every rank raises the same error and rank 0 alone reports it
+
+
+class CheckpointError(TrainingError):
+    """Writing a checkpoint failed; the previous one is untouched."""
+
+
+class CollectiveError(TrainingError):
+    """A collective timed out or lost a peer; the message names the rank and the operation."""
+
+
+class NonFiniteError(TrainingError):
+    """A step's loss or gradient norm is NaN or infinite (train.on_nonfinite=stop)."""
+
+    every_rank = False  # the loss and the norm are global: every rank stops at the same step

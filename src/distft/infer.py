@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from distft.config import Config, ConfigError, load_config
+from distft.config import Config, load_config
 from distft.data import ChatFormatter, collate, count_label_tokens, load_rows, tokenize_rows
+from distft.errors import ConfigError
 from distft.model import DTYPES, SummaryLM, is_preset, load_base_model
 from distft.quant import QUANTIZATION_FILE, NF4Spec, dequantize_base
 from distft.tokenizer import load_tokenizer

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
 
-from distft.config import Config, ConfigError, ModelConfig
+from distft.config import Config, ModelConfig
+from distft.errors import ConfigError
 
 QWEN3_VOCAB = 151_936  # embedding rows in every Qwen3 checkpoint (tokenizer uses 151,669 of them)
 

@@ -70,7 +70,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from distft.config import ConfigError, ModelConfig
+from distft.config import ModelConfig
+from distft.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -58,19 +58,13 @@ from distft.distributed import (
     restart_count,
     shutdown,
 )
-from distft.errors import TrainingError
+from distft.errors import NonFiniteError
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.parallel import STRATEGIES, Strategy
 from distft.parallel.base import unwrap
 from distft.progress import TrainingProgress
 from distft.quant import quantization, storage_layout
 from distft.tokenizer import load_tokenizer
-
-
-class NonFiniteError(TrainingError):
-    """A step's loss or gradient norm is NaN or infinite (train.on_nonfinite=stop)."""
-
-    every_rank = False  # the loss and the norm are global: every rank stops at the same step
 
 
 @dataclass

@@ -98,7 +98,7 @@ def test_loss_agreement_catches_a_planted_divergence(bench):
 
 def test_profiles_parse_as_the_plan_names_them():
     from distft.bench.predict import parse_profile
-    from distft.config import ConfigError
+    from distft.errors import ConfigError
 
     assert parse_profile("2xrtx4090-pcie") == parse_profile("2xrtx4090-pcie")
     p = parse_profile("8xh100-nvlink")

@@ -9,7 +9,8 @@ validation runs in process, before any launch.
 import pytest
 
 from distft.cli import main
-from distft.config import ConfigError, load_config
+from distft.config import load_config
+from distft.errors import ConfigError
 from distft.parallel.mesh import ParallelDims
 from tests.helpers import PARITY, assert_same_training, distft, metrics
 

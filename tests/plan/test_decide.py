@@ -12,7 +12,7 @@ import math
 import pytest
 
 from distft.cli import build_parser, main
-from distft.config import ConfigError
+from distft.errors import ConfigError
 from distft.plan import evaluate, make_request
 from distft.plan.decide import decide
 from distft.plan.hardware import GB, LINKS, GiB, comm_time, parse_bytes, wire_bytes

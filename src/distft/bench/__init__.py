@@ -16,7 +16,7 @@ from distft.bench.harness import (
     sweep_losses,
 )
 from distft.bench.report import write_report
-from distft.config import ConfigError
+from distft.errors import ConfigError
 
 DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp,tp-sp,pp"  # every strategy that runs on 2 processes
 PP_SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv"

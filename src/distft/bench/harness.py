@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from distft.config import ConfigError
+from distft.errors import ConfigError
 
 
 @dataclass

@@ -23,7 +23,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from distft.config import ConfigError, load_config
+from distft.config import load_config
+from distft.errors import ConfigError
 from distft.plan.decide import Request, _layout, estimate
 from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
 from distft.plan.memory import PRECISIONS, Training

@@ -39,7 +39,8 @@ from typing import ClassVar
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 from distft.parallel.base import Batch, Strategy, trainable_bytes
 from distft.quant import nf4_parameter_names
 

@@ -48,7 +48,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 from distft.parallel.base import Batch, trainable_bytes
 from distft.parallel.mesh import MeshStrategy, ParallelDims
 from distft.parallel.pipeline import Layout, PipelineParallel, layout

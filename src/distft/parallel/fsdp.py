@@ -42,7 +42,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 from distft.model import DTYPES, causal_lm
 from distft.parallel.base import Batch, Strategy
 from distft.quant import is_nf4, nf4_gather_bytes

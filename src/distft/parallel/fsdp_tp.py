@@ -48,7 +48,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers import PretrainedConfig
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 from distft.model import DTYPES, causal_lm
 from distft.parallel.base import Batch, Strategy, unwrap
 from distft.parallel.fsdp import FSDP, apply_fsdp

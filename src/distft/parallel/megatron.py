@@ -94,7 +94,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 from distft.model import causal_lm, summed_loss
 from distft.parallel.base import Batch, Strategy, optimizer_state_owner, unwrap
 from distft.parallel.collectives import (

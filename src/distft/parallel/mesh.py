@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ from torch.distributed.pipelining import (
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 from distft.io.files import atomic_write_text
 from distft.model import summed_loss
 from distft.parallel.base import Batch, Strategy

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 from distft.parallel.base import Strategy
 
 

@@ -55,7 +55,8 @@ from torch.distributed.tensor.parallel import (
 )
 from transformers import PretrainedConfig
 
-from distft.config import Config, ConfigError
+from distft.config import Config
+from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.parallel.base import Batch, Strategy, unwrap
 from distft.quant import TP_REFUSAL

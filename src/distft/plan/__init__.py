@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from distft.config import ConfigError
+from distft.errors import ConfigError
 from distft.plan.decide import Estimate, Recommendation, Request, decide, evaluate
 from distft.plan.hardware import (
     GPUS,

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 
 from distft.comm import WIRE_FACTOR
-from distft.config import ConfigError
+from distft.errors import ConfigError
 
 GiB = 1024**3
 GB = 1000**3

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from distft.config import ConfigError
+from distft.errors import ConfigError
 from distft.model import PRESETS, QWEN3_VOCAB
 
 # Projections of one decoder layer, how TP splits each, and (in, out) in units of the config.
