@@ -2,8 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from distft.config import Config, config_differences, grad_accumulation_steps, load_config, to_toml
+from distft.config import Config, config_differences, load_config, to_toml
 from distft.errors import ConfigError
+from distft.parallel import batch_shape, check_config
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
 
@@ -13,7 +14,7 @@ def test_defaults_are_the_embedded_cpu_run():
     assert cfg.model.name == "tiny"
     assert cfg.parallel.strategy == "single"
     assert cfg.data.source == "sample"
-    assert grad_accumulation_steps(cfg) == cfg.train.global_batch_size // cfg.train.micro_batch_size
+    assert batch_shape(cfg).accumulation_steps == cfg.train.global_batch_size // cfg.train.micro_batch_size
 
 
 def test_file_then_overrides(tmp_path):
@@ -57,7 +58,7 @@ def test_errors_are_clear(tmp_path, text, overrides, expected):
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
-        load_config(path, overrides)
+        check_config(load_config(path, overrides))  # field checks, then the strategy's
     assert expected in str(err.value)
     assert "\n" not in str(err.value).strip()  # one paragraph
 

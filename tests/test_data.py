@@ -14,8 +14,8 @@ from distft.data import (
     rank_micro_batches,
     row_from_record,
 )
+from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import DataError
-from distft.tokenizer import qwen3_tokenizer
 
 
 @pytest.fixture(scope="module")

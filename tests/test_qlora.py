@@ -17,7 +17,7 @@ from distft.cli import main
 from distft.config import load_config
 from distft.infer import load_trained
 from distft.model import apply_method, load_base_model, model_config
-from distft.quant import (
+from distft.model.nf4 import (
     NF4Spec,
     is_nf4,
     nf4_bytes,

@@ -5,7 +5,7 @@ import random
 import re
 import statistics
 
-from distft.sample import SAMPLE_SPLITS, generate_meeting, sample_path, write_sample_files
+from distft.data.sample import SAMPLE_SPLITS, generate_meeting, sample_path, write_sample_files
 
 
 def _rows(split):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from distft.tokenizer import QWEN3_SPECIAL_TOKENS, build_qwen3_tokenizer, load_tokenizer, qwen3_tokenizer
+from distft.data.tokenizer import QWEN3_SPECIAL_TOKENS, build_qwen3_tokenizer, load_tokenizer, qwen3_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ def save_adapter(
 ) -> None:
     """Write `state` (the trained LoRA weights, peft's full names) as a PEFT adapter in `out`.
 
-    A QLoRA adapter also gets `quantization.json` (`distft.quant`): it was trained against the
+    A QLoRA adapter also gets `quantization.json` (`distft.model.nf4`): it was trained against the
     NF4-quantized base, which `distft infer` rebuilds (dequantized) before loading it."""
     from peft import get_peft_model_state_dict
 
@@ -56,7 +56,7 @@ def save_adapter(
             metadata={"format": "pt"},
         )
         if quantization is not None:
-            from distft.quant import QUANTIZATION_FILE
+            from distft.model.nf4 import QUANTIZATION_FILE
 
             (tmp / QUANTIZATION_FILE).write_text(json.dumps(quantization, indent=1) + "\n")
 

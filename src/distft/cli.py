@@ -17,8 +17,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from distft import bench, plan
+from distft.checkpoint import check_output_dir, check_resume
 from distft.config import Config, load_config, to_toml
+from distft.data import ChatFormatter, load_rows, load_tokenizer, tokenize_rows
+from distft.distributed import exit_worker, launched_by_torchrun
 from distft.errors import ConfigError, TrainingError
+from distft.infer import evaluate_run, held_out_meeting, load_trained, summarize
+from distft.model import is_preset, model_config
+from distft.parallel import STRATEGIES, check_config, check_model
+from distft.train import train
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -67,7 +78,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", help="sample (bundled meetings), a .jsonl/.parquet file, or a hub dataset id")
     p.add_argument("--max-steps", type=int, help="optimizer steps")
     p.add_argument("--out", help="run directory for adapter/, metrics.jsonl and config.toml")
-    p.add_argument("--strategy", help="single, or a multi-process strategy (see `distft train --help`)")
+    p.add_argument(
+        "--strategy",
+        metavar="NAME",
+        help=f"how the model is split across processes: {', '.join(STRATEGIES)} (docs/ has a page for each)",
+    )
     p.add_argument(
         "--nproc", type=int, help="processes per node; above 1 the run is launched through torchrun"
     )
@@ -105,17 +120,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--resume {run}: no config.toml there; it is not a distft run directory.")
         config_file = config_file or run / "config.toml"
         flags.append(f"output.dir={run}")
-    return load_config(config_file, [*args.overrides, *flags])
+    cfg = load_config(config_file, [*args.overrides, *flags])
+    check_config(cfg)  # the strategy's checks: before anything is launched
+    return cfg
 
 
 def preflight(cfg: Config) -> None:
     """Everything that can be checked without training: devices, the output directory, the model
     architecture and every data row."""
-    from distft.checkpoint import check_output_dir, check_resume
-    from distft.data import ChatFormatter, load_rows, tokenize_rows
-    from distft.model import is_preset, model_config
-    from distft.parallel import STRATEGIES
-    from distft.tokenizer import load_tokenizer
 
     if cfg.train.device == "cuda" and _cuda_count() == 0:
         raise ConfigError(
@@ -129,7 +141,7 @@ def preflight(cfg: Config) -> None:
         )
     check_resume(cfg)
     architecture = model_config(cfg.model.name)
-    STRATEGIES[cfg.parallel.strategy].validate_model(cfg, architecture)
+    check_model(cfg, architecture)
     check_output_dir(cfg, architecture)
     formatter = ChatFormatter(load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name), cfg.data)
     for split in load_rows(cfg.data, seed=cfg.train.seed).values():
@@ -167,8 +179,6 @@ def torchrun_command(cfg: Config, config_file: str) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from distft.distributed import launched_by_torchrun
-    from distft.parallel import STRATEGIES
 
     cfg = config_from_args(args)
     if not launched_by_torchrun():
@@ -179,8 +189,6 @@ def cmd_train(args: argparse.Namespace) -> int:
                 with open(config_file, "w", encoding="utf-8") as f:
                     f.write(to_toml(cfg))
                 return subprocess.call(torchrun_command(cfg, config_file))
-    from distft.train import train
-
     train(cfg)
     return 0
 
@@ -207,8 +215,6 @@ def add_infer_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_infer(args: argparse.Namespace) -> int:
-    from distft.infer import held_out_meeting, load_trained, summarize
-
     loaded = load_trained(run=args.run, adapter=args.adapter, model=args.model)
     if args.input == "-":
         transcript = sys.stdin.read()
@@ -238,10 +244,6 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from distft.infer import evaluate_run
 
     scores = evaluate_run(args.run, args.rows, args.max_new_tokens)
     table = Table("model", "validation loss", "ROUGE-L", title=f"{args.run}: {args.rows} validation meetings")
@@ -249,18 +251,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         table.add_row(name, f"{s['loss']:.4f}", f"{s['rougeL']:.4f}")
     Console().print(table)
     return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from distft.bench import cmd_bench as run
-
-    return run(args)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from distft.plan import cmd_plan as run
-
-    return run(args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,11 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_infer_parser(sub)
     add_eval_parser(sub)
-    from distft.bench import add_bench_parser
-    from distft.plan import add_plan_parser
-
-    add_plan_parser(sub)
-    add_bench_parser(sub)
+    plan.add_plan_parser(sub)
+    bench.add_bench_parser(sub)
     return parser
 
 
@@ -297,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         "train": lambda: cmd_train(args),
         "infer": lambda: cmd_infer(args),
         "eval": lambda: cmd_eval(args),
-        "bench": lambda: cmd_bench(args),
-        "plan": lambda: cmd_plan(args),
+        "bench": lambda: bench.cmd_bench(args),
+        "plan": lambda: plan.cmd_plan(args),
     }
     try:
         code = handlers[args.command]()
@@ -310,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"distft {args.command}: error: {err}", file=sys.stderr)
         code = EXIT_FAILURE
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun ends here, hard
-        from distft.distributed import exit_worker
-
         exit_worker(code)
     return code
 

@@ -4,7 +4,7 @@ Loading knows nothing about how the run was trained: every strategy exports the 
 (or, for full finetuning, the same transformers checkpoint), so this is the plain
 `PeftModel.from_pretrained` path a user would write by hand. A QLoRA adapter says so in its
 `quantization.json`: its base is quantized to NF4 and dequantized the same way first
-(`distft.quant.dequantize_base`), so the adapter sits on the weights it was trained against.
+(`distft.model.nf4.dequantize_base`), so the adapter sits on the weights it was trained against.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from transformers import AutoModelForCausalLM
 
 from distft.config import Config, load_config
 from distft.data import ChatFormatter, collate, count_label_tokens, load_rows, tokenize_rows
+from distft.data.tokenizer import load_tokenizer
 from distft.errors import ConfigError
-from distft.model import DTYPES, SummaryLM, is_preset, load_base_model
-from distft.quant import QUANTIZATION_FILE, NF4Spec, dequantize_base
-from distft.tokenizer import load_tokenizer
+from distft.model import DTYPES, SummaryLM, causal_lm, is_preset, load_base_model
+from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
 
 
 @dataclass
@@ -74,7 +74,10 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
     quant_file = Path(adapter) / QUANTIZATION_FILE
     if quant_file.is_file():  # a QLoRA adapter: rebuild the 4-bit base it was trained on
         spec = json.loads(quant_file.read_text())
-        dequantize_base(base, NF4Spec(spec["block_size"], spec["scaler_block_size"], spec["double_quant"]))
+        dequantize_base(
+            causal_lm(base).model.layers,
+            NF4Spec(spec["block_size"], spec["scaler_block_size"], spec["double_quant"]),
+        )
     lm = PeftModel.from_pretrained(base, adapter)
     return Loaded(lm.eval(), tokenizer, cfg, has_adapter=True)
 

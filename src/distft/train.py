@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from distft import faults
-from distft.activations import SavedActivations
 from distft.checkpoint import (
     MetricsWriter,
     atomic_write_text,
@@ -39,8 +38,7 @@ from distft.checkpoint import (
     save_training_state,
     truncate_metrics,
 )
-from distft.comm import CommCounter
-from distft.config import Config, grad_accumulation_steps, to_toml
+from distft.config import Config, to_toml
 from distft.data import (
     ChatFormatter,
     Example,
@@ -51,6 +49,7 @@ from distft.data import (
     rank_micro_batches,
     tokenize_rows,
 )
+from distft.data.tokenizer import load_tokenizer
 from distft.distributed import (
     DistEnv,
     init_distributed,
@@ -59,12 +58,13 @@ from distft.distributed import (
     shutdown,
 )
 from distft.errors import NonFiniteError
+from distft.measure.activations import SavedActivations
+from distft.measure.comm import CommCounter
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
-from distft.parallel import STRATEGIES, Strategy
+from distft.model.nf4 import quantization, storage_layout
+from distft.parallel import STRATEGIES, Strategy, check_config
 from distft.parallel.base import unwrap
 from distft.progress import TrainingProgress
-from distft.quant import quantization, storage_layout
-from distft.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -147,7 +147,7 @@ def train(cfg: Config) -> TrainResult:
         causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainable, total = count_parameters(lm)
     model = strategy.parallelize(SummaryLM(lm))
-    param_bytes = storage_layout(model)  # this rank's parameters at rest, NF4 parts apart (distft.quant)
+    param_bytes = storage_layout(model)  # this rank's parameters at rest, NF4 parts apart (distft.model.nf4)
     # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
     # before a forward-only pass can leave ZeRO-2's parameters gathered.
     grad_bytes = local_bytes(p for p in model.parameters() if p.requires_grad)
@@ -180,7 +180,7 @@ def train(cfg: Config) -> TrainResult:
             state = strategy.checkpoint_state(model, optimizer)
             start_step = load_training_state(checkpoint, state, scheduler, env.rank)
             strategy.load_checkpoint_state(model, optimizer, state)
-    accum = grad_accumulation_steps(cfg)
+    accum = check_config(cfg).accumulation_steps
     progress.header(
         cfg,
         world_size=env.world_size,

@@ -1,7 +1,7 @@
 """The four autograd collectives against the dense computation, on 2 gloo processes (one launch).
 
 Each rank holds its piece of a global tensor; forward must give the dense result's piece and
-backward the gradient the dense computation gives for that piece. Bytes follow `distft.comm`.
+backward the gradient the dense computation gives for that piece. Bytes follow `distft.measure.comm`.
 """
 
 import datetime
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distft.comm import CommCounter
+from distft.measure.comm import CommCounter
 from distft.parallel.collectives import (
     all_gather_dim,
     copy_to_tp_region,

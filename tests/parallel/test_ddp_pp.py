@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from distft.cli import main
 from distft.config import load_config
 from distft.parallel import STRATEGIES
-from distft.parallel.mesh import ParallelDims
+from distft.parallel.dims import ParallelDims
 from tests.helpers import PARITY, assert_same_training, distft, metrics
 
 TWO_D = [*PARITY, "train.max_steps=2", "data.max_length=256", "data.max_rows=16"]

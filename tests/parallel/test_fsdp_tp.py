@@ -11,7 +11,7 @@ import pytest
 from distft.cli import main
 from distft.config import load_config
 from distft.errors import ConfigError
-from distft.parallel.mesh import ParallelDims
+from distft.parallel.dims import ParallelDims
 from tests.helpers import PARITY, assert_same_training, distft, metrics
 
 TWO_D = [*PARITY, "train.max_steps=2"]

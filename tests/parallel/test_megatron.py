@@ -17,9 +17,9 @@ import torch.distributed as dist
 from peft import get_peft_model_state_dict
 
 from distft.cli import main
-from distft.comm import CommCounter
 from distft.config import load_config
 from distft.distributed import DistEnv
+from distft.measure.comm import CommCounter
 from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
 from distft.parallel.base import unwrap
 from distft.parallel.collectives import all_gather_dim

@@ -16,13 +16,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from distft.activations import SavedActivations
 from distft.config import load_config
 from distft.data import ChatFormatter, count_label_tokens, global_batch_indices, load_rows, tokenize_rows
+from distft.data.tokenizer import load_tokenizer
+from distft.measure.activations import SavedActivations
 from distft.model import SummaryLM, apply_method, causal_lm, load_base_model, summed_loss
 from distft.plan.memory import PRECISIONS, Layout, Training, activation_bytes, stage_layers
 from distft.plan.model_spec import resolve_model
-from distft.tokenizer import load_tokenizer
 from tests.helpers import distft
 
 SPEC = resolve_model("micro")

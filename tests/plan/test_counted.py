@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from distft.activations import SavedActivations
 from distft.config import load_config
 from distft.distributed import DistEnv
+from distft.measure.activations import SavedActivations
 from distft.model import SummaryLM, apply_method, load_base_model
 from distft.parallel import STRATEGIES
 from distft.plan.memory import PRECISIONS, Layout, Training, activation_bytes, state_bytes

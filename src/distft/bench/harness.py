@@ -20,7 +20,11 @@ from pathlib import Path
 
 import torch
 
+from distft.bench.predict import parse_profile, plan_memory, project
+from distft.bench.reference import time_plain_loop
 from distft.errors import ConfigError
+from distft.parallel import STRATEGIES
+from distft.parallel.pipeline import SCHEDULES
 
 
 @dataclass
@@ -175,8 +179,6 @@ def environment() -> dict:
 
 def add_predictions(summary: dict, settings: BenchSettings) -> None:
     """The plan's memory prediction for the measured strategies, and the projections (`predict`)."""
-    from distft.bench.predict import parse_profile, plan_memory, project
-
     precision = "fp32" if summary["environment"]["device"] == "cpu" else "mixed"
     names = [r["strategy"] for r in summary["results"]]
     labels = int(summary["plain_loop"].get("label_tokens_per_sequence") or 256)
@@ -191,15 +193,9 @@ def add_predictions(summary: dict, settings: BenchSettings) -> None:
 
 
 def run_bench(settings: BenchSettings, out: Path) -> dict:
-    from distft.bench.reference import time_plain_loop
-    from distft.parallel import STRATEGIES
-
     unknown = [s for s in settings.strategies if s not in STRATEGIES]
     if unknown:
         raise ConfigError(f"Unknown strategies {', '.join(unknown)}; available: {', '.join(STRATEGIES)}.")
-    from distft.bench.predict import parse_profile
-    from distft.parallel.pipeline import SCHEDULES
-
     for profile in settings.project:
         parse_profile(profile)  # fail before running anything
     bad = [s for s in settings.pp_schedules if s not in SCHEDULES]

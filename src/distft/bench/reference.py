@@ -16,8 +16,8 @@ from peft import LoraConfig, get_peft_model
 
 from distft.config import load_config
 from distft.data import IGNORE, ChatFormatter, collate, global_batch_indices, load_rows, tokenize_rows
+from distft.data.tokenizer import qwen3_tokenizer
 from distft.model import load_base_model
-from distft.tokenizer import qwen3_tokenizer
 
 
 def time_plain_loop(settings) -> dict:  # settings: BenchSettings

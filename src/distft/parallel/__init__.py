@@ -1,30 +1,12 @@
-"""Parallel strategies. `STRATEGIES` is the only place the training loop looks one up."""
+"""Parallel strategies: each wraps the model and runs a step; the loop never asks which one runs.
 
-from __future__ import annotations
+`registry.STRATEGIES` names them all; `base.Strategy` is the seam between a strategy and the loop;
+`checks` validates a config and a model against a strategy before launch; `grads` and `dims` are
+shared by the strategies (one norm-and-clip, one flat all-reduce; the device mesh).
+"""
 
-from distft.parallel.base import Strategy
-from distft.parallel.ddp import DDP
-from distft.parallel.ddp_pp import DDPPipelineParallel
-from distft.parallel.fsdp import FSDP, ZeRO2
-from distft.parallel.fsdp_tp import FSDPTensorParallel
-from distft.parallel.megatron import MegatronTPSP
-from distft.parallel.pipeline import PipelineParallel
-from distft.parallel.single import Single
-from distft.parallel.tensor_parallel import TensorParallel
+from distft.parallel.base import Batch, Strategy
+from distft.parallel.checks import BatchShape, batch_shape, check_config, check_model
+from distft.parallel.registry import STRATEGIES
 
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
-    for cls in (
-        Single,
-        DDP,
-        FSDP,
-        ZeRO2,
-        TensorParallel,
-        MegatronTPSP,
-        PipelineParallel,
-        FSDPTensorParallel,
-        DDPPipelineParallel,
-    )
-}
-
-__all__ = ["STRATEGIES", "Strategy"]
+__all__ = ["STRATEGIES", "Batch", "BatchShape", "Strategy", "batch_shape", "check_config", "check_model"]

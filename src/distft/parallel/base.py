@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.distributed import DistEnv
+from distft.model.nf4 import NF4Spec, check_quantizable
 from distft.parallel.grads import clip_grad_norm_
 
 Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, labels: each (micro_batch, seq)
@@ -37,7 +38,7 @@ class Strategy:
     name: ClassVar[str]
     distributed: ClassVar[bool] = True  # needs a process group (launched through torchrun)
     fixed_sequence_length: ClassVar[bool] = False  # pad every batch to data.max_length (pipelines)
-    # --method qlora (NF4 base weights, `distft.quant`) runs only where a strategy opts in; the
+    # --method qlora (NF4 base weights, `distft.model.nf4`) runs only where a strategy opts in; the
     # reason is shown to users of the others.
     supports_qlora: ClassVar[bool] = False
     qlora_refusal: ClassVar[str] = "this strategy has not been taught to place NF4 base weights"
@@ -54,8 +55,6 @@ class Strategy:
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
         """Raise ConfigError when the architecture cannot be split this way."""
         if cfg.train.method == "qlora":
-            from distft.quant import NF4Spec, check_quantizable
-
             check_quantizable(NF4Spec.from_config(cfg.model), model_config, shards=cls.nf4_shards(cfg))
 
     @classmethod
@@ -187,7 +186,7 @@ class Strategy:
         )
 
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """Analytic bytes per optimizer step by collective kind (`distft.comm` convention).
+        """Analytic bytes per optimizer step by collective kind (`distft.measure.comm` convention).
 
         Checked against the measured counts in the tests and shown beside them by `bench`. The
         base case is the loss: one fp32 scalar all-reduced across data-parallel ranks.

@@ -41,8 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.model.nf4 import nf4_parameter_names
 from distft.parallel.base import Batch, Strategy, trainable_bytes
-from distft.quant import nf4_parameter_names
 
 
 class DDP(Strategy):

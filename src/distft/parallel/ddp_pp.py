@@ -1,6 +1,6 @@
 """2D parallelism (`ddp+pp`): data parallelism across replicas of a pipeline.
 
-The ranks form a ("pp", "dp") `DeviceMesh` (`distft.parallel.mesh.ParallelDims`, pp outermost):
+The ranks form a ("pp", "dp") `DeviceMesh` (`distft.parallel.dims.ParallelDims`, pp outermost):
 with dp = pp = 2, ranks {0, 2} are pipeline replica 0 and {1, 3} replica 1; {0, 1} and {2, 3}
 are the data-parallel groups of pipeline ranks 0 and 1. Each replica is exactly the `pp`
 strategy (`PipelineParallel`: the same stages, schedules, loss and timeline) over its column of
@@ -51,7 +51,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.parallel.base import Batch, trainable_bytes
-from distft.parallel.mesh import MeshStrategy, ParallelDims
+from distft.parallel.dims import MeshStrategy, ParallelDims
 from distft.parallel.pipeline import Layout, PipelineParallel, layout
 
 

@@ -27,7 +27,7 @@ The sharded parameters and the optimizer keep the model dtype.
 QLoRA (`--method qlora`): the NF4 base weights are torchao NF4Tensors, which FSDP2 shards and
 gathers through their `fsdp_pre/post_all_gather` hooks: a unit's all-gather carries the 4-bit codes
 and 8-bit block scales (about 0.52 bytes per weight instead of 2 or 4), and every rank stores 1/N
-of them. Why this usually fails with bitsandbytes, and what it requires: `distft.quant`.
+of them. Why this usually fails with bitsandbytes, and what it requires: `distft.model.nf4`.
 
 Paper: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 Models" (1910.02054); Zhao et al., "PyTorch FSDP" (2304.11277).
@@ -45,8 +45,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import DTYPES, causal_lm
+from distft.model.nf4 import is_nf4, nf4_gather_bytes
 from distft.parallel.base import Batch, Strategy
-from distft.quant import is_nf4, nf4_gather_bytes
 
 
 def _dtype(name: str, default: torch.dtype | None) -> torch.dtype | None:

@@ -1,6 +1,6 @@
 """2D parallelism (`fsdp+tp`): FSDP across one mesh dimension, tensor parallelism inside the other.
 
-The ranks form a (dp, tp) `DeviceMesh` (`distft.parallel.mesh.ParallelDims`, tp the inner,
+The ranks form a (dp, tp) `DeviceMesh` (`distft.parallel.dims.ParallelDims`, tp the inner,
 neighbouring ranks). Each TP group of `tp` ranks is one model replica split by tensor parallelism
 and reads one data-parallel shard of the global batch; FSDP shards each rank's TP slice across the
 `dp` ranks that hold the same slice. Built as torchtitan does: TP first (the plan and LoRA
@@ -51,16 +51,16 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import DTYPES, causal_lm
+from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Batch, Strategy, unwrap
+from distft.parallel.dims import MeshStrategy, ParallelDims
 from distft.parallel.fsdp import FSDP, apply_fsdp
-from distft.parallel.mesh import MeshStrategy, ParallelDims
 from distft.parallel.tensor_parallel import (
     activation_all_reduce_bytes,
     check_tp_degree,
     layer_plan,
     partial_gradient_params,
 )
-from distft.quant import TP_REFUSAL
 
 
 class FSDPTensorParallel(MeshStrategy, Strategy):

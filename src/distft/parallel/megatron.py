@@ -97,6 +97,7 @@ from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm, summed_loss
+from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Batch, Strategy, optimizer_state_owner, unwrap
 from distft.parallel.collectives import (
     all_gather_dim,
@@ -105,7 +106,6 @@ from distft.parallel.collectives import (
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
-from distft.quant import TP_REFUSAL
 
 # The plan, as data: each decoder layer's projections and how their base weights are split.
 PLAN: dict[str, str] = {
@@ -469,7 +469,7 @@ class MegatronTPSP(Strategy):
         return state if self.env.is_main else None
 
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """Analytic bytes per optimizer step, in `distft.comm`'s convention (full logical tensors).
+        """Analytic bytes per optimizer step, in `distft.measure.comm`'s convention (full logical tensors).
 
         Per micro-batch and layer, 2 block entries and 2 exits, each of an (S, B, H) activation, S
         padded to a multiple of N with SP: forward always; an entry's backward only if its input

@@ -58,8 +58,8 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
+from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Batch, Strategy, unwrap
-from distft.quant import TP_REFUSAL
 
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")

@@ -6,7 +6,7 @@ reaches a fraction of them); `efficiency` and `latency_s` are our assumptions, s
 NCCL's ring collectives typically reach 70-85% of a link's per-direction bandwidth, less through
 host memory (consumer GPUs without peer-to-peer, such as the RTX 4090).
 
-Ring collectives over N ranks move, per rank, for a logical tensor of B bytes (`distft.comm`'s
+Ring collectives over N ranks move, per rank, for a logical tensor of B bytes (`distft.measure.comm`'s
 convention: all-reduce the reduced tensor, all-gather the gathered output, reduce-scatter the
 full input):
 - all-reduce: 2 (N-1)/N x B (a reduce-scatter followed by an all-gather);
@@ -26,8 +26,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from distft.comm import WIRE_FACTOR
 from distft.errors import ConfigError
+from distft.measure.comm import WIRE_FACTOR
 
 GiB = 1024**3
 GB = 1000**3

@@ -1,6 +1,6 @@
 """Bytes each layout moves per optimizer step, over which link, and the compute they hide behind.
 
-Per rank, per optimizer step of `Layout.microbatches` micro-batches (logical sizes, `distft.comm`
+Per rank, per optimizer step of `Layout.microbatches` micro-batches (logical sizes, `distft.measure.comm`
 convention; `hardware.wire_bytes` turns them into bytes on the wire):
 - DDP: one all-reduce of the trainable gradients per step (bucketed, overlapping backward).
 - ZeRO-1: a reduce-scatter of the gradients and an all-gather of the updated trainable weights.

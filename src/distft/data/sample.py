@@ -7,7 +7,7 @@ These meetings stand in for it: a deterministic generator (standard library only
 objections and agreement, spoken disfluencies, decisions and action items. The summary is written
 from the same facts, so a model can learn the mapping from transcript to summary.
 
-Regenerate the bundled files with `python -m distft.sample` (byte-identical on every machine).
+Regenerate the bundled files with `python -m distft.data.sample` (byte-identical on every machine).
 """
 
 from __future__ import annotations

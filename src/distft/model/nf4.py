@@ -65,16 +65,14 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from distft.config import ModelConfig
 from distft.errors import ConfigError
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+from distft.tensors import local
 
 NF4_CODES = 16  # entries of the code book stored with each tensor
 INNER = ("quantized_data", "quantized_scalers", "quantization_factor")  # what FSDP2 shards and gathers
@@ -116,10 +114,8 @@ class NF4Spec:
 
 
 def is_nf4(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return "NF4Tensor" in type(local).__name__ and hasattr(local, "quantized_data")
+    t = local(t)
+    return "NF4Tensor" in type(t).__name__ and hasattr(t, "quantized_data")
 
 
 def quantize(weight: torch.Tensor, spec: NF4Spec) -> torch.Tensor:
@@ -146,11 +142,8 @@ def quantize(weight: torch.Tensor, spec: NF4Spec) -> torch.Tensor:
     )
 
 
-def quantized_linears(lm: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """Every projection inside the decoder layers (attention and MLP), by name."""
-    from distft.model import causal_lm
-
-    layers = causal_lm(lm).model.layers
+def quantized_linears(layers: nn.ModuleList) -> list[tuple[str, nn.Linear]]:
+    """Every projection inside these decoder layers (attention and MLP), by name."""
     return [
         (f"layers.{i}.{name}", module)
         for i, layer in enumerate(layers)
@@ -160,23 +153,21 @@ def quantized_linears(lm: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 @torch.no_grad()
-def quantize_base(lm: nn.Module, spec: NF4Spec) -> nn.Module:
-    """Replace each decoder projection's weight with a frozen NF4 parameter, in place."""
-    for _, linear in quantized_linears(lm):
+def quantize_base(layers: nn.ModuleList, spec: NF4Spec) -> None:
+    """Replace each projection's weight in these decoder layers with a frozen NF4 parameter, in place."""
+    for _, linear in quantized_linears(layers):
         linear.weight = nn.Parameter(quantize(linear.weight, spec), requires_grad=False)
-    return lm
 
 
 @torch.no_grad()
-def dequantize_base(lm: nn.Module, spec: NF4Spec) -> nn.Module:
-    """The base a QLoRA adapter was trained on, as plain weights: each projection quantized and
-    dequantized, in place. Load the adapter on this (`PeftModel.from_pretrained`) to reproduce the
-    trained model without torchao at inference time."""
-    for _, linear in quantized_linears(lm):
+def dequantize_base(layers: nn.ModuleList, spec: NF4Spec) -> None:
+    """The base a QLoRA adapter was trained on, as plain weights: each projection of these decoder
+    layers quantized and dequantized, in place. Load the adapter on this (`PeftModel.from_pretrained`)
+    to reproduce the trained model without torchao at inference time."""
+    for _, linear in quantized_linears(layers):
         w = linear.weight
         q = w if is_nf4(w) else quantize(w, spec)
         linear.weight = nn.Parameter(q.get_original_weight().to(w.dtype), requires_grad=False)
-    return lm
 
 
 # Why tp, tp-sp and fsdp+tp refuse --method qlora (shown to the user before launch).
@@ -220,25 +211,19 @@ def nf4_bytes(numel: int, spec: NF4Spec, itemsize: int = 4, shards: int = 1) -> 
     }
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def storage_layout(model: nn.Module) -> dict[str, int]:
     """Bytes of parameters this rank holds, by kind: the NF4 inner tensors one by one, and
     `dense` for every other parameter (embeddings, norms, adapters); sharded parameters
     (DTensors: FSDP, TP) count their local shard only."""
     layout = dict.fromkeys((*INNER, *META, "dense"), 0)
     for p in model.parameters():
-        local = _local(p)
+        shard = local(p)
         if is_nf4(p):
             for name in (*INNER, *META):
-                inner = getattr(local, name)
+                inner = getattr(shard, name)
                 layout[name] += inner.numel() * inner.element_size()
         else:
-            layout["dense"] += local.numel() * local.element_size()
+            layout["dense"] += shard.numel() * shard.element_size()
     return layout
 
 
@@ -256,8 +241,8 @@ def parameter_bytes(model: nn.Module) -> int:
 
 def nf4_gather_bytes(p: torch.Tensor, shards: int) -> int:
     """Bytes FSDP2 all-gathers for one NF4 parameter: its inner tensors from every shard."""
-    local = _local(p)
-    return shards * sum(getattr(local, k).numel() * getattr(local, k).element_size() for k in INNER)
+    shard = local(p)
+    return shards * sum(getattr(shard, k).numel() * getattr(shard, k).element_size() for k in INNER)
 
 
 # ---------------------------------------------------------------------------------------------

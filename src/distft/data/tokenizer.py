@@ -21,6 +21,8 @@ from tokenizers import AddedToken, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from distft.hub import hub_offline
+
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = "qwen3-tokenizer-v1"
@@ -158,8 +160,6 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
             return _finish(AutoTokenizer.from_pretrained(model_path))
         log.warning("%s has no tokenizer files; using the offline Qwen3 tokenizer", model_path)
         return qwen3_tokenizer()
-    from distft.model import hub_offline
-
     try:
         return _finish(AutoTokenizer.from_pretrained(model_path, local_files_only=hub_offline()))
     except OSError:

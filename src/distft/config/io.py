@@ -1,0 +1,163 @@
+"""Config files: defaults, then a TOML file, then `section.key=value` overrides; and back to TOML.
+
+`load_config` builds a `Config` in three layers, later ones winning: the dataclass defaults (the
+embedded CPU default), an optional TOML file, and command-line overrides. The resolved config is
+written to `DIR/config.toml` by `to_toml`, so `distft train --config DIR/config.toml` reproduces a
+run. Every mistake is a `ConfigError` with a one-paragraph message: malformed TOML with its line
+and column, unknown keys with the nearest valid one, wrong types, values out of range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from distft.config.schema import Config, check_fields, nearest
+from distft.errors import ConfigError
+
+_SECTION_TYPES = typing.get_type_hints(Config)
+
+# ---------------------------------------------------------------------------------------------
+# Loading and overriding
+# ---------------------------------------------------------------------------------------------
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check `value` against a field's type annotation, converting only lossless cases."""
+    origin = typing.get_origin(annotation)
+    if origin in (list, typing.List):  # noqa: UP006
+        (item_type,) = typing.get_args(annotation)
+        if isinstance(value, str):  # "a,b,c" on the command line
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"`{where}` must be a list, got {value!r}.")
+        return [_coerce(v, item_type, where) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        raise TypeError(f"union types are not supported in config ({where})")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"`{where}` must be true or false, got {value!r}.")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ConfigError(f"`{where}` must be an integer, got {value!r}.")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"`{where}` must be an integer, got {value!r}.") from None
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"`{where}` must be a number, got {value!r}.")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"`{where}` must be a number, got {value!r}.") from None
+    if annotation is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise ConfigError(f"`{where}` must be a string, got {value!r}.")
+        return str(value)
+    raise TypeError(f"unsupported config type {annotation} ({where})")
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+    if section not in _SECTION_TYPES:
+        raise ConfigError(f"Unknown config section `{section}`.{nearest(section, list(_SECTION_TYPES))}")
+    section_obj = getattr(cfg, section)
+    hints = typing.get_type_hints(type(section_obj))
+    if key not in hints:
+        raise ConfigError(f"Unknown config key `{section}.{key}`.{nearest(key, list(hints))}")
+    setattr(section_obj, key, _coerce(value, hints[key], f"{section}.{key}"))
+
+
+def _parse_toml(text: str, source: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        # tomllib's message already carries "(at line L, column C)".
+        raise ConfigError(f"{source} is not valid TOML: {err}.") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file at `path`, then `section.key=value` overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"Config file {path} does not exist.")
+        data = _parse_toml(path.read_text(encoding="utf-8"), str(path))
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"{path}: top-level key `{section}` must be a [section] table."
+                    f"{nearest(section, list(_SECTION_TYPES))}"
+                )
+            for key, value in table.items():
+                _apply(cfg, section, key, value)
+    for item in overrides or []:
+        apply_override(cfg, item)
+    check_fields(cfg)
+    return cfg
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one `section.key=value`; the value is read as a TOML value when it parses as one."""
+    dotted, sep, raw = item.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"Override `{item}` must look like section.key=value, e.g. optim.lr=1e-4.")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string such as train.method=full
+    _apply(cfg, section, key, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        return f'"{escaped}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    lines: list[str] = []
+    for section in dataclasses.fields(cfg):
+        lines.append(f"[{section.name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def config_differences(a: Config, b: Config, ignore: tuple[str, ...] = ()) -> list[str]:
+    """`section.key: a -> b` for every field that differs, skipping the dotted names in `ignore`."""
+    diffs = []
+    da, db = to_dict(a), to_dict(b)
+    for section, table in da.items():
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            if name not in ignore and db[section][key] != value:
+                diffs.append(f"{name}: {value!r} -> {db[section][key]!r}")
+    return diffs

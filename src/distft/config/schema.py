@@ -1,0 +1,299 @@
+"""The run configuration: plain dataclasses, one per section, a docstring under every field.
+
+A run is fully described by one `Config` in seven sections (`model`, `data`, `lora`, `optim`,
+`train`, `parallel`, `output`). `check_fields` holds the checks that need nothing but the config
+itself (choices, ranges, positive counts); checks that depend on a strategy or a model
+architecture run later, in `distft.parallel.checks`, before any process is launched.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+from distft.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """A preset name (`distft.model.PRESETS`), a local directory (config.json + safetensors) or a hub id."""
+    dtype: str = "float32"
+    """Weight dtype: float32 or bfloat16. Adapters are trained in this dtype too."""
+    autocast: bool = True
+    """bf16 autocast for forward/backward where the device supports it (CUDA only; a no-op on CPU)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of storing its activations."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers: sdpa or eager."""
+    seed: int = 0
+    """Seed of the random initialisation of preset models."""
+    quant_block_size: int = 64
+    """QLoRA: weights per NF4 block; each block is scaled by its absmax."""
+    quant_scaler_block_size: int = 256
+    """QLoRA double quantization: blocks whose 8-bit absmaxes share one scale (capped to a weight's
+    block count; under FSDP each rank must hold whole groups, checked before launch)."""
+    double_quant: bool = True
+    """QLoRA: store the block absmaxes in 8 bits (double quantization); false: in the model dtype."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "sample"
+    """`sample` (bundled meetings), a local .jsonl/.parquet file, or a hub dataset id."""
+    transcript_field: str = ""
+    """Field holding the transcript; empty: detected from the known AMI schemas."""
+    summary_field: str = ""
+    """Field holding the reference summary; empty: detected from the known AMI schemas."""
+    train_split: str = "train"
+    """Split used for training (hub datasets)."""
+    validation_split: str = "validation"
+    """Split used for evaluation; a local file is split by `validation_fraction` instead."""
+    validation_fraction: float = 0.1
+    """Fraction of a single local file held out for validation."""
+    max_length: int = 768
+    """Tokens per example: prompt + transcript + summary. Longer transcripts are truncated."""
+    truncation: str = "middle"
+    """How an over-long transcript is cut: head (keep its start), tail (keep its end) or middle
+    (keep both ends, drop the middle). The summary is never truncated."""
+    system_prompt: str = "You are a helpful assistant that summarizes meeting transcripts."
+    """System message of the chat prompt; empty for none."""
+    instruction: str = "Summarize the following meeting transcript."
+    """User instruction placed before the transcript."""
+    max_rows: int = 0
+    """Use at most this many training rows (0: all)."""
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 16
+    """LoRA rank r."""
+    alpha: float = 32.0
+    """LoRA scaling numerator: updates are scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input (0 keeps runs exactly reproducible across strategies)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Projections that get adapters: all attention and MLP projections by default."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-2
+    """Peak learning rate (AdamW). The default suits the randomly initialised CPU presets; real
+    checkpoints want ~1e-4 to 2e-4 (configs/qwen3-4b-lora.toml)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    """Linear warm-up from 0 to `lr`."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio on the last step."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+
+
+@dataclass
+class TrainConfig:
+    method: str = "lora"
+    """lora (adapters on a frozen base), qlora (adapters on a frozen 4-bit NF4 base, `distft.model.nf4`)
+    or full (every weight trains)."""
+    max_steps: int = 100
+    """Optimizer steps."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward on one rank."""
+    eval_every: int = 25
+    """Validation loss every N steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Validation micro-batches per evaluation."""
+    log_every: int = 1
+    """Write a metrics line every N steps."""
+    seed: int = 0
+    """Seed for data order and dropout."""
+    device: str = "auto"
+    """auto (CUDA when present, else CPU), cpu or cuda."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN/inf: `stop` (before the optimizer step, so the
+    weights and the last checkpoint stay good) or `skip` (no update; the run goes on)."""
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "single"
+    """single, or a multi-process strategy from the registry `distft.parallel.STRATEGIES`."""
+    nproc: int = 1
+    """Processes per node; above 1, `distft train` launches itself through torchrun."""
+    nnodes: int = 1
+    """Nodes taking part (each runs `distft train` with its own --node-rank)."""
+    node_rank: int = 0
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    """HOST:PORT of the rendezvous for multi-node runs."""
+    timeout_s: int = 600
+    """A collective that waits longer than this fails instead of hanging."""
+    max_restarts: int = 0
+    """torchrun's elastic agent restarts every rank this many times after one fails (a killed
+    rank, a lost peer); each restart resumes from the latest checkpoint."""
+    ddp_bucket_mb: float = 25.0
+    """DDP: gradients are all-reduced in buckets of this size, overlapping backward."""
+    ddp_gradient_as_bucket_view: bool = True
+    """DDP: gradients live inside the communication buckets (one copy fewer)."""
+    ddp_static_graph: bool = False
+    """DDP: declare the autograd graph identical every step (lets DDP skip per-step bookkeeping)."""
+    fsdp_param_dtype: str = ""
+    """FSDP: dtype parameters are all-gathered and computed in; empty: the model dtype."""
+    fsdp_reduce_dtype: str = ""
+    """FSDP: dtype gradients are reduce-scattered in; empty: the param dtype. float32 is safest."""
+    fsdp_output_dtype: str = ""
+    """FSDP: dtype the root module's outputs are cast to; empty: leave them as computed."""
+    fsdp_cpu_offload: bool = False
+    """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA runs)."""
+    fsdp_prefetch: int = 1
+    """FSDP: decoder layers whose all-gather is issued ahead of use, forward and backward (0: none)."""
+    sequence_parallel: bool = True
+    """tp-sp: split the residual stream, norms and loss along the sequence; false: plain Megatron TP."""
+    schedule: str = "1f1b"
+    """pp: gpipe, 1f1b, interleaved-1f1b, zero-bubble (interleaved ZB-H1) or zbv (zero bubble, V-shaped)."""
+    microbatches: int = 0
+    """pp: micro-batches the global batch (ddp+pp: a replica's share) is cut into per step (m); sets
+    train.micro_batch_size to global_batch_size / m. 0: keep train.micro_batch_size (m = global_batch_size / micro_batch_size)."""
+    stages_per_rank: int = 0
+    """pp: virtual stages per rank (V). 0: 2 for interleaved-1f1b and zbv, 1 for the others."""
+    dp: int = 0
+    """2D strategies (fsdp+tp, ddp+pp): data-parallel degree; 0: world size / (tp x pp)."""
+    tp: int = 1
+    """2D strategies (fsdp+tp): tensor-parallel degree, the inner (fastest-varying) mesh dimension."""
+    pp: int = 1
+    """ddp+pp: pipeline degree (ranks per pipeline replica), the outermost mesh dimension; 1 elsewhere.
+    parallel.schedule, microbatches and stages_per_rank apply to each replica's pipeline, whose
+    micro-batches cut global_batch_size / dp sequences."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/default"
+    """Run directory: adapter/, metrics.jsonl, config.toml."""
+    save_base: bool = True
+    """Save a randomly initialised preset base next to the adapter, so the adapter can be loaded."""
+    checkpoint_every: int = 0
+    """Write a resumable training-state checkpoint every N steps (0: never)."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+    resume: bool = True
+    """Continue from the latest checkpoint in `dir` if there is one."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.nproc * self.parallel.nnodes
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+METHODS = ("lora", "qlora", "full")
+DTYPES = ("float32", "bfloat16")
+TRUNCATIONS = ("head", "tail", "middle")
+
+
+def nearest(name: str, choices: list[str]) -> str:
+    """ " Did you mean `x`?" for a close match, else the valid choices."""
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" Did you mean `{match[0]}`?" if match else f" Valid: {', '.join(sorted(choices))}."
+
+
+def check_choice(value: str, choices: tuple[str, ...] | list[str], where: str) -> None:
+    if value not in choices:
+        raise ConfigError(
+            f"`{where}` is {value!r}; choose one of {', '.join(choices)}.{nearest(value, list(choices))}"
+        )
+
+
+def check_fields(cfg: Config) -> None:
+    """Checks that need only the config itself; strategy and model checks: `distft.parallel.checks`."""
+    check_choice(cfg.train.method, METHODS, "train.method")
+    check_choice(cfg.model.dtype, DTYPES, "model.dtype")
+    check_choice(cfg.model.attn_implementation, ("sdpa", "eager"), "model.attn_implementation")
+    check_choice(cfg.data.truncation, TRUNCATIONS, "data.truncation")
+    check_choice(cfg.train.device, ("auto", "cpu", "cuda"), "train.device")
+    check_choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
+    _check_counts(cfg)
+    _check_ranges(cfg)
+
+
+def _check_counts(cfg: Config) -> None:
+    positive = {
+        "lora.rank": cfg.lora.rank,
+        "train.max_steps": cfg.train.max_steps,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.eval_batches": cfg.train.eval_batches,
+        "train.log_every": cfg.train.log_every,
+        "data.max_length": cfg.data.max_length,
+        "parallel.nproc": cfg.parallel.nproc,
+        "parallel.nnodes": cfg.parallel.nnodes,
+        "parallel.timeout_s": cfg.parallel.timeout_s,
+    }
+    for where, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"`{where}` must be positive, got {value}.")
+    if cfg.output.checkpoint_every < 0 or cfg.output.keep_last < 1:
+        raise ConfigError(
+            "`output.checkpoint_every` cannot be negative and `output.keep_last` must be at least 1."
+        )
+    if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0 or cfg.train.eval_every < 0:
+        raise ConfigError(
+            "`optim.warmup_steps`, `optim.grad_clip` and `train.eval_every` cannot be negative."
+        )
+    if cfg.parallel.max_restarts < 0:
+        raise ConfigError(f"`parallel.max_restarts` cannot be negative, got {cfg.parallel.max_restarts}.")
+    if cfg.train.method == "qlora":
+        if cfg.model.quant_block_size <= 0 or cfg.model.quant_block_size % 2:
+            raise ConfigError(
+                f"`model.quant_block_size` must be a positive even number, got {cfg.model.quant_block_size}."
+            )
+        if cfg.model.quant_scaler_block_size <= 0:
+            raise ConfigError(
+                f"`model.quant_scaler_block_size` must be positive, got {cfg.model.quant_scaler_block_size}."
+            )
+
+
+def _check_ranges(cfg: Config) -> None:
+    if not 0.0 <= cfg.lora.dropout < 1.0:
+        raise ConfigError(f"`lora.dropout` must be in [0, 1), got {cfg.lora.dropout}.")
+    if cfg.lora.alpha <= 0:
+        raise ConfigError(f"`lora.alpha` must be positive, got {cfg.lora.alpha}.")
+    if not cfg.lora.target_modules:
+        raise ConfigError("`lora.target_modules` is empty: name at least one projection, e.g. q_proj.")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"`optim.lr` must be positive, got {cfg.optim.lr}.")
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"`optim.min_lr_ratio` must be in [0, 1], got {cfg.optim.min_lr_ratio}.")
+    if not 0.0 < cfg.data.validation_fraction < 1.0:
+        raise ConfigError(
+            f"`data.validation_fraction` must be in (0, 1), got {cfg.data.validation_fraction}."
+        )
+    if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
+        raise ConfigError(
+            f"`parallel.node_rank` is {cfg.parallel.node_rank} but there are {cfg.parallel.nnodes} nodes "
+            f"(ranks 0..{cfg.parallel.nnodes - 1})."
+        )

@@ -1,0 +1,24 @@
+"""Qwen3 models: the preset table, building or loading a base, the method (LoRA/QLoRA/full), the loss head.
+
+`presets` is the only architecture table; `build` makes the base and applies the method; `lm` is
+the loss head every strategy wraps; `nf4` stores QLoRA's frozen base in 4 bits.
+"""
+
+from distft.model.build import apply_method, load_base_model, model_config
+from distft.model.lm import SummaryLM, causal_lm, count_parameters, summed_loss
+from distft.model.presets import DTYPES, PRESETS, QWEN3_VOCAB, Preset, is_preset
+
+__all__ = [
+    "DTYPES",
+    "PRESETS",
+    "QWEN3_VOCAB",
+    "Preset",
+    "SummaryLM",
+    "apply_method",
+    "causal_lm",
+    "count_parameters",
+    "is_preset",
+    "load_base_model",
+    "model_config",
+    "summed_loss",
+]

@@ -1,0 +1,59 @@
+"""The loss head every strategy wraps: a causal LM whose forward returns the summed token loss.
+
+`SummaryLM` wraps the causal LM so that its forward returns the summed cross-entropy over the
+labelled (summary) positions. Only those positions go through lm_head: with Qwen3's 151,936-token
+vocabulary the logits of the whole prompt would dominate memory for nothing, since the prompt
+carries no loss. Every strategy wraps a `SummaryLM`, so DDP/FSDP hooks see one forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from peft import PeftModel
+from torch import nn
+from transformers import Qwen3ForCausalLM
+
+
+def causal_lm(model: nn.Module) -> Qwen3ForCausalLM:
+    """The transformers model inside any peft wrapper."""
+    if isinstance(model, PeftModel):
+        return model.base_model.model
+    return model
+
+
+class SummaryLM(nn.Module):
+    """A causal LM whose forward returns (sum of token losses, number of labelled tokens).
+
+    `labels` are already shifted: labels[b, t] is the token that position t must predict, or -100.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm  # the peft model (LoRA) or the plain causal LM (full); saved as-is
+        inner = causal_lm(lm)
+        self.backbone = inner.model  # Qwen3Model: embeddings, decoder layers, final norm
+        self.lm_head = inner.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (batch, seq)
+        attention_mask: torch.Tensor,  # (batch, seq), 1 for real tokens
+        labels: torch.Tensor,  # (batch, seq), shifted, -100 where no loss
+    ) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return summed_loss(hidden, self.lm_head, labels)
+
+
+def summed_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over labelled positions; lm_head runs on those positions only."""
+    keep = labels != -100
+    logits = lm_head(hidden[keep]).float()  # (n_labelled, vocab); fp32 for a stable softmax
+    return F.cross_entropy(logits, labels[keep], reduction="sum")
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

@@ -1,0 +1,83 @@
+"""Checks before launch that need the strategy registry, and the batch shape they derive.
+
+`distft.config` checks each field on its own; here a config is checked against the strategy it
+names (is it one, can it run QLoRA, does it take mesh degrees, does the global batch split into
+whole micro-batches on every data-parallel rank) and, once the architecture is known, against the
+model (`check_model`: heads and MLP divisible by the TP degree, layers enough for the pipeline
+stages, NF4 blocks that shard). The CLI runs both before any process is launched; `train` runs
+them again in every rank, where they are cheap and pure: nothing here changes the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from distft.config import Config, check_choice
+from distft.errors import ConfigError
+from distft.parallel.base import Strategy
+from distft.parallel.registry import STRATEGIES
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How one optimizer step's global batch is cut: per rank, per forward/backward."""
+
+    micro_batch_size: int  # sequences per forward/backward on one rank
+    data_parallel_size: int  # ranks reading distinct data
+    accumulation_steps: int  # micro-batches per rank per optimizer step
+
+
+def check_config(cfg: Config) -> BatchShape:
+    """ConfigError for a strategy that cannot run this config; else how the batch is cut."""
+    check_choice(cfg.parallel.strategy, sorted(STRATEGIES), "parallel.strategy")
+    strategy = STRATEGIES[cfg.parallel.strategy]
+    _check_method(cfg, strategy)
+    _check_layout(cfg, strategy)
+    strategy.validate_config(cfg)
+    return batch_shape(cfg)
+
+
+def check_model(cfg: Config, model_config: PretrainedConfig) -> None:
+    """ConfigError when the architecture cannot be split the way the strategy splits it."""
+    STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config)
+
+
+def batch_shape(cfg: Config) -> BatchShape:
+    strategy = STRATEGIES[cfg.parallel.strategy]
+    dp, micro = strategy.data_parallel_size(cfg), strategy.micro_batch_size(cfg)
+    per_step = micro * dp
+    if cfg.train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
+            f"train.micro_batch_size x data-parallel ranks ({micro} x {dp} = {per_step}), "
+            "so every rank runs the same number of whole micro-batches."
+        )
+    return BatchShape(micro, dp, cfg.train.global_batch_size // per_step)
+
+
+def _check_method(cfg: Config, strategy: type[Strategy]) -> None:
+    if cfg.train.method == "qlora" and not strategy.supports_qlora:
+        raise ConfigError(
+            f"--method qlora cannot run with --strategy {strategy.name}: {strategy.qlora_refusal}. "
+            f"QLoRA runs with {', '.join(s for s, c in STRATEGIES.items() if c.supports_qlora)}; "
+            f"or keep --strategy {strategy.name} with --method lora."
+        )
+
+
+def _check_layout(cfg: Config, strategy: type[Strategy]) -> None:
+    par = cfg.parallel
+    mesh = [name for name, c in STRATEGIES.items() if c.mesh_degrees]
+    if not strategy.mesh_degrees and (par.dp or par.tp != 1 or par.pp != 1):
+        raise ConfigError(
+            f"parallel.dp, parallel.tp and parallel.pp set the mesh of a multi-dimensional strategy "
+            f"({', '.join(mesh)}); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, "
+            f"or use --strategy {' or '.join(mesh)}."
+        )
+    if par.max_restarts and not strategy.distributed:
+        raise ConfigError(
+            f"--max-restarts is handled by torchrun's elastic agent, which --strategy {par.strategy} "
+            "does not use (it runs in this process). Pick a multi-process strategy (e.g. --strategy ddp "
+            "--nproc 1), or rerun with --resume DIR after a failure."
+        )

@@ -1,0 +1,32 @@
+"""The strategy registry: `STRATEGIES`, name -> class, the one place any code looks a strategy up.
+
+A new strategy is one file in this package (a `Strategy` subclass with a `name`) and one line here;
+the CLI's choices, the checks before launch, the planner's "runs in distft" column and bench all
+read this table."""
+
+from __future__ import annotations
+
+from distft.parallel.base import Strategy
+from distft.parallel.ddp import DDP
+from distft.parallel.ddp_pp import DDPPipelineParallel
+from distft.parallel.fsdp import FSDP, ZeRO2
+from distft.parallel.fsdp_tp import FSDPTensorParallel
+from distft.parallel.megatron import MegatronTPSP
+from distft.parallel.pipeline import PipelineParallel
+from distft.parallel.single import Single
+from distft.parallel.tensor_parallel import TensorParallel
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (
+        Single,
+        DDP,
+        FSDP,
+        ZeRO2,
+        TensorParallel,
+        MegatronTPSP,
+        PipelineParallel,
+        FSDPTensorParallel,
+        DDPPipelineParallel,
+    )
+}

@@ -1,0 +1,145 @@
+"""The import graph is one-way: a test fails on a cycle, on an import against the layers, and on a
+function-level distft import (which is how cycles hide). Lazy imports of heavy third-party modules
+inside functions stay allowed. docs/architecture.md draws the same layers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Lower layers never import higher ones; a package may import its own modules. Keep in step with
+# docs/architecture.md.
+LAYERS = {
+    "distft.errors": 0,
+    "distft.tensors": 0,
+    "distft.hub": 0,
+    "distft.config": 1,
+    "distft.model": 2,
+    "distft.data": 2,
+    "distft.distributed": 2,
+    "distft.io": 3,
+    "distft.parallel": 4,
+    "distft.measure": 5,
+    "distft.train": 6,
+    "distft.infer": 7,
+    "distft.plan": 7,
+    "distft.bench": 8,
+    "distft.cli": 9,
+    "distft.launch": 9,
+    "distft.__main__": 10,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def distft_imports(tree: ast.AST, name: str, is_package: bool) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level?) for every import of distft."""
+    found = []
+    package = name if is_package else name.rpartition(".")[0]
+    top_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [base]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target == "distft" or target.startswith("distft."):
+                found.append((target, node.lineno, id(node) in top_level))
+    return found
+
+
+def modules() -> dict[str, tuple[Path, ast.AST]]:
+    return {
+        module_name(p): (p, ast.parse(p.read_text(encoding="utf-8")))
+        for p in sorted((SRC / "distft").rglob("*.py"))
+    }
+
+
+def layer_of(module: str) -> tuple[str, int]:
+    for prefix in sorted(LAYERS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix, LAYERS[prefix]
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS (and docs/architecture.md)")
+
+
+def test_no_function_level_distft_imports():
+    lazy = [
+        f"{path.relative_to(SRC)}:{line} imports {target} inside a function"
+        for name, (path, tree) in modules().items()
+        for target, line, top in distft_imports(tree, name, path.name == "__init__.py")
+        if not top
+    ]
+    assert not lazy, "\n".join(lazy)
+
+
+def test_imports_follow_the_layers():
+    wrong = []
+    for name, (path, tree) in modules().items():
+        if name == "distft":
+            continue
+        package, layer = layer_of(name)
+        for target, line, _ in distft_imports(tree, name, path.name == "__init__.py"):
+            target_package, target_layer = layer_of(target)
+            if target_package != package and target_layer >= layer:
+                wrong.append(
+                    f"{path.relative_to(SRC)}:{line}: {name} (layer {layer}) imports {target} "
+                    f"(layer {target_layer})"
+                )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    graph = {
+        name: {t for t, _, _ in distft_imports(tree, name, path.name == "__init__.py")}
+        for name, (path, tree) in modules().items()
+    }
+    # `from distft.x import y` names module distft.x.y when y is one, else distft.x.
+    graph = {
+        name: {f"{t}" for t in targets if t in graph}
+        | {t.rpartition(".")[0] for t in targets if t not in graph}
+        for name, targets in graph.items()
+    }
+    state: dict[str, int] = {}  # 1: on the DFS stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def test_size_limits():
+    """No file in src/ over 350 lines and no function over 80: a file reads in one sitting."""
+    too_long = []
+    for path in sorted((SRC / "distft").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > 350:
+            too_long.append(f"{path.relative_to(SRC)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > 80:
+                    too_long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}(): {length} lines")
+    assert not too_long, "\n".join(too_long)
