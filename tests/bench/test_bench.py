@@ -44,7 +44,7 @@ def test_writes_report_results_and_plots(bench):
     projected = report.index("## Projected (not measured)")
     assert "### projected: 2xrtx4090-pcie" in report[projected:]
     assert "## Do they train the same thing?" in report[:projected]
-    assert 'Seeds\' claim "DDP near 2x on 2 GPUs"' in report[projected:]
+    assert 'The blog series\' claim "DDP near 2x on 2 GPUs"' in report[projected:]
 
 
 def test_every_figure_is_present_and_finite(bench):
@@ -153,7 +153,7 @@ def _timeline_1f1b(p: int = 2, m: int = 2) -> dict:
 
 
 def test_ideal_timeline_replays_the_schedule_with_equal_stages():
-    from distft.bench.report import ideal_timeline
+    from distft.bench.plots import ideal_timeline
 
     timeline = _timeline_1f1b(p=2, m=4)
     rows = ideal_timeline(timeline)

@@ -6,7 +6,7 @@ from distft.config import Config, config_differences, load_config, to_toml
 from distft.errors import ConfigError
 from distft.parallel import batch_shape, check_config
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 
 
 def test_defaults_are_the_embedded_cpu_run():
