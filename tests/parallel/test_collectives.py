@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distft.measure.comm import CommCounter
-from distft.parallel.collectives import (
+from distft.parallel.megatron.collectives import (
     all_gather_dim,
     copy_to_tp_region,
     gather_from_sp_region,

@@ -19,11 +19,11 @@ from peft import get_peft_model_state_dict
 from distft.cli import main
 from distft.config import load_config
 from distft.distributed import DistEnv
+from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
 from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
 from distft.parallel.base import unwrap
-from distft.parallel.collectives import all_gather_dim
-from distft.parallel.megatron import MegatronTPSP, partition_dim, saved_activation_bytes
+from distft.parallel.megatron import MegatronTPSP, all_gather_dim, partition_dim
 from tests.helpers import PARITY, assert_same_training, distft, metrics
 from tests.parallel.test_collectives import spawn
 
@@ -70,6 +70,14 @@ def reference_step(lm, batch, n_tokens: int) -> tuple[float, dict[str, torch.Ten
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def saved_activation_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """Bytes autograd keeps for backward in one forward of `model` on `batch`, on this rank."""
+    with SavedActivations(model) as probe:
+        loss = model(**batch)  # kept alive, so no saved storage is freed and its address reused
+    del loss
+    return probe.bytes
 
 
 def _check_against_one_process(rank: int, world: int) -> None:

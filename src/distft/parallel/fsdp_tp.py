@@ -58,9 +58,11 @@ from distft.parallel.fsdp import FSDP, apply_fsdp
 from distft.parallel.tensor_parallel import (
     activation_all_reduce_bytes,
     check_tp_degree,
+    head_norms,
     layer_plan,
     partial_gradient_params,
 )
+from distft.tensors import local, local_bytes
 
 
 class FSDPTensorParallel(MeshStrategy, Strategy):
@@ -96,7 +98,7 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         self._fsdp_bytes = self._fsdp_unit_bytes(model)  # TP-local sizes, before FSDP shards them
         apply_fsdp(model, self.mesh["dp"], self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
         # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
-        self.partial_grads = [p for layer in layers for p in partial_gradient_params(layer)]
+        self.partial_grads = partial_gradient_params(head_norms(layers))
         return model
 
     def after_backward(self, model: nn.Module) -> None:
@@ -104,7 +106,7 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         # FSDP has already averaged them over dp; each rank adds up its own dp shard.
         for p in self.partial_grads:
             if p.grad is not None:
-                dist.all_reduce(p.grad.to_local(), group=self.mesh["tp"].get_group())
+                dist.all_reduce(local(p.grad), group=self.mesh["tp"].get_group())
 
     def grad_copies(self, g: DTensor) -> int:
         # A parameter TP replicates lives on the dp sub-mesh only; each TP rank holds a copy.
@@ -126,6 +128,7 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         dist.all_reduce(local_sum, group=self.mesh["dp"].get_group())
         return local_sum
 
+    # -- figures
     def _fsdp_unit_bytes(self, model: nn.Module) -> tuple[int, int]:
         """(all-gathered, reduce-scattered) bytes of one pass over every FSDP unit: each TP-local
         parameter with dim 0 padded to a multiple of dp (the trainable ones for the second)."""
@@ -134,12 +137,12 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         reduce_dtype = DTYPES[p.fsdp_reduce_dtype] if p.fsdp_reduce_dtype else param_dtype
         gathered = scattered = 0
         for param in model.parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            rows = -(-local.shape[0] // dp) * dp
-            elements = rows * (local.numel() // local.shape[0])
-            gathered += elements * (param_dtype or local.dtype).itemsize
+            shard = local(param)
+            rows = -(-shard.shape[0] // dp) * dp
+            elements = rows * (shard.numel() // shard.shape[0])
+            gathered += elements * (param_dtype or shard.dtype).itemsize
             if param.requires_grad:
-                scattered += elements * (reduce_dtype or local.dtype).itemsize
+                scattered += elements * (reduce_dtype or shard.dtype).itemsize
         return gathered, scattered
 
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
@@ -148,7 +151,7 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         loss (fp32) and the gradient norm (float64), and full finetuning's partial gradients."""
         gathered, scattered = self._fsdp_bytes
         lm = causal_lm(unwrap(model).lm)
-        partial = sum(p.to_local().numel() * p.element_size() for p in self.partial_grads)
+        partial = local_bytes(self.partial_grads)
         return {
             "all_gather": len(batches) * 2 * gathered,
             "reduce_scatter": len(batches) * scattered,

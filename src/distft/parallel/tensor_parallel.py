@@ -41,6 +41,7 @@ Paper: Shoeybi et al., "Megatron-LM" (1909.08053).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -60,9 +61,58 @@ from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Batch, Strategy, unwrap
+from distft.tensors import local_bytes
 
+# Which projections of a decoder layer are column- and row-parallel: the one source (tp, tp-sp,
+# fsdp+tp and the planner read them). Column: weight split on out (dim 0); row: on in (dim 1).
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def partition_dim(p: torch.Tensor) -> int | None:
+    """The dimension along which `p` is a plain-tensor TP shard (None: not one).
+
+    tp-sp's shards are plain tensors tagged with `partition_dim`, as Megatron-LM tags its
+    parameters; the DTensor shards of tp and fsdp+tp carry their placements instead.
+    """
+    return getattr(p, "partition_dim", None)
+
+
+def check_tp_degree(cfg: Config, model_config: PretrainedConfig, n: int, knob: str) -> None:
+    """ConfigError unless `n` TP ranks can split the heads and the MLP; `knob` names the setting
+    that picks `n` (`--nproc ` or `parallel.tp=`), for the suggestion."""
+    heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+    strategy, name = cfg.parallel.strategy, cfg.model.name
+    if heads % n or kv_heads % n:
+        fits = next(d for d in range(n, 0, -1) if heads % d == 0 and kv_heads % d == 0)
+        raise ConfigError(
+            f"--strategy {strategy} splits attention heads across {n} ranks, but {name} has "
+            f"{heads} query heads and {kv_heads} KV heads; the TP degree must divide both (e.g. {knob}{fits})."
+        )
+    if model_config.intermediate_size % n:
+        raise ConfigError(
+            f"--strategy {strategy} splits the MLP across {n} ranks, but {name}'s intermediate_size "
+            f"{model_config.intermediate_size} is not divisible by {n}."
+        )
+
+
+def partial_gradient_params(scope: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Trainable parameters in `scope` that every TP rank holds whole but applies to its own share
+    only (its heads, its sequence shard, its partial sum): each rank's gradient is a partial sum,
+    to be summed over the TP group after backward. Tied weights count once.
+
+    Which modules hold such parameters depends on how the strategy routes activations, so each
+    strategy passes its scope: tp and fsdp+tp `head_norms` (DTensor's replicated input to a
+    column lora_B makes lora_A's gradient complete); tp-sp every block, or with sequence
+    parallelism the whole model (`megatron/strategy.py`).
+    """
+    params = {id(p): p for m in scope for p in m.parameters()}
+    return [p for p in params.values() if p.requires_grad and partition_dim(p) is None]
+
+
+def head_norms(layers: Iterable[nn.Module]) -> list[nn.Module]:
+    """Qwen3's q_norm / k_norm of each layer: replicated, applied to this rank's heads only."""
+    return [norm for layer in layers for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
 
 
 def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
@@ -83,20 +133,48 @@ def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
-def check_tp_degree(cfg: Config, model_config: PretrainedConfig, n: int, knob: str) -> None:
-    """ConfigError unless `n` TP ranks can split the heads and the MLP; `knob` names the setting."""
-    heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
-    strategy = cfg.parallel.strategy
-    if heads % n or kv_heads % n:
-        raise ConfigError(
-            f"--strategy {strategy} splits attention heads across {n} ranks, but {cfg.model.name} has "
-            f"{heads} query heads and {kv_heads} KV heads; the TP degree must divide both "
-            f"(e.g. {knob}{next(d for d in range(n, 0, -1) if heads % d == 0 and kv_heads % d == 0)})."
-        )
-    if model_config.intermediate_size % n:
-        raise ConfigError(
-            f"--strategy {strategy}: intermediate_size {model_config.intermediate_size} is not divisible by {n}."
-        )
+class TensorParallel(Strategy):
+    name = "tp"
+    qlora_refusal: ClassVar[str] = TP_REFUSAL
+    collectives = "the all-reduces of activations (tp)"
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        return 1  # every rank works on the same batch
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        check_tp_degree(cfg, model_config, cfg.world_size, knob="--nproc ")
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        model.to(self.env.device)
+        self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+        layers = causal_lm(model.lm).model.layers
+        self.partial_grads = partial_gradient_params(head_norms(layers))
+        for layer in layers:
+            parallelize_module(layer, self.mesh, layer_plan(layer))
+        return model
+
+    def after_backward(self, model: nn.Module) -> None:
+        # Each rank saw only its heads: sum the partial gradients over the TP group.
+        for p in self.partial_grads:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        return local_sum  # every rank computed the same, full loss
+
+    # -- figures
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+        """The activations' all-reduces (`activation_all_reduce_bytes`), the partial gradients
+        and the gradient norm."""
+        activations = activation_all_reduce_bytes(self.cfg, causal_lm(unwrap(model).lm), batches)
+        partial = local_bytes(self.partial_grads)
+        norm = 8  # the float64 sum of squared gradient shards (clip_grad_norm_)
+        return {"all_reduce": activations + partial + norm}
+
+
+# -- figures
 
 
 def activation_all_reduce_bytes(cfg: Config, lm: nn.Module, batches: list[Batch]) -> int:
@@ -115,50 +193,3 @@ def activation_all_reduce_bytes(cfg: Config, lm: nn.Module, batches: list[Batch]
     adapters = n_layers * (row_adapters + column_adapters)
     tokens = sum(b["input_ids"].numel() for b in batches)
     return itemsize * tokens * (hidden * activations + cfg.lora.rank * adapters)
-
-
-def partial_gradient_params(layer: nn.Module) -> list[nn.Parameter]:
-    """Replicated parameters applied to this rank's heads only: their gradients are partial."""
-    params = [*layer.self_attn.q_norm.parameters(), *layer.self_attn.k_norm.parameters()]
-    return [p for p in params if p.requires_grad]
-
-
-class TensorParallel(Strategy):
-    name = "tp"
-    qlora_refusal: ClassVar[str] = TP_REFUSAL
-    collectives = "the all-reduces of activations (tp)"
-
-    @classmethod
-    def data_parallel_size(cls, cfg: Config) -> int:
-        return 1  # every rank works on the same batch
-
-    @classmethod
-    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
-        check_tp_degree(cfg, model_config, cfg.world_size, knob="--nproc ")
-
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        model.to(self.env.device)
-        self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
-        layers = causal_lm(model.lm).model.layers
-        self.partial_grads: list[nn.Parameter] = []
-        for layer in layers:
-            self.partial_grads += partial_gradient_params(layer)
-            parallelize_module(layer, self.mesh, layer_plan(layer))
-        return model
-
-    def after_backward(self, model: nn.Module) -> None:
-        # Each rank saw only its heads: sum the partial gradients over the TP group.
-        for p in self.partial_grads:
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
-
-    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
-        return local_sum  # every rank computed the same, full loss
-
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """The activations' all-reduces (`activation_all_reduce_bytes`), the partial gradients
-        and the gradient norm."""
-        activations = activation_all_reduce_bytes(self.cfg, causal_lm(unwrap(model).lm), batches)
-        partial = sum(p.numel() * p.element_size() for p in self.partial_grads)
-        norm = 8  # the float64 sum of squared gradient shards (clip_grad_norm_)
-        return {"all_reduce": activations + partial + norm}

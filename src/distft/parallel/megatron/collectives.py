@@ -17,7 +17,8 @@ them with all-gather ... reduce-scatter (Korthikanti et al., 2205.05198, fig. 5)
 the wire (an all-reduce *is* a reduce-scatter followed by an all-gather), but what lies between two
 blocks is sharded along the sequence instead of replicated.
 
-Every collective runs on a detached, contiguous tensor. A collective on a tensor that requires
+Nothing here is sharded by itself: these move activations (and, for export, weight shards) between
+the ranks of a TP group. Every collective runs on a detached, contiguous tensor. A collective on a tensor that requires
 grad can leave the gloo group unusable (PITFALLS.md), and c10d expects dense buffers.
 """
 

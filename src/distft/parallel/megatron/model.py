@@ -1,0 +1,143 @@
+"""The Qwen3 forward under Megatron TP (+ SP), with every collective written out where it runs.
+
+Activations run sequence-first, (seq, batch, hidden), as in Megatron-LM, so the sequence is dim 0
+and every gather or scatter is a contiguous buffer. Sharded: each block's projections (`layers.py`);
+with sequence parallelism (SP) also the residual stream *between* blocks: rank r holds positions
+[r S/N, (r+1) S/N), and the embedding lookup, the residual adds, input_layernorm,
+post_attention_layernorm, the final norm and the loss run on that shard only.
+
+One decoder layer, one micro-batch (N = 2; AG all-gather, RS reduce-scatter, along the sequence):
+
+    x (S/N,B,H) -> norm -> AG -> (S,B,H) -> q,k,v (column) -> attention on H/N heads -> o (row)
+      -> partial (S,B,H) -> RS -> (S/N,B,H) -> + x -> norm -> AG -> gate,up (column) -> silu *
+      -> down (row) -> partial (S,B,H) -> RS -> (S/N,B,H) -> + x
+
+Forward: 2 all-gathers and 2 reduce-scatters of an (S, B, H) activation per layer. Backward: each
+all-gather's adjoint is a reduce-scatter of the input gradient and each reduce-scatter's is an
+all-gather of the output gradient: 2 + 2 more (the first block's reduce-scatter is skipped when
+nothing before it trains, e.g. LoRA's frozen embeddings). `parallel.sequence_parallel=false` gives
+plain Megatron TP for comparison: the same blocks bracketed by f (identity forward, all-reduce
+backward) and g (all-reduce forward, identity backward), the residual stream replicated. An
+all-reduce moves as many bytes on a ring as a reduce-scatter plus an all-gather, so SP is free in
+traffic and divides the memory of everything outside the blocks by N.
+
+Masking and positions. Attention here is causal only (`is_causal=True`, no padding mask). That is
+exact for every labelled position because batches are right-padded (checked per micro-batch) and
+labels are pre-shifted with -100 on padding: a real position attends only to earlier positions,
+all real, so its output, and thus the loss and every gradient, equals the padding-masked one;
+padded positions get garbage but carry no loss and nothing real attends to them. The same holds
+for the positions appended so that N divides S (token 0, label -100). Rotary embeddings get the
+global position ids 0..S-1 explicitly, computed once per forward (attention runs on the gathered
+full sequence, so no rank ever sees shard-local positions).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+from distft.model import summed_loss
+from distft.parallel.megatron.collectives import (
+    copy_to_tp_region,
+    gather_from_sp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sp_region,
+)
+
+
+class MegatronLM(nn.Module):
+    """The `SummaryLM` (kept as `.module`, where `unwrap` finds it) run as Megatron TP (+ SP).
+
+    The HF submodules (embedding, norms, rotary, q_norm/k_norm, MLP activation) are called as they
+    are; only the decoder layer's wiring is written out here, with the collectives in view.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None,
+        sequence_parallel: bool,
+        checkpoint_layers: bool = False,
+    ):
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.sequence_parallel = sequence_parallel
+        self.checkpoint_layers = checkpoint_layers
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Into a block: the full (S, B, H) every rank needs for its column projections."""
+        return (
+            gather_from_sp_region(x, self.group)
+            if self.sequence_parallel
+            else copy_to_tp_region(x, self.group)
+        )
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """Out of a block: sum the row projection's partial (S, B, H); with SP keep this rank's S/N."""
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp_region(x, self.group)
+        return reduce_from_tp_region(x, self.group)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (batch, seq)
+        attention_mask: torch.Tensor,  # (batch, seq), 1 for real tokens, right-padded
+        labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
+    ) -> torch.Tensor:
+        if (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+            raise ValueError("tp-sp applies a causal mask only, which is exact for right-padded batches only")
+        backbone = self.module.backbone
+        input_ids, labels = input_ids.t(), labels.t()  # sequence-first: (S, B)
+        if self.sequence_parallel:  # N must divide S: append positions that carry no loss
+            pad = -input_ids.shape[0] % self.world
+            input_ids = F.pad(input_ids, (0, 0, 0, pad), value=0)
+            labels = F.pad(labels, (0, 0, 0, pad), value=-100)
+        seq = input_ids.shape[0]
+        positions = torch.arange(seq, device=input_ids.device).unsqueeze(0)  # global, (1, S)
+        cos, sin = backbone.rotary_emb(backbone.embed_tokens.weight, positions)  # (1, S, head_dim)
+        if self.sequence_parallel:
+            mine = slice(self.rank * seq // self.world, (self.rank + 1) * seq // self.world)
+            input_ids, labels = input_ids[mine], labels[mine]
+        x = backbone.embed_tokens(input_ids)  # (S/N, B, H): each rank embeds only its own tokens
+        for layer in backbone.layers:
+            if self.checkpoint_layers:
+                # early_stop=False: recompute the whole layer, so its 4 collectives rerun every time
+                x = checkpoint(self.layer, layer, x, cos, sin, use_reentrant=False, early_stop=False)
+            else:
+                x = self.layer(layer, x, cos, sin)
+        x = backbone.norm(x)
+        return summed_loss(x, self.module.lm_head, labels)  # this rank's tokens' share of the loss
+
+    def layer(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One Qwen3 decoder layer. x: (S/N, B, H) with SP, (S, B, H) without."""
+        attn, mlp = layer.self_attn, layer.mlp
+        h = self.enter(layer.input_layernorm(x))  # (S, B, H)
+        seq, batch, _ = h.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # (S, B, n * d) -> (B, n, S, d)
+            return t.view(seq, batch, -1, attn.head_dim).permute(1, 2, 0, 3)
+
+        q = heads(attn.q_norm(attn.q_proj(h).view(seq, batch, -1, attn.head_dim)).flatten(2))
+        k = heads(attn.k_norm(attn.k_proj(h).view(seq, batch, -1, attn.head_dim)).flatten(2))
+        v = heads(attn.v_proj(h))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=attn.attention_dropout if self.training else 0.0,
+            is_causal=True,
+            scale=attn.scaling,
+            enable_gqa=True,  # H/N query heads share KV/N KV heads, the same grouping as unsplit
+        )
+        o = o.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # (S, B, H/N * d): this rank's heads
+        x = x + self.leave(attn.o_proj(o))
+
+        h = self.enter(layer.post_attention_layernorm(x))
+        return x + self.leave(mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h)))

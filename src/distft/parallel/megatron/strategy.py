@@ -1,0 +1,204 @@
+"""`tp-sp`: the Megatron TP (+ SP) strategy: what is sharded, which gradients are partial, checkpoints.
+
+Every rank reads the same batch (no data parallelism). Sharded: each decoder layer's projections
+(`layers.py`), and with sequence parallelism the residual stream between blocks (`model.py`).
+Replicated: the (tied) embedding / lm_head and every RMSNorm weight.
+
+Collectives. Forward and backward: the activations' all-gathers / reduce-scatters (SP) or
+all-reduces (plain TP) at block boundaries (`model.py`). After backward: one flat all-reduce of
+the partial gradients. Per step: the gradient norm's float64 sum of squares (the base
+`Strategy.clip_grad_norm_`, fed by `gradient_shares`) and, with SP, the loss sum.
+
+Which gradients are partial, and summed over ranks in `after_backward`. Each rank back-propagates
+its own share of the loss, so a weight's gradient is complete only if this rank applies it to
+everything that weight touches:
+- sharded weights (every base shard, column lora_B, row lora_A): complete for their shard. A
+  column shard sees the full sequence; a row shard receives the full output gradient (from the
+  all-gather in backward, or g's identity).
+- column lora_A (replicated): partial. Its gradient is dZ^T x with dZ = B_r^T dY_r, the share of
+  dZ that flows back through this rank's output features; the full dZ sums over ranks. (DTensor's
+  `tp` strategy all-reduces dZ in backward instead; here the gather's reduce-scatter already sums
+  the input gradients, so an extra all-reduce of dZ would count the adapter N times.)
+- row lora_B (replicated): partial, dY^T (A_r x_r) sees this rank's partial sum only.
+- q_norm / k_norm: partial, applied to this rank's heads only.
+- with SP, every other replicated weight too (input_layernorm, post_attention_layernorm, the final
+  norm, embedding / lm_head in full finetuning): each is applied to this rank's sequence shard.
+  Without SP those see the replicated residual stream, whose gradient f's all-reduce makes
+  complete: only the four kinds above are partial.
+In short: with SP every replicated trainable weight has a partial gradient.
+
+Checkpoints. `torch.distributed.checkpoint` knows a sharded tensor only as a DTensor; the shards
+here are plain tensors under the unsharded names (so that the loop, the gradient norm and the
+export stay simple). For save and load only, `checkpoint_state` presents each shard, and its
+AdamW moments, as a DTensor with Shard(partition_dim) on a 1-D mesh of the TP ranks, under the
+single-model names: each rank writes its own slice and the checkpoint is the unsplit model's.
+Per-rank keys (`rank1/q_proj...`) would also have worked, but would tie a checkpoint to one TP
+degree and one strategy; as DTensors it reshards like FSDP's.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from transformers import PretrainedConfig
+
+from distft.config import Config
+from distft.errors import ConfigError
+from distft.model import causal_lm
+from distft.model.nf4 import TP_REFUSAL
+from distft.parallel.base import Batch, Strategy, optimizer_state_owner, unwrap
+from distft.parallel.grads import all_reduce_flat
+from distft.parallel.megatron.collectives import all_gather_dim
+from distft.parallel.megatron.layers import PLAN, shard_projections
+from distft.parallel.megatron.model import MegatronLM
+from distft.parallel.tensor_parallel import check_tp_degree, partial_gradient_params, partition_dim
+from distft.tensors import local, local_bytes
+
+
+class MegatronTPSP(Strategy):
+    name = "tp-sp"
+    qlora_refusal: ClassVar[str] = TP_REFUSAL
+    collectives = "the all-gathers / reduce-scatters of activations (tp-sp)"
+    mesh: DeviceMesh | None = None  # only checkpoints use one (DTensor views of the shards)
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        return 1  # every rank works on the same batch
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        check_tp_degree(cfg, model_config, cfg.world_size, knob="--nproc ")
+        if getattr(model_config, "attention_bias", False):
+            raise ConfigError(f"--strategy {cls.name} supports bias-free projections only (attention_bias).")
+        if set(getattr(model_config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+            raise ConfigError(f"--strategy {cls.name} supports full attention only (no sliding window).")
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        shard_projections(model.lm, self.env.rank, self.env.world_size)  # on the CPU: the device gets shards
+        model.to(self.env.device)
+        self.sequence_parallel = self.cfg.parallel.sequence_parallel
+        if (
+            self.sequence_parallel
+        ):  # every replicated weight sees a sequence shard, its heads or a partial sum
+            scope = [model]
+        else:  # inside the blocks only; the replicated residual stream gets complete gradients
+            scope = [m for layer in causal_lm(model.lm).model.layers for m in (layer.self_attn, layer.mlp)]
+        self.partial_grads = partial_gradient_params(scope)
+        return MegatronLM(model, None, self.sequence_parallel, self.cfg.model.activation_checkpointing)
+
+    def after_backward(self, model: nn.Module) -> None:
+        all_reduce_flat([p.grad for p in self.partial_grads if p.grad is not None])  # one collective
+
+    def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
+        """Shards (plain tensors with a `partition_dim`) are summed over the TP ranks, one copy each;
+        replicated gradients, equal on every rank after `after_backward`, are counted once."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        shared = [(p.grad, 1) for p in params if partition_dim(p) is not None]
+        return shared, [p.grad for p in params if partition_dim(p) is None]
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return local_sum  # every rank computed the whole loss
+        local_sum = local_sum.clone()
+        dist.all_reduce(local_sum)  # each rank's share: the loss over its sequence shard
+        return local_sum
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The checkpoint of the unsplit model, each rank writing its shards (module docstring).
+
+        A shard here is a plain tensor under the unsharded name; handed to DCP as is, it would be
+        taken for a replica, and only rank 0's slice written. Instead each shard (and its AdamW
+        moments, which have its shape) is wrapped as a DTensor placed Shard(partition_dim) on a
+        1-D mesh of the TP ranks, which describes exactly what it is: one slice of the full
+        tensor. Keys are the inner `SummaryLM`'s, as for every other strategy, so the checkpoint
+        loads at another TP degree or into another strategy (DCP reshards on load). The wrap
+        shares storage, so loading into it writes the shards in place.
+        """
+        inner = unwrap(model)  # the same Parameters, without MegatronLM's `module.` prefix
+        state = super().checkpoint_state(inner, optimizer)
+        params = dict(inner.named_parameters())
+        if self.mesh is None:  # all TP ranks (the default group), made on first use
+            self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+
+        def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
+            p = params.get(name)
+            dim = partition_dim(p) if p is not None else None
+            if dim is None or not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                return t  # replicated, or the optimizer's scalar step count
+            return DTensor.from_local(t, self.mesh, [Shard(dim)], run_check=False)
+
+        state["model"] = {k: wrap(k, v) for k, v in state["model"].items()}
+        state["optim"] = {  # flattened: `state.<fqn>.exp_avg` has the parameter's shape
+            k: wrap(optimizer_state_owner(k)[0], v) if k.startswith("state.") else v
+            for k, v in state["optim"].items()
+        }
+        return state
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        state = {part: {k: local(v) for k, v in state[part].items()} for part in ("model", "optim")}
+        super().load_checkpoint_state(unwrap(model), optimizer, state)
+
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Trainable weights under the single-model names, shards gathered (a collective each), on rank 0."""
+        state = {}
+        for name, param in unwrap(model).lm.named_parameters():
+            if param.requires_grad:
+                dim = partition_dim(param)
+                full = param.detach() if dim is None else all_gather_dim(param, dim)
+                if self.env.is_main:
+                    state[name] = full.cpu().clone()
+        return state if self.env.is_main else None
+
+    # -- figures
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+        """Analytic bytes per optimizer step, in `distft.measure.comm`'s convention (full logical tensors).
+
+        Per micro-batch and layer, 2 block entries and 2 exits, each of an (S, B, H) activation, S
+        padded to a multiple of N with SP: forward always; an entry's backward only if its input
+        needs a gradient (something before it trains), an exit's only if its block's output does;
+        a checkpointed layer runs its forward collectives again in backward. Plus one all-reduce of
+        the partial gradients, the loss (SP) and the gradient norm.
+        """
+        lm = causal_lm(unwrap(model).lm)
+        hidden, n = lm.config.hidden_size, self.env.world_size
+        lora = self.cfg.train.method == "lora"
+        targets = set(self.cfg.lora.target_modules) if lora else set()
+        blocks = [
+            {path.rsplit(".", 1)[1] for path in PLAN if path.startswith(p)} for p in ("self_attn", "mlp")
+        ]
+
+        needs_grad = not lora  # full finetuning: the embeddings train
+        enters_bwd = leaves_bwd = recomputed = 0
+        for _ in lm.model.layers:
+            for block in blocks:
+                enters_bwd += needs_grad
+                needs_grad = needs_grad or bool(block & targets)
+                leaves_bwd += needs_grad
+            recomputed += needs_grad and self.cfg.model.activation_checkpointing
+        enters = leaves = 2 * len(lm.model.layers) + 2 * recomputed
+
+        model_size = next(lm.parameters()).element_size()
+        autocast = self.cfg.model.autocast and self.env.device.type == "cuda"
+        compute_size = 2 if autocast else model_size  # projection outputs are bf16 under autocast
+        tokens = 0
+        for b in batches:
+            batch, seq = b["input_ids"].shape
+            tokens += batch * (seq + (-seq % n if self.sequence_parallel else 0))
+        # Entries carry norm outputs (model dtype) forward and their gradients back; exits carry
+        # projection outputs (compute dtype), and their gradients back.
+        enter_bytes = tokens * hidden * model_size
+        leave_bytes = tokens * hidden * compute_size
+        partial = local_bytes(self.partial_grads)
+        scalars = 8 + (4 if self.sequence_parallel else 0)  # float64 grad-norm square sum, fp32 loss
+        if not self.sequence_parallel:
+            return {"all_reduce": leave_bytes * leaves + enter_bytes * enters_bwd + partial + scalars}
+        return {
+            "all_gather": enter_bytes * enters + leave_bytes * leaves_bwd,
+            "reduce_scatter": leave_bytes * leaves + enter_bytes * enters_bwd,
+            "all_reduce": partial + scalars,
+        }
