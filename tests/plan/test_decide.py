@@ -149,16 +149,16 @@ def test_bytes_per_parameter_of_full_finetuning():
     gradients, fp32 moments): 26 + 26 + 104 = 156 GB; 70B at 12 bytes ~ 840 GB."""
     spec = resolve_model("llama-2-13b")
     assert PRECISIONS["mixed"].trained_bytes == 16 and PRECISIONS["bf16"].trained_bytes == 12
-    s = state_bytes(spec, Training(method="full", precision=PRECISIONS["bf16"]), Layout("single"))
+    s = state_bytes(spec, Training(method="full", precision=PRECISIONS["bf16"]), Parallelism("single"))
     assert s.params / GB == pytest.approx(26, rel=0.01)
     assert s.grads / GB == pytest.approx(26, rel=0.01)
     assert s.optimizer / GB == pytest.approx(104, rel=0.01)
     big = state_bytes(
-        resolve_model("llama-3-70b"), Training(method="full", precision=PRECISIONS["bf16"]), Layout("single")
+        resolve_model("llama-3-70b"), Training(method="full", precision=PRECISIONS["bf16"]), Parallelism("single")
     )
     assert big.total / GB == pytest.approx(840, rel=0.02)
     fsdp4 = state_bytes(
-        spec, Training(method="full", precision=PRECISIONS["bf16"]), Layout("fsdp", dp=4, shard="full")
+        spec, Training(method="full", precision=PRECISIONS["bf16"]), Parallelism("fsdp", dp=4, shard="full")
     )
     assert fsdp4.total / GB == pytest.approx(
         39, rel=0.01
@@ -167,7 +167,7 @@ def test_bytes_per_parameter_of_full_finetuning():
 
 def test_lora_trains_only_adapters():
     spec = resolve_model("qwen3-4b")
-    lora = state_bytes(spec, Training(method="lora"), Layout("single"))
+    lora = state_bytes(spec, Training(method="lora"), Parallelism("single"))
     adapters = sum(t.numel for t in spec.lora_tensors(16))
     assert adapters == 36 * 16 * (
         2560 + 4096 + 2 * (2560 + 1024) + 4096 + 2560 + 2 * (2560 + 9728) + 9728 + 2560
@@ -196,10 +196,10 @@ def test_qlora_storage_formula():
 def test_fsdp_chunks_and_pipeline_in_flight():
     assert [chunk_rows(5, 2, r) for r in range(2)] == [3, 2]  # torch.chunk: the last rank is short
     assert [chunk_rows(1, 2, r) for r in range(2)] == [1, 0]
-    lay = Layout("pp", pp=4, microbatches=8)
+    lay = Parallelism("pp", pp=4, microbatches=8)
     assert [inflight_microbatches(lay, s)[0] for s in range(4)] == [4, 3, 2, 1]  # 1F1B: min(m, p - s)
-    assert inflight_microbatches(Layout("pp", pp=4, microbatches=8, schedule="gpipe"), 3)[0] == 8
-    inter = Layout("pp", pp=4, microbatches=8, schedule="interleaved-1f1b")
+    assert inflight_microbatches(Parallelism("pp", pp=4, microbatches=8, schedule="gpipe"), 3)[0] == 8
+    inter = Parallelism("pp", pp=4, microbatches=8, schedule="interleaved-1f1b")
     assert inflight_microbatches(inter, 0) == (min(16, 1 * 4 + 2 * 3 + 1), 2)
 
 
