@@ -21,8 +21,8 @@ from distft.config import load_config
 from distft.data import ChatFormatter, count_label_tokens, global_batch_indices, load_rows, tokenize_rows
 from distft.model import SummaryLM, apply_method, causal_lm, load_base_model, summed_loss
 from distft.plan.activations import activation_bytes
-from distft.plan.setup import PRECISIONS, Parallelism, Training, rank_layers
 from distft.plan.model_spec import resolve_model
+from distft.plan.setup import PRECISIONS, Parallelism, Training, rank_layers
 from distft.tokenizer import load_tokenizer
 from tests.helpers import distft
 

@@ -30,8 +30,8 @@ from distft.model import SummaryLM, apply_method, load_base_model
 from distft.parallel import STRATEGIES
 from distft.plan.activations import activation_bytes
 from distft.plan.memory import state_bytes
-from distft.plan.setup import PRECISIONS, Parallelism, Training
 from distft.plan.model_spec import resolve_model
+from distft.plan.setup import PRECISIONS, Parallelism, Training
 from tests.parallel.test_collectives import spawn
 from tests.plan.test_activations import batch
 
