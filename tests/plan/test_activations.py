@@ -21,8 +21,9 @@ from distft.data import ChatFormatter, count_label_tokens, global_batch_indices,
 from distft.data.tokenizer import load_tokenizer
 from distft.measure.activations import SavedActivations
 from distft.model import SummaryLM, apply_method, causal_lm, load_base_model, summed_loss
-from distft.plan.memory import PRECISIONS, Layout, Training, activation_bytes, stage_layers
+from distft.plan.activations import activation_bytes
 from distft.plan.model_spec import resolve_model
+from distft.plan.setup import PRECISIONS, Parallelism, Training, rank_layers
 from tests.helpers import distft
 
 SPEC = resolve_model("micro")
@@ -108,7 +109,7 @@ def test_single_process_cases(method, dtype, attn, ckpt, b, s, labels, pad):
         activation_checkpointing=ckpt,
         padded=pad > 0,
     )
-    predicted = activation_bytes(SPEC, t, Layout("single"))
+    predicted = activation_bytes(SPEC, t, Parallelism("single"))
     want = predicted.saved
     print(f"{method} {dtype} {attn} ckpt={ckpt} b={b} s={s}: measured {got} predicted {want}")
     assert abs(want - got) <= TOLERANCE * got
@@ -121,7 +122,7 @@ def test_single_process_cases(method, dtype, attn, ckpt, b, s, labels, pad):
 
 
 def run_stage(
-    model: SummaryLM, layers: range, first: bool, last: bool, data: dict, hidden: torch.Tensor | None
+    model: SummaryLM, layers: list[int], first: bool, last: bool, data: dict, hidden: torch.Tensor | None
 ):
     """A pipeline stage's forward as distft's pipeline runs it: embeddings on the first stage, cos/sin
     recomputed from position ids on every stage, the final norm and the loss on the last."""
@@ -143,10 +144,10 @@ def test_pipeline_stage_in_flight(method, schedule, m):
     """Stage 0 and the last stage of a 2-stage pipeline, every in-flight micro-batch alive at once."""
     pp, b, s, labels = 2, 1, 64, 8
     model = build(method)
-    layout = Layout("pp", pp=pp, schedule=schedule, microbatches=m)
+    layout = Parallelism("pp", pp=pp, schedule=schedule, microbatches=m)
     t = training(method, b, s, labels)
     for stage in range(pp):
-        layers = stage_layers(SPEC.num_layers, pp, stage)
+        layers = rank_layers(SPEC.num_layers, layout, stage)  # the runtime's Layout.layers_of
         first, last = stage == 0, stage == pp - 1
         want = activation_bytes(SPEC, t, layout, stage)
         outputs = []
@@ -171,7 +172,7 @@ def test_bf16_autocast(method, b, s, labels):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = measured(model, batch(b, s, labels))
     t = training(method, b, s, labels, precision=PRECISIONS["bf16-pure"], padded=False)
-    want = activation_bytes(SPEC, replace(t, autocast=True), Layout("single")).saved
+    want = activation_bytes(SPEC, replace(t, autocast=True), Parallelism("single")).saved
     print(f"autocast {method} b={b} s={s}: measured {got} predicted {want}")
     assert abs(want - got) <= 0.01 * got
 
@@ -197,7 +198,7 @@ def test_pipeline_stages_of_the_real_strategy(tmp_path):
     first = train_set.examples[idx[0]]
     assert len(first.input_ids) == 192  # truncated to max_length: no padding reaches attention
     t = training("lora", 1, 192, count_label_tokens([first]), padded=False)
-    layout = Layout("pp", pp=2, schedule="gpipe", microbatches=2)
+    layout = Parallelism("pp", pp=2, schedule="gpipe", microbatches=2)
     ranks = json.loads((out / "ranks.json").read_text())
     for stage, rank in enumerate(ranks):  # gpipe, 2 ranks: stage s on rank s
         want = activation_bytes(SPEC, t, layout, stage)

@@ -28,8 +28,10 @@ from distft.distributed import DistEnv
 from distft.measure.activations import SavedActivations
 from distft.model import SummaryLM, apply_method, load_base_model
 from distft.parallel import STRATEGIES
-from distft.plan.memory import PRECISIONS, Layout, Training, activation_bytes, state_bytes
+from distft.plan.activations import activation_bytes
+from distft.plan.memory import state_bytes
 from distft.plan.model_spec import resolve_model
+from distft.plan.setup import PRECISIONS, Parallelism, Training
 from tests.parallel.test_collectives import spawn
 from tests.plan.test_activations import batch
 
@@ -38,12 +40,12 @@ LORA_RANK = 5  # odd: uneven FSDP2 shards of lora_A
 TOLERANCE = 0.15
 
 LAYOUTS = {
-    "single": Layout("single"),
-    "ddp": Layout("ddp", dp=WORLD),
-    "fsdp": Layout("fsdp", dp=WORLD, shard="full"),
-    "zero2": Layout("zero2", dp=WORLD, shard="full", reshard_after_forward=False),
-    "tp": Layout("tp", tp=WORLD, tp_impl="dtensor"),
-    "tp-sp": Layout("tp-sp", tp=WORLD, sp=True),
+    "single": Parallelism("single"),
+    "ddp": Parallelism("ddp", dp=WORLD),
+    "fsdp": Parallelism("fsdp", dp=WORLD, shard="full"),
+    "zero2": Parallelism("zero2", dp=WORLD, shard="full", reshard_after_forward=False),
+    "tp": Parallelism("tp", tp=WORLD, tp_impl="dtensor"),
+    "tp-sp": Parallelism("tp-sp", tp=WORLD, sp=True),
 }
 # (batch, seq, labels per sequence, padding of the last row); tp-sp needs right-padded rows only
 # and its causal-only attention ignores the mask, so its padded case runs unpadded.

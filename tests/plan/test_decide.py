@@ -13,21 +13,14 @@ import pytest
 
 from distft.cli import build_parser, main
 from distft.errors import ConfigError
+from distft.model.nf4 import NF4Spec
 from distft.plan import evaluate, make_request
+from distft.plan.activations import inflight_microbatches
 from distft.plan.decide import decide
 from distft.plan.hardware import GB, LINKS, GiB, comm_time, parse_bytes, wire_bytes
-from distft.plan.memory import (
-    PRECISIONS,
-    Layout,
-    QuantConfig,
-    Training,
-    chunk_rows,
-    inflight_microbatches,
-    nf4_bytes,
-    qlora_base_bytes,
-    state_bytes,
-)
+from distft.plan.memory import chunk_rows, nf4_tensor_bytes, qlora_base_bytes, state_bytes
 from distft.plan.model_spec import resolve_model
+from distft.plan.setup import PRECISIONS, Parallelism, Training
 
 
 def plan(command: str):
@@ -86,9 +79,11 @@ SCENARIOS = [
         "lora",
         ["hides behind compute"],
     ),
-    (  # 70B on one 8-GPU node at 4k tokens: FSDP shards the weights, not the activations: FSDP x TP.
+    (  # 70B on one 8-GPU node at 4k tokens: FSDP shards the weights, not the activations. TP+SP splits
+        # them (was FSDP x TP, modelled with SP; the runtime's fsdp+tp is plain parallelize_module TP
+        # inside, parallel/fsdp_tp.py, and at 4k tokens its activations no longer fit an H100).
         "--model llama-3-70b --method lora --gpus 8 --gpu h100 --seq-len 4096",
-        "fsdp+tp",
+        "tp-sp",
         "lora",
         ["because of activations", "sequence parallelism"],
     ),
@@ -130,7 +125,10 @@ def test_70b_one_node_offers_checkpointing_and_says_why():
     _, estimates, rec = plan("--model llama-3-70b --method lora --gpus 8 --gpu h100 --seq-len 4096")
     steps = answers(rec)
     assert steps["4"].startswith("Yes")  # sequence length is the problem
-    assert not estimates["fsdp"].fits and estimates["fsdp+tp"].fits
+    assert not estimates["fsdp"].fits and estimates["tp-sp"].fits
+    # The runtime's fsdp+tp has no sequence parallelism (parallel/fsdp_tp.py): its norms, residual
+    # stream and loss keep the whole sequence, which at 4k tokens does not fit (it did with SP).
+    assert not estimates["fsdp+tp"].fits
     assert any("activation checkpointing" in a for a in rec.alternatives)
 
 
@@ -149,16 +147,18 @@ def test_bytes_per_parameter_of_full_finetuning():
     gradients, fp32 moments): 26 + 26 + 104 = 156 GB; 70B at 12 bytes ~ 840 GB."""
     spec = resolve_model("llama-2-13b")
     assert PRECISIONS["mixed"].trained_bytes == 16 and PRECISIONS["bf16"].trained_bytes == 12
-    s = state_bytes(spec, Training(method="full", precision=PRECISIONS["bf16"]), Layout("single"))
+    s = state_bytes(spec, Training(method="full", precision=PRECISIONS["bf16"]), Parallelism("single"))
     assert s.params / GB == pytest.approx(26, rel=0.01)
     assert s.grads / GB == pytest.approx(26, rel=0.01)
     assert s.optimizer / GB == pytest.approx(104, rel=0.01)
     big = state_bytes(
-        resolve_model("llama-3-70b"), Training(method="full", precision=PRECISIONS["bf16"]), Layout("single")
+        resolve_model("llama-3-70b"),
+        Training(method="full", precision=PRECISIONS["bf16"]),
+        Parallelism("single"),
     )
     assert big.total / GB == pytest.approx(840, rel=0.02)
     fsdp4 = state_bytes(
-        spec, Training(method="full", precision=PRECISIONS["bf16"]), Layout("fsdp", dp=4, shard="full")
+        spec, Training(method="full", precision=PRECISIONS["bf16"]), Parallelism("fsdp", dp=4, shard="full")
     )
     assert fsdp4.total / GB == pytest.approx(
         39, rel=0.01
@@ -167,7 +167,7 @@ def test_bytes_per_parameter_of_full_finetuning():
 
 def test_lora_trains_only_adapters():
     spec = resolve_model("qwen3-4b")
-    lora = state_bytes(spec, Training(method="lora"), Layout("single"))
+    lora = state_bytes(spec, Training(method="lora"), Parallelism("single"))
     adapters = sum(t.numel for t in spec.lora_tensors(16))
     assert adapters == 36 * 16 * (
         2560 + 4096 + 2 * (2560 + 1024) + 4096 + 2560 + 2 * (2560 + 9728) + 9728 + 2560
@@ -178,28 +178,37 @@ def test_lora_trains_only_adapters():
 
 
 def test_qlora_storage_formula():
-    """NF4: half a byte per weight + an absmax per 64: fp32 (0.0625 B/param), or with double
-    quantization an int8 per 64 and an fp32 scale per 256 blocks (~0.0159 B/param)."""
+    """NF4: half a byte per weight + an absmax per 64: in the model dtype without double quantization,
+    or with it an int8 per 64 and a scale per 256 blocks (~0.0159 B/param), plus torchao's per-tensor
+    mean and 16-value code book.
+
+    The planner now uses the runtime's storage formula (`distft.model.nf4.nf4_bytes`: torchao's
+    NF4Tensor keeps its scales, mean and code book in the model dtype, `itemsize`), no longer its
+    own bitsandbytes-style one with fp32 second-level scales; the expected values follow it."""
     n = 64 * 256 * 10
-    assert nf4_bytes(n, QuantConfig(double_quant=False)) == n / 2 + n / 64 * 4
-    assert nf4_bytes(n) == n / 2 + n / 64 + n / 64 / 256 * 4
-    torchao = QuantConfig(scale_bytes=2, per_tensor_bytes=17 * 2)  # bf16 scales, mean + 16-entry code book
-    assert nf4_bytes(n, torchao) == n / 2 + n / 64 + n / 64 / 256 * 2 + 34
+    single = NF4Spec(double_quant=False)
+    # torchao keeps a scale per 256 blocks even without double quantization (quantization_factor)
+    assert nf4_tensor_bytes(n, single, 4) == n / 2 + n / 64 * 4 + n / 64 / 256 * 4 + 4 + 16 * 4
+    assert nf4_tensor_bytes(n, NF4Spec(), 4) == n / 2 + n / 64 + n / 64 / 256 * 4 + 4 + 16 * 4
+    assert (
+        nf4_tensor_bytes(n, NF4Spec(), 2) == n / 2 + n / 64 + n / 64 / 256 * 2 + 34
+    )  # bf16: mean + code book
     spec = resolve_model("llama-2-13b")
-    linear = sum(t.numel for t in spec.tensors() if t.kind == "linear")
-    rest = spec.num_params() - linear
-    total = qlora_base_bytes(spec)
-    assert total == pytest.approx(linear * (0.5 + 1 / 64 + 4 / 64 / 256) + 2 * rest, rel=1e-6)
+    linear = [t for t in spec.tensors() if t.kind == "linear"]
+    rest = spec.num_params() - sum(t.numel for t in linear)
+    total = qlora_base_bytes(spec)  # bf16 base: 2-byte scales, 34 bytes of constants per projection
+    want = sum(t.numel for t in linear) * (0.5 + 1 / 64 + 2 / 64 / 256) + 34 * len(linear) + 2 * rest
+    assert total == pytest.approx(want, rel=1e-6)
     assert total < 8 * GB  # "QLoRA can fit a 13B model ... on a single 24 GB GPU"
 
 
 def test_fsdp_chunks_and_pipeline_in_flight():
     assert [chunk_rows(5, 2, r) for r in range(2)] == [3, 2]  # torch.chunk: the last rank is short
     assert [chunk_rows(1, 2, r) for r in range(2)] == [1, 0]
-    lay = Layout("pp", pp=4, microbatches=8)
+    lay = Parallelism("pp", pp=4, microbatches=8)
     assert [inflight_microbatches(lay, s)[0] for s in range(4)] == [4, 3, 2, 1]  # 1F1B: min(m, p - s)
-    assert inflight_microbatches(Layout("pp", pp=4, microbatches=8, schedule="gpipe"), 3)[0] == 8
-    inter = Layout("pp", pp=4, microbatches=8, schedule="interleaved-1f1b")
+    assert inflight_microbatches(Parallelism("pp", pp=4, microbatches=8, schedule="gpipe"), 3)[0] == 8
+    inter = Parallelism("pp", pp=4, microbatches=8, schedule="interleaved-1f1b")
     assert inflight_microbatches(inter, 0) == (min(16, 1 * 4 + 2 * 3 + 1), 2)
 
 

@@ -14,7 +14,8 @@ Projection (`project`), per strategy on a profile `NxGPU-LINK` (e.g. `2xrtx4090-
   DDP, ZeRO, FSDP and TP (the ring factor does), so bytes measured at 2 ranks carry over;
 - overlap, as the plan assumes: DDP's, ZeRO-2's and FSDP's collectives hide behind compute and
   only their excess shows; TP's, TP+SP's and the pipeline's sends sit on the critical path; a
-  pipeline adds its bubble, (p - 1) / m of the compute (`traffic.bubble_fraction`);
+  pipeline adds its bubble, the runtime's idle fraction f of the step, i.e. f / (1 - f) of the
+  compute (`traffic.bubble_seconds`, from `distft.parallel.pipeline.Layout`);
 - tokens/s = the measured tokens per step / the projected step time.
 """
 
@@ -25,11 +26,11 @@ from dataclasses import dataclass, replace
 
 from distft.config import load_config
 from distft.errors import ConfigError
-from distft.plan.decide import Request, _layout, estimate
+from distft.plan.estimate import Request, estimate, layout_for
 from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
-from distft.plan.memory import PRECISIONS, Training
 from distft.plan.model_spec import resolve_model
-from distft.plan.traffic import bubble_fraction
+from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Training
+from distft.plan.traffic import bubble_seconds
 
 OVERLAPPED = {"ddp", "zero2", "fsdp"}  # their collectives overlap backward (the plan's assumption)
 MFU = 0.4
@@ -91,7 +92,7 @@ def _request(
         nodes=1,
         intra=intra_node_link(gpu, interconnect),
         inter=intra_node_link(gpu, interconnect),
-        pp_schedule=cfg.parallel.schedule if cfg.parallel.schedule in ("gpipe", "1f1b") else "1f1b",
+        pp_schedule=cfg.parallel.schedule if cfg.parallel.schedule in PLANNED_SCHEDULES else "1f1b",
         mfu=MFU,
     )
 
@@ -109,7 +110,7 @@ def _estimate(req: Request, settings, strategy: str, n: int):
     req = replace(req, grad_accum=accum, pp_microbatches=accum if strategy == "pp" else None)
     degrees = {"ddp": "dp", "zero2": "dp", "fsdp": "dp", "tp": "tp", "tp-sp": "tp", "pp": "pp"}
     kwargs = {degrees[strategy]: n} if strategy in degrees else {}
-    return estimate(req, _layout(req, strategy, **kwargs), strategy)
+    return estimate(req, layout_for(req, strategy, **kwargs), strategy)
 
 
 def plan_memory(
@@ -160,7 +161,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
             for kind, b in r["comm_bytes"].items()
             if kind != "recv"
         )
-        bubble = bubble_fraction(e.layout) * compute
+        bubble = bubble_seconds(compute, e.layout)
         exposed = max(0.0, comm - compute) if name in OVERLAPPED else comm
         step = compute + bubble + exposed
         tokens = r.get("tokens_per_step") or r["tokens_per_s"]["median"] * r["step_time_s"]["median"]

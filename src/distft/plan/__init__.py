@@ -1,10 +1,16 @@
 """`distft plan`: how much GPU memory each strategy needs, what it moves, and which one to use.
 
+Imports run one way, top to bottom:
 - `model_spec`: the architecture as a list of weight tensors (presets, built-in table, config.json);
-- `memory`: parameters, gradients, optimizer state, activations and buffers per rank and layout;
+- `setup`: precision, what trains (`Training`) and how ranks split it (`Parallelism`, whose
+  pipeline is the runtime's `distft.parallel.pipeline.Layout`);
 - `hardware`: GPU and link profiles, ring-collective volumes, `comm_time`;
+- `memory`: parameters, gradients, optimizer state (NF4 by `distft.model.nf4`) and buffers per rank;
+- `activations`: what autograd saves for backward per rank;
 - `traffic`: the collectives of each layout per step, compute time, exposed communication;
-- `decide`: every layout evaluated, then the decision tree;
+- `estimate`: every layout evaluated (`Request`, `Estimate`, `evaluate`); which ones distft runs
+  comes from the registry `distft.parallel.STRATEGIES`;
+- `explain`, `decide`: the decision tree; `commands`: the `distft train` line for the answer;
 - `report`: the rich table and the JSON document.
 """
 
@@ -13,7 +19,11 @@ from __future__ import annotations
 import argparse
 
 from distft.errors import ConfigError
-from distft.plan.decide import Estimate, Recommendation, Request, decide, evaluate
+from distft.plan.activations import activation_bytes
+from distft.plan.commands import run_command, run_overrides
+from distft.plan.decide import decide
+from distft.plan.estimate import Estimate, Request, evaluate, layout_for, runnable
+from distft.plan.explain import Recommendation
 from distft.plan.hardware import (
     GPUS,
     INTERCONNECTS,
@@ -26,16 +36,10 @@ from distft.plan.hardware import (
     match_gpu,
     parse_bytes,
 )
-from distft.plan.memory import (
-    PRECISIONS,
-    QuantConfig,
-    Training,
-    activation_bytes,
-    nf4_bytes,
-    qlora_base_bytes,
-    state_bytes,
-)
+from distft.plan.memory import qlora_base_bytes, state_bytes
 from distft.plan.model_spec import ModelSpec, resolve_model
+from distft.plan.report import print_json, print_rich
+from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Training
 
 __all__ = [
     "GPUS",
@@ -43,7 +47,7 @@ __all__ = [
     "PRECISIONS",
     "Estimate",
     "ModelSpec",
-    "QuantConfig",
+    "Parallelism",
     "Recommendation",
     "Request",
     "Training",
@@ -51,10 +55,13 @@ __all__ = [
     "comm_time",
     "decide",
     "evaluate",
+    "layout_for",
     "make_request",
-    "nf4_bytes",
     "qlora_base_bytes",
     "resolve_model",
+    "run_command",
+    "run_overrides",
+    "runnable",
     "state_bytes",
 ]
 
@@ -97,7 +104,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--precision", default="mixed", choices=list(PRECISIONS), help="bytes per weight/grad/state"
     )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (all attention and MLP projections)")
-    p.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved-1f1b"])
+    p.add_argument("--pp-schedule", default="1f1b", choices=list(PLANNED_SCHEDULES))
     p.add_argument("--pp-microbatches", type=int, help="micro-batches per pipeline step (default 2 x stages)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for compute time")
     p.add_argument(
@@ -170,8 +177,6 @@ def make_request(args: argparse.Namespace) -> Request:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from distft.plan.report import print_json, print_rich
-
     req = make_request(args)
     estimates = evaluate(req)
     rec = decide(req, estimates)

@@ -24,11 +24,14 @@ from pathlib import Path
 
 from distft.errors import ConfigError
 from distft.model import PRESETS, QWEN3_VOCAB
+from distft.model.nf4 import projection_shapes
+from distft.parallel import tensor_parallel
 
-# Projections of one decoder layer, how TP splits each, and (in, out) in units of the config.
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
-DEFAULT_LORA_TARGETS = (*COLUMN[:3], "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections of one decoder layer by how TP splits them: the runtime's plan
+# (`distft.parallel.tensor_parallel.COLUMN` / `ROW`, module paths), by projection name.
+COLUMN = tuple(path.rsplit(".", 1)[-1] for path in tensor_parallel.COLUMN)
+ROW = tuple(path.rsplit(".", 1)[-1] for path in tensor_parallel.ROW)
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -66,25 +69,16 @@ class ModelSpec:
     source: str = "preset"  # where the architecture was read from
 
     @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
+    def num_attention_heads(self) -> int:  # transformers' name, for `distft.model.nf4.projection_shapes`
+        return self.num_heads
 
     @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    def num_key_value_heads(self) -> int:
+        return self.num_kv_heads
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out, in) of each projection of a decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (self.q_width, h),
-            "k_proj": (self.kv_width, h),
-            "v_proj": (self.kv_width, h),
-            "o_proj": (h, self.q_width),
-            "gate_proj": (i, h),
-            "up_proj": (i, h),
-            "down_proj": (h, i),
-        }
+        """(out, in) of each projection of a decoder layer: the runtime's `projection_shapes`."""
+        return projection_shapes(self)
 
     def layer_tensors(self, layer: int) -> list[TensorSpec]:
         """One decoder layer, in the order transformers registers its parameters."""

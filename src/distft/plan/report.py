@@ -5,9 +5,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from distft.plan.decide import Estimate, Recommendation, Request, _command
+from distft.plan.commands import run_command
+from distft.plan.estimate import Estimate, Request
+from distft.plan.explain import Recommendation
 from distft.plan.hardware import format_bytes, format_seconds
 from distft.plan.memory import trainable_params
+
+
+def _command(req: Request, rec: Recommendation) -> str | None:
+    return run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.layout)
 
 
 def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> dict:
@@ -58,9 +64,7 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
             "reason": rec.reason,
             "steps": [asdict(s) for s in rec.steps],
             "alternatives": rec.alternatives,
-            "command": _command(req, rec.strategy, rec.method, rec.activation_checkpointing)
-            if rec.strategy
-            else None,
+            "command": _command(req, rec),
         },
     }
 
@@ -72,6 +76,7 @@ def _estimate_dict(e: Estimate) -> dict:
         "applicable": e.applicable,
         "note": e.note,
         "in_distft": e.in_distft,
+        "runnable": e.runnable,
         "layout": asdict(e.layout),
         "stage": e.stage,
         "bytes_per_gpu": {
@@ -185,7 +190,7 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
     console.print(f"[bold green]recommendation: {rec.label}{method}{ckpt}[/] {rec.reason}", highlight=False)
     for a in rec.alternatives:
         console.print(f"  [dim]alternative:[/] {a}", highlight=False)
-    command = _command(req, rec.strategy, rec.method, rec.activation_checkpointing) if rec.strategy else None
+    command = _command(req, rec)
     if command:
         console.print(f"  [dim]run:[/] {command}", highlight=False)
     console.print(

@@ -11,7 +11,7 @@ convention; `hardware.wire_bytes` turns them into bytes on the wire):
   (batch, seq, hidden) activation forward and as many backward (one fewer when nothing before
   the first block trains); without SP the same bytes as all-reduces. Checkpointing repeats the
   forward ones. Plus one all-reduce of the replicated weights' partial gradients per step.
-- TP (`tp`, PyTorch's parallelize_module): all-reduces of (batch, seq, hidden): 2 per layer
+- TP (`tp`, and the TP inside `fsdp+tp`: PyTorch's parallelize_module): all-reduces of (batch, seq, hidden): 2 per layer
   forward, 5 backward (one per column projection; 3 fewer in layer 0 with frozen embeddings)
   and, with LoRA, small (batch, seq, r) ones per adapter, as `parallel/tensor_parallel.py` counts.
 - PP: a (batch, seq, hidden) send forward and one backward per micro-batch and stage boundary.
@@ -22,8 +22,13 @@ attention's 2 B S^2 nq d per layer, causal), backward twice that for full finetu
 for LoRA (no weight gradients for the frozen base), one more forward with checkpointing;
 divided by the GPU's dense bf16 peak times an assumed model-FLOPs utilisation (`mfu`).
 Exposed communication: TP's collectives sit on the critical path; DDP's, ZeRO's and FSDP's
-overlap compute and only the excess shows; a pipeline adds its bubble, (p - 1) / m of the
-compute for GPipe and 1F1B.
+overlap compute and only the excess shows; a pipeline idles the runtime's theoretical share of
+the step (`distft.parallel.pipeline.Layout.theoretical_idle_fraction`, (p - 1) / (V m + p - 1)),
+so the step is compute / (1 - idle).
+
+The byte counts per collective are plain functions of the model and the batch (`dp_collectives`,
+`megatron_activation_calls`, `dtensor_tp_activation_calls`, `pipeline_boundary_bytes` ...), so the
+runtime's expected communication can be checked against the same formulas.
 """
 
 from __future__ import annotations
@@ -33,16 +38,14 @@ from dataclasses import dataclass
 
 from distft.plan.hardware import Link, comm_time, wire_bytes
 from distft.plan.memory import (
-    Layout,
-    Training,
-    _param_element_bytes,
-    _seq,
-    _trained_element_bytes,
+    layer_seq_len,
     local_shape,
-    stage_layers,
+    param_element_bytes,
     stage_tensors,
+    trained_element_bytes,
 )
 from distft.plan.model_spec import COLUMN, ROW, ModelSpec
+from distft.plan.setup import Parallelism, Training, rank_layers
 
 
 @dataclass
@@ -76,140 +79,148 @@ class Topology:
         return self.inter if self.nodes > 1 and size * stride > self.gpus_per_node else self.intra
 
 
-def _held_bytes(
-    spec: ModelSpec, training: Training, layout: Layout, trainable_only: bool, grad: bool
+def held_bytes(
+    spec: ModelSpec, training: Training, par: Parallelism, trainable_only: bool, grad: bool
 ) -> float:
     """Logical bytes of this rank's TP/PP slice of the model (FSDP2: including dim-0 padding)."""
     total = 0.0
-    for t, trains in stage_tensors(spec, training, layout.pp, 0):
+    for t, trains in stage_tensors(spec, training, par, 0):
         if trainable_only and not trains:
             continue
-        shape = local_shape(t, layout.tp, 0)
+        shape = local_shape(t, par.tp, 0)
         numel = math.prod(shape)
-        if layout.shard == "full" and layout.dp > 1 and shape[0]:
-            numel = math.ceil(shape[0] / layout.dp) * layout.dp * (numel // shape[0])
-        total += numel * (
-            _trained_element_bytes(t, training)[0] if grad else _param_element_bytes(t, training)
-        )
+        if par.shard == "full" and par.dp > 1 and shape[0]:
+            numel = math.ceil(shape[0] / par.dp) * par.dp * (numel // shape[0])
+        total += numel * (trained_element_bytes(t, training)[0] if grad else param_element_bytes(t, training))
     return total
 
 
-def step_collectives(spec: ModelSpec, training: Training, layout: Layout, topo: Topology) -> list[Collective]:
-    p, c = training.precision, training.precision.activation
-    m = layout.microbatches
-    out: list[Collective] = []
-    dp_link = topo.link(layout.dp, layout.tp)
-    tp_link = topo.link(layout.tp, 1)
-    lora = training.lora
-    layers = len(stage_layers(spec.num_layers, layout.pp, 0))
+# ---------------------------------------------------------------------------------------------
+# Per-collective formulas (bytes and calls per optimizer step, one rank)
+# ---------------------------------------------------------------------------------------------
 
-    if layout.dp > 1:
-        grads = _held_bytes(spec, training, layout, True, True)
-        if layout.shard == "none":
-            out.append(Collective("gradients", "all_reduce", grads, 1, layout.dp, dp_link, True))
-        elif layout.shard == "optimizer":
-            weights = _held_bytes(spec, training, layout, True, False)
-            out.append(Collective("gradients", "reduce_scatter", grads, 1, layout.dp, dp_link, True))
-            out.append(Collective("updated weights", "all_gather", weights, 1, layout.dp, dp_link, False))
+
+def fsdp_gather_calls(layers: int, microbatches: int, reshard_after_forward: bool) -> int:
+    """FSDP2 all-gathers per step: every unit (layers + root) in forward, again in backward for ZeRO-3."""
+    return (layers + 1) * (2 if reshard_after_forward else 1) * microbatches
+
+
+def megatron_activation_calls(layers: int, lora: bool, checkpointing: bool) -> tuple[int, int]:
+    """Megatron TP+SP per micro-batch: (forward, backward) gathers + scatters of (B, S, h),
+    2 entries and 2 exits per layer; the first layer's backward entry is skipped when nothing
+    before it trains (LoRA); checkpointing repeats the forward ones."""
+    recompute = layers if checkpointing else 0
+    return 4 * (layers + recompute), 4 * layers - (1 if lora else 0)
+
+
+def dtensor_tp_activation_calls(layers: int, lora: bool, checkpointing: bool) -> int:
+    """parallelize_module TP per micro-batch: all-reduces of (B, S, h), 2 per layer forward (after
+    the row projections) and 5 backward (one per column projection's input), 3 fewer in layer 0
+    when nothing before it trains (LoRA); checkpointing repeats the forward ones."""
+    recompute = layers if checkpointing else 0
+    return 2 * (layers + recompute) + 5 * layers - (3 if lora else 0)
+
+
+def pipeline_boundary_bytes(spec: ModelSpec, training: Training, tp: int = 1, sp: bool = False) -> float:
+    """One (batch, seq, hidden) activation crossing a stage boundary (per direction, micro-batch)."""
+    c = training.precision.activation
+    return c * training.micro_batch * training.seq_len * spec.hidden_size / (tp if sp else 1)
+
+
+def dp_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
+) -> list[Collective]:
+    """DDP's gradient all-reduce, ZeRO-1's reduce-scatter + all-gather, FSDP2's per-unit traffic."""
+    grads = held_bytes(spec, training, par, True, True)
+    if par.shard == "none":
+        return [Collective("gradients", "all_reduce", grads, 1, par.dp, link, True)]
+    if par.shard == "optimizer":
+        weights = held_bytes(spec, training, par, True, False)
+        return [
+            Collective("gradients", "reduce_scatter", grads, 1, par.dp, link, True),
+            Collective("updated weights", "all_gather", weights, 1, par.dp, link, False),
+        ]
+    m = par.microbatches
+    gathers = 2 if par.reshard_after_forward else 1
+    params = held_bytes(spec, training, par, False, False) * gathers * m
+    calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
+    return [
+        Collective("parameters", "all_gather", params, calls, par.dp, link, True),
+        Collective("gradients", "reduce_scatter", grads * m, (layers + 1) * m, par.dp, link, True),
+    ]
+
+
+def tp_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
+) -> list[Collective]:
+    """Tensor parallelism's activation collectives and the replicated weights' partial gradients."""
+    m, c, lora = par.microbatches, training.precision.activation, training.lora
+    T = training.micro_batch * layer_seq_len(training, par)
+    act = c * T * spec.hidden_size
+    ckpt = training.activation_checkpointing
+    out = []
+    if par.tp_impl == "megatron":
+        forward, backward = megatron_activation_calls(layers, lora, ckpt)
+        if par.sp:
+            logical, calls = act * m * (forward + backward) / 2, m * (forward + backward) // 2
+            for kind in ("all_gather", "reduce_scatter"):
+                out.append(Collective("activations", kind, logical, calls, par.tp, link, False))
         else:
-            params = _held_bytes(spec, training, layout, False, False)
-            gathers = 2 if layout.reshard_after_forward else 1
-            units = layers + 1
+            calls = (forward + backward) // 2
             out.append(
-                Collective(
-                    "parameters",
-                    "all_gather",
-                    params * gathers * m,
-                    units * gathers * m,
-                    layout.dp,
-                    dp_link,
-                    True,
-                )
+                Collective("activations", "all_reduce", act * m * calls, m * calls, par.tp, link, False)
             )
-            out.append(
-                Collective("gradients", "reduce_scatter", grads * m, units * m, layout.dp, dp_link, True)
-            )
-
-    if layout.tp > 1:
-        T = training.micro_batch * _seq(training, layout)
-        act = c * T * spec.hidden_size
+    else:
+        calls = dtensor_tp_activation_calls(layers, lora, ckpt)
         targets = set(training.lora_targets) if lora else set()
-        recompute = layers if training.activation_checkpointing else 0
-        if layout.tp_impl == "megatron":
-            forward = 4 * (layers + recompute)  # 2 entries + 2 exits per layer
-            backward = 4 * layers - (1 if lora else 0)
-            if layout.sp:
-                out.append(
-                    Collective(
-                        "activations",
-                        "all_gather",
-                        act * m * (forward + backward) / 2,
-                        m * (forward + backward) // 2,
-                        layout.tp,
-                        tp_link,
-                        False,
-                    )
-                )
-                out.append(
-                    Collective(
-                        "activations",
-                        "reduce_scatter",
-                        act * m * (forward + backward) / 2,
-                        m * (forward + backward) // 2,
-                        layout.tp,
-                        tp_link,
-                        False,
-                    )
-                )
-            else:
-                calls = 2 * (layers + recompute) + 2 * layers - (1 if lora else 0)
-                out.append(
-                    Collective(
-                        "activations", "all_reduce", act * m * calls, m * calls, layout.tp, tp_link, False
-                    )
-                )
-        else:
-            calls = 2 * (layers + recompute) + 5 * layers - (3 if lora else 0)
-            adapters = layers * sum(n in targets for n in (*COLUMN, *ROW))
-            logical = m * (act * calls + c * T * training.lora_rank * adapters)
-            out.append(
-                Collective(
-                    "activations", "all_reduce", logical, m * (calls + adapters), layout.tp, tp_link, False
-                )
-            )
-        partial = _partial_grad_bytes(spec, training, layout)
-        if partial:
-            out.append(Collective("partial gradients", "all_reduce", partial, 1, layout.tp, tp_link, False))
-
-    if layout.pp > 1:
-        boundary = (
-            c
-            * training.micro_batch
-            * training.seq_len
-            * spec.hidden_size
-            / max(1, layout.tp if layout.sp else 1)
+        adapters = layers * sum(n in targets for n in (*COLUMN, *ROW))
+        logical = m * (act * calls + c * T * training.lora_rank * adapters)
+        out.append(
+            Collective("activations", "all_reduce", logical, m * (calls + adapters), par.tp, link, False)
         )
-        pp_link = topo.link(layout.pp, layout.tp * layout.dp)
-        out.append(Collective("stage activations", "send", 2 * boundary * m, 2 * m, 2, pp_link, True))
-        if spec.tie_word_embeddings and training.method == "full":
-            tied = spec.vocab_size * spec.hidden_size * p.grad / layout.tp
-            out.append(Collective("tied embedding gradient", "all_reduce", tied, 1, 2, pp_link, False))
+    partial = partial_grad_bytes(spec, training, par)
+    if partial:
+        out.append(Collective("partial gradients", "all_reduce", partial, 1, par.tp, link, False))
     return out
 
 
-def _partial_grad_bytes(spec: ModelSpec, training: Training, layout: Layout) -> float:
+def pp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: Link) -> list[Collective]:
+    """Stage-boundary sends (forward and backward per micro-batch) and the tied embedding's gradient."""
+    boundary = pipeline_boundary_bytes(spec, training, par.tp, par.sp)
+    m = par.microbatches
+    out = [Collective("stage activations", "send", 2 * boundary * m, 2 * m, 2, link, True)]
+    if spec.tie_word_embeddings and training.method == "full":
+        tied = spec.vocab_size * spec.hidden_size * training.precision.grad / par.tp
+        out.append(Collective("tied embedding gradient", "all_reduce", tied, 1, 2, link, False))
+    return out
+
+
+def step_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, topo: Topology
+) -> list[Collective]:
+    """Every collective of one optimizer step on rank 0. Groups: TP innermost, then DP, then PP."""
+    layers = len(rank_layers(spec.num_layers, par, 0))
+    out: list[Collective] = []
+    if par.dp > 1:
+        out += dp_collectives(spec, training, par, topo.link(par.dp, par.tp), layers)
+    if par.tp > 1:
+        out += tp_collectives(spec, training, par, topo.link(par.tp, 1), layers)
+    if par.pp > 1:
+        out += pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp))
+    return out
+
+
+def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     """Replicated trainable weights whose gradients each TP rank has only in part (summed once per step)."""
     g = training.precision.grad
-    layers = len(stage_layers(spec.num_layers, layout.pp, 0))
+    layers = rank_layers(spec.num_layers, par, 0)
     if training.lora:
-        total = 0
-        for t in spec.lora_tensors(training.lora_rank, training.lora_targets):
-            if t.tp_dim is None and t.layer in stage_layers(spec.num_layers, layout.pp, 0):
-                total += t.numel
-        return total * g
-    qk = 2 * spec.head_dim * layers if spec.qk_norm else 0
-    if layout.tp_impl == "megatron" and layout.sp:  # every replicated weight sees a sequence shard
-        norms = 2 * spec.hidden_size * layers + spec.hidden_size
+        held = set(layers)
+        lora = spec.lora_tensors(training.lora_rank, training.lora_targets)
+        return sum(t.numel for t in lora if t.tp_dim is None and t.layer in held) * g
+    qk = 2 * spec.head_dim * len(layers) if spec.qk_norm else 0
+    if par.tp_impl == "megatron" and par.sp:  # every replicated weight sees a sequence shard
+        norms = 2 * spec.hidden_size * len(layers) + spec.hidden_size
         embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
         return (qk + norms + embed) * g
     return qk * g
@@ -220,26 +231,26 @@ def _partial_grad_bytes(spec: ModelSpec, training: Training, layout: Layout) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-def step_flops(spec: ModelSpec, training: Training, layout: Layout) -> float:
+def step_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     """FLOPs one rank runs per optimizer step (its micro-batches, its share of the model)."""
     B, S = training.micro_batch, training.seq_len
     tokens = B * S
-    layers = len(stage_layers(spec.num_layers, layout.pp, 0))
+    layers = len(rank_layers(spec.num_layers, par, 0))
     linear = sum(o * i for o, i in spec.projection_shapes().values())
-    forward = 2 * tokens * linear * layers / layout.tp
+    forward = 2 * tokens * linear * layers / par.tp
     forward += (
-        2 * B * S * S * spec.num_heads * spec.head_dim * layers / layout.tp
+        2 * B * S * S * spec.num_heads * spec.head_dim * layers / par.tp
     )  # causal: half of 4 B S^2 nq d
     labels = B * min(training.label_tokens, S)
-    forward += 2 * labels * spec.vocab_size * spec.hidden_size / (layout.tp if layout.sp else 1)
+    forward += 2 * labels * spec.vocab_size * spec.hidden_size / (par.tp if par.sp else 1)
     if training.lora:
         adapters = sum(t.numel for t in spec.lora_tensors(training.lora_rank, training.lora_targets))
-        forward += 2 * tokens * adapters * layers / spec.num_layers / layout.tp
+        forward += 2 * tokens * adapters * layers / spec.num_layers / par.tp
         backward = forward  # activation gradients only; adapter weight gradients are negligible
     else:
         backward = 2 * forward
     recompute = forward if training.activation_checkpointing else 0
-    return (forward + backward + recompute) * layout.microbatches
+    return (forward + backward + recompute) * par.microbatches
 
 
 def compute_seconds(flops: float, tflops: float | None, mfu: float) -> float | None:
@@ -248,18 +259,17 @@ def compute_seconds(flops: float, tflops: float | None, mfu: float) -> float | N
     return flops / (tflops * 1e12 * mfu)
 
 
-def bubble_fraction(layout: Layout) -> float:
-    """Idle share a pipeline adds on top of compute: (p - 1) / m (interleaving divides it by v)."""
-    if layout.pp == 1:
-        return 0.0
-    v = layout.virtual_stages if layout.schedule == "interleaved-1f1b" else 1
-    return (layout.pp - 1) / (layout.microbatches * v)
+def bubble_seconds(compute: float, par: Parallelism) -> float:
+    """Idle time a pipeline adds to `compute`: the runtime's idle fraction f of the step, i.e.
+    compute x f / (1 - f) = compute x (p - 1) / (V m)."""
+    idle = par.idle_fraction()
+    return compute * idle / (1 - idle)
 
 
-def step_seconds(compute: float | None, collectives: list[Collective], layout: Layout) -> float | None:
+def step_seconds(compute: float | None, collectives: list[Collective], par: Parallelism) -> float | None:
     """Compute, the bubble, and the communication that does not hide behind compute."""
     if compute is None:
         return None
     blocking = sum(c.seconds for c in collectives if not c.overlapped)
     hidden = sum(c.seconds for c in collectives if c.overlapped)
-    return compute * (1 + bubble_fraction(layout)) + blocking + max(0.0, hidden - compute)
+    return compute + bubble_seconds(compute, par) + blocking + max(0.0, hidden - compute)

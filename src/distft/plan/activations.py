@@ -1,0 +1,289 @@
+"""Activations: what autograd saves for backward on one rank, per layer and per pipeline stage.
+
+The activation model, per Qwen3 decoder layer and micro-batch (T = batch x seq tokens, h hidden,
+I MLP width, nq/nkv query/KV heads of d, c bytes of the compute dtype, r the LoRA rank). Each
+term is a tensor autograd keeps, counted once even when several ops save it:
+- RMSNorm (input_layernorm, post_attention_layernorm, q_norm, k_norm): the fp32 upcast input
+  (4 T w) and the fp32 reciprocal RMS (4 T per row) when its input needs a gradient; with a
+  trainable weight also the normalised input in the compute dtype (c T w). The norm's output is
+  kept by the projections that read it when their weights (or LoRA adapters) train: c T h once.
+- attention (sdpa, flash-style kernels): q and k after rotary, v, the output (c T d (2nq + 2nkv))
+  and the log-sum-exp (4 T nq). With a padding mask transformers expands k and v to all nq heads
+  and sdpa keeps the mask (c B S^2 per layer). Eager attention keeps the S x S scores instead:
+  the fp32 softmax (4 B nq S^2) and its compute-dtype copy (c B nq S^2 unless c = 4), repeated k
+  and v, and the output's contiguous copy.
+- MLP: gate output, SiLU output, up output and their product (4 c T I).
+- LoRA: each adapted projection keeps lora_A's output (T r). lora_A's input is the projection's
+  input, shared, when adapters and activations have the same dtype; PEFT casts the input to the
+  adapters' fp32, so over a bf16 base each adapter keeps its own copy of its input (4 T in, or
+  c T in under bf16 autocast, which also keeps bf16 casts of the adapter weights). LoRA dropout
+  makes a copy too, plus a boolean mask. distft's Megatron layers (tp-sp) do not cast.
+- outside the layers: token ids (8 T, full finetuning), rotary cos/sin (2 c S d), the loss mask
+  (T bytes), the final norm, lm_head's input (c n h, full finetuning) and the fp32 log-softmax
+  (4 n V) over the n labelled positions (distft computes logits only where there is a loss).
+
+Under TP everything inside attention and the MLP is divided by the TP degree (heads and MLP
+columns are split) while the norms, the residual stream and the projections' inputs stay whole.
+Sequence parallelism also splits what lies between the blocks (norms, residual, loss) along the
+sequence; the all-gathered block inputs that column projections keep are still whole. Activation
+checkpointing keeps each layer's input only (c T h) and recomputes one layer at a time in
+backward. A pipeline stage holds its own layers' activations for every micro-batch in flight:
+GPipe m, 1F1B min(m, p - s) (torch's `Schedule1F1B` warms stage s up with that many forwards),
+interleaved 1F1B (v chunks per rank) min(m v, (v - 1) m' + 2 (p - 1 - s) + 1) chunks, m' the
+micro-batches per round; the first stage holds the most. A rank holds the layers of the stages
+the runtime places on it (`distft.parallel.pipeline.Layout`).
+
+FSDP x TP (`fsdp+tp`) is plain TP inside (`parallelize_module`, no sequence parallelism), as the
+runtime builds it: only `tp-sp` splits the residual stream along the sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from distft.plan.memory import layer_seq_len
+from distft.plan.model_spec import COLUMN, ModelSpec
+from distft.plan.setup import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
+
+
+@dataclass
+class Activations:
+    saved: int  # bytes autograd keeps for backward at the peak (all in-flight micro-batches)
+    transient: int  # working set on top: one layer's recompute (checkpointing) or the loss's logits
+    per_layer: int  # one decoder layer, one micro-batch, not checkpointed
+    inflight: int = 1  # micro-batches whose activations are alive at once (pipelines)
+    detail: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.saved + self.transient
+
+
+def _norm(tokens: int, width: int, rows: int, input_grad: bool, weight_trains: bool, c: int) -> int:
+    """RMSNorm: fp32 upcast input + fp32 reciprocal RMS per row if the input needs a gradient;
+    the normalised input (compute dtype) if the weight trains."""
+    saved = (4 * tokens * width + 4 * rows) if input_grad else 0
+    return saved + (c * tokens * width if weight_trains else 0)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """The sizes one decoder layer works with on one rank (see the module docstring's symbols)."""
+
+    spec: ModelSpec
+    training: Training
+    par: Parallelism
+
+    @property
+    def megatron(self) -> bool:
+        return self.par.tp > 1 and self.par.tp_impl == "megatron"
+
+    @property
+    def T(self) -> int:  # tokens inside attention and the MLP (the whole sequence, also under SP)
+        return self.training.micro_batch * layer_seq_len(self.training, self.par)
+
+    @property
+    def Tn(self) -> int:  # tokens of the residual stream and the norms on this rank
+        return self.T // self.par.tp if self.par.sp and self.par.tp > 1 else self.T
+
+    @property
+    def lora(self) -> set[str]:
+        return set(self.training.lora_targets) if self.training.lora else set()
+
+    @property
+    def shares_input(self) -> bool:
+        """An adapter reads its projection's input as is (so shares it) only if nothing changes it
+        first. PEFT's LoRA layer casts the input to the adapter's dtype: with fp32 adapters over a
+        bf16 base, lora_A keeps its own copy (re-cast to bf16 under autocast). distft's Megatron
+        layers (tp-sp) do not cast, and dropout always makes a copy (plus a boolean mask)."""
+        t = self.training
+        return t.lora_dropout <= 0 and (t.adapter_bytes == t.precision.activation or self.megatron)
+
+    def keeps_input(self, *names: str) -> bool:
+        """The projections' (shared) input is kept: their weights train, or an adapter reads it as is."""
+        return self.training.method == "full" or (self.shares_input and any(n in self.lora for n in names))
+
+    def adapted(self, *names: str) -> bool:
+        return any(n in self.lora for n in names)
+
+    def adapters(self, width: int, *names: str) -> int:
+        """Per adapted projection: lora_A's own copy of the input (if not shared) and lora_B's input;
+        under autocast, the compute-dtype casts of fp32 adapter weights, which backward reuses."""
+        t, tp, T = self.training, self.par.tp, self.T
+        c, a, r = t.precision.activation, t.adapter_bytes, t.lora_rank
+        a_saved = c if t.autocast else a  # dtype of what lora_A and lora_B keep
+        shapes = self.spec.projection_shapes()
+        total = 0
+        for n in names:
+            if n not in self.lora:
+                continue
+            if t.autocast and a != c:
+                out, inp = shapes[n]
+                total += c * r * (inp + out // tp if n in COLUMN else inp // tp + out)
+            if t.lora_dropout > 0:
+                total += a_saved * T * width + T * width  # dropped-out copy and its boolean mask
+            elif not self.shares_input:
+                total += a_saved * T * width  # the input cast to the adapter's dtype
+            total += a_saved * T * r  # lora_A's output, kept by lora_B
+        return total
+
+    def attention(self, o_input: bool) -> int:
+        """What attention itself keeps when its inputs need gradients (sdpa or eager)."""
+        t, spec, tp = self.training, self.spec, self.par.tp
+        c, B, S, T, d = (
+            t.precision.activation,
+            t.micro_batch,
+            layer_seq_len(t, self.par),
+            self.T,
+            spec.head_dim,
+        )
+        nq, nkv = spec.num_heads // tp, spec.num_kv_heads // tp
+        if t.attention == "eager":
+            total = 3 * c * T * d * nq  # q (rotated); k and v repeated to every query head
+            total += 4 * B * nq * S * S + (c * B * nq * S * S if c != 4 else 0)  # softmax fp32 (+ copy)
+            return total + (c * T * nq * d if o_input else 0)  # the output made contiguous for o_proj
+        # transformers' attention sees the padding mask; distft's Megatron layer is causal only
+        masked = t.has_padding_mask and not self.megatron
+        # With a mask transformers repeats k and v to every head: a copy, unless this rank has a
+        # single KV head (then the repeat is a stride-0 view of it).
+        kv = nq if masked and nkv > 1 else nkv
+        total = c * T * d * (2 * nq + 2 * kv) + 4 * T * nq  # q, k, v, output (o_proj's input); LSE
+        return total + (c * B * S * S if masked else 0)  # the additive mask, kept by sdpa
+
+
+def _attention_block(x: _Layer, input_grad: bool) -> tuple[int, bool]:
+    """Bytes the attention half of a layer keeps, and whether its output needs a gradient."""
+    spec, t = x.spec, x.training
+    c, h, d, T, Tn = t.precision.activation, spec.hidden_size, spec.head_dim, x.T, x.Tn
+    nq, nkv = spec.num_heads // x.par.tp, spec.num_kv_heads // x.par.tp
+    full = t.method == "full"
+    total = _norm(Tn, h, Tn, input_grad, full, c)
+    n1_grad = input_grad or full
+    if x.keeps_input("q_proj", "k_proj", "v_proj"):
+        total += c * T * h  # the block input, kept by q/k/v: whole, also under SP (gathered)
+    total += x.adapters(h, "q_proj", "k_proj", "v_proj")
+    q_grad, k_grad = n1_grad or x.adapted("q_proj"), n1_grad or x.adapted("k_proj")
+    v_grad = n1_grad or x.adapted("v_proj")
+    if spec.qk_norm:
+        total += _norm(T, nq * d, T * nq, q_grad, full, c)
+        total += _norm(T, nkv * d, T * nkv, k_grad, full, c)
+    attn_grad = q_grad or k_grad or v_grad
+    o_input = x.keeps_input("o_proj")
+    if attn_grad:
+        total += x.attention(o_input)
+    elif o_input:
+        total += c * T * nq * d
+    total += x.adapters(nq * d, "o_proj")
+    return total, attn_grad or full or x.adapted("o_proj")
+
+
+def _mlp_block(x: _Layer, residual_grad: bool) -> tuple[int, bool]:
+    """Bytes the MLP half of a layer keeps, and whether its output needs a gradient."""
+    spec, t = x.spec, x.training
+    c, h, T, Tn = t.precision.activation, spec.hidden_size, x.T, x.Tn
+    inter = spec.intermediate_size // x.par.tp
+    full = t.method == "full"
+    total = _norm(Tn, h, Tn, residual_grad, full, c)
+    n2_grad = residual_grad or full
+    if x.keeps_input("gate_proj", "up_proj"):
+        total += c * T * h
+    total += x.adapters(h, "gate_proj", "up_proj")
+    gate_grad, up_grad = n2_grad or x.adapted("gate_proj"), n2_grad or x.adapted("up_proj")
+    total += c * T * inter * (gate_grad + up_grad + gate_grad)  # SiLU input; SiLU output; up output
+    if x.keeps_input("down_proj"):
+        total += c * T * inter  # the product, kept by down_proj
+    total += x.adapters(inter, "down_proj")
+    return total, gate_grad or up_grad
+
+
+def layer_activation_bytes(
+    spec: ModelSpec, training: Training, par: Parallelism, input_grad: bool = True
+) -> tuple[int, bool]:
+    """Bytes one decoder layer saves for backward on one rank, one micro-batch; and whether its
+    output needs a gradient. `input_grad`: the residual stream entering it needs one (false only
+    before the first adapter when the embeddings are frozen)."""
+    x = _Layer(spec, training, par)
+    attn, attn_out_grad = _attention_block(x, input_grad)
+    residual_grad = input_grad or attn_out_grad
+    mlp, mlp_grad = _mlp_block(x, residual_grad)
+    return attn + mlp, residual_grad or mlp_grad
+
+
+def inflight_microbatches(par: Parallelism, stage: int) -> tuple[int, int]:
+    """(micro-batch chunks alive at once on pipeline rank `stage`, chunks per micro-batch).
+
+    Returns the count of (micro-batch x chunk) activations alive at the peak and the number of
+    chunks the rank's layers are cut into (V, the runtime's stages per rank).
+    """
+    m, p = par.microbatches, par.pp
+    if p == 1:
+        return 1, 1
+    if par.schedule == "gpipe":
+        return m, 1
+    if par.schedule == "1f1b":
+        return min(m, p - stage), 1
+    v = par.virtual_stages
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    warmup = (v - 1) * per_round + 2 * (p - 1 - stage)
+    return min(m * v, warmup + 1), v
+
+
+def _outside_layers(
+    x: _Layer, first: bool, last: bool, grad: bool, has_layers: bool
+) -> tuple[dict[str, int], int]:
+    """Token ids, rotary tables, final norm and loss on this rank; and the loss's transient logits."""
+    t, spec, tp = x.training, x.spec, x.par.tp
+    c, B, S, T, Tn, h = (
+        t.precision.activation,
+        t.micro_batch,
+        layer_seq_len(t, x.par),
+        x.T,
+        x.Tn,
+        spec.hidden_size,
+    )
+    full = t.method == "full"
+    detail: dict[str, int] = {}
+    if first and full:
+        # Kept by the embedding for its weight gradient; under SP a view of the whole sequence's ids.
+        detail["token ids"] = 8 * T
+    # Rotary cos/sin, computed once per forward (per stage) on the whole sequence: (1, S, d) each.
+    detail["rotary"] = 2 * c * S * spec.head_dim if has_layers else 0
+    if not last:
+        return detail, 0
+    sp = x.par.sp and tp > 1
+    per_seq = min(t.label_tokens, S // tp) if sp else min(t.label_tokens, S)
+    n = B * per_seq  # labelled positions on this rank (SP: the rank holding the sequence's end)
+    detail["final norm"] = _norm(Tn, h, Tn, grad, full, c)
+    detail["loss"] = Tn + (c * n * h if full else 0) + 4 * n * spec.vocab_size + 8 * n + 4
+    return detail, n * spec.vocab_size * (4 + (c if c != 4 else 0))  # logits, their fp32 copy
+
+
+def activation_bytes(spec: ModelSpec, training: Training, par: Parallelism, stage: int = 0) -> Activations:
+    """Activations one rank holds (the peak over a step), following the module docstring."""
+    x = _Layer(spec, training, par)
+    first, last = holds_first_stage(par, stage), holds_last_stage(par, stage)
+    layers = rank_layers(spec.num_layers, par, stage)
+    # Residual stream entering this rank needs a gradient unless the embeddings are frozen and
+    # no adapter came before (LoRA's first layer). On later stages something earlier trained.
+    grad = training.method == "full" or not first
+    per_layer_max = layer_total = 0
+    for _ in layers:
+        saved, out_grad = layer_activation_bytes(spec, training, par, grad)
+        per_layer_max = max(per_layer_max, layer_activation_bytes(spec, training, par, True)[0])
+        ckpt = training.precision.activation * x.Tn * spec.hidden_size
+        layer_total += ckpt if training.activation_checkpointing else saved
+        grad = grad or out_grad
+    outside, loss_transient = _outside_layers(x, first, last, grad, bool(layers))
+    detail = {"layers": layer_total, **outside}
+    chunks, v = inflight_microbatches(par, stage)
+    inflight = chunks / v if par.pp > 1 else 1  # in units of whole-stage micro-batches
+    recompute = per_layer_max if training.activation_checkpointing else 0
+    return Activations(
+        saved=math.ceil(sum(detail.values()) * inflight),
+        transient=max(recompute, loss_transient),
+        per_layer=per_layer_max,
+        inflight=chunks,
+        detail=detail,
+    )

@@ -1,0 +1,52 @@
+"""The `run:` line: the `distft train` command that runs what the plan estimated.
+
+Only strategies in the runtime's registry get one (`estimate.runnable`). The command carries every
+setting the estimate assumed, because `distft train`'s defaults (fp32, micro-batch 4, 768 tokens)
+are not the plan's: the model dtype, the micro-batch and the global batch it implies, the sequence
+length, activation checkpointing, the attention kernel, the LoRA rank, the mesh degrees of the 2-D
+strategies and the pipeline's schedule and micro-batches. `run_overrides` returns them as the
+`section.key=value` overrides `distft.config.load_config` reads, so a test can parse the line back
+into a config and compare.
+"""
+
+from __future__ import annotations
+
+from distft.parallel import STRATEGIES as RUNTIME
+from distft.plan.estimate import Request, runnable
+from distft.plan.setup import Parallelism
+
+
+def run_overrides(req: Request, method: str, ckpt: bool, par: Parallelism) -> dict[str, str]:
+    """`section.key` -> value for every setting the estimate of `par` assumed."""
+    t = req.training
+    out = {
+        "model.dtype": t.precision.dtype,
+        "model.attn_implementation": t.attention,
+        "model.activation_checkpointing": "true" if ckpt else "false",
+        "data.max_length": str(t.seq_len),
+        "train.micro_batch_size": str(t.micro_batch),
+        "train.global_batch_size": str(t.micro_batch * par.microbatches * par.dp),
+    }
+    if method != "full":
+        out["lora.rank"] = str(t.lora_rank)
+    if RUNTIME[par.name].mesh_degrees:
+        out.update({"parallel.dp": str(par.dp), "parallel.tp": str(par.tp), "parallel.pp": str(par.pp)})
+    if par.pp > 1:
+        out["parallel.schedule"] = par.schedule
+        out["parallel.microbatches"] = str(par.microbatches)
+    return out
+
+
+def run_command(
+    req: Request, strategy: str | None, method: str, ckpt: bool, par: Parallelism | None
+) -> str | None:
+    """`distft train ...` for a runnable recommendation; None for one distft cannot run."""
+    if strategy is None or par is None or not runnable(strategy, method):
+        return None
+    parts = ["distft train", f"--model {req.model.name}", f"--method {method}", f"--strategy {strategy}"]
+    if strategy != "single":
+        parts.append(f"--nproc {req.gpus_per_node}")
+        if req.nodes > 1:
+            parts.append(f"--nnodes {req.nodes}")
+    parts += [f"{key}={value}" for key, value in run_overrides(req, method, ckpt, par).items()]
+    return " ".join(parts)

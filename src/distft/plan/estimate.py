@@ -1,0 +1,278 @@
+"""Every layout evaluated on the user's hardware: one `Estimate` per strategy.
+
+`evaluate` fills one `Estimate` per strategy: bytes per GPU by component (the worst rank: FSDP
+rank 0 holds the largest chunk, pipeline stage 0 the most in-flight activations unless the last
+stage's loss outweighs it), whether it fits in the GPU's memory minus a fixed overhead (CUDA
+context, cuBLAS/NCCL workspaces, allocator slack: `Request.overhead`), bytes on the wire per
+step and the time they take, and a rough step time. Two-dimensional layouts (FSDP x TP, DDP or
+FSDP x PP) try every factorisation of the GPUs, TP inside a node and the pipeline across nodes,
+and keep the one that fits with the shortest estimated step.
+
+The planner models more layouts than distft runs (ZeRO-1, FSDP x PP): which ones distft runs is
+read from the runtime's registry, `distft.parallel.STRATEGIES` (`runnable`); only those get a
+`run:` command (`commands.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distft.parallel import STRATEGIES as RUNTIME
+from distft.plan.activations import activation_bytes
+from distft.plan.hardware import GPU, GiB, Link
+from distft.plan.memory import comm_buffer_bytes, state_bytes
+from distft.plan.model_spec import ModelSpec
+from distft.plan.setup import Parallelism, Training
+from distft.plan.traffic import (
+    Collective,
+    Topology,
+    compute_seconds,
+    step_collectives,
+    step_flops,
+    step_seconds,
+)
+
+# Every layout the planner models, in the order the report lists them (a superset of the registry).
+MODELLED = ("single", "ddp", "zero1", "zero2", "fsdp", "tp", "tp-sp", "pp", "fsdp+tp", "ddp+pp", "fsdp+pp")
+LABELS = {
+    "single": "one GPU",
+    "ddp": "DDP",
+    "zero1": "ZeRO-1",
+    "zero2": "ZeRO-2 (FSDP2)",
+    "fsdp": "FSDP / ZeRO-3",
+    "tp": "TP",
+    "tp-sp": "TP + SP",
+    "pp": "PP",
+    "fsdp+tp": "FSDP x TP",
+    "ddp+pp": "DDP x PP",
+    "fsdp+pp": "FSDP x PP",
+}
+
+
+def runnable(strategy: str, method: str = "lora") -> bool:
+    """distft can train `strategy` with `method`: it is in the runtime's registry (and runs QLoRA)."""
+    cls = RUNTIME.get(strategy)
+    return cls is not None and (method != "qlora" or cls.supports_qlora)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asked: a model, how to train it, and the machines."""
+
+    model: ModelSpec
+    training: Training
+    gpu: GPU
+    gpu_memory: int
+    gpus_per_node: int
+    nodes: int
+    intra: Link
+    inter: Link
+    grad_accum: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None  # default: max(grad_accum, 2 x stages)
+    mfu: float = 0.4
+    overhead: int = 1 * GiB
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable(self) -> int:
+        return self.gpu_memory - self.overhead
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.gpus_per_node, self.nodes, self.intra, self.inter)
+
+
+@dataclass
+class Estimate:
+    strategy: str
+    layout: Parallelism
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    buffers: int = 0
+    fits: bool = False
+    applicable: bool = True
+    runnable: bool = False  # distft runs it (the registry), with this method
+    note: str = ""
+    stage: int = 0  # the pipeline stage the figures are for (the fullest)
+    activation_detail: dict[str, int] = field(default_factory=dict)
+    buffer_detail: dict[str, int] = field(default_factory=dict)
+    collectives: list[Collective] = field(default_factory=list)
+    compute_s: float | None = None
+    step_s: float | None = None
+    tokens_per_step: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    @property
+    def label(self) -> str:
+        lay = self.layout
+        degrees = [f"{k}={v}" for k, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp)) if v > 1]
+        return f"{LABELS[self.strategy]}" + (
+            f" ({', '.join(degrees)})" if degrees and "+" in self.strategy else ""
+        )
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(c.wire_bytes for c in self.collectives)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens_per_step / self.step_s if self.step_s else None
+
+    @property
+    def min_global_batch(self) -> int:
+        """Sequences per optimizer step at the least: one micro-batch per data-parallel replica."""
+        return self.layout.dp * self.layout.microbatches if self.layout.pp > 1 else self.layout.dp
+
+    @property
+    def in_distft(self) -> str:
+        """The report's "distft" column: "yes", or "no" for a layout only the planner models."""
+        return "yes" if self.runnable else "no"
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluating layouts
+# ---------------------------------------------------------------------------------------------
+
+
+def layout_for(req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1) -> Parallelism:
+    """How `strategy` splits the work at these degrees, as the runtime builds it."""
+    m = req.grad_accum
+    if pp > 1:
+        m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
+    common = {"microbatches": m, "schedule": req.pp_schedule}
+    shapes = {
+        "single": {},
+        "ddp": {"dp": dp},
+        "ddp+pp": {"dp": dp, "pp": pp},
+        "zero1": {"dp": dp, "shard": "optimizer"},
+        "zero2": {"dp": dp, "shard": "full", "reshard_after_forward": False},
+        "fsdp": {"dp": dp, "shard": "full"},
+        "fsdp+pp": {"dp": dp, "pp": pp, "shard": "full"},
+        "tp": {"tp": tp, "tp_impl": "dtensor"},
+        "tp-sp": {"tp": tp, "sp": True},
+        # The runtime's fsdp+tp: parallelize_module TP inside (no sequence parallelism), FSDP2 over dp.
+        "fsdp+tp": {"dp": dp, "tp": tp, "shard": "full", "tp_impl": "dtensor"},
+        "pp": {"pp": pp},
+    }
+    if strategy not in shapes:
+        raise ValueError(strategy)
+    return Parallelism(strategy, **shapes[strategy], **common)
+
+
+def why_not(req: Request, par: Parallelism) -> str:
+    """Empty if the layout can run on this model and these GPUs, else the reason."""
+    spec, tp = req.model, par.tp
+    if par.world > req.world:
+        return f"needs {par.world} GPUs"
+    if par.world < 2 and par.name != "single":
+        return "needs 2+ GPUs"
+    if tp > 1:
+        if spec.num_heads % tp or spec.num_kv_heads % tp or spec.intermediate_size % tp:
+            return (
+                f"TP degree {tp} must divide {spec.num_heads} query heads, {spec.num_kv_heads} KV heads "
+                f"and MLP {spec.intermediate_size}"
+            )
+        if req.training.method == "qlora":
+            return "QLoRA's NF4 weights are not split by distft's TP"
+    if par.pp > spec.num_layers:
+        return f"more stages than the {spec.num_layers} layers"
+    return ""
+
+
+def estimate(req: Request, par: Parallelism, strategy: str | None = None) -> Estimate:
+    """Per-GPU memory of the fullest rank, traffic and time for one layout."""
+    est = Estimate(strategy or par.name, par)
+    est.runnable = runnable(est.strategy, req.training.method)
+    why = why_not(req, par)
+    if why:
+        est.applicable, est.note = False, why
+        return est
+    worst = None
+    for stage in range(par.pp):
+        state = state_bytes(req.model, req.training, par, stage=stage)
+        act = activation_bytes(req.model, req.training, par, stage)
+        buffers = comm_buffer_bytes(req.model, req.training, par, stage)
+        total = state.total + act.total + sum(buffers.values())
+        if worst is None or total > worst[0]:
+            worst = (total, stage, state, act, buffers)
+    _, est.stage, state, act, buffers = worst
+    est.params, est.grads, est.optimizer = state.params, state.grads, state.optimizer
+    est.activations, est.activation_detail = act.total, {**act.detail, "transient": act.transient}
+    est.buffers, est.buffer_detail = sum(buffers.values()), buffers
+    est.fits = est.total <= req.usable
+    est.collectives = step_collectives(req.model, req.training, par, req.topology)
+    est.compute_s = compute_seconds(step_flops(req.model, req.training, par), req.gpu.bf16_tflops, req.mfu)
+    est.step_s = step_seconds(est.compute_s, est.collectives, par)
+    est.tokens_per_step = req.training.micro_batch * req.training.seq_len * par.microbatches * par.dp
+    if par.tp > req.gpus_per_node:
+        est.note = "TP group spans nodes"
+    return est
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def best(candidates: list[Estimate]) -> Estimate | None:
+    """Among fitting candidates, those within 10% of the best estimated throughput, then the one
+    with the smallest global-batch floor (more TP, fewer replicas); if none fits, the smallest."""
+    valid = [c for c in candidates if c.applicable]
+    if not valid:
+        return candidates[0] if candidates else None
+    fitting = [c for c in valid if c.fits]
+    if not fitting:
+        return min(valid, key=lambda c: c.total)
+    rates = [c.tokens_per_s for c in fitting if c.tokens_per_s]
+    if rates:
+        fitting = [c for c in fitting if c.tokens_per_s is None or c.tokens_per_s >= 0.9 * max(rates)]
+    return min(fitting, key=lambda c: (c.min_global_batch, c.total))
+
+
+def candidate_layouts(req: Request, strategy: str) -> list[Parallelism]:
+    """Every factorisation of the GPUs `strategy` is tried with (one for the 1-D layouts)."""
+    n, g = req.world, req.gpus_per_node
+    if strategy == "single":
+        return [layout_for(req, strategy)]
+    if strategy in ("ddp", "zero1", "zero2", "fsdp"):
+        return [layout_for(req, strategy, dp=n)]
+    if strategy in ("tp", "tp-sp"):
+        return [layout_for(req, strategy, tp=n)]
+    if strategy == "pp":
+        return [layout_for(req, strategy, pp=n)]
+    if strategy == "fsdp+tp":  # TP inside a node, FSDP over the rest
+        return [layout_for(req, strategy, dp=n // tp, tp=tp) for tp in _divisors(g) if n // tp >= 2]
+    # the pipeline outermost (across nodes when there are several)
+    return [layout_for(req, strategy, dp=n // pp, pp=pp) for pp in _divisors(n) if n // pp >= 2]
+
+
+def evaluate(req: Request) -> dict[str, Estimate]:
+    """One estimate per modelled strategy; 2-D layouts keep their best factorisation."""
+    out: dict[str, Estimate] = {}
+    for strategy in MODELLED:
+        layouts = candidate_layouts(req, strategy)
+        if not layouts:
+            out[strategy] = Estimate(
+                strategy,
+                Parallelism(strategy),
+                applicable=False,
+                runnable=runnable(strategy, req.training.method),
+                note="needs 4+ GPUs",
+            )
+            continue
+        est = best([estimate(req, lay, strategy) for lay in layouts])
+        if est is not None:
+            out[strategy] = est
+    return out

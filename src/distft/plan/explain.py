@@ -1,0 +1,106 @@
+"""The decision tree's vocabulary: its steps, its answer, and the sentences that justify them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from distft.plan.estimate import LABELS, Estimate, Request, estimate, layout_for
+from distft.plan.hardware import format_bytes, format_seconds
+from distft.plan.setup import Parallelism
+
+METHOD_NAMES = {"full": "Full finetuning", "lora": "LoRA", "qlora": "QLoRA"}
+TIGHT = 0.9  # a fit above 90% of the usable memory is flagged: fragmentation can tip it over
+
+
+@dataclass
+class Step:
+    question: str
+    answer: str
+
+
+@dataclass
+class Recommendation:
+    strategy: str | None  # None: nothing fits
+    method: str
+    activation_checkpointing: bool
+    reason: str
+    steps: list[Step]
+    alternatives: list[str] = field(default_factory=list)
+    layout: Parallelism | None = None
+
+    @property
+    def label(self) -> str:
+        return LABELS.get(self.strategy, "none") if self.strategy else "nothing fits"
+
+
+def gb(n: float) -> str:
+    return format_bytes(n)
+
+
+def fit_text(e: Estimate, req: Request) -> str:
+    verdict = "fits" if e.fits else "does not fit"
+    if e.fits and e.total > TIGHT * req.usable:
+        verdict = f"fits, with under {1 - TIGHT:.0%} headroom"
+    where = "on one GPU" if e.strategy == "single" else f"per GPU with {e.label}"
+    return f"{gb(e.total)} {where} ({verdict} in {gb(req.usable)} usable)"
+
+
+def rate(e: Estimate) -> str:
+    return f"~{e.tokens_per_s:,.0f} tokens/s estimated" if e.tokens_per_s else "no throughput estimate"
+
+
+def others(est: dict[str, Estimate], *exclude: str, limit: int = 2) -> list[str]:
+    """Other layouts that fit, fastest first, as alternatives (those distft cannot run say so)."""
+    fitting = [e for e in est.values() if e.applicable and e.fits and e.strategy not in (*exclude, "single")]
+    fitting.sort(key=lambda e: -(e.tokens_per_s or 0))
+    return [
+        f"{e.label} also fits: {gb(e.total)} per GPU, {rate(e)}"
+        + ("." if e.runnable else " (not in distft).")
+        for e in fitting[:limit]
+    ]
+
+
+def link_name(req: Request, e: Estimate) -> str:
+    links = {c.link.label for c in e.collectives}
+    return ", ".join(sorted(links)) if links else req.intra.label
+
+
+def interconnect_slow(req: Request, fsdp: Estimate) -> tuple[bool, str]:
+    """Slow: FSDP's traffic takes longer than the compute it should overlap with."""
+    link = req.inter if req.nodes > 1 else req.intra
+    compute = fsdp.compute_s
+    kind = " (no NVLink)" if link.name.startswith("pcie") else ""
+    traffic = (
+        f"FSDP moves {gb(fsdp.comm_bytes)} per GPU per step over {link.label}{kind}, "
+        f"about {format_seconds(fsdp.comm_s)}"
+    )
+    if compute is None:
+        slow = bool(kind)
+        return (
+            slow,
+            f"{'Yes' if slow else 'No'}: {traffic} (no compute estimate for this GPU: judged by the link).",
+        )
+    if fsdp.comm_s > compute:
+        return (
+            True,
+            f"Yes: {traffic}, more than the {format_seconds(compute)} of compute it should hide behind.",
+        )
+    return False, f"No: {traffic}, less than the {format_seconds(compute)} of compute it hides behind."
+
+
+def gpus_needed(req: Request) -> str:
+    """The smallest number of these GPUs with which FSDP fits, as a sentence."""
+    for n in (2, 4, 8, 16, 32, 64, 128, 256, 512):
+        if n <= req.world:
+            continue
+        nodes = max(1, math.ceil(n / req.gpus_per_node))
+        per_node = min(n, req.gpus_per_node)
+        bigger = replace(req, gpus_per_node=per_node, nodes=nodes)
+        e = estimate(bigger, layout_for(bigger, "fsdp", dp=per_node * nodes), "fsdp")
+        if e.fits:
+            return (
+                f"{req.training.method.capitalize()} finetuning with FSDP fits from {per_node * nodes} such GPUs "
+                f"({gb(e.total)} per GPU)."
+            )
+    return f"{req.training.method.capitalize()} finetuning does not fit with FSDP even on 512 such GPUs."

@@ -1,0 +1,129 @@
+"""What the planner is asked about besides the model: precision, what trains, and how ranks split it.
+
+- `Precision` / `PRECISIONS`: bytes per weight, gradient, master copy, AdamW moment, activation;
+- `Training`: the method, batch shape, LoRA settings and NF4 storage (the runtime's `NF4Spec`);
+- `Parallelism`: the degrees (dp, tp, pp), what data parallelism shards, which TP implementation,
+  and the pipeline schedule. Its `pipeline()` is the runtime's own `distft.parallel.pipeline.Layout`,
+  so stage placement (`rank_layers`) and the bubble are the ones `distft train` runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from distft.model.nf4 import NF4Spec
+from distft.parallel.pipeline import SCHEDULES
+from distft.parallel.pipeline import Layout as PipelineLayout
+from distft.plan.model_spec import DEFAULT_LORA_TARGETS
+
+# The schedules whose in-flight activations the planner models (all of them run in distft).
+PLANNED_SCHEDULES = tuple(s for s in ("gpipe", "1f1b", "interleaved-1f1b") if s in SCHEDULES)
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param: int  # bytes per element of the weights the model computes with
+    grad: int  # bytes per gradient element
+    master: int  # fp32 master copy of trainable weights kept for the optimizer (0: none)
+    state: int  # bytes per element of each of AdamW's two moments
+    activation: int  # bytes per element of saved activations (the compute dtype)
+    description: str
+    dtype: str = "bfloat16"  # the model.dtype distft runs it with (see `commands.py`)
+
+    @property
+    def trained_bytes(self) -> int:
+        """Bytes per trained parameter: weight + gradient + master + two moments."""
+        return self.param + self.grad + self.master + 2 * self.state
+
+
+PRECISIONS: dict[str, Precision] = {
+    "mixed": Precision(
+        "mixed", 2, 2, 4, 4, 2, "bf16 weights and gradients, fp32 master weights and AdamW moments"
+    ),
+    "bf16": Precision("bf16", 2, 2, 0, 4, 2, "bf16 weights and gradients, fp32 AdamW moments, no master"),
+    "bf16-pure": Precision(
+        "bf16-pure", 2, 2, 0, 2, 2, "all bf16 (distft with model.dtype=bfloat16: AdamW moments in bf16)"
+    ),
+    "fp32": Precision("fp32", 4, 4, 0, 4, 4, "all fp32 (distft's CPU default)", "float32"),
+}
+
+
+@dataclass(frozen=True)
+class Training:
+    """What is trained and on what batch: everything the memory model needs besides the layout."""
+
+    method: str = "lora"  # full | lora | qlora
+    precision: Precision = PRECISIONS["mixed"]
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    lora_dropout: float = 0.0
+    adapter_bytes: int = 4  # PEFT keeps adapters in fp32 over a 16-bit base (autocast_adapter_dtype)
+    autocast: bool = True  # bf16 autocast around forward/backward (distft on CUDA; off on CPU)
+    seq_len: int = 2048
+    micro_batch: int = 1
+    label_tokens: int = 256  # positions per sequence that carry the loss (distft: the summary)
+    activation_checkpointing: bool = False
+    attention: str = "sdpa"  # sdpa | eager
+    padded: bool | None = None  # a padding mask reaches attention; None: micro_batch > 1
+    quant: NF4Spec = field(default_factory=NF4Spec)  # the runtime's NF4 storage settings
+
+    @property
+    def lora(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+    @property
+    def has_padding_mask(self) -> bool:
+        return self.micro_batch > 1 if self.padded is None else self.padded
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the ranks split the work. world = dp x tp x pp."""
+
+    name: str
+    dp: int = 1  # data-parallel degree: replicas (DDP), or shards (ZeRO, FSDP)
+    shard: str = "none"  # none | optimizer (ZeRO-1) | full (FSDP2: params, grads, optimizer)
+    reshard_after_forward: bool = True  # FSDP2: ZeRO-3 (True) or ZeRO-2 (False)
+    fsdp_prefetch: int = 1  # layers gathered ahead (distft's parallel.fsdp_prefetch)
+    tp: int = 1
+    sp: bool = False
+    tp_impl: str = "megatron"  # megatron (tp-sp, hand-rolled) | dtensor (tp, fsdp+tp: parallelize_module)
+    pp: int = 1
+    schedule: str = "1f1b"  # parallel.schedule
+    microbatches: int = 1  # micro-batches per optimizer step on each pipeline / replica
+    stages_per_rank: int = 0  # parallel.stages_per_rank; 0: the schedule's default (SCHEDULES)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def virtual_stages(self) -> int:
+        """V: pipeline stages per rank, as the runtime resolves parallel.stages_per_rank."""
+        return self.stages_per_rank or SCHEDULES[self.schedule][1]
+
+    def pipeline(self, micro_batch_size: int = 1) -> PipelineLayout:
+        """The runtime's pipeline layout for these degrees (a one-rank pipeline without pp)."""
+        return PipelineLayout(
+            self.schedule, self.pp, self.virtual_stages, self.microbatches, micro_batch_size
+        )
+
+    def idle_fraction(self) -> float:
+        """The pipeline's bubble as a share of step time (the runtime's equal-stage theory)."""
+        return self.pipeline().theoretical_idle_fraction() if self.pp > 1 else 0.0
+
+
+def rank_layers(num_layers: int, par: Parallelism, rank: int) -> list[int]:
+    """Decoder layers pipeline rank `rank` holds: those of every stage the runtime places on it."""
+    lay = par.pipeline()
+    return [i for s in lay.stages_of(rank) for i in lay.layers_of(s, num_layers)]
+
+
+def holds_first_stage(par: Parallelism, rank: int) -> bool:
+    return par.pipeline().rank_of(0) == rank
+
+
+def holds_last_stage(par: Parallelism, rank: int) -> bool:
+    lay = par.pipeline()
+    return lay.rank_of(lay.num_stages - 1) == rank

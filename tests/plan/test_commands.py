@@ -1,0 +1,122 @@
+"""The plan and the runtime agree: which strategies distft runs, and what its `run:` line sets.
+
+A printed `run:` command is parsed back with `distft train`'s own argument parser and config loader
+(`distft.cli.build_parser`, `config_from_args`: defaults, overrides, flags, validation) and compared
+with what the estimate assumed: method, strategy, processes, dtype, micro-batch, global batch,
+sequence length, activation checkpointing, attention, LoRA rank, mesh degrees and the pipeline,
+which must be the very `Layout` the runtime's strategy builds from that config.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from distft.cli import build_parser, config_from_args
+from distft.parallel import STRATEGIES
+from distft.plan import evaluate, make_request, run_command
+from distft.plan.decide import decide
+from distft.plan.estimate import MODELLED
+from distft.plan.report import to_dict
+
+
+def request(command: str):
+    return make_request(build_parser().parse_args(["plan", *command.split()]))
+
+
+def parse_run(command: str):
+    """The config `distft train` would run for a printed `run:` line."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["distft", "train"]
+    return config_from_args(build_parser().parse_args(argv[1:]))
+
+
+def test_runnable_strategies_come_from_the_registry():
+    req = request("--model qwen3-4b --method lora --gpus 8 --gpu h100")
+    estimates = evaluate(req)
+    assert set(STRATEGIES) <= set(MODELLED)  # every strategy distft runs is modelled
+    for name, e in estimates.items():
+        assert e.runnable == (name in STRATEGIES), name
+        assert e.in_distft == ("yes" if name in STRATEGIES else "no")
+    # The planner models layouts distft cannot run; they stay, marked, and never get a run: line.
+    for name in ("zero1", "fsdp+pp"):
+        e = estimates[name]
+        assert e.applicable and not e.runnable
+        assert run_command(req, name, "lora", False, e.layout) is None
+    assert {"pp", "fsdp+tp", "ddp+pp"} <= {n for n, e in estimates.items() if e.runnable}
+
+
+def test_qlora_runs_only_where_the_registry_says():
+    req = request("--model qwen3-4b --method qlora --gpus 4 --gpu rtx4090")
+    estimates = evaluate(req)
+    for name, e in estimates.items():
+        supported = name in STRATEGIES and STRATEGIES[name].supports_qlora
+        assert e.runnable == supported, name
+
+
+PLANS = [
+    "--model qwen3-4b --method lora --gpus 8 --gpu h100 --seq-len 1024 --micro-batch 2 --grad-accum 3",
+    "--model qwen3-1.7b --method full --gpus 4 --nodes 2 --gpu a100-80gb --activation-checkpointing "
+    "--precision fp32 --attention eager --pp-schedule gpipe --pp-microbatches 8",
+    "--model qwen3-0.6b --method lora --gpus 4 --gpu rtx4090 --lora-rank 8 --pp-schedule interleaved-1f1b",
+]
+
+
+@pytest.mark.parametrize("command", PLANS)
+def test_every_run_line_carries_the_estimates_assumptions(command):
+    req = request(command)
+    t = req.training
+    for name, e in evaluate(req).items():
+        line = run_command(req, name, t.method, t.activation_checkpointing, e.layout)
+        if not e.runnable:
+            assert line is None
+            continue
+        if not e.applicable:
+            continue
+        cfg = parse_run(line)
+        lay = e.layout
+        assert (cfg.parallel.strategy, cfg.train.method) == (name, t.method)
+        assert cfg.world_size == (1 if name == "single" else req.world) == lay.world
+        assert cfg.model.dtype == t.precision.dtype
+        assert cfg.model.activation_checkpointing == t.activation_checkpointing
+        assert cfg.model.attn_implementation == t.attention
+        assert cfg.data.max_length == t.seq_len
+        assert cfg.train.micro_batch_size == t.micro_batch
+        assert cfg.train.global_batch_size == t.micro_batch * lay.microbatches * lay.dp
+        assert cfg.lora.rank == t.lora_rank
+        cls = STRATEGIES[name]
+        assert cls.data_parallel_size(cfg) == lay.dp, name
+        if cls.mesh_degrees:
+            assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)
+        if lay.pp > 1:  # the runtime's own pipeline for this config is the one the plan counted
+            assert cls.pipeline_layout(cfg) == lay.pipeline(t.micro_batch)
+
+
+def test_recommended_command_in_json_matches_the_request():
+    req = request(
+        "--model Qwen/Qwen3-4B --method lora --gpus 2 --gpu-mem 24GiB --interconnect pcie --seq-len 1024"
+    )
+    estimates = evaluate(req)
+    rec = decide(req, estimates)
+    doc = to_dict(req, estimates, rec)
+    cfg = parse_run(doc["recommendation"]["command"])
+    assert cfg.parallel.strategy == rec.strategy == "ddp" and cfg.parallel.nproc == 2
+    assert (cfg.model.dtype, cfg.train.micro_batch_size, cfg.data.max_length) == ("bfloat16", 1, 1024)
+    # distft's defaults would be fp32, micro-batch 4 and 768 tokens: the line must override them.
+    default = parse_run("distft train --model Qwen/Qwen3-4B --strategy ddp --nproc 2")
+    assert (default.model.dtype, default.train.micro_batch_size) != (
+        cfg.model.dtype,
+        cfg.train.micro_batch_size,
+    )
+
+
+def test_unrunnable_recommendation_has_no_command():
+    req = request(
+        "--model llama-3-70b --method full --gpus 8 --nodes 4 --gpu h100 --interconnect infiniband "
+        "--seq-len 4096 --activation-checkpointing"
+    )
+    estimates = evaluate(req)
+    rec = decide(req, estimates)
+    assert rec.strategy == "fsdp+pp" and not estimates["fsdp+pp"].runnable
+    assert to_dict(req, estimates, rec)["recommendation"]["command"] is None
