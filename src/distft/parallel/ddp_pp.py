@@ -46,11 +46,11 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.parallel.base import Batch, trainable_bytes
+from distft.parallel.grads import all_reduce_flat
 from distft.parallel.mesh import MeshStrategy, ParallelDims
 from distft.parallel.pipeline import Layout, PipelineParallel, layout
 
@@ -101,13 +101,9 @@ class DDPPipelineParallel(MeshStrategy, PipelineParallel):
     def after_backward(self, model: nn.Module) -> None:
         super().after_backward(model)  # a tied embedding's two copies, inside the pipeline
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.dp_group)  # SUM: see the module docstring
-        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(synced)
+        all_reduce_flat(grads, group=self.dp_group)  # one SUM over dp: see the module docstring
 
+    # -- figures -------------------------------------------------------------------------------
     @torch.no_grad()
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
         """pp's (p2p between stages, loss, norm, tied embedding) plus, over dp, every trainable
