@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -124,36 +125,48 @@ class PipelineTimeline:
         return {"idle_fraction": measured, "idle_fraction_theory": theory}
 
 
-def replay(actions: list[list[Action]], durations: dict[tuple[int, str], float]) -> float | None:
-    """Idle fraction of `actions` (each rank's compute, in order) if every pass took its measured
-    mean duration and messages were instant; None if the actions do not all complete.
+def simulate(
+    actions: list[list[Action]], duration: Callable[[Action], float]
+) -> list[list[tuple[float, float]]]:
+    """Each rank's passes, in the order given, started as soon as the rank is free and the pass's
+    inputs exist, with messages instant: the (start, end) of each pass, or of as many as complete.
 
-    Dependencies: F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i); W(s, i) after
-    B(s, i). Against the measured idle fraction it separates what the stage times explain (the
-    schedule's bubble plus unequal stages) from what they do not (waiting on messages, overhead).
+    Dependencies: F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i); W(s, i) after B(s, i).
     """
     last = max(s for row in actions for _, s, _ in row)
     done: dict[Action, float] = {}
-    free, busy, nxt = [0.0] * len(actions), [0.0] * len(actions), [0] * len(actions)
+    free, out = [0.0] * len(actions), [[] for _ in actions]
     progress = True
     while progress:
         progress = False
         for r, row in enumerate(actions):
-            while nxt[r] < len(row):
-                kind, s, i = row[nxt[r]]
+            while len(out[r]) < len(row):
+                kind, s, i = action = row[len(out[r])]
                 deps = {"F": [("F", s - 1, i)] if s else [], "W": [("B", s, i)]}.get(
                     kind, [("F", s, i)] + ([("B", s + 1, i)] if s < last else [])
                 )
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
-                free[r] = done[(kind, s, i)] = start + durations[(s, kind)]
-                busy[r] += durations[(s, kind)]
-                nxt[r] += 1
+                free[r] = done[action] = start + duration(action)
+                out[r].append((start, free[r]))
                 progress = True
-    if any(n < len(row) for n, row in zip(nxt, actions, strict=True)):
+    return out
+
+
+def replay(actions: list[list[Action]], durations: dict[tuple[int, str], float]) -> float | None:
+    """Idle fraction of `actions` (each rank's compute, in order) if every pass took its measured
+    mean duration and messages were instant (`simulate`); None if the actions do not all complete.
+
+    Against the measured idle fraction it separates what the stage times explain (the schedule's
+    bubble plus unequal stages) from what they do not (waiting on messages, overhead).
+    """
+    rows = simulate(actions, lambda a: durations[(a[1], a[0])])
+    if any(len(done) < len(row) for done, row in zip(rows, actions, strict=True)):
         return None
-    return statistics.mean(1 - b / max(free) for b in busy)
+    end = max(row[-1][1] for row in rows if row)
+    busy = [sum(durations[(s, kind)] for kind, s, _ in row) for row in actions]
+    return statistics.mean(1 - b / end for b in busy)
 
 
 def mean_durations(ranks: list[dict]) -> dict[tuple[int, str], float]:

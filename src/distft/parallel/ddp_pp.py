@@ -20,20 +20,10 @@ What runs on which mesh dimension, per optimizer step:
   gradients, flattened into one buffer, after the schedule;
 - all ranks: the loss sum (only last stages have one; the sum over the world is the global batch's).
 
-Why one flat all-reduce after the schedule and not DDP around the stage module. The gradient each
-replica accumulates is already d(its token-loss sum / the global label-token count): the schedule's
-loss function divides by the global count, gradients are not scaled by the micro-batch count
-(`scale_grads=False`). The SUM over dp is therefore exactly the single-process gradient (an
-average would need a dp x scale first, inexact when dp is not a power of two). torch's stage does
-know DDP (`backward_maybe_with_nosync`: no_sync for all but the last backward, then it reaches
-into DDP's reducer), but only for a full backward: zero-bubble and zbv split backward into input
-and weight passes (`autograd.grad` on the parameters), which DDP's hooks do not follow; an
-interleaved rank holds several stages, each its own DDP with its own last backward; and DDP
-renames parameters (`module.`), which the global-name view (`PipelineModel`) and the export rely
-on. One all-reduce after `step()` is correct for every schedule, moves the same bytes (the
-trainable gradients, once per step), and is one collective per rank. What it gives up is DDP's
-overlap of the all-reduce with the pipeline's drain: negligible for LoRA's few MB, worth bucketing
-per stage for full finetuning at scale (not done).
+Why one flat all-reduce after the schedule (`grads.all_reduce_flat`) and not DDP around the stage
+module: each replica's gradient is already d(its token-loss sum / the global label-token count)
+(`scale_grads=False`), so the SUM over dp is exactly the single-process gradient; and DDP's hooks
+follow neither zero-bubble's split backward nor several stages per rank (docs/2d.md).
 
 Batch accounting: `data_parallel_size` is dp, a rank's data shard its dp coordinate; the layout
 cuts global_batch_size / dp sequences into the schedule's micro-batches.
