@@ -60,10 +60,12 @@ from distft.distributed import (
 from distft.errors import NonFiniteError
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
+from distft.measure.pipeline import PipelineTimeline
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.model.nf4 import quantization, storage_layout
 from distft.parallel import STRATEGIES, Strategy, check_config
 from distft.parallel.base import unwrap
+from distft.parallel.pipeline import PipelineParallel
 from distft.progress import TrainingProgress
 
 
@@ -147,6 +149,7 @@ def train(cfg: Config) -> TrainResult:
         causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainable, total = count_parameters(lm)
     model = strategy.parallelize(SummaryLM(lm))
+    timeline = PipelineTimeline(strategy, out) if isinstance(strategy, PipelineParallel) else None
     param_bytes = storage_layout(model)  # this rank's parameters at rest, NF4 parts apart (distft.model.nf4)
     # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
     # before a forward-only pass can leave ZeRO-2's parameters gathered.
@@ -273,6 +276,7 @@ def train(cfg: Config) -> TrainResult:
                 "step_time_s": step_time,
                 "peak_mem_bytes": peak_memory_bytes(env),
                 **strategy.step_report(step + 1),
+                **(timeline.report(step + 1) if timeline else {}),
             }
             if not updated:
                 record["skipped"] = True  # non-finite loss or gradient norm (train.on_nonfinite=skip)

@@ -16,7 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from distft.cli import main
 from distft.config import load_config
-from distft.parallel.pipeline import layout
+from distft.measure.pipeline import replay
+from distft.parallel.pipeline import Layout, layout
+from distft.parallel.pipeline.stages import schedule_actions
 from tests.helpers import PARITY, adapter, assert_same_training, distft, metrics
 
 WORLD = 2
@@ -205,3 +207,14 @@ def test_layout():
     assert lay("gpipe", microbatches=4).theoretical_idle_fraction() == pytest.approx(1 / 5)
     assert lay("interleaved-1f1b", microbatches=4).theoretical_idle_fraction() == pytest.approx(1 / 9)
     assert lay("zbv", microbatches=4).theoretical_idle_fraction() == pytest.approx(1 / 25)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8)])
+def test_replay_of_equal_stages_is_the_theoretical_bubble(schedule, p, m):
+    """The timeline's replay (torch's order, measured pass times, free messages) with equal stages
+    (F = 1, full B = 2) idles exactly the bubble the layout predicts."""
+    lay = Layout(schedule, ranks=p, stages_per_rank=1, microbatches=m, micro_batch_size=1)
+    durations = {(s, kind): {"F": 1.0, "B": 2.0}[kind] for s in range(p) for kind in "FB"}
+    replayed = replay(schedule_actions(lay, schedule=None), durations)
+    assert replayed == pytest.approx(lay.theoretical_idle_fraction())

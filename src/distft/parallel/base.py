@@ -123,7 +123,12 @@ class Strategy:
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
         """Clip the global gradient norm and return it (before clipping): `distft.parallel.grads`."""
         shared, replicated = self.gradient_shares(model)
-        return clip_grad_norm_(shared, replicated, max_norm, self.env.device)
+        return clip_grad_norm_(shared, replicated, max_norm, self.env.device, group=self.norm_group())
+
+    def norm_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose shared gradient squares sum to the norm (None: every rank; a pipeline:
+        its own ranks, data-parallel replicas hold equal gradients)."""
+        return None
 
     def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
         """Where each gradient element lives, for the norm: (shared, replicated) as

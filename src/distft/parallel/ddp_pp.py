@@ -20,20 +20,10 @@ What runs on which mesh dimension, per optimizer step:
   gradients, flattened into one buffer, after the schedule;
 - all ranks: the loss sum (only last stages have one; the sum over the world is the global batch's).
 
-Why one flat all-reduce after the schedule and not DDP around the stage module. The gradient each
-replica accumulates is already d(its token-loss sum / the global label-token count): the schedule's
-loss function divides by the global count, gradients are not scaled by the micro-batch count
-(`scale_grads=False`). The SUM over dp is therefore exactly the single-process gradient (an
-average would need a dp x scale first, inexact when dp is not a power of two). torch's stage does
-know DDP (`backward_maybe_with_nosync`: no_sync for all but the last backward, then it reaches
-into DDP's reducer), but only for a full backward: zero-bubble and zbv split backward into input
-and weight passes (`autograd.grad` on the parameters), which DDP's hooks do not follow; an
-interleaved rank holds several stages, each its own DDP with its own last backward; and DDP
-renames parameters (`module.`), which the global-name view (`PipelineModel`) and the export rely
-on. One all-reduce after `step()` is correct for every schedule, moves the same bytes (the
-trainable gradients, once per step), and is one collective per rank. What it gives up is DDP's
-overlap of the all-reduce with the pipeline's drain: negligible for LoRA's few MB, worth bucketing
-per stage for full finetuning at scale (not done).
+Why one flat all-reduce after the schedule (`grads.all_reduce_flat`) and not DDP around the stage
+module: each replica's gradient is already d(its token-loss sum / the global label-token count)
+(`scale_grads=False`), so the SUM over dp is exactly the single-process gradient; and DDP's hooks
+follow neither zero-bubble's split backward nor several stages per rank (docs/2d.md).
 
 Batch accounting: `data_parallel_size` is dp, a rank's data shard its dp coordinate; the layout
 cuts global_batch_size / dp sequences into the schedule's micro-batches.
@@ -46,12 +36,12 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.parallel.base import Batch, trainable_bytes
 from distft.parallel.dims import MeshStrategy, ParallelDims
+from distft.parallel.grads import all_reduce_flat
 from distft.parallel.pipeline import Layout, PipelineParallel, layout
 
 
@@ -101,13 +91,9 @@ class DDPPipelineParallel(MeshStrategy, PipelineParallel):
     def after_backward(self, model: nn.Module) -> None:
         super().after_backward(model)  # a tied embedding's two copies, inside the pipeline
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.dp_group)  # SUM: see the module docstring
-        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(synced)
+        all_reduce_flat(grads, group=self.dp_group)  # one SUM over dp: see the module docstring
 
+    # -- figures -------------------------------------------------------------------------------
     @torch.no_grad()
     def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
         """pp's (p2p between stages, loss, norm, tied embedding) plus, over dp, every trainable

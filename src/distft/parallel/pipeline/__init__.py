@@ -1,0 +1,24 @@
+"""Pipeline parallelism: the layer stack cut into stages on different ranks (torch.distributed.pipelining).
+
+- `layout.py`: which rank holds which stage and which layers, the schedules, the bubble formula;
+- `stages.py`: a stage's module, this rank's stages and their torch schedule;
+- `strategy.py`: `PipelineParallel`, the `pp` strategy (one step, evaluation, gradients, export).
+
+Timing the passes and writing the timeline is measurement: `distft.measure.pipeline`.
+"""
+
+from __future__ import annotations
+
+from distft.parallel.pipeline.layout import SCHEDULES, Layout, layout, theoretical_idle_fraction
+from distft.parallel.pipeline.stages import PipelineModel, StageModule
+from distft.parallel.pipeline.strategy import PipelineParallel
+
+__all__ = [
+    "SCHEDULES",
+    "Layout",
+    "PipelineModel",
+    "PipelineParallel",
+    "StageModule",
+    "layout",
+    "theoretical_idle_fraction",
+]

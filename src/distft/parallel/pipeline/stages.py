@@ -1,0 +1,159 @@
+"""A pipeline stage's module, this rank's stages built from the (PEFT-wrapped) model, their schedule.
+
+What is sharded: the decoder layers, by stage (`Layout.layers_of`). Stage 0 also holds the
+embedding, the last stage the final norm, lm_head and the loss. Every stage recomputes what
+Qwen3Model.forward computes once: position ids 0..T-1, the causal + padding mask from the 2-D
+attention mask (a keyword argument of the step, which torch splits per micro-batch and hands to
+every stage) and rotary cos/sin (a non-persistent buffer, so each stage holds a copy). Layers keep
+their global index (`layers.2.self_attn.q_proj.lora_A`), so checkpoints and the exported adapter
+need no renaming. Nothing is sent by this module: torch's `PipelineStage` moves the hidden states
+(and their gradients) between stages on different ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from distft.model import summed_loss
+from distft.parallel.pipeline.layout import SCHEDULES, SINGLE_STAGE, Layout
+
+Action = tuple[str, int, int]  # (kind F|B|W, stage, micro-batch)
+
+
+class StageModule(nn.Module):
+    """The part of Qwen3 one stage runs, built from the (PEFT-wrapped) model's own modules.
+
+    forward(x, attention_mask, labels): x is input_ids (batch, seq) on the first stage and the
+    hidden states (batch, seq, hidden) elsewhere; returns the hidden states, or on the last stage
+    the summed token loss (shape (1,)), so the loss head is part of the stage's timed forward and
+    its parameters (lm_head) belong to the stage for the zero-bubble weight pass.
+    """
+
+    def __init__(self, backbone: nn.Module, lm_head: nn.Module, layer_ids: range, first: bool, last: bool):
+        super().__init__()
+        self.config = backbone.config
+        self.embed_tokens = backbone.embed_tokens if first else None
+        # Keyed by the global layer index: names (and the mask type per layer) need no remapping.
+        self.layers = nn.ModuleDict({str(i): backbone.layers[i] for i in layer_ids})
+        self.rotary_emb = backbone.rotary_emb  # inv_freq is a non-persistent buffer: shared, no state
+        self.norm = backbone.norm if last else None
+        self.lm_head = lm_head if last else None
+
+    def owned(self) -> list[nn.Module]:
+        """The modules whose weights this stage trains (the rotary module has none)."""
+        return [m for m in (self.embed_tokens, *self.layers.values(), self.norm, self.lm_head) if m]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (batch, seq) token ids on the first stage, else (batch, seq, hidden)
+        attention_mask: torch.Tensor,  # (batch, seq), 1 for real tokens; reaches every stage as a kwarg
+        labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        # What Qwen3Model.forward computes once, every stage recomputes: positions 0..S-1 (right
+        # padding), the causal + padding mask, and rotary cos/sin (a decoder layer without them fails).
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask_args = {
+            "config": self.config,
+            "inputs_embeds": hidden,
+            "attention_mask": attention_mask,
+            "past_key_values": None,
+            "position_ids": position_ids,
+        }
+        masks = {"full_attention": create_causal_mask(**mask_args)}
+        if "sliding_attention" in self.config.layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for index, layer in self.layers.items():
+            hidden = layer(
+                hidden,
+                attention_mask=masks[self.config.layer_types[int(index)]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+            )
+        if self.lm_head is None:
+            return hidden
+        # Shape (1,), not a scalar: torch's eval() concatenates the last stage's outputs.
+        return summed_loss(self.norm(hidden), self.lm_head, labels).reshape(1)
+
+
+class PipelineModel(nn.Module):
+    """This rank's stages, seen under the single model's parameter names.
+
+    Its registered modules mirror the paths of `SummaryLM` (`lm.base_model.model.model.layers.2`,
+    ...) but hold only this rank's embedding, layers, norm and lm_head, so `parameters()` is what
+    this rank trains (the optimizer's view) and every name is global: DCP checkpoints of different
+    ranks never collide and the export needs no renaming. `module` (not registered) is the whole
+    `SummaryLM`, whose structure the PEFT export walks; only this rank's parts of it are trained.
+    """
+
+    def __init__(self, full: nn.Module, owned: list[nn.Module]):
+        super().__init__()
+        object.__setattr__(self, "module", full)  # unregistered: not in parameters() or state_dict()
+        paths = {id(m): name for name, m in full.named_modules()}
+        for module in owned:
+            *parents, leaf = paths[id(module)].split(".")
+            node: nn.Module = self
+            for name in parents:
+                if name not in node._modules:
+                    node.add_module(name, nn.Module())
+                node = node._modules[name]
+            node.add_module(leaf, module)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined model runs through its schedule (PipelineParallel.forward_backward)")
+
+
+def build_stages(
+    model: nn.Module, lay: Layout, rank: int, device: torch.device, group: dist.ProcessGroup | None
+) -> tuple[list[PipelineStage], PipelineModel]:
+    """Pipeline rank `rank`'s stages (torch's `PipelineStage`s, which send and receive over `group`)
+    and the view of the `SummaryLM` that holds only their modules."""
+    backbone, lm_head = model.backbone, model.lm_head
+    last = lay.num_stages - 1
+    stages, owned = [], []
+    for s in lay.stages_of(rank):
+        layers = lay.layers_of(s, len(backbone.layers))
+        module = StageModule(backbone, lm_head, layers, s == 0, s == last).to(device)
+        owned += module.owned()
+        stages.append(PipelineStage(module, s, lay.num_stages, device, group=group))
+    return stages, PipelineModel(model, owned)
+
+
+def build_schedule(lay: Layout, stages: list[PipelineStage], loss_fn: Callable) -> object:
+    """torch's schedule over this rank's stages; gradients are not divided by m (`scale_grads=False`)."""
+    cls, _, _ = SCHEDULES[lay.schedule]
+    args = {"n_microbatches": lay.microbatches, "loss_fn": loss_fn, "scale_grads": False}
+    return cls(stages[0], **args) if lay.schedule in SINGLE_STAGE else cls(stages, **args)
+
+
+def schedule_actions(lay: Layout, schedule: object) -> list[list[Action]]:
+    """Each pipeline rank's F/B/W passes in the order `schedule` runs them (gpipe and 1f1b keep no
+    action list in torch: their order is written out; the others read `pipeline_order`)."""
+    p, m = lay.ranks, lay.microbatches
+    if lay.schedule == "gpipe":
+        return [[("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(p)]
+    if lay.schedule == "1f1b":  # torch's order: p-r warm-up forwards, then backward-first pairs
+        rows = []
+        for r in range(p):
+            warm = min(m, p - r)
+            row = [("F", r, i) for i in range(warm)]
+            for i in range(m - warm):
+                row += [("B", r, i), ("F", r, warm + i)]
+            rows.append(row + [("B", r, i) for i in range(m - warm, m)])
+        return rows
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    return [
+        [
+            (kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
+            for a in schedule.pipeline_order[r]
+            if a is not None and a.computation_type.name in kinds
+        ]
+        for r in range(p)
+    ]

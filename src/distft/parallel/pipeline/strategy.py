@@ -1,0 +1,291 @@
+"""Pipeline parallelism (`pp`): the layer stack cut into stages, micro-batches flowing through them.
+
+What is sharded: the decoder layers, by stage (`layout.py`), with their gradients and AdamW state;
+stage 0 also holds the embedding, the last stage norm, lm_head and the loss. Only stage 0's rank
+reads input_ids and only the last stage's rank the labels.
+
+What is sent when. During the step, per micro-batch and per stage boundary that crosses ranks:
+forward, one send/recv of the hidden states (mb, T, hidden); backward, one send/recv of their
+gradient, same shape. After it: an all-reduce of the loss sum (only the last stage has it), one of
+the squared gradient norm over the pipeline group (float64, every stage's share once), and in full
+finetuning of a tied embedding split over two ranks, an all-reduce of its gradient between those
+two (each copy saw half of the uses).
+
+The loss. The last stage returns the summed token loss of its micro-batch; the schedule's loss
+function divides it by the global number of label tokens and gradients are *not* divided by m
+(`scale_grads=False`): torch's default weighs micro-batches by count instead of by tokens.
+
+Schedule diagrams, the bubble and how the timeline is measured (`distft.measure.pipeline`):
+docs/pp.md.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from transformers import PretrainedConfig
+
+from distft.config import Config
+from distft.errors import ConfigError
+from distft.parallel.base import Batch, Strategy
+from distft.parallel.pipeline.layout import Layout, layout
+from distft.parallel.pipeline.stages import Action, build_schedule, build_stages, schedule_actions
+
+
+class PipelineParallel(Strategy):
+    name = "pp"
+    fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
+
+    @classmethod
+    def pipeline_layout(cls, cfg: Config) -> Layout:
+        """This strategy's pipeline: every rank is a pipeline rank (ddp+pp: parallel.pp of them)."""
+        return layout(cfg)
+
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        cls.pipeline_layout(cfg)  # raises ConfigError for a pipeline that cannot run
+
+    @classmethod
+    def micro_batch_size(cls, cfg: Config) -> int:
+        return cls.pipeline_layout(cfg).micro_batch_size  # the global batch is cut into m of these
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        lay = cls.pipeline_layout(cfg)
+        layers = model_config.num_hidden_layers
+        if lay.num_stages > layers:
+            raise ConfigError(
+                f"--strategy {cls.name} with {lay.ranks} pipeline ranks x {lay.stages_per_rank} stages per rank needs "
+                f"{lay.num_stages} stages of at least one decoder layer, but {cfg.model.name} has {layers}. "
+                "Use fewer processes or parallel.stages_per_rank."
+            )
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        return 1  # every rank sees the whole batch; stage 0 reads the ids, the last stage the labels
+
+    # -- set-up --------------------------------------------------------------------------------
+    def pipelines(self) -> list[list[int]]:
+        """Global ranks of every pipeline, each indexed by pipeline rank (pp: one, the world)."""
+        return [list(range(self.env.world_size))]
+
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's pipeline (None: the default group)."""
+        return None
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        self.layout = lay = self.pipeline_layout(self.cfg)
+        pipelines = self.pipelines()
+        # This rank's pipeline (global ranks by pipeline rank) and its place in it. Layout methods
+        # speak pipeline ranks; p2p outside the schedule (evaluation) maps them through pp_ranks.
+        self.pp_ranks = next(ranks for ranks in pipelines if self.env.rank in ranks)
+        self.pp_rank = rank = self.pp_ranks.index(self.env.rank)
+        self.pp_group = self.pipeline_group()
+        self.stage_ids = lay.stages_of(rank)
+        last = lay.num_stages - 1
+        self.stages, view = build_stages(model, lay, rank, self.env.device, self.pp_group)
+        for stage in self.stages:
+            self._probe_first_forward(stage)
+        self.holds_first, self.holds_last = 0 in self.stage_ids, last in self.stage_ids
+        self.schedule = build_schedule(lay, self.stages, self._loss)
+        self._tie(model, pipelines)
+        self._warm_up()
+        return view
+
+    def _tie(self, model: nn.Module, pipelines: list[list[int]]) -> None:
+        """Tied embedding / lm_head on two ranks (full finetuning): each copy gets its stage's part of
+        the gradient; `after_backward` sums the two so both copies take the same step and stay equal."""
+        lay = self.layout
+        first_rank, last_rank = lay.rank_of(0), lay.rank_of(lay.num_stages - 1)
+        lm_head = model.lm_head
+        tied = model.backbone.embed_tokens.weight is lm_head.weight
+        self.tied_weight: nn.Parameter | None = None
+        self.tie_group = None
+        if tied and lm_head.weight.requires_grad and first_rank != last_rank:
+            for ranks in pipelines:  # one pair per pipeline; every rank takes part in creating each
+                group = dist.new_group([ranks[first_rank], ranks[last_rank]])
+                if self.env.rank in ranks:
+                    self.tie_group = group
+            if self.pp_rank in (first_rank, last_rank):
+                self.tied_weight = lm_head.weight
+
+    def _probe_first_forward(self, stage: PipelineStage) -> None:
+        """Run the first micro-batch's forward under the loop's activation probe, when it sets one."""
+        original = stage.forward_one_chunk
+
+        def forward_one_chunk(chunk: int, *args, **kwargs):
+            probe = self.activation_probe if chunk == 0 else None
+            if probe is None:
+                return original(chunk, *args, **kwargs)
+            with probe:
+                return original(chunk, *args, **kwargs)
+
+        stage.forward_one_chunk = forward_one_chunk
+
+    def _warm_up(self) -> None:
+        """One step on an all-padding batch: it builds the stage shapes and the p2p channels.
+
+        torch's stages infer their input/output shapes on the first step, sending metadata between
+        ranks; doing it here keeps that traffic out of the first counted step. No label carries loss,
+        so every gradient is exactly zero; they are dropped, and the RNG is restored.
+        """
+        lay, length = self.layout, self.cfg.data.max_length
+        shape = (lay.micro_batch_size, length)
+        batch = {
+            "input_ids": torch.zeros(shape, dtype=torch.long),
+            "attention_mask": torch.ones(shape, dtype=torch.long),
+            "labels": torch.full(shape, -100, dtype=torch.long),
+        }
+        batches = [{k: v.to(self.env.device) for k, v in batch.items()} for _ in range(lay.microbatches)]
+        with torch.random.fork_rng(devices=[]):
+            self._run(batches, num_label_tokens=1)
+        for stage in self.stages:
+            stage.submod.zero_grad(set_to_none=True)
+
+    # -- one step ------------------------------------------------------------------------------
+    def _loss(self, loss_sum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Last stage, per micro-batch: the stage already summed the token losses; scale to the global mean."""
+        self._loss_sums.append(loss_sum.detach())
+        return loss_sum.sum() / self._num_label_tokens
+
+    def _run(self, micro_batches: list[Batch], num_label_tokens: int) -> torch.Tensor:
+        """One `schedule.step()` over the whole batch; the loss sum this rank's last stage computed."""
+        batch = self._full_batch(micro_batches)
+        self._num_label_tokens = num_label_tokens
+        self._loss_sums: list[torch.Tensor] = []
+        args = (batch["input_ids"],) if self.holds_first else ()
+        target = batch["labels"] if self.holds_last else None
+        self.schedule.step(
+            *args,
+            attention_mask=batch["attention_mask"],
+            labels=batch["labels"],
+            target=target,
+            return_outputs=False,
+        )
+        total = torch.zeros((), device=self.env.device)
+        for loss_sum in self._loss_sums:
+            total += loss_sum.float().sum()
+        return total
+
+    def forward_backward(
+        self, model: nn.Module, micro_batches: list[Batch], num_label_tokens: int
+    ) -> torch.Tensor:
+        total = self._run(micro_batches, num_label_tokens)
+        self.after_backward(model)
+        return total
+
+    def after_backward(self, model: nn.Module) -> None:
+        if self.tied_weight is not None and self.tied_weight.grad is not None:
+            dist.all_reduce(self.tied_weight.grad, group=self.tie_group)
+
+    @torch.no_grad()
+    def forward_only(self, model: nn.Module, micro_batches: list[Batch]) -> torch.Tensor:
+        """Evaluation: each micro-batch passes the stages in order, with blocking sends between ranks.
+
+        Not torch's `schedule.eval()`: that fails for V-shaped placements and re-initialises the
+        stages (a metadata exchange) on every switch between training and evaluation. Speed does
+        not matter here; this path is sequential, plain and the same for every schedule.
+        """
+        lay, me, ranks = self.layout, self.pp_rank, self.pp_ranks
+        batch = self._full_batch(micro_batches)
+        chunks = {k: v.split(lay.micro_batch_size) for k, v in batch.items()}
+        hidden_size = model.module.backbone.config.hidden_size
+        dtype = next(self.stages[0].submod.parameters()).dtype
+        modules = {stage.stage_index: stage.submod for stage in self.stages}
+        total = torch.zeros((), device=self.env.device)
+        for i in range(lay.microbatches):
+            ids, mask, labels = chunks["input_ids"][i], chunks["attention_mask"][i], chunks["labels"][i]
+            x = ids
+            for s in self.stage_ids:
+                if s > 0 and lay.rank_of(s - 1) != me:
+                    x = torch.empty((*ids.shape, hidden_size), dtype=dtype, device=self.env.device)
+                    dist.recv(x, src=ranks[lay.rank_of(s - 1)])
+                x = modules[s](x, attention_mask=mask, labels=labels)
+                if s == lay.num_stages - 1:
+                    total += x.float().sum()
+                elif lay.rank_of(s + 1) != me:
+                    dist.send(x.to(dtype).contiguous(), dst=ranks[lay.rank_of(s + 1)])
+        return total
+
+    def _full_batch(self, micro_batches: list[Batch]) -> Batch:
+        """One (global_batch, seq) batch; a short one (the last validation batch) is filled with rows
+        that carry no loss, since the stage shapes are fixed."""
+        batch = {k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]}
+        missing = self.layout.microbatches * self.layout.micro_batch_size - batch["input_ids"].shape[0]
+        if missing > 0:
+            fill = {"input_ids": 0, "attention_mask": 1, "labels": -100}
+            batch = {
+                k: torch.cat([v, torch.full((missing, v.shape[1]), fill[k], dtype=v.dtype, device=v.device)])
+                for k, v in batch.items()
+            }
+        return batch
+
+    # -- gradients and export ------------------------------------------------------------------
+    def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
+        """Every gradient of this rank's stages is its share of the pipeline's, summed over the
+        pipeline group (data-parallel replicas hold equal gradients and are not counted twice). A
+        tied embedding split over two ranks is held, summed, by both: each counts half."""
+        return [
+            (p.grad, 2 if p is self.tied_weight else 1) for p in model.parameters() if p.grad is not None
+        ], []
+
+    def norm_group(self) -> dist.ProcessGroup | None:
+        return self.pp_group
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        """Only the last stage's rank has a loss; a sum over ranks gives it to everyone."""
+        local_sum = local_sum.clone()
+        dist.all_reduce(local_sum)
+        return local_sum
+
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """Every rank's trained parameters, gathered on rank 0 under the single model's names."""
+        mine = {
+            name.removeprefix("lm."): p.detach().cpu().clone()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
+        gathered: list[dict | None] | None = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object(mine, gathered, dst=0)
+        if not self.env.is_main:
+            return None
+        # The single model lists a tied lm_head once, as the embedding: keep its names only.
+        names = {n for n, p in model.module.lm.named_parameters() if p.requires_grad}
+        state = {}
+        for part in gathered:
+            state.update({n: t for n, t in part.items() if n in names})
+        return state
+
+    def actions(self) -> list[list[Action]]:
+        """Each pipeline rank's F/B/W passes in the order this schedule runs them."""
+        return schedule_actions(self.layout, self.schedule)
+
+    # -- figures -------------------------------------------------------------------------------
+    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+        lay, me = self.layout, self.pp_rank
+        hidden = model.module.backbone.config.hidden_size
+        itemsize = next(model.module.parameters()).element_size()
+        seq = batches[0]["input_ids"].shape[1]
+        activation = lay.micro_batch_size * seq * hidden * itemsize  # one (mb, seq, hidden) tensor
+        send = recv = 0
+        for s in range(lay.num_stages - 1):
+            src, dst = lay.rank_of(s), lay.rank_of(s + 1)
+            if src == dst:
+                continue  # V-shaped turn: the next stage is on this rank, no message
+            if me == src:  # activations out, their gradients back in
+                send += lay.microbatches * activation
+                recv += lay.microbatches * activation
+            if me == dst:
+                recv += lay.microbatches * activation
+                send += lay.microbatches * activation
+        all_reduce = 4 + 8  # the loss sum (fp32) and the squared gradient norm (float64)
+        if self.tied_weight is not None:
+            all_reduce += self.tied_weight.numel() * self.tied_weight.element_size()
+        out = {"all_reduce": all_reduce}
+        if send:
+            out["send"], out["recv"] = send, recv
+        return out
