@@ -60,6 +60,7 @@ from distft.distributed import (
 from distft.errors import NonFiniteError
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
+from distft.measure.expected import expected_comm_bytes
 from distft.measure.pipeline import PipelineTimeline
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.model.nf4 import quantization, storage_layout
@@ -289,7 +290,7 @@ def train(cfg: Config) -> TrainResult:
             if isinstance(counter, CommCounter):
                 record["comm_bytes"] = dict(counter.stats.bytes)
                 record["comm_calls"] = dict(counter.stats.calls)
-                expected = strategy.expected_comm_bytes(model, rank_batches(examples, strategy, cfg, pad_id))
+                expected = expected_comm_bytes(strategy, model, rank_batches(examples, strategy, cfg, pad_id))
                 record["comm_bytes_expected"] = expected
             last = step + 1 == cfg.train.max_steps
             if (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0) or last:

@@ -190,14 +190,6 @@ class Strategy:
             options=state_dict_options(),
         )
 
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """Analytic bytes per optimizer step by collective kind (`distft.measure.comm` convention).
-
-        Checked against the measured counts in the tests and shown beside them by `bench`. The
-        base case is the loss: one fp32 scalar all-reduced across data-parallel ranks.
-        """
-        return {"all_reduce": 4} if self.env.distributed and self.dp_size > 1 else {}
-
     def step_report(self, step: int) -> dict:
         """Strategy-specific figures of the step just taken, merged into its metrics record.
 

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model.nf4 import nf4_parameter_names
-from distft.parallel.base import Batch, Strategy, trainable_bytes
+from distft.parallel.base import Strategy
 
 
 class DDP(Strategy):
@@ -78,10 +78,6 @@ class DDP(Strategy):
             # its bucket order after the first iteration; incompatible with no_sync() (see above).
             static_graph=p.ddp_static_graph,
         )
-
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        # Every trainable gradient once per optimizer step (not per micro-batch), plus the loss.
-        return {"all_reduce": trainable_bytes(model) + 4}
 
     def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last_micro_batch else model.no_sync()

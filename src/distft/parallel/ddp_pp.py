@@ -33,13 +33,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from distft.config import Config
 from distft.errors import ConfigError
-from distft.parallel.base import Batch, trainable_bytes
 from distft.parallel.dims import MeshStrategy, ParallelDims
 from distft.parallel.grads import all_reduce_flat
 from distft.parallel.pipeline import Layout, PipelineParallel, layout
@@ -94,10 +92,3 @@ class DDPPipelineParallel(MeshStrategy, PipelineParallel):
         all_reduce_flat(grads, group=self.dp_group)  # one SUM over dp: see the module docstring
 
     # -- figures -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """pp's (p2p between stages, loss, norm, tied embedding) plus, over dp, every trainable
-        gradient of this rank's stages once."""
-        out = super().expected_comm_bytes(model, batches)
-        out["all_reduce"] += trainable_bytes(model)
-        return out

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -45,12 +44,18 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import DTYPES, causal_lm
-from distft.model.nf4 import is_nf4, nf4_gather_bytes
-from distft.parallel.base import Batch, Strategy
+from distft.parallel.base import Strategy
 
 
-def _dtype(name: str, default: torch.dtype | None) -> torch.dtype | None:
-    return DTYPES[name] if name else default
+def mixed_precision(cfg: Config) -> MixedPrecisionPolicy:
+    """FSDP's dtypes: parameters gathered and computed in `fsdp_param_dtype` (empty: as stored),
+    gradients reduce-scattered in `fsdp_reduce_dtype` (empty: the param dtype), outputs cast to
+    `fsdp_output_dtype` (empty: left as computed)."""
+    p = cfg.parallel
+    param_dtype = DTYPES[p.fsdp_param_dtype] if p.fsdp_param_dtype else None
+    reduce_dtype = DTYPES[p.fsdp_reduce_dtype] if p.fsdp_reduce_dtype else param_dtype
+    output_dtype = DTYPES[p.fsdp_output_dtype] if p.fsdp_output_dtype else None
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_forward: bool) -> nn.Module:
@@ -59,12 +64,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_fo
     Shared by `fsdp`/`zero2` (mesh: every rank) and `fsdp+tp` (mesh: the "dp" dimension of the 2D
     mesh, applied after tensor parallelism, so FSDP shards each rank's TP shard)."""
     p = cfg.parallel
-    param_dtype = _dtype(p.fsdp_param_dtype, None)
-    policy = MixedPrecisionPolicy(
-        param_dtype=param_dtype,
-        reduce_dtype=_dtype(p.fsdp_reduce_dtype, param_dtype),
-        output_dtype=_dtype(p.fsdp_output_dtype, None),
-    )
+    policy = mixed_precision(cfg)
     offload = CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy()
     shard = {
         "mesh": mesh,
@@ -119,27 +119,6 @@ class FSDP(Strategy):
         model.to(self.env.device)
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
         return apply_fsdp(model, mesh, self.cfg, self.reshard_after_forward)
-
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        n = self.env.world_size
-        param_dtype = _dtype(self.cfg.parallel.fsdp_param_dtype, None)
-        reduce_dtype = _dtype(self.cfg.parallel.fsdp_reduce_dtype, param_dtype)
-
-        def padded_bytes(p: torch.Tensor, dtype: torch.dtype | None) -> int:
-            if is_nf4(p):  # codes, block scales and group factors (never padded)
-                return nf4_gather_bytes(p, n)
-            # FSDP2 shards dim 0, padding it to a multiple of the world size.
-            rows = -(-p.shape[0] // n) * n
-            return rows * (p.numel() // p.shape[0]) * (dtype or p.dtype).itemsize
-
-        params = list(model.parameters())  # every unit's parameters: layers and root
-        gathers = 2 if self.reshard_after_forward else 1
-        return {
-            "all_gather": len(batches) * gathers * sum(padded_bytes(p, param_dtype) for p in params),
-            "reduce_scatter": len(batches)
-            * sum(padded_bytes(p, reduce_dtype) for p in params if p.requires_grad),
-            "all_reduce": 4 + 8,  # the loss (fp32) and the gradient norm's sum of squares (float64)
-        }
 
 
 class ZeRO2(FSDP):

@@ -50,19 +50,18 @@ from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
-from distft.model import DTYPES, causal_lm
+from distft.model import causal_lm
 from distft.model.nf4 import TP_REFUSAL
-from distft.parallel.base import Batch, Strategy, unwrap
+from distft.parallel.base import Strategy
 from distft.parallel.dims import MeshStrategy, ParallelDims
 from distft.parallel.fsdp import FSDP, apply_fsdp
 from distft.parallel.tensor_parallel import (
-    activation_all_reduce_bytes,
     check_tp_degree,
     head_norms,
     layer_plan,
     partial_gradient_params,
 )
-from distft.tensors import local, local_bytes
+from distft.tensors import local
 
 
 class FSDPTensorParallel(MeshStrategy, Strategy):
@@ -95,7 +94,8 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         layers = list(causal_lm(model.lm).model.layers)
         for layer in layers:  # 1. TP inside each layer, on the inner dimension
             parallelize_module(layer, self.mesh["tp"], layer_plan(layer))
-        self._fsdp_bytes = self._fsdp_unit_bytes(model)  # TP-local sizes, before FSDP shards them
+        # What FSDP will shard: the TP-local parameters (`measure.expected` sizes its collectives).
+        self.tp_local_params = [(local(p).shape, local(p).dtype, p.requires_grad) for p in model.parameters()]
         apply_fsdp(model, self.mesh["dp"], self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
         # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
         self.partial_grads = partial_gradient_params(head_norms(layers))
@@ -127,33 +127,3 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         local_sum = local_sum.clone()  # each TP group computed the loss of its data shard once
         dist.all_reduce(local_sum, group=self.mesh["dp"].get_group())
         return local_sum
-
-    # -- figures
-    def _fsdp_unit_bytes(self, model: nn.Module) -> tuple[int, int]:
-        """(all-gathered, reduce-scattered) bytes of one pass over every FSDP unit: each TP-local
-        parameter with dim 0 padded to a multiple of dp (the trainable ones for the second)."""
-        p, dp = self.cfg.parallel, self.dims.dp
-        param_dtype = DTYPES[p.fsdp_param_dtype] if p.fsdp_param_dtype else None
-        reduce_dtype = DTYPES[p.fsdp_reduce_dtype] if p.fsdp_reduce_dtype else param_dtype
-        gathered = scattered = 0
-        for param in model.parameters():
-            shard = local(param)
-            rows = -(-shard.shape[0] // dp) * dp
-            elements = rows * (shard.numel() // shard.shape[0])
-            gathered += elements * (param_dtype or shard.dtype).itemsize
-            if param.requires_grad:
-                scattered += elements * (reduce_dtype or shard.dtype).itemsize
-        return gathered, scattered
-
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """FSDP over dp (two all-gathers and one reduce-scatter of the TP-local units per
-        micro-batch), TP over tp (`activation_all_reduce_bytes` of this rank's micro-batches), the
-        loss (fp32) and the gradient norm (float64), and full finetuning's partial gradients."""
-        gathered, scattered = self._fsdp_bytes
-        lm = causal_lm(unwrap(model).lm)
-        partial = local_bytes(self.partial_grads)
-        return {
-            "all_gather": len(batches) * 2 * gathered,
-            "reduce_scatter": len(batches) * scattered,
-            "all_reduce": activation_all_reduce_bytes(self.cfg, lm, batches) + partial + 4 + 8,
-        }

@@ -60,8 +60,7 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.nf4 import TP_REFUSAL
-from distft.parallel.base import Batch, Strategy, unwrap
-from distft.tensors import local_bytes
+from distft.parallel.base import Strategy
 
 # Which projections of a decoder layer are column- and row-parallel: the one source (tp, tp-sp,
 # fsdp+tp and the planner read them). Column: weight split on out (dim 0); row: on in (dim 1).
@@ -163,33 +162,3 @@ class TensorParallel(Strategy):
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         return local_sum  # every rank computed the same, full loss
-
-    # -- figures
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """The activations' all-reduces (`activation_all_reduce_bytes`), the partial gradients
-        and the gradient norm."""
-        activations = activation_all_reduce_bytes(self.cfg, causal_lm(unwrap(model).lm), batches)
-        partial = local_bytes(self.partial_grads)
-        norm = 8  # the float64 sum of squared gradient shards (clip_grad_norm_)
-        return {"all_reduce": activations + partial + norm}
-
-
-# -- figures
-
-
-def activation_all_reduce_bytes(cfg: Config, lm: nn.Module, batches: list[Batch]) -> int:
-    """Bytes TP all-reduces for `batches` (this rank's micro-batches). Per micro-batch and layer:
-    forward, 2 all-reduces of (batch, seq, hidden) after the row projections (+ 2 of (batch, seq, r)
-    after their lora_A); backward, one all-reduce per column projection's input (5, + 5 for the
-    colwise lora_B inputs). Layer 0's attention input needs no gradient when the embeddings are
-    frozen (LoRA): 3 fewer there."""
-    hidden, n_layers = lm.config.hidden_size, lm.config.num_hidden_layers
-    lora = cfg.train.method in ("lora", "qlora")
-    targets = set(cfg.lora.target_modules) if lora else set()
-    row_adapters = sum(path.split(".")[-1] in targets for path in ROW)
-    column_adapters = sum(path.split(".")[-1] in targets for path in COLUMN)
-    itemsize = next(lm.parameters()).element_size()
-    activations = 2 * n_layers + 5 * n_layers - (3 if lora else 0)
-    adapters = n_layers * (row_adapters + column_adapters)
-    tokens = sum(b["input_ids"].numel() for b in batches)
-    return itemsize * tokens * (hidden * activations + cfg.lora.rank * adapters)

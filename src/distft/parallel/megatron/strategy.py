@@ -51,13 +51,13 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.nf4 import TP_REFUSAL
-from distft.parallel.base import Batch, Strategy, optimizer_state_owner, unwrap
+from distft.parallel.base import Strategy, optimizer_state_owner, unwrap
 from distft.parallel.grads import all_reduce_flat
 from distft.parallel.megatron.collectives import all_gather_dim
-from distft.parallel.megatron.layers import PLAN, shard_projections
+from distft.parallel.megatron.layers import shard_projections
 from distft.parallel.megatron.model import MegatronLM
 from distft.parallel.tensor_parallel import check_tp_degree, partial_gradient_params, partition_dim
-from distft.tensors import local, local_bytes
+from distft.tensors import local
 
 
 class MegatronTPSP(Strategy):
@@ -153,52 +153,3 @@ class MegatronTPSP(Strategy):
                 if self.env.is_main:
                     state[name] = full.cpu().clone()
         return state if self.env.is_main else None
-
-    # -- figures
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        """Analytic bytes per optimizer step, in `distft.measure.comm`'s convention (full logical tensors).
-
-        Per micro-batch and layer, 2 block entries and 2 exits, each of an (S, B, H) activation, S
-        padded to a multiple of N with SP: forward always; an entry's backward only if its input
-        needs a gradient (something before it trains), an exit's only if its block's output does;
-        a checkpointed layer runs its forward collectives again in backward. Plus one all-reduce of
-        the partial gradients, the loss (SP) and the gradient norm.
-        """
-        lm = causal_lm(unwrap(model).lm)
-        hidden, n = lm.config.hidden_size, self.env.world_size
-        lora = self.cfg.train.method == "lora"
-        targets = set(self.cfg.lora.target_modules) if lora else set()
-        blocks = [
-            {path.rsplit(".", 1)[1] for path in PLAN if path.startswith(p)} for p in ("self_attn", "mlp")
-        ]
-
-        needs_grad = not lora  # full finetuning: the embeddings train
-        enters_bwd = leaves_bwd = recomputed = 0
-        for _ in lm.model.layers:
-            for block in blocks:
-                enters_bwd += needs_grad
-                needs_grad = needs_grad or bool(block & targets)
-                leaves_bwd += needs_grad
-            recomputed += needs_grad and self.cfg.model.activation_checkpointing
-        enters = leaves = 2 * len(lm.model.layers) + 2 * recomputed
-
-        model_size = next(lm.parameters()).element_size()
-        autocast = self.cfg.model.autocast and self.env.device.type == "cuda"
-        compute_size = 2 if autocast else model_size  # projection outputs are bf16 under autocast
-        tokens = 0
-        for b in batches:
-            batch, seq = b["input_ids"].shape
-            tokens += batch * (seq + (-seq % n if self.sequence_parallel else 0))
-        # Entries carry norm outputs (model dtype) forward and their gradients back; exits carry
-        # projection outputs (compute dtype), and their gradients back.
-        enter_bytes = tokens * hidden * model_size
-        leave_bytes = tokens * hidden * compute_size
-        partial = local_bytes(self.partial_grads)
-        scalars = 8 + (4 if self.sequence_parallel else 0)  # float64 grad-norm square sum, fp32 loss
-        if not self.sequence_parallel:
-            return {"all_reduce": leave_bytes * leaves + enter_bytes * enters_bwd + partial + scalars}
-        return {
-            "all_gather": enter_bytes * enters + leave_bytes * leaves_bwd,
-            "reduce_scatter": leave_bytes * leaves + enter_bytes * enters_bwd,
-            "all_reduce": partial + scalars,
-        }

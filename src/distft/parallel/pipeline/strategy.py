@@ -265,27 +265,3 @@ class PipelineParallel(Strategy):
         return schedule_actions(self.layout, self.schedule)
 
     # -- figures -------------------------------------------------------------------------------
-    def expected_comm_bytes(self, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-        lay, me = self.layout, self.pp_rank
-        hidden = model.module.backbone.config.hidden_size
-        itemsize = next(model.module.parameters()).element_size()
-        seq = batches[0]["input_ids"].shape[1]
-        activation = lay.micro_batch_size * seq * hidden * itemsize  # one (mb, seq, hidden) tensor
-        send = recv = 0
-        for s in range(lay.num_stages - 1):
-            src, dst = lay.rank_of(s), lay.rank_of(s + 1)
-            if src == dst:
-                continue  # V-shaped turn: the next stage is on this rank, no message
-            if me == src:  # activations out, their gradients back in
-                send += lay.microbatches * activation
-                recv += lay.microbatches * activation
-            if me == dst:
-                recv += lay.microbatches * activation
-                send += lay.microbatches * activation
-        all_reduce = 4 + 8  # the loss sum (fp32) and the squared gradient norm (float64)
-        if self.tied_weight is not None:
-            all_reduce += self.tied_weight.numel() * self.tied_weight.element_size()
-        out = {"all_reduce": all_reduce}
-        if send:
-            out["send"], out["recv"] = send, recv
-        return out

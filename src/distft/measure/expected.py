@@ -1,0 +1,215 @@
+"""The bytes each strategy's collectives should move in one optimizer step, from first principles.
+
+One function per strategy, in `distft.measure.comm`'s convention (the logical tensor each collective
+carries, per rank, summed by kind). The strategies expose the facts (their groups, layouts, partial
+gradients, what FSDP shards); the formulas live here. The tests check every one against the bytes
+the `CommCounter` saw, to the byte, and `distft bench` prints both side by side.
+
+Scalars every multi-rank step adds: the loss sum (fp32, 4 B) wherever ranks hold different parts of
+the batch or the sequence, and the squared gradient norm (float64, 8 B) wherever a gradient is
+sharded (`distft.parallel.grads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from distft.config import Config
+from distft.model import causal_lm
+from distft.model.nf4 import is_nf4, nf4_gather_bytes
+from distft.parallel import Batch, Strategy
+from distft.parallel.base import trainable_bytes, unwrap
+from distft.parallel.fsdp import mixed_precision
+from distft.parallel.megatron import PLAN
+from distft.parallel.tensor_parallel import COLUMN, ROW
+from distft.tensors import local_bytes
+
+Formula = Callable[[Strategy, nn.Module, list[Batch]], dict[str, int]]
+
+
+def expected_comm_bytes(strategy: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """Bytes per collective kind this rank should move in a step over `batches` (its micro-batches)."""
+    return FORMULAS[strategy.name](strategy, model, batches)
+
+
+def loss_only(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """single (nothing), or any data-parallel split: the loss, one fp32 scalar."""
+    return {"all_reduce": 4} if s.env.distributed and s.dp_size > 1 else {}
+
+
+def ddp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    # Every trainable gradient once per optimizer step (not per micro-batch), plus the loss.
+    return {"all_reduce": trainable_bytes(model) + 4}
+
+
+def fsdp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """Per micro-batch: all-gather every unit's parameters (twice under ZeRO-3: forward and
+    backward; once under ZeRO-2) and reduce-scatter the trainable gradients."""
+    n = s.env.world_size
+    policy = mixed_precision(s.cfg)
+    param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
+
+    def padded_bytes(p: torch.Tensor, dtype: torch.dtype | None) -> int:
+        if is_nf4(p):  # codes, block scales and group factors (never padded)
+            return nf4_gather_bytes(p, n)
+        return _padded_rows(p.shape, n) * (dtype or p.dtype).itemsize
+
+    params = list(model.parameters())  # every unit's parameters: layers and root
+    gathers = 2 if s.reshard_after_forward else 1
+    return {
+        "all_gather": len(batches) * gathers * sum(padded_bytes(p, param_dtype) for p in params),
+        "reduce_scatter": len(batches)
+        * sum(padded_bytes(p, reduce_dtype) for p in params if p.requires_grad),
+        "all_reduce": 4 + 8,  # the loss (fp32) and the gradient norm's sum of squares (float64)
+    }
+
+
+def tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """The activations' all-reduces, the partial gradients and the gradient norm."""
+    activations = tp_activation_bytes(s.cfg, causal_lm(unwrap(model).lm), batches)
+    return {"all_reduce": activations + local_bytes(s.partial_grads) + 8}
+
+
+def fsdp_tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """FSDP over dp (two all-gathers and one reduce-scatter of the TP-local units per micro-batch),
+    TP over tp (`tp_activation_bytes`), the loss, the gradient norm, full finetuning's partial
+    gradients."""
+    dp, policy = s.dims.dp, mixed_precision(s.cfg)
+    param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
+    gathered = sum(
+        _padded_rows(shape, dp) * (param_dtype or dtype).itemsize for shape, dtype, _ in s.tp_local_params
+    )
+    scattered = sum(
+        _padded_rows(shape, dp) * (reduce_dtype or dtype).itemsize
+        for shape, dtype, trains in s.tp_local_params
+        if trains
+    )
+    activations = tp_activation_bytes(s.cfg, causal_lm(unwrap(model).lm), batches)
+    return {
+        "all_gather": len(batches) * 2 * gathered,
+        "reduce_scatter": len(batches) * scattered,
+        "all_reduce": activations + local_bytes(s.partial_grads) + 4 + 8,
+    }
+
+
+def megatron(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """Per micro-batch and layer, 2 block entries and 2 exits, each of an (S, B, H) activation, S
+    padded to a multiple of N with SP: forward always; an entry's backward only if its input needs
+    a gradient (something before it trains), an exit's only if its block's output does; a
+    checkpointed layer runs its forward collectives again in backward. Plus one all-reduce of the
+    partial gradients, the loss (SP) and the gradient norm."""
+    lm = causal_lm(unwrap(model).lm)
+    hidden, n, sp = lm.config.hidden_size, s.env.world_size, s.sequence_parallel
+    enters, leaves, enters_bwd, leaves_bwd = _megatron_crossings(s.cfg, len(lm.model.layers))
+    model_size = next(lm.parameters()).element_size()
+    autocast = s.cfg.model.autocast and s.env.device.type == "cuda"
+    compute_size = 2 if autocast else model_size  # projection outputs are bf16 under autocast
+    tokens = 0
+    for b in batches:
+        batch, seq = b["input_ids"].shape
+        tokens += batch * (seq + (-seq % n if sp else 0))
+    # Entries carry norm outputs (model dtype) forward and their gradients back; exits carry
+    # projection outputs (compute dtype), and their gradients back.
+    enter_bytes, leave_bytes = tokens * hidden * model_size, tokens * hidden * compute_size
+    partial = local_bytes(s.partial_grads)
+    scalars = 8 + (4 if sp else 0)  # float64 grad-norm square sum, fp32 loss
+    if not sp:
+        return {"all_reduce": leave_bytes * leaves + enter_bytes * enters_bwd + partial + scalars}
+    return {
+        "all_gather": enter_bytes * enters + leave_bytes * leaves_bwd,
+        "reduce_scatter": leave_bytes * leaves + enter_bytes * enters_bwd,
+        "all_reduce": partial + scalars,
+    }
+
+
+def pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """Per micro-batch and stage boundary that crosses ranks: the hidden states forward, their
+    gradient backward; then the loss, the gradient norm and (full finetuning) a split tied embedding."""
+    lay, me = s.layout, s.pp_rank
+    hidden = model.module.backbone.config.hidden_size
+    itemsize = next(model.module.parameters()).element_size()
+    seq = batches[0]["input_ids"].shape[1]
+    activation = lay.micro_batch_size * seq * hidden * itemsize  # one (mb, seq, hidden) tensor
+    send = recv = 0
+    for stage in range(lay.num_stages - 1):
+        src, dst = lay.rank_of(stage), lay.rank_of(stage + 1)
+        if src == dst:
+            continue  # V-shaped turn: the next stage is on this rank, no message
+        if me in (src, dst):  # activations one way, their gradients the other
+            send += lay.microbatches * activation
+            recv += lay.microbatches * activation
+    all_reduce = 4 + 8  # the loss sum (fp32) and the squared gradient norm (float64)
+    if s.tied_weight is not None:
+        all_reduce += s.tied_weight.numel() * s.tied_weight.element_size()
+    out = {"all_reduce": all_reduce}
+    if send:
+        out["send"], out["recv"] = send, recv
+    return out
+
+
+@torch.no_grad()
+def ddp_pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """pp's, plus, over dp, every trainable gradient of this rank's stages once."""
+    out = pipeline(s, model, batches)
+    out["all_reduce"] += trainable_bytes(model)
+    return out
+
+
+FORMULAS: dict[str, Formula] = {
+    "single": loss_only,
+    "ddp": ddp,
+    "fsdp": fsdp,
+    "zero2": fsdp,
+    "tp": tp,
+    "tp-sp": megatron,
+    "pp": pipeline,
+    "fsdp+tp": fsdp_tp,
+    "ddp+pp": ddp_pipeline,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def tp_activation_bytes(cfg: Config, lm: nn.Module, batches: list[Batch]) -> int:
+    """Bytes TP all-reduces for `batches` (this rank's micro-batches). Per micro-batch and layer:
+    forward, 2 all-reduces of (batch, seq, hidden) after the row projections (+ 2 of (batch, seq, r)
+    after their lora_A); backward, one all-reduce per column projection's input (5, + 5 for the
+    colwise lora_B inputs). Layer 0's attention input needs no gradient when the embeddings are
+    frozen (LoRA): 3 fewer there."""
+    hidden, n_layers = lm.config.hidden_size, lm.config.num_hidden_layers
+    lora = cfg.train.method in ("lora", "qlora")
+    targets = set(cfg.lora.target_modules) if lora else set()
+    row_adapters = sum(path.split(".")[-1] in targets for path in ROW)
+    column_adapters = sum(path.split(".")[-1] in targets for path in COLUMN)
+    itemsize = next(lm.parameters()).element_size()
+    activations = 2 * n_layers + 5 * n_layers - (3 if lora else 0)
+    adapters = n_layers * (row_adapters + column_adapters)
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    return itemsize * tokens * (hidden * activations + cfg.lora.rank * adapters)
+
+
+def _megatron_crossings(cfg: Config, num_layers: int) -> tuple[int, int, int, int]:
+    """(block entries, exits, entries with a backward, exits with a backward) over all layers."""
+    lora = cfg.train.method == "lora"
+    targets = set(cfg.lora.target_modules) if lora else set()
+    blocks = [{path.rsplit(".", 1)[1] for path in PLAN if path.startswith(p)} for p in ("self_attn", "mlp")]
+    needs_grad = not lora  # full finetuning: the embeddings train
+    enters_bwd = leaves_bwd = recomputed = 0
+    for _ in range(num_layers):
+        for block in blocks:
+            enters_bwd += needs_grad
+            needs_grad = needs_grad or bool(block & targets)
+            leaves_bwd += needs_grad
+        recomputed += needs_grad and cfg.model.activation_checkpointing
+    crossings = 2 * num_layers + 2 * recomputed
+    return crossings, crossings, enters_bwd, leaves_bwd
+
+
+def _padded_rows(shape: torch.Size, n: int) -> int:
+    """Elements of a tensor whose dim 0 FSDP2 pads to a multiple of `n` ranks."""
+    rows = -(-shape[0] // n) * n
+    return rows * (shape.numel() // shape[0])
