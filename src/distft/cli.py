@@ -111,8 +111,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def preflight(cfg: Config) -> None:
     """Everything that can be checked without training: devices, the output directory, the model
     architecture and every data row."""
-    from distft.checkpoint import check_output_dir, check_resume
     from distft.data import ChatFormatter, load_rows, tokenize_rows
+    from distft.io.checkpoint import check_resume
+    from distft.io.preflight import check_output_dir
     from distft.model import is_preset, model_config
     from distft.parallel import STRATEGIES
     from distft.tokenizer import load_tokenizer
@@ -179,9 +180,10 @@ def cmd_train(args: argparse.Namespace) -> int:
                 with open(config_file, "w", encoding="utf-8") as f:
                     f.write(to_toml(cfg))
                 return subprocess.call(torchrun_command(cfg, config_file))
+    from distft import faults
     from distft.train import train
 
-    train(cfg)
+    train(cfg, hooks=faults.from_environment())  # test-only fault injection, off unless DISTFT_FAULT_*
     return 0
 
 
