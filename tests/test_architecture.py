@@ -24,6 +24,7 @@ LAYERS = {
     "distft.measure": 5,
     "distft.train": 6,
     "distft.infer": 7,
+    "distft.faults": 7,
     "distft.plan": 7,
     "distft.bench": 8,
     "distft.cli": 9,
@@ -48,7 +49,7 @@ def distft_imports(tree: ast.AST, name: str, is_package: bool) -> list[tuple[str
             if node.level:  # relative import
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            targets = [base]
+            targets = [f"{base}.{alias.name}" for alias in node.names]  # a module or a name in one
         elif isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:

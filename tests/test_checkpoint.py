@@ -4,8 +4,9 @@ import shutil
 
 import pytest
 
-from distft.checkpoint import atomic_directory, latest_checkpoint
 from distft.cli import main
+from distft.io.checkpoint import latest_checkpoint
+from distft.io.files import atomic_directory
 from tests.helpers import adapter, metrics
 
 RUN = [

@@ -23,9 +23,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from distft.checkpoint import latest_checkpoint, truncate_metrics
 from distft.cli import main
 from distft.config import load_config, to_toml
+from distft.io.checkpoint import latest_checkpoint
+from distft.train.metrics import truncate_metrics
 from tests.helpers import adapter, assert_same_training, distft, metrics
 
 WORLD = 2

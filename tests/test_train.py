@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from distft.cli import main
 from distft.config import load_config
-from distft.train import lr_lambda, train
+from distft.train import train
+from distft.train.setup import lr_lambda
 
 QUICK = [
     "model.name=micro",

@@ -20,13 +20,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from distft import bench, plan
-from distft.checkpoint import check_output_dir, check_resume
+from distft import bench, faults, plan
 from distft.config import Config, load_config, to_toml
 from distft.data import ChatFormatter, load_rows, load_tokenizer, tokenize_rows
 from distft.distributed import exit_worker, launched_by_torchrun
 from distft.errors import ConfigError, TrainingError
 from distft.infer import evaluate_run, held_out_meeting, load_trained, summarize
+from distft.io.checkpoint import check_resume
+from distft.io.preflight import check_output_dir
 from distft.model import is_preset, model_config
 from distft.parallel import STRATEGIES, check_config, check_model
 from distft.train import train
@@ -189,7 +190,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 with open(config_file, "w", encoding="utf-8") as f:
                     f.write(to_toml(cfg))
                 return subprocess.call(torchrun_command(cfg, config_file))
-    train(cfg)
+    train(cfg, hooks=faults.from_environment())  # test-only fault injection, off unless DISTFT_FAULT_*
     return 0
 
 

@@ -1,8 +1,9 @@
 """Test-only fault injection, switched on by environment variables (never by the config).
 
 The reliability tests need a rank that dies, a rank that hangs and a step that diverges, at a
-known step, in a real multi-process run. Each is one environment variable read by the loop; all
-are off unless set, and cost one dictionary lookup per step when off.
+known step, in a real multi-process run. Each is one environment variable; `from_environment()`
+turns those that are set into `TrainHooks` for the loop (`distft.cli` installs them), and returns
+None when none is set, so a normal run calls nothing.
 
 | variable                     | effect                                                             |
 |------------------------------|--------------------------------------------------------------------|
@@ -27,9 +28,19 @@ import time
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from distft.distributed import restart_count
+from distft.tensors import local
+from distft.train import TrainHooks
+
+VARIABLES = ("DISTFT_FAULT_KILL_AT_STEP", "DISTFT_FAULT_HANG_AT_STEP", "DISTFT_FAULT_NAN_AT_STEP")
+
+
+def from_environment() -> TrainHooks | None:
+    """The hooks the DISTFT_FAULT_* variables ask for, or None when none is set."""
+    if not any(v in os.environ for v in VARIABLES):
+        return None
+    return TrainHooks(before_step=before_step, after_backward=poison_gradients)
 
 
 def _at(variable: str, step: int) -> bool:
@@ -53,4 +64,4 @@ def poison_gradients(model: nn.Module, step: int) -> None:
         return
     for p in model.parameters():
         if p.grad is not None:
-            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(torch.nan)
+            local(p.grad).fill_(torch.nan)

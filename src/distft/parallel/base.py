@@ -190,14 +190,6 @@ class Strategy:
             options=state_dict_options(),
         )
 
-    def step_report(self, step: int) -> dict:
-        """Strategy-specific figures of the step just taken, merged into its metrics record.
-
-        Called on every rank after the step, outside its timing and byte counting, so it may run
-        collectives (a pipeline gathers its per-rank timelines here).
-        """
-        return {}
-
     def is_logging_rank(self) -> bool:
         return self.env.is_main
 

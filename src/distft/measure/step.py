@@ -1,0 +1,66 @@
+"""What the loop measures around each step, beyond loss and time: one object, called once a step.
+
+- Collectives (`distft.measure.comm.CommCounter`), on the first step only: the pattern repeats every
+  step, and the counter sees every dispatched op, which would slow the steps it watches. Recorded
+  beside the analytic prediction (`distft.measure.expected`).
+- Saved activations (`distft.measure.activations.SavedActivations`) of the first step's first
+  micro-batch.
+- A pipeline's timeline of every step (`distft.measure.pipeline.PipelineTimeline`): idle fractions,
+  and `DIR/pipeline_timeline.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from torch import nn
+
+from distft.measure.activations import SavedActivations
+from distft.measure.comm import CommCounter
+from distft.measure.expected import expected_comm_bytes
+from distft.measure.pipeline import PipelineTimeline
+from distft.parallel import Strategy
+from distft.parallel.pipeline import PipelineParallel
+
+
+class StepMeasurements:
+    """`watch(step)` around a step's work, then `report(step, examples)` for its record.
+
+    `to_batches(examples)`: this rank's micro-batches of a step's examples, which the analytic
+    byte count needs (`distft.train.step.rank_batches`).
+    """
+
+    def __init__(
+        self, strategy: Strategy, model: nn.Module, first_step: int, to_batches: Callable, out: Path
+    ):
+        self.strategy, self.model, self.first_step = strategy, model, first_step
+        self.to_batches = to_batches
+        self.timeline = PipelineTimeline(strategy, out) if isinstance(strategy, PipelineParallel) else None
+        self.saved_activation_bytes = 0  # of the first step measured, for ranks.json
+        self._counter: CommCounter | None = None
+
+    @contextlib.contextmanager
+    def watch(self, step: int) -> Iterator[None]:
+        """Around the step's forward, backward and update (inside its timing)."""
+        first = step == self.first_step
+        self._counter = CommCounter() if self.strategy.env.distributed and first else None
+        self.strategy.activation_probe = SavedActivations(self.model) if first else None
+        with self._counter or contextlib.nullcontext():
+            yield
+
+    def report(self, step: int, examples: list) -> dict:
+        """The measured figures of step `step` (on `examples`), merged into its record."""
+        # The timeline gathers every rank's passes: a collective, outside the step's timing.
+        record = self.timeline.report(step) if self.timeline else {}
+        probe = self.strategy.activation_probe
+        if probe is not None:
+            self.saved_activation_bytes = record["saved_activation_bytes"] = probe.bytes  # 1st micro-batch
+        if self._counter is not None:
+            record["comm_bytes"] = dict(self._counter.stats.bytes)
+            record["comm_calls"] = dict(self._counter.stats.calls)
+            record["comm_bytes_expected"] = expected_comm_bytes(
+                self.strategy, self.model, self.to_batches(examples)
+            )
+        return record

@@ -1,0 +1,144 @@
+"""The one training loop, shared by every strategy.
+
+Read `train` top to bottom: set-up (`distft.train.setup`: process group, tokenizer, data, model,
+strategy, optimizer, resume), the loop (`distft.train.step` for the step itself, then measuring,
+evaluating, logging and checkpointing), and export. Everything strategy-specific hides behind
+`Strategy`; everything a test wants to inject hides behind `TrainHooks`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from distft.config import Config
+from distft.distributed import shutdown
+from distft.io.checkpoint import save_training_state
+from distft.io.export import save_adapter, save_full_model
+from distft.io.files import atomic_write_text
+from distft.measure.step import StepMeasurements
+from distft.model import causal_lm
+from distft.model.nf4 import quantization
+from distft.parallel.base import unwrap
+from distft.train.hooks import TrainHooks
+from distft.train.metrics import (
+    MetricsWriter,
+    gather_rank_summaries,
+    rank_summary,
+    step_record,
+    truncate_metrics,
+)
+from distft.train.progress import TrainingProgress
+from distft.train.setup import Run, setup
+from distft.train.step import evaluate, global_batch, rank_batches, train_step
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    output_dir: Path | None = None
+    model: torch.nn.Module | None = None  # this rank's trained `SummaryLM` (unwrapped)
+
+
+def train(cfg: Config, hooks: TrainHooks | None = None) -> TrainResult:
+    """Train as `cfg` says; `hooks` run at fixed points of every step (none by default)."""
+    hooks = hooks or TrainHooks()
+    # ---- set-up ---------------------------------------------------------------------------
+    run = setup(cfg)
+    env, tc = run.env, cfg.train
+    progress = TrainingProgress(enabled=run.strategy.is_logging_rank(), total_steps=tc.max_steps)
+    metrics = start_outputs(run, progress)
+    batches = partial(rank_batches, strategy=run.strategy, cfg=cfg, pad_id=run.pad_id)
+    measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, batches, run.out)
+    result = TrainResult(output_dir=run.out)
+
+    # ---- the loop -------------------------------------------------------------------------
+    run.model.train()
+    with progress:
+        progress.advance_to(run.start_step)
+        for step in range(run.start_step + 1, tc.max_steps + 1):  # 1-based
+            hooks.before_step(step, env.rank)
+            examples = global_batch(run, step)
+            if env.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with measure.watch(step):
+                loss, grad_norm, updated = train_step(run, examples, step, hooks.after_backward)
+            record = step_record(run, step, examples, loss, grad_norm, time.perf_counter() - t0)
+            record.update(measure.report(step, examples))
+            result.losses.append(loss)
+            if not updated:
+                record["skipped"] = True  # non-finite loss or gradient norm (train.on_nonfinite=skip)
+                if progress.enabled:
+                    progress.console.print(f"step {step}: loss {loss}, grad_norm {grad_norm}: skipped")
+            last = step == tc.max_steps
+            if (tc.eval_every and step % tc.eval_every == 0) or last:
+                with run.collective(f"the all-reduce of the validation loss after step {step}"):
+                    record["eval_loss"] = result.eval_losses[step] = evaluate(run)
+            if metrics and (step % tc.log_every == 0 or last or "eval_loss" in record):
+                metrics.write(record)
+            progress.update(record)
+            if cfg.output.checkpoint_every and step % cfg.output.checkpoint_every == 0 and not last:
+                checkpoint(run, step)
+
+    # ---- export ---------------------------------------------------------------------------
+    export(run, rank_summary(run, measure.saved_activation_bytes))
+    if env.is_main:
+        metrics.close()
+        progress.done(run.out)
+    result.model = unwrap(run.model)
+    shutdown(run.env)
+    return result
+
+
+# ---- the loop's helpers -------------------------------------------------------------------
+
+
+def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
+    """Print the header (and where a resume starts); open `metrics.jsonl` on the main rank."""
+    cfg, env = run.cfg, run.env
+    progress.header(
+        cfg,
+        world_size=env.world_size,
+        device=str(env.device),
+        backend=env.backend or "none",
+        params=run.parameters,
+        batch=(run.shape.micro_batch_size, run.shape.accumulation_steps, run.shape.data_parallel_size),
+        data={"train": run.train_set.summary(), "validation": run.val_set.summary()},
+    )
+    if env.is_main and run.start_step:
+        truncate_metrics(run.out / "metrics.jsonl", run.start_step)
+        progress.console.print(
+            f"resuming from {run.checkpoint} (step {run.start_step})", soft_wrap=True
+        )  # a path stays whole
+    return MetricsWriter(run.out / "metrics.jsonl", append=run.start_step > 0) if env.is_main else None
+
+
+def checkpoint(run: Run, step: int) -> None:
+    """Write the training state after step `step` (`distft.io.checkpoint`), every rank its shards."""
+    with run.collective(f"writing the checkpoint of step {step}"):
+        state = run.strategy.checkpoint_state(run.model, run.optimizer)
+        save_training_state(
+            run.out, step, state, run.scheduler, run.env.rank, run.env.world_size, run.cfg.output.keep_last
+        )
+
+
+def export(run: Run, summary: dict) -> None:
+    """Gather the trained weights and every rank's summary; the main rank writes them."""
+    with run.collective("gathering the trained weights for export"):
+        ranks = gather_rank_summaries(run.env, summary)
+        state = run.strategy.trainable_state_dict(run.model)
+    if not run.env.is_main:
+        return
+    lm = unwrap(run.model).lm
+    if run.cfg.train.method in ("lora", "qlora"):
+        save_adapter(lm, state, run.out / "adapter", run.base_ref, quantization(run.cfg))
+    else:
+        save_full_model(causal_lm(lm), state, run.out / "model")
+    atomic_write_text(run.out / "ranks.json", json.dumps(ranks, indent=1))

@@ -1,0 +1,137 @@
+"""Everything a run needs before its first step, built in one visible order.
+
+process group -> tokenizer -> data -> base model -> method (LoRA, QLoRA, full) -> loss head
+(`SummaryLM`) -> parallelize -> optimizer + scheduler -> resume. `setup` returns it all as a `Run`,
+which the loop and `distft.train.step` read; nothing here trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distft.config import Config, to_toml
+from distft.data import ChatFormatter, TokenizedSplit, load_rows, tokenize_rows
+from distft.data.tokenizer import load_tokenizer
+from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
+from distft.io.checkpoint import check_resume, clear_checkpoints, load_training_state, resume_hint
+from distft.io.export import save_base
+from distft.io.files import atomic_write_text
+from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
+from distft.model.nf4 import storage_layout
+from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model
+from distft.tensors import local_bytes
+
+
+@dataclass
+class Run:
+    """One training run, set up: what the loop steps, and what it reports at the start and end."""
+
+    cfg: Config
+    shape: BatchShape  # how the global batch is cut (`distft.parallel.checks`)
+    env: DistEnv
+    strategy: Strategy
+    out: Path
+    tokenizer: object
+    train_set: TokenizedSplit
+    val_set: TokenizedSplit
+    base_ref: str  # what the exported adapter names as its base model
+    parameters: tuple[int, int]  # (trainable, total), before parallelizing
+    model: torch.nn.Module  # the parallelized `SummaryLM`
+    param_bytes: dict[str, int]  # this rank's parameters at rest (`distft.model.nf4.storage_layout`)
+    grad_bytes: int  # this rank's gradients, counted before any forward
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    autocast: contextlib.AbstractContextManager
+    start_step: int = 0  # the step of the checkpoint resumed from; 0 for a new run
+    checkpoint: Path | None = None
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def collective(self, what: str) -> contextlib.AbstractContextManager:
+        """Run collectives; a timeout or a lost peer names this rank and `what`, and the resume."""
+
+        def advice() -> str:
+            return f"{resume_hint(self.out)} If the wait was legitimate, raise parallel.timeout_s."
+
+        return naming_collective(self.env, what, self.cfg.parallel.timeout_s, advice)
+
+
+def lr_lambda(cfg: Config):
+    """Linear warm-up to the peak, then cosine decay to `min_lr_ratio` of it at the last step."""
+    warmup, total, floor = cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup - 1)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def setup(cfg: Config) -> Run:
+    shape = check_config(cfg)  # pure; the CLI ran it before launch, a Python caller may not have
+    strategy_cls = STRATEGIES[cfg.parallel.strategy]
+    env = init_distributed(cfg.train.device, cfg.parallel.timeout_s, need_group=strategy_cls.distributed)
+    strategy = strategy_cls(cfg, env)
+    out = Path(cfg.output.dir)
+
+    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
+    formatter = ChatFormatter(tokenizer, cfg.data)
+    rows = load_rows(cfg.data, seed=cfg.train.seed)
+    train_set, val_set = tokenize_rows(rows["train"], formatter), tokenize_rows(rows["validation"], formatter)
+
+    base = load_base_model(cfg.model)
+    check_model(cfg, base.config)
+    if env.is_main:
+        atomic_write_text(out / "config.toml", to_toml(cfg))
+        if is_preset(cfg.model.name) and cfg.output.save_base:
+            save_base(base, tokenizer, out / "base")
+    base_ref = str((out / "base").resolve()) if is_preset(cfg.model.name) else cfg.model.name
+
+    torch.manual_seed(cfg.train.seed)  # LoRA's random init: identical on every rank
+    lm = apply_method(base, cfg)
+    if cfg.model.activation_checkpointing:
+        causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    parameters = count_parameters(lm)
+    model = strategy.parallelize(SummaryLM(lm))
+    param_bytes = storage_layout(model)  # NF4 parts apart (distft.model.nf4)
+    # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
+    # before a forward-only pass can leave ZeRO-2's parameters gathered.
+    grad_bytes = local_bytes(p for p in model.parameters() if p.requires_grad)
+
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    use_autocast = cfg.model.autocast and env.device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
+
+    run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
+              param_bytes, grad_bytes, optimizer, scheduler, autocast)  # fmt: skip
+    resume(run)
+    return run
+
+
+def resume(run: Run) -> None:
+    """Load the latest checkpoint into `run`, if this run resumes; a new run clears old ones."""
+    # An elastic restart (torchrun --max-restarts) resumes its own run even with output.resume=false.
+    run.checkpoint = check_resume(run.cfg, force=restart_count() > 0)
+    if run.checkpoint is None and run.env.is_main and restart_count() == 0:
+        clear_checkpoints(run.out)  # starting over: the old run's checkpoints would outrank ours
+    if run.checkpoint is not None:
+        with run.collective(f"loading {run.checkpoint}"):
+            state = run.strategy.checkpoint_state(run.model, run.optimizer)
+            run.start_step = load_training_state(run.checkpoint, state, run.scheduler, run.env.rank)
+            run.strategy.load_checkpoint_state(run.model, run.optimizer, state)

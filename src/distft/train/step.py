@@ -1,0 +1,92 @@
+"""One optimizer step, and one evaluation, over a global batch of examples.
+
+Each optimizer step trains on one global batch (`train.global_batch_size` sequences) chosen by
+the seed and the step alone; a data-parallel rank takes its slice and accumulates gradients over
+its micro-batches. The loss is the mean token loss over the global batch, so a run's numbers do
+not depend on the strategy or the process count. Everything strategy-specific hides behind
+`Strategy`: these functions only ask it to run forward+backward, clip, and reduce the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from distft.config import Config
+from distft.data import Example, collate, count_label_tokens, global_batch_indices, rank_micro_batches
+from distft.errors import NonFiniteError
+from distft.io.checkpoint import resume_hint
+from distft.parallel import Strategy
+from distft.train.setup import Run
+
+Batch = dict[str, torch.Tensor]
+
+
+def global_batch(run: Run, step: int) -> list[Example]:
+    """The examples of 1-based step `step`: a function of the seed and the step alone."""
+    cfg = run.cfg.train
+    idx = global_batch_indices(step - 1, len(run.train_set.examples), cfg.global_batch_size, cfg.seed)
+    return [run.train_set.examples[i] for i in idx]
+
+
+def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_id: int) -> list[Batch]:
+    """This rank's micro-batches of `examples`, collated and on its device."""
+    pad_to = cfg.data.max_length if strategy.fixed_sequence_length else None
+    micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, strategy.micro_batch_size(cfg))
+    device = strategy.env.device
+    return [
+        {k: v.to(device, non_blocking=True) for k, v in collate(mb, pad_id, pad_to).items()} for mb in micro
+    ]
+
+
+def train_step(
+    run: Run, examples: list[Example], step: int, after_backward: Callable[[nn.Module, int], None]
+) -> tuple[float, float, bool]:
+    """Forward and backward over this rank's micro-batches, clip, and step the optimizer.
+
+    Returns (loss, gradient norm, whether the weights were updated); `step` is 1-based. A
+    non-finite loss or norm stops the run (`train.on_nonfinite=stop`) or skips the update (`skip`).
+    """
+    cfg, strategy, model = run.cfg, run.strategy, run.model
+    n_tokens = count_label_tokens(examples)
+    batches = rank_batches(examples, strategy, cfg, run.pad_id)
+    with run.autocast, run.collective(f"{strategy.collectives} in step {step}'s forward/backward"):
+        loss_sum = strategy.forward_backward(model, batches, n_tokens)
+    after_backward(model, step)
+    with run.collective(f"the all-reduces of the gradient norm and the loss in step {step}"):
+        grad_norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
+        loss = strategy.reduce_loss(loss_sum).item() / n_tokens
+    # Both are global (reduced over ranks), so every rank takes the same branch here.
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    if finite:
+        run.optimizer.step()
+    elif cfg.train.on_nonfinite == "stop":
+        raise NonFiniteError(
+            f"Step {step}: the loss is {loss:.4g} and the gradient norm {grad_norm:.4g}; training "
+            "diverged, and stopped before the optimizer step, so no weight took the update. "
+            f"{resume_hint(run.out)} Resume with train.on_nonfinite=skip to skip such steps, or lower "
+            "optim.lr in a new run."
+        )
+    run.scheduler.step()  # a skipped step still counts: the LR stays a function of the step
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, finite
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean token loss over the first `train.eval_batches` global batches of the validation split."""
+    model, strategy, examples = run.model, run.strategy, run.val_set.examples
+    model.eval()
+    gb = run.cfg.train.global_batch_size
+    n_batches = min(run.cfg.train.eval_batches, len(examples) // gb)
+    loss_sum, n_tokens = torch.zeros((), device=run.env.device), 0
+    for b in range(max(n_batches, 1)):
+        batch = examples[b * gb : (b + 1) * gb]
+        n_tokens += count_label_tokens(batch)
+        with run.autocast:
+            loss_sum += strategy.forward_only(model, rank_batches(batch, strategy, run.cfg, run.pad_id))
+    model.train()
+    return strategy.reduce_loss(loss_sum).item() / n_tokens
