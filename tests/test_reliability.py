@@ -416,7 +416,7 @@ def test_bad_input_is_refused_before_launch(argv, setup, phrase, tmp_path, monke
 
     monkeypatch.setattr(subprocess, "call", launched)
     monkeypatch.setattr(subprocess, "Popen", launched)
-    monkeypatch.setattr("distft.train.train", launched)
+    monkeypatch.setattr("distft.cli.train", launched)  # the name the CLI calls
     if setup:
         setup(monkeypatch)
     args = argv(tmp_path) if callable(argv) else argv
