@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
+from distft.measure.pipeline import simulate
+
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all"]
 
 
@@ -147,41 +149,27 @@ def plot_pp_idle(sweep: list[dict], path: Path) -> None:
 
 
 def ideal_timeline(timeline: dict) -> list[list[dict]]:
-    """The measured order of passes on each rank, replayed with equal stage times and free messages:
-    F = 1 unit, a full backward 2, a split one B 1 + W 1 (a W alone, with no B to send, 2).
-    The schedule's order is what torch ran (its action list), so this is the schedule's ideal."""
+    """The measured order of passes on each rank, replayed with equal stage times and free messages
+    (`distft.measure.pipeline.simulate`): F = 1 unit, a full backward 2, a split one B 1 + W 1 (a W
+    alone, with no B to send, 2). The order is what torch ran, so this is the schedule's ideal."""
     rows = [sorted(r["events"], key=lambda e: e["start"]) for r in timeline["ranks"]]
-    present = {(e["kind"], e["stage"], e["microbatch"]) for row in rows for e in row}
-    last = max(s for _, s, _ in present)
-    split = any(k == "W" for k, _, _ in present)
+    actions = [[(e["kind"], e["stage"], e["microbatch"]) for e in row] for row in rows]
+    present = {a for row in actions for a in row}
+    split = any(kind == "W" for kind, _, _ in present)
 
-    def duration(kind: str, stage: int, mb: int) -> float:
+    def duration(action: tuple[str, int, int]) -> float:
+        kind, stage, mb = action
         if kind == "F":
             return 1.0
         if kind == "B":
             return 1.0 if split else 2.0
         return 1.0 if ("B", stage, mb) in present else 2.0
 
-    done: dict[tuple, float] = {}
-    free, nxt = [0.0] * len(rows), [0] * len(rows)
-    out: list[list[dict]] = [[] for _ in rows]
-    progress = True
-    while progress:
-        progress = False
-        for r, row in enumerate(rows):
-            while nxt[r] < len(row):
-                e = row[nxt[r]]
-                kind, s, i = e["kind"], e["stage"], e["microbatch"]
-                deps = {"F": [("F", s - 1, i)], "W": [("B", s, i)]}.get(kind, [("F", s, i), ("B", s + 1, i)])
-                deps = [d for d in deps if d in present and (d[1] <= last)]
-                if any(d not in done for d in deps):
-                    break
-                start = max([free[r]] + [done[d] for d in deps])
-                free[r] = done[(kind, s, i)] = start + duration(kind, s, i)
-                out[r].append({**e, "start": start, "end": free[r]})
-                nxt[r] += 1
-                progress = True
-    return out
+    times = simulate(actions, duration)
+    return [
+        [{**e, "start": start, "end": end} for e, (start, end) in zip(row, done, strict=False)]
+        for row, done in zip(rows, times, strict=True)
+    ]
 
 
 def _gantt(ax, rows: list[list[dict]], title: str, unit: str) -> None:

@@ -131,9 +131,11 @@ def simulate(
     """Each rank's passes, in the order given, started as soon as the rank is free and the pass's
     inputs exist, with messages instant: the (start, end) of each pass, or of as many as complete.
 
-    Dependencies: F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i); W(s, i) after B(s, i).
+    Dependencies: F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i); W(s, i) after B(s, i),
+    each only where that pass is in `actions`.
     """
     last = max(s for row in actions for _, s, _ in row)
+    present = {a for row in actions for a in row}  # a measured timeline may lack a pass (no B on stage 0)
     done: dict[Action, float] = {}
     free, out = [0.0] * len(actions), [[] for _ in actions]
     progress = True
@@ -145,6 +147,7 @@ def simulate(
                 deps = {"F": [("F", s - 1, i)] if s else [], "W": [("B", s, i)]}.get(
                     kind, [("F", s, i)] + ([("B", s + 1, i)] if s < last else [])
                 )
+                deps = [d for d in deps if d in present]
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d] for d in deps])
