@@ -103,7 +103,11 @@ def megatron(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, i
     partial gradients, the loss (SP) and the gradient norm."""
     lm = causal_lm(unwrap(model).lm)
     hidden, n, sp = lm.config.hidden_size, s.env.world_size, s.sequence_parallel
-    enters, leaves, enters_bwd, leaves_bwd = _megatron_crossings(s.cfg, len(lm.model.layers))
+    lora = s.cfg.train.method == "lora"
+    targets = set(s.cfg.lora.target_modules) if lora else set()
+    enters, leaves, enters_bwd, leaves_bwd = megatron_crossings(
+        len(lm.model.layers), lora, targets, s.cfg.model.activation_checkpointing
+    )
     model_size = next(lm.parameters()).element_size()
     autocast = s.cfg.model.autocast and s.env.device.type == "cuda"
     compute_size = 2 if autocast else model_size  # projection outputs are bf16 under autocast
@@ -175,37 +179,47 @@ FORMULAS: dict[str, Formula] = {
 
 
 def tp_activation_bytes(cfg: Config, lm: nn.Module, batches: list[Batch]) -> int:
-    """Bytes TP all-reduces for `batches` (this rank's micro-batches). Per micro-batch and layer:
-    forward, 2 all-reduces of (batch, seq, hidden) after the row projections (+ 2 of (batch, seq, r)
-    after their lora_A); backward, one all-reduce per column projection's input (5, + 5 for the
-    colwise lora_B inputs). Layer 0's attention input needs no gradient when the embeddings are
-    frozen (LoRA): 3 fewer there."""
+    """Bytes TP all-reduces for `batches` (this rank's micro-batches): `tp_activation_calls` of a
+    (batch, seq, hidden) activation per micro-batch, plus, with LoRA, one (batch, seq, r) all-reduce
+    per adapter on a row projection (after its lora_A) and per column projection (backward, the
+    input of its lora_B)."""
     hidden, n_layers = lm.config.hidden_size, lm.config.num_hidden_layers
     lora = cfg.train.method in ("lora", "qlora")
     targets = set(cfg.lora.target_modules) if lora else set()
-    row_adapters = sum(path.split(".")[-1] in targets for path in ROW)
-    column_adapters = sum(path.split(".")[-1] in targets for path in COLUMN)
+    adapters = n_layers * sum(path.split(".")[-1] in targets for path in (*COLUMN, *ROW))
+    calls = tp_activation_calls(n_layers, lora, cfg.model.activation_checkpointing)
     itemsize = next(lm.parameters()).element_size()
-    activations = 2 * n_layers + 5 * n_layers - (3 if lora else 0)
-    adapters = n_layers * (row_adapters + column_adapters)
     tokens = sum(b["input_ids"].numel() for b in batches)
-    return itemsize * tokens * (hidden * activations + cfg.lora.rank * adapters)
+    return itemsize * tokens * (hidden * calls + cfg.lora.rank * adapters)
 
 
-def _megatron_crossings(cfg: Config, num_layers: int) -> tuple[int, int, int, int]:
-    """(block entries, exits, entries with a backward, exits with a backward) over all layers."""
-    lora = cfg.train.method == "lora"
-    targets = set(cfg.lora.target_modules) if lora else set()
+def tp_activation_calls(layers: int, lora: bool, checkpointing: bool) -> int:
+    """parallelize_module TP, per micro-batch: all-reduces of a (B, S, h) activation, 2 per layer
+    forward (after the row projections) and 5 backward (one per column projection's input), 3 fewer
+    in layer 0 when nothing before it trains (LoRA); checkpointing repeats the forward ones.
+    `distft plan` counts with the same function."""
+    recompute = layers if checkpointing else 0
+    return 2 * (layers + recompute) + 5 * layers - (3 if lora else 0)
+
+
+def megatron_crossings(
+    layers: int, lora: bool, targets: set[str], checkpointing: bool
+) -> tuple[int, int, int, int]:
+    """Megatron TP(+SP), per micro-batch: (block entries, exits, entries with a backward, exits with
+    a backward) over all layers. Each layer has 2 blocks (attention, MLP), each entered and left
+    once forward; an entry runs backward only if something before it trains, an exit only if its
+    block's output needs a gradient; a checkpointed layer repeats its forward crossings. `distft
+    plan` counts with the same function."""
     blocks = [{path.rsplit(".", 1)[1] for path in PLAN if path.startswith(p)} for p in ("self_attn", "mlp")]
     needs_grad = not lora  # full finetuning: the embeddings train
     enters_bwd = leaves_bwd = recomputed = 0
-    for _ in range(num_layers):
+    for _ in range(layers):
         for block in blocks:
             enters_bwd += needs_grad
             needs_grad = needs_grad or bool(block & targets)
             leaves_bwd += needs_grad
-        recomputed += needs_grad and cfg.model.activation_checkpointing
-    crossings = 2 * num_layers + 2 * recomputed
+        recomputed += needs_grad and checkpointing
+    crossings = 2 * layers + 2 * recomputed
     return crossings, crossings, enters_bwd, leaves_bwd
 
 

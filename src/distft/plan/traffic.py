@@ -26,9 +26,10 @@ overlap compute and only the excess shows; a pipeline idles the runtime's theore
 the step (`distft.parallel.pipeline.Layout.theoretical_idle_fraction`, (p - 1) / (V m + p - 1)),
 so the step is compute / (1 - idle).
 
-The byte counts per collective are plain functions of the model and the batch (`dp_collectives`,
-`megatron_activation_calls`, `dtensor_tp_activation_calls`, `pipeline_boundary_bytes` ...), so the
-runtime's expected communication can be checked against the same formulas.
+The activation collectives of tensor parallelism are counted by the runtime's own functions
+(`distft.measure.expected.tp_activation_calls`, `megatron_crossings`), the ones the parity tests
+check against the bytes counted on real gloo ranks; the rest are plain functions of the model and
+the batch here (`dp_collectives`, `pipeline_boundary_bytes`, ...).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from distft.measure.expected import megatron_crossings, tp_activation_calls
 from distft.plan.hardware import Link, comm_time, wire_bytes
 from distft.plan.memory import (
     layer_seq_len,
@@ -105,22 +107,6 @@ def fsdp_gather_calls(layers: int, microbatches: int, reshard_after_forward: boo
     return (layers + 1) * (2 if reshard_after_forward else 1) * microbatches
 
 
-def megatron_activation_calls(layers: int, lora: bool, checkpointing: bool) -> tuple[int, int]:
-    """Megatron TP+SP per micro-batch: (forward, backward) gathers + scatters of (B, S, h),
-    2 entries and 2 exits per layer; the first layer's backward entry is skipped when nothing
-    before it trains (LoRA); checkpointing repeats the forward ones."""
-    recompute = layers if checkpointing else 0
-    return 4 * (layers + recompute), 4 * layers - (1 if lora else 0)
-
-
-def dtensor_tp_activation_calls(layers: int, lora: bool, checkpointing: bool) -> int:
-    """parallelize_module TP per micro-batch: all-reduces of (B, S, h), 2 per layer forward (after
-    the row projections) and 5 backward (one per column projection's input), 3 fewer in layer 0
-    when nothing before it trains (LoRA); checkpointing repeats the forward ones."""
-    recompute = layers if checkpointing else 0
-    return 2 * (layers + recompute) + 5 * layers - (3 if lora else 0)
-
-
 def pipeline_boundary_bytes(spec: ModelSpec, training: Training, tp: int = 1, sp: bool = False) -> float:
     """One (batch, seq, hidden) activation crossing a stage boundary (per direction, micro-batch)."""
     c = training.precision.activation
@@ -160,7 +146,9 @@ def tp_collectives(
     ckpt = training.activation_checkpointing
     out = []
     if par.tp_impl == "megatron":
-        forward, backward = megatron_activation_calls(layers, lora, ckpt)
+        targets = set(training.lora_targets) if lora else set()
+        enters, leaves, enters_bwd, leaves_bwd = megatron_crossings(layers, lora, targets, ckpt)
+        forward, backward = enters + leaves, enters_bwd + leaves_bwd
         if par.sp:
             logical, calls = act * m * (forward + backward) / 2, m * (forward + backward) // 2
             for kind in ("all_gather", "reduce_scatter"):
@@ -171,7 +159,7 @@ def tp_collectives(
                 Collective("activations", "all_reduce", act * m * calls, m * calls, par.tp, link, False)
             )
     else:
-        calls = dtensor_tp_activation_calls(layers, lora, ckpt)
+        calls = tp_activation_calls(layers, lora, ckpt)
         targets = set(training.lora_targets) if lora else set()
         adapters = layers * sum(n in targets for n in (*COLUMN, *ROW))
         logical = m * (act * calls + c * T * training.lora_rank * adapters)
