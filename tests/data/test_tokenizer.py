@@ -71,6 +71,25 @@ def test_chat_template(tokenizer):
     assert ids[-1] == 271 and 151667 in ids  # "\n\n" after </think>
 
 
+def test_chat_template_is_qwen3s_multi_turn_template(tokenizer):
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nA1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "<think>\nso\n</think>\n\nA2"},
+    ]
+    # Reasoning of turns before the last user message is dropped; the last answer keeps its think block.
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
+        "<|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n<think>\nso\n</think>\n\nA2<|im_end|>\n"
+    )
+    thinking = tokenizer.apply_chat_template(
+        messages[:4], tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
+    assert thinking.endswith("Q2<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_cache_is_identical_and_atomic(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTFT_CACHE", str(tmp_path))
     built = build_qwen3_tokenizer()

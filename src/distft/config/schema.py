@@ -66,6 +66,12 @@ class DataConfig:
     """User instruction placed before the transcript."""
     max_rows: int = 0
     """Use at most this many training rows (0: all)."""
+    format: str = "auto"
+    """Row format: summary (transcript -> summary), chat (`messages`), prompt_completion, alpaca
+    (`instruction`, `input`, `output`), or auto: detected from each row's fields (docs/data.md)."""
+    enable_thinking: bool = False
+    """Qwen3 thinking mode, passed to the chat template: false pre-fills an empty think block in the
+    prompt; true leaves it to the model, so the think block is part of the trained target."""
 
 
 @dataclass
@@ -213,6 +219,7 @@ class Config:
 METHODS = ("lora", "qlora", "full")
 DTYPES = ("float32", "bfloat16")
 TRUNCATIONS = ("head", "tail", "middle")
+DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca")
 
 
 def nearest(name: str, choices: list[str]) -> str:
@@ -234,6 +241,7 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.model.dtype, DTYPES, "model.dtype")
     check_choice(cfg.model.attn_implementation, ("sdpa", "eager"), "model.attn_implementation")
     check_choice(cfg.data.truncation, TRUNCATIONS, "data.truncation")
+    check_choice(cfg.data.format, DATA_FORMATS, "data.format")
     check_choice(cfg.train.device, ("auto", "cpu", "cuda"), "train.device")
     check_choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
     _check_counts(cfg)

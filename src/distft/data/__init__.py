@@ -1,21 +1,35 @@
-"""Training data: meeting rows (`rows`), Qwen3 chat tokens with label masks (`chat`), the seeded
-global batches every strategy shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`) and the
-bundled synthetic meetings (`sample`)."""
+"""Training data: rows in four formats (`formats`: summary, chat, prompt/completion, alpaca), read
+from files, the hub or memory (`rows`); chat tokens with label masks (`chat`), the seeded global
+batches every strategy shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's
+chat template from `qwen3_template`) and the bundled synthetic meetings (`sample`)."""
 
 from distft.data.batches import collate, count_label_tokens, global_batch_indices, rank_micro_batches
 from distft.data.chat import IGNORE, ChatFormatter, Example, TokenizedSplit, tokenize_rows
-from distft.data.rows import KNOWN_SCHEMAS, MeetingRow, load_rows, row_from_record
+from distft.data.formats import (
+    KNOWN_SCHEMAS,
+    ChatRow,
+    MeetingRow,
+    Message,
+    Row,
+    detect_format,
+    row_from_record,
+)
+from distft.data.rows import load_rows
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 
 __all__ = [
     "IGNORE",
     "KNOWN_SCHEMAS",
     "ChatFormatter",
+    "ChatRow",
     "Example",
     "MeetingRow",
+    "Message",
+    "Row",
     "TokenizedSplit",
     "collate",
     "count_label_tokens",
+    "detect_format",
     "global_batch_indices",
     "load_rows",
     "load_tokenizer",

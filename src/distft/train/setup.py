@@ -11,6 +11,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,7 +77,8 @@ def lr_lambda(cfg: Config):
     return factor
 
 
-def setup(cfg: Config) -> Run:
+def setup(cfg: Config, dataset: Any = None) -> Run:
+    """`dataset`: in-memory rows (`distft.data.load_rows`) instead of `cfg.data.source`."""
     shape = check_config(cfg)  # pure; the CLI ran it before launch, a Python caller may not have
     strategy_cls = STRATEGIES[cfg.parallel.strategy]
     env = init_distributed(cfg.train.device, cfg.parallel.timeout_s, need_group=strategy_cls.distributed)
@@ -85,7 +87,7 @@ def setup(cfg: Config) -> Run:
 
     tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
     formatter = ChatFormatter(tokenizer, cfg.data)
-    rows = load_rows(cfg.data, seed=cfg.train.seed)
+    rows = load_rows(cfg.data, seed=cfg.train.seed, dataset=dataset)
     train_set, val_set = tokenize_rows(rows["train"], formatter), tokenize_rows(rows["validation"], formatter)
 
     base = load_base_model(cfg.model)

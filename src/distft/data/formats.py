@@ -1,0 +1,218 @@
+"""Row formats: what one dataset row says, whichever of the four shapes it comes in.
+
+- `summary`: a meeting transcript and its summary, in one of the AMI schemas (`KNOWN_SCHEMAS`) or
+  in fields named by `data.transcript_field` / `data.summary_field`;
+- `chat`: `{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}`, multi-turn;
+- `prompt_completion`: `{"prompt", "completion"}`;
+- `alpaca`: `{"instruction", "input", "output"}`, `input` optional.
+
+`data.format=auto` detects the format from the fields each row has. A row whose fields fit more
+than one format (alpaca's `input`/`output` are also qmsum-cleaned's transcript/summary) is
+refused rather than guessed. Every row becomes either a `MeetingRow` (summary) or a `ChatRow`
+(the rest), and `messages_of` turns both into the conversation that is tokenised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distft.config import DataConfig
+from distft.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+
+# (transcript field, summary field) of the summary schemas recognised without configuration.
+KNOWN_SCHEMAS: list[tuple[str, str]] = [
+    ("transcript", "summary"),  # distft sample meetings
+    ("dialogue", "summary"),  # knkarthick/AMI
+    ("input", "output"),  # pszemraj/qmsum-cleaned
+    ("meeting_transcripts", "general_query_list"),  # QMSum raw
+]
+
+# Fields that make a row one of the other formats (alpaca's `input` is optional).
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "chat": ("messages",),
+    "prompt_completion": ("prompt", "completion"),
+    "alpaca": ("instruction", "output"),
+}
+
+
+@dataclass(frozen=True)
+class MeetingRow:
+    transcript: str
+    summary: str
+    origin: str  # "file.jsonl:12" or "dataset[split][7]": where to look when something is wrong
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat turn. Its content is its parts joined by a blank line: truncation may cut a part
+    of a prompt turn (alpaca's input, not its instruction), never an assistant turn."""
+
+    role: str  # system | user | assistant
+    parts: tuple[str, ...]
+
+    @property
+    def content(self) -> str:
+        return "\n\n".join(self.parts)
+
+
+@dataclass(frozen=True)
+class ChatRow:
+    messages: tuple[Message, ...]  # ends with an assistant turn
+    origin: str
+
+
+Row = MeetingRow | ChatRow
+
+
+def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
+    """The conversation a row stands for; a meeting gets the configured system prompt and instruction."""
+    if isinstance(row, ChatRow):
+        return row.messages
+    system = (Message("system", (cfg.system_prompt,)),) if cfg.system_prompt else ()
+    return (*system, Message("user", (cfg.instruction, row.transcript)), Message("assistant", (row.summary,)))
+
+
+# ---- detection -------------------------------------------------------------------------------
+
+
+def _fits(record: dict[str, Any], cfg: DataConfig) -> list[str]:
+    if cfg.transcript_field or cfg.summary_field:
+        return ["summary"]  # naming the summary fields says which format this is
+    fits = ["summary"] if any(t in record and s in record for t, s in KNOWN_SCHEMAS) else []
+    return fits + [name for name, fields in REQUIRED.items() if all(f in record for f in fields)]
+
+
+def _partial(record: dict[str, Any]) -> str | None:
+    """The format a row that fits none seems to attempt (some of its fields present), if any."""
+    if any(t in record or s in record for t, s in KNOWN_SCHEMAS):
+        return "summary"
+    return next((name for name, fields in REQUIRED.items() if any(f in record for f in fields)), None)
+
+
+def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str) -> str:
+    """The one format `record` fits under data.format=auto; a DataError if none or several."""
+    seen = ", ".join(sorted(record))
+    fits = _fits(record, cfg)
+    if len(fits) > 1:
+        raise DataError(
+            f"{origin}: the row's fields ({seen}) fit more than one format: {' and '.join(fits)}. "
+            f"Say which with data.format={fits[-1]} (or data.format={fits[0]}); docs/data.md shows each format."
+        )
+    if fits:
+        return fits[0]
+    partial = _partial(record)
+    if partial:
+        return partial  # its parser names the missing field
+    known = "; ".join(f"{{{t}, {s}}}" for t, s in KNOWN_SCHEMAS)
+    raise DataError(
+        f"{origin}: no transcript/summary fields found, nor any other known format (row has: {seen}). "
+        f"Summary schemas: {known}; chat {{messages}}; prompt_completion {{prompt, completion}}; alpaca "
+        "{instruction, input, output}. Name yours with data.transcript_field=... data.summary_field=..."
+    )
+
+
+# ---- parsing ---------------------------------------------------------------------------------
+
+
+def _field(record: dict[str, Any], name: str, origin: str, optional: bool = False) -> str:
+    if name not in record or (optional and record[name] is None):
+        if optional:
+            return ""
+        raise DataError(f"{origin}: missing field `{name}` (row has: {', '.join(sorted(record))}).")
+    value = record[name]
+    if not isinstance(value, str):
+        raise DataError(f"{origin}: field `{name}` is not text (got {type(value).__name__}).")
+    if not value.strip() and not optional:
+        raise DataError(f"{origin}: field `{name}` is empty.")
+    return value.strip()
+
+
+def _text_of(value: Any, field: str) -> str:
+    """Flatten QMSum's structured fields; plain strings pass through."""
+    if isinstance(value, str):
+        return value
+    if field == "meeting_transcripts" and isinstance(value, list):
+        return "\n".join(f"{turn['speaker']}: {turn['content']}" for turn in value)
+    if field == "general_query_list" and isinstance(value, list):
+        # The whole-meeting summary is the general query "Summarize the whole meeting."
+        for query in value:
+            if "whole meeting" in query.get("query", "").lower():
+                return query["answer"]
+        return value[0]["answer"] if value else ""
+    raise TypeError(f"unsupported value of type {type(value).__name__}")
+
+
+def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> MeetingRow:
+    if cfg.transcript_field or cfg.summary_field:
+        fields = (cfg.transcript_field or "transcript", cfg.summary_field or "summary")
+    else:  # the first schema both of whose fields are present, else one with one of them
+        fields = next((s for s in KNOWN_SCHEMAS if s[0] in record and s[1] in record), None)
+        fields = fields or next(
+            (s for s in KNOWN_SCHEMAS if s[0] in record or s[1] in record), KNOWN_SCHEMAS[0]
+        )
+    texts = []
+    for field in fields:
+        if field not in record:
+            raise DataError(f"{origin}: missing field `{field}` (row has: {', '.join(sorted(record))}).")
+        try:
+            text = _text_of(record[field], field).strip()
+        except (TypeError, KeyError) as err:
+            raise DataError(f"{origin}: field `{field}` is not text ({err}).") from None
+        if not text:
+            raise DataError(f"{origin}: field `{field}` is empty.")
+        texts.append(text)
+    return MeetingRow(texts[0], texts[1], origin)
+
+
+def _chat_row(record: dict[str, Any], origin: str) -> ChatRow:
+    turns = record.get("messages")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{origin}: `messages` must be a non-empty list of {{role, content}} objects.")
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"{origin}: message {i}"
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise DataError(f"{where} is not a {{role, content}} object (got {turn!r:.80}).")
+        if turn["role"] not in ROLES:
+            raise DataError(f"{where} has role {turn['role']!r}; chat rows take {', '.join(ROLES)} turns.")
+        if not isinstance(turn["content"], str):
+            raise DataError(
+                f"{where} ({turn['role']}): content is not text (got {type(turn['content']).__name__})."
+            )
+        messages.append(Message(turn["role"], (turn["content"].strip(),)))
+    last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=None)
+    if last is None:
+        raise DataError(f"{origin}: the chat has no assistant turn, so nothing to learn from.")
+    if not messages[last].content:
+        raise DataError(f"{origin}: message {last} (assistant) is empty.")
+    # Turns after the last answer carry no loss and would only cost tokens.
+    return ChatRow(tuple(messages[: last + 1]), origin)
+
+
+def _prompt_completion_row(record: dict[str, Any], origin: str) -> ChatRow:
+    prompt, completion = _field(record, "prompt", origin), _field(record, "completion", origin)
+    return ChatRow((Message("user", (prompt,)), Message("assistant", (completion,))), origin)
+
+
+def _alpaca_row(record: dict[str, Any], origin: str) -> ChatRow:
+    instruction, output = _field(record, "instruction", origin), _field(record, "output", origin)
+    given = _field(record, "input", origin, optional=True)
+    user = Message("user", (instruction, given) if given else (instruction,))
+    return ChatRow((user, Message("assistant", (output,))), origin)
+
+
+def row_from_record(record: Any, cfg: DataConfig, origin: str) -> Row:
+    """One dataset record as a row of `data.format` (detected when auto); bad rows name `origin`."""
+    if not isinstance(record, dict):
+        raise DataError(f"{origin}: expected a JSON object, got {type(record).__name__}.")
+    fmt = detect_format(record, cfg, origin) if cfg.format == "auto" else cfg.format
+    if fmt == "summary":
+        return _summary_row(record, cfg, origin)
+    if fmt == "chat":
+        return _chat_row(record, origin)
+    if fmt == "prompt_completion":
+        return _prompt_completion_row(record, origin)
+    return _alpaca_row(record, origin)
