@@ -24,6 +24,7 @@ LAYERS = {
     "distft.measure": 5,
     "distft.train": 6,
     "distft.infer": 7,
+    "distft.export": 7,
     "distft.faults": 7,
     "distft.plan": 7,
     "distft.bench": 8,
