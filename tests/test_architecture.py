@@ -27,6 +27,7 @@ LAYERS = {
     "distft.faults": 7,
     "distft.plan": 7,
     "distft.bench": 8,
+    "distft.export": 8,  # on top of distft.infer (7), whose load_trained it reuses
     "distft.cli": 9,
     "distft.launch": 9,
     "distft.__main__": 10,

@@ -25,12 +25,14 @@ from distft.config import Config, load_config, to_toml
 from distft.data import ChatFormatter, load_rows, load_tokenizer, tokenize_rows
 from distft.distributed import exit_worker, launched_by_torchrun
 from distft.errors import ConfigError, TrainingError
+from distft.export import EXPORT_DTYPES, export_run
 from distft.infer import evaluate_run, held_out_meeting, load_trained, summarize
 from distft.io.checkpoint import check_resume
 from distft.io.preflight import check_output_dir
 from distft.model import is_preset, model_config
 from distft.parallel import STRATEGIES, check_config, check_model
 from distft.train import train
+from distft.train.tracking import check_trackers
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -141,6 +143,7 @@ def preflight(cfg: Config) -> None:
             "node; each process needs its own GPU."
         )
     check_resume(cfg)
+    check_trackers(cfg)  # output.report_to: each tracker's library is installed
     architecture = model_config(cfg.model.name)
     check_model(cfg, architecture)
     check_output_dir(cfg, architecture)
@@ -255,6 +258,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+
+
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="merge a run's adapter into its base and write one transformers model",
+        description="Write a finished run as a plain transformers model (config.json + safetensors), "
+        "the LoRA/QLoRA adapter merged into its base, with the tokenizer, its chat template and a model "
+        "card; loadable with AutoModelForCausalLM/AutoTokenizer.from_pretrained. See docs/export.md.",
+    )
+    p.add_argument("--run", required=True, help="run directory written by `distft train`")
+    p.add_argument("--out", required=True, help="directory to write (new, empty, or an earlier export)")
+    p.add_argument("--dtype", choices=EXPORT_DTYPES, default="bfloat16", help="weight dtype of the export")
+    p.add_argument("--push-to-hub", metavar="REPO", help="also upload to this hub repository (user/name)")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = export_run(args.run, args.out, args.dtype, args.push_to_hub, args.private)
+    print(f"exported {args.run} to {out} ({args.dtype})")
+    if args.push_to_hub:
+        print(f"uploaded to https://huggingface.co/{args.push_to_hub}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_infer_parser(sub)
     add_eval_parser(sub)
+    add_export_parser(sub)
     plan.add_plan_parser(sub)
     bench.add_bench_parser(sub)
     return parser
@@ -285,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": lambda: cmd_train(args),
         "infer": lambda: cmd_infer(args),
         "eval": lambda: cmd_eval(args),
+        "export": lambda: cmd_export(args),
         "bench": lambda: bench.cmd_bench(args),
         "plan": lambda: plan.cmd_plan(args),
     }

@@ -195,6 +195,11 @@ class OutputConfig:
     """Checkpoints kept; older ones are deleted once a newer one is complete."""
     resume: bool = True
     """Continue from the latest checkpoint in `dir` if there is one."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers that receive every metrics.jsonl record and the resolved config, from
+    rank 0: any of tensorboard (event files in `dir`/tensorboard), wandb, mlflow, trackio."""
+    run_name: str = ""
+    """The run's name in the trackers; empty: the name of `dir`."""
 
 
 @dataclass
@@ -220,6 +225,7 @@ METHODS = ("lora", "qlora", "full")
 DTYPES = ("float32", "bfloat16")
 TRUNCATIONS = ("head", "tail", "middle")
 DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca")
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`
 
 
 def nearest(name: str, choices: list[str]) -> str:
@@ -244,6 +250,8 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.data.format, DATA_FORMATS, "data.format")
     check_choice(cfg.train.device, ("auto", "cpu", "cuda"), "train.device")
     check_choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
+    for tracker in cfg.output.report_to:
+        check_choice(tracker, TRACKERS, "output.report_to")
     _check_counts(cfg)
     _check_ranges(cfg)
 

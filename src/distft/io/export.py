@@ -2,9 +2,11 @@
 
 - `DIR/adapter/`: a standard PEFT adapter (adapter_config.json + adapter_model.safetensors) that
   `PeftModel.from_pretrained` loads in a plain Python process, whatever strategy trained it.
-- `DIR/model/`: the whole model, for full finetuning (config.json + model.safetensors).
+- `DIR/model/`: the whole model, for full finetuning (config.json + model.safetensors), with the
+  tokenizer and its chat template.
 - `DIR/base/`: the randomly initialised base of a preset model, with the tokenizer, so an adapter
   trained on a preset can be loaded anywhere (presets have no weights on the hub).
+- `distft export`'s directory: the merged model, tokenizer and model card (`distft.export`).
 """
 
 from __future__ import annotations
@@ -47,10 +49,15 @@ def save_adapter(
             (tmp / QUANTIZATION_FILE).write_text(json.dumps(quantization, indent=1) + "\n")
 
 
-def save_full_model(lm: nn.Module, state: dict[str, torch.Tensor], out: Path) -> None:
-    """Write a fully finetuned model in transformers' layout (tied weights stored once)."""
+def save_full_model(
+    lm: nn.Module, state: dict[str, torch.Tensor], out: Path, tokenizer: object | None = None
+) -> None:
+    """Write a fully finetuned model in transformers' layout (tied weights stored once), with the
+    tokenizer and its chat template beside it, so `from_pretrained(out)` needs nothing else."""
     with atomic_directory(out) as tmp:
         lm.save_pretrained(str(tmp), state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
 
 
 def save_base(lm: nn.Module, tokenizer: object, out: Path) -> None:
@@ -58,3 +65,12 @@ def save_base(lm: nn.Module, tokenizer: object, out: Path) -> None:
     with atomic_directory(out) as tmp:
         lm.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+
+
+def save_merged_model(lm: nn.Module, tokenizer: object, out: Path, card: str) -> None:
+    """Write `distft export`'s output: a plain transformers model (config.json + safetensors), its
+    tokenizer with the chat template, and the model card `README.md`."""
+    with atomic_directory(out) as tmp:
+        lm.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "README.md").write_text(card, encoding="utf-8")

@@ -37,6 +37,7 @@ from distft.train.metrics import (
 from distft.train.progress import TrainingProgress
 from distft.train.setup import Run, setup
 from distft.train.step import evaluate, global_batch, rank_batches, train_step
+from distft.train.tracking import Trackers
 
 
 @dataclass
@@ -56,6 +57,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     env, tc = run.env, cfg.train
     progress = TrainingProgress(enabled=run.strategy.is_logging_rank(), total_steps=tc.max_steps)
     metrics = start_outputs(run, progress)
+    trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
     batches = partial(rank_batches, strategy=run.strategy, cfg=cfg, pad_id=run.pad_id)
     measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, batches, run.out)
     result = TrainResult(output_dir=run.out)
@@ -85,6 +87,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
                     record["eval_loss"] = result.eval_losses[step] = evaluate(run)
             if metrics and (step % tc.log_every == 0 or last or "eval_loss" in record):
                 metrics.write(record)
+                trackers.log(record)
             progress.update(record)
             if cfg.output.checkpoint_every and step % cfg.output.checkpoint_every == 0 and not last:
                 checkpoint(run, step)
@@ -93,6 +96,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     export(run, rank_summary(run, measure.saved_activation_bytes))
     if env.is_main:
         metrics.close()
+        trackers.finish()
         progress.done(run.out)
     result.model = unwrap(run.model)
     shutdown(run.env)
@@ -142,5 +146,5 @@ def export(run: Run, summary: dict) -> None:
     if run.cfg.train.method in ("lora", "qlora"):
         save_adapter(lm, state, run.out / "adapter", run.base_ref, quantization(run.cfg))
     else:
-        save_full_model(causal_lm(lm), state, run.out / "model")
+        save_full_model(causal_lm(lm), state, run.out / "model", run.tokenizer)
     atomic_write_text(run.out / "ranks.json", json.dumps(ranks, indent=1))

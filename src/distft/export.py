@@ -1,0 +1,254 @@
+"""`distft export`: a finished run as one plain transformers model, with its tokenizer and card.
+
+A LoRA run holds an adapter on a base; serving it wants one model. `export_run` loads the run the
+way `distft infer` does (`distft.infer.load_trained`: the base, the QLoRA base rebuilt and
+dequantized when the adapter was trained on NF4, the adapter on top), folds the adapter into the
+base weights (`PeftModel.merge_and_unload`: W <- W + (alpha / r) B A), casts to `--dtype` and
+writes config.json + safetensors, the tokenizer with its chat template, and a model card
+(`README.md`) built from the run's config.toml and metrics.jsonl. A full finetune is already one
+model: it is cast and written the same way. The result loads with
+`AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)`, no peft and
+no distft needed. `--push-to-hub REPO` then uploads the directory with `huggingface_hub.HfApi`.
+
+Every check (a run directory, a finished run, a usable output directory, a hub login) happens
+before any weight is loaded, each a one-paragraph `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distft.config import Config, load_config
+from distft.errors import ConfigError
+from distft.infer import load_trained
+from distft.io.checkpoint import resume_hint
+from distft.io.export import save_merged_model
+from distft.model import DTYPES, is_preset
+
+EXPORT_DTYPES = ("bfloat16", "float32")
+
+
+# ---- checks, before anything is loaded -----------------------------------------------------
+
+
+def check_run(run_dir: Path) -> Config:
+    """The run's config, once the directory is known to hold a finished run."""
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(
+            f"--run {run_dir} is not a distft run directory (no config.toml). Train one with "
+            f"`distft train --out {run_dir}`, or point --run at the directory a run wrote."
+        )
+    cfg = load_config(run_dir / "config.toml")
+    weights = run_dir / ("model/config.json" if cfg.train.method == "full" else "adapter/adapter_config.json")
+    if not weights.is_file():
+        raise ConfigError(
+            f"--run {run_dir} has not finished: there is no {weights.relative_to(run_dir)}, which a run "
+            f"writes after its last step. {resume_hint(run_dir)}"
+        )
+    return cfg
+
+
+def check_out(out: Path, run_dir: Path) -> None:
+    """`out` is new, empty, or an earlier export (replaced whole); never the run or a stranger's files."""
+    if out.resolve() == run_dir.resolve():
+        raise ConfigError(f"--out {out} is the run directory itself; export into a directory of its own.")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a directory.")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ConfigError(
+            f"--out {out} already holds files and is not an earlier export (no config.json); an export "
+            "replaces its directory whole, so give an empty or new directory."
+        )
+
+
+def check_hub(repo: str) -> None:
+    """A valid repository id and a saved hub login (`hf auth login` or HF_TOKEN), checked offline."""
+    from huggingface_hub import get_token
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as err:
+        raise ConfigError(f"--push-to-hub {repo!r} is not a hub repository id (user/name): {err}") from None
+    if get_token() is None:
+        raise ConfigError(
+            f"--push-to-hub {repo} needs a Hugging Face login, and none is saved on this machine. Run "
+            "`hf auth login` (or set HF_TOKEN to a token with write access), then export again; the "
+            "export itself needs no login, so leave out --push-to-hub to only write the directory."
+        )
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def merged_model(model: nn.Module, has_adapter: bool, dtype: str) -> nn.Module:
+    """The trained model as a plain causal LM in `dtype`: the adapter, if any, folded into the base.
+
+    The merge runs in float32 whenever the export is float32 (a bfloat16-trained base is widened
+    first, so W + (alpha / r) B A is rounded once, not twice); a bfloat16 export merges in the
+    base's own dtype and rounds the sum to bfloat16 once."""
+    if dtype == "float32":
+        model = model.float()
+    if has_adapter:
+        model = model.merge_and_unload()
+    return model.to(DTYPES[dtype]).eval()
+
+
+def stop_on_end_of_turn(model: nn.Module, tokenizer) -> None:
+    """`generate()` on the export stops at `<|im_end|>` (the end of the assistant's turn), as Qwen3's
+    own generation_config.json says; a preset base has no such file."""
+    config = model.generation_config
+    config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id]
+    config.pad_token_id = tokenizer.pad_token_id
+
+
+# ---- the model card ----------------------------------------------------------------------------
+
+
+def final_losses(run_dir: Path) -> dict[str, float]:
+    """The last step, its training loss, and the last validation loss, from metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    found: dict[str, float] = {}
+    if records:
+        found["step"], found["loss"] = records[-1]["step"], records[-1]["loss"]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    if evals:
+        found["eval_loss"] = evals[-1]
+    return found
+
+
+def _base_line(cfg: Config) -> str:
+    if is_preset(cfg.model.name):
+        return (
+            f"the `{cfg.model.name}` preset of distft, randomly initialised (an architecture, no hub weights)"
+        )
+    return f"`{cfg.model.name}`"
+
+
+def _settings(cfg: Config) -> list[str]:
+    t, p = cfg.train, cfg.parallel
+    rows = [
+        (
+            "method",
+            t.method
+            + (" (4-bit NF4 base, merged onto its dequantized weights)" if t.method == "qlora" else ""),
+        ),
+        ("strategy", f"{p.strategy} on {cfg.world_size} process(es)"),
+        ("steps", str(t.max_steps)),
+        ("global batch", f"{t.global_batch_size} sequences of up to {cfg.data.max_length} tokens"),
+        ("learning rate", f"{cfg.optim.lr:g} (AdamW, {cfg.optim.warmup_steps} warm-up steps, cosine)"),
+        ("trained in", cfg.model.dtype),
+    ]
+    if t.method != "full":
+        rows.append(
+            ("LoRA", f"r={cfg.lora.rank}, alpha={cfg.lora.alpha:g} on {', '.join(cfg.lora.target_modules)}")
+        )
+    return [f"| {name} | {value} |" for name, value in rows]
+
+
+def model_card(cfg: Config, run_dir: Path, dtype: str, where: str = "PATH_OR_REPO") -> str:
+    """README.md of the export: hub metadata, what was trained on what, the final losses, and how
+    to load it from `where` (the hub repository or the directory)."""
+    from huggingface_hub import ModelCardData
+
+    hub_base = not is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir()
+    meta = ModelCardData(
+        base_model=cfg.model.name if hub_base else None,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["distft", "summarization", "meetings", cfg.train.method],
+    )
+    losses = final_losses(run_dir)
+    data = (
+        "the meetings bundled with distft (synthetic)"
+        if cfg.data.source == "sample"
+        else f"`{cfg.data.source}`"
+    )
+    result = (
+        [f"| final training loss (step {losses['step']}) | {losses['loss']:.4f} |"]
+        if "loss" in losses
+        else []
+    )
+    if "eval_loss" in losses:
+        result.append(f"| final validation loss | {losses['eval_loss']:.4f} |")
+    system = json.dumps(cfg.data.system_prompt)
+    instruction = json.dumps(cfg.data.instruction + "\n\n")
+    return "\n".join(
+        [
+            f"---\n{meta.to_yaml()}\n---",
+            "",
+            f"# {run_dir.resolve().name}: meeting summaries",
+            "",
+            f"Finetuned with distft from {_base_line(cfg)} on {data}: a meeting "
+            "transcript in, its summary out. Exported with `distft export` as one plain transformers model "
+            f"({dtype}){', the adapter merged into the base' if cfg.train.method != 'full' else ''}.",
+            "",
+            "## Training",
+            "",
+            "| setting | value |",
+            "|---|---|",
+            *_settings(cfg),
+            *result,
+            "",
+            "## Use",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f"model = AutoModelForCausalLM.from_pretrained({where!r})",
+            f"tokenizer = AutoTokenizer.from_pretrained({where!r})",
+            f'messages = [{{"role": "system", "content": {system}}},',
+            f'            {{"role": "user", "content": {instruction} + transcript}}]',
+            "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,",
+            '                                    return_tensors="pt", return_dict=True)',
+            "out = model.generate(**ids, max_new_tokens=128)",
+            'print(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))',
+            "```",
+            "",
+        ]
+    )
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def export_run(
+    run: str | Path,
+    out: str | Path,
+    dtype: str = "bfloat16",
+    push_to_hub: str | None = None,
+    private: bool = False,
+) -> Path:
+    """Merge, cast and write the run in `run` to `out` (and upload it to `push_to_hub`); returns `out`."""
+    run_dir, out = Path(run), Path(out)
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: choose {' or '.join(EXPORT_DTYPES)}.")
+    cfg = check_run(run_dir)
+    check_out(out, run_dir)
+    if push_to_hub:
+        check_hub(push_to_hub)
+    loaded = load_trained(run=str(run_dir))
+    with torch.no_grad():
+        model = merged_model(loaded.model, loaded.has_adapter, dtype)
+    stop_on_end_of_turn(model, loaded.tokenizer)
+    card = model_card(cfg, run_dir, dtype, where=push_to_hub or str(out))
+    save_merged_model(model, loaded.tokenizer, out, card)
+    if push_to_hub:
+        push(out, push_to_hub, private)
+    return out
+
+
+def push(out: Path, repo: str, private: bool) -> str:
+    """Create the model repository (if new) and upload the export directory as one commit."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    url = api.create_repo(repo, private=private, repo_type="model", exist_ok=True)
+    api.upload_folder(repo_id=repo, folder_path=str(out), repo_type="model", commit_message="distft export")
+    return str(url)
