@@ -318,7 +318,7 @@ BAD_INPUTS = [
         "no room for the summary",
         ["data.max_length=64"],
         None,
-        "leave 0 of data.max_length=64 tokens for the transcript",
+        "leave 0 of data.max_length=64 tokens for its longest prompt text",
     ),
     (
         "unknown model, HF_HUB_OFFLINE",
