@@ -189,6 +189,8 @@ class OutputConfig:
     """Checkpoints kept; older ones are deleted once a newer one is complete."""
     resume: bool = True
     """Continue from the latest checkpoint in `dir` if there is one."""
+    overwrite: bool = False
+    """Replace a finished run in `dir` (start over; its checkpoints go) instead of refusing to."""
 
 
 @dataclass

@@ -4,7 +4,7 @@ bundled synthetic meetings (`sample`)."""
 
 from distft.data.batches import collate, count_label_tokens, global_batch_indices, rank_micro_batches
 from distft.data.chat import IGNORE, ChatFormatter, Example, TokenizedSplit, tokenize_rows
-from distft.data.rows import KNOWN_SCHEMAS, MeetingRow, load_rows, row_from_record
+from distft.data.rows import KNOWN_SCHEMAS, MeetingRow, load_rows, read_file, row_from_record
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "load_tokenizer",
     "qwen3_tokenizer",
     "rank_micro_batches",
+    "read_file",
     "row_from_record",
     "tokenize_rows",
 ]

@@ -52,7 +52,9 @@ def _text_of(value: Any, field: str) -> str:
     raise TypeError(f"unsupported value of type {type(value).__name__}")
 
 
-def row_from_record(record: dict[str, Any], cfg: DataConfig, origin: str) -> MeetingRow:
+def row_from_record(
+    record: dict[str, Any], cfg: DataConfig, origin: str, need_summary: bool = True
+) -> MeetingRow:
     if not isinstance(record, dict):
         raise DataError(f"{origin}: expected a JSON object, got {type(record).__name__}.")
     if cfg.transcript_field or cfg.summary_field:
@@ -69,6 +71,9 @@ def row_from_record(record: dict[str, Any], cfg: DataConfig, origin: str) -> Mee
             )
     texts = []
     for field in fields:
+        if field not in record and not need_summary and field == fields[1]:
+            texts.append("")  # inference: a row to summarise need not carry a summary
+            continue
         if field not in record:
             raise DataError(f"{origin}: missing field `{field}` (row has: {', '.join(sorted(record))}).")
         try:
@@ -81,7 +86,7 @@ def row_from_record(record: dict[str, Any], cfg: DataConfig, origin: str) -> Mee
     return MeetingRow(texts[0], texts[1], origin)
 
 
-def _read_jsonl(path: Path, cfg: DataConfig) -> list[MeetingRow]:
+def _read_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> list[MeetingRow]:
     rows = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -93,15 +98,25 @@ def _read_jsonl(path: Path, cfg: DataConfig) -> list[MeetingRow]:
                 raise DataError(
                     f"{path}:{line_no}: not valid JSON ({err.msg} at column {err.colno})."
                 ) from None
-            rows.append(row_from_record(record, cfg, f"{path}:{line_no}"))
+            rows.append(row_from_record(record, cfg, f"{path}:{line_no}", need_summary))
     return rows
 
 
-def _read_parquet(path: Path, cfg: DataConfig) -> list[MeetingRow]:
+def _read_parquet(path: Path, cfg: DataConfig, need_summary: bool = True) -> list[MeetingRow]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(path).to_pylist()
-    return [row_from_record(r, cfg, f"{path}[row {i}]") for i, r in enumerate(table)]
+    return [row_from_record(r, cfg, f"{path}[row {i}]", need_summary) for i, r in enumerate(table)]
+
+
+def read_file(path: str | Path, cfg: DataConfig, need_summary: bool = True) -> list[MeetingRow]:
+    """Every row of a local .jsonl/.parquet file, unsplit (`distft eval --data`, `distft infer
+    --input`); with `need_summary=False` a row may lack its summary (it is then "")."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"Dataset file {path} does not exist.")
+    reader = _read_parquet if path.suffix == ".parquet" else _read_jsonl
+    return reader(path, cfg, need_summary)
 
 
 def _read_hub(dataset_id: str, split: str, cfg: DataConfig) -> list[MeetingRow]:
