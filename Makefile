@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install  ## train the tiny Qwen3 on the bundled meetings (CPU), then summarise a held-out meeting
-	$(VENV)/bin/distft train --out runs/demo
+	$(VENV)/bin/distft train --out runs/demo --overwrite  # a second `make demo` replaces the first
 	$(VENV)/bin/distft infer --run runs/demo
 
 test: install  ## lint, then the whole suite (CPU, gloo; GPU tests skip without CUDA)

@@ -260,6 +260,16 @@ def _foreign_run(tmp: Path) -> str:
     return str(run)
 
 
+def _finished_run(tmp: Path) -> str:
+    """A run dir that finished (its adapter exported) after 5 steps, without checkpoints."""
+    run = tmp / "finished"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "config.toml").write_text(to_toml(load_config(None, ["model.name=micro"])))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    return str(run)
+
+
 def _no_network(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
@@ -397,6 +407,18 @@ BAD_INPUTS = [
         ],
         None,
         "needs 6 stages of at least one decoder layer, but micro has 4",
+    ),
+    (
+        "finished run in --out",
+        lambda t: ["--out", _finished_run(t)],
+        None,
+        "holds a finished run (step 5, its adapter exported); this command would replace it",
+    ),
+    (
+        "--resume a finished run without checkpoints",
+        lambda t: ["--resume", _finished_run(t)],
+        None,
+        "that run finished at step 5 and kept no checkpoint to continue from",
     ),
     (
         "QLoRA with tensor parallelism",

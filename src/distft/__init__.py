@@ -1,6 +1,7 @@
 """distft: finetune Qwen3 on meeting transcripts with every parallel strategy."""
 
 import logging
+import warnings
 
 __version__ = "0.1.0"
 
@@ -9,3 +10,37 @@ __version__ = "0.1.0"
 # warning each, in every process. NF4 is pure PyTorch and needs neither; errors still show.
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
+
+# Noise on every command, each silenced by its message and the module that raises it, so any other
+# warning from the same libraries still shows:
+# - DCP warns on every single-process save/load that it "assumes" one process: distft passes
+#   no_dist=True on purpose (`distft.io.checkpoint`).
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to",
+    category=UserWarning,
+    module=r"torch\.distributed\.checkpoint",
+)
+# - peft's PeftModel reads transformers 5's deprecated `is_gradient_checkpointing` alias; nothing
+#   in distft calls it, and the fix belongs in peft.
+warnings.filterwarnings(
+    "ignore",
+    message=r"`is_gradient_checkpointing` is deprecated",
+    category=FutureWarning,
+    module=r"transformers\.modeling_utils",
+)
+
+
+def _quiet_transformers_bars(factory, args, kwargs):
+    """transformers' per-call bars for loading and writing local weights finish in well under a
+    second here and print a line each; hub downloads (huggingface_hub's own bars) keep theirs."""
+    if kwargs.get("desc") in ("Loading weights", "Writing model shards"):
+        kwargs = {**kwargs, "disable": True}
+    return factory(*args, **kwargs)
+
+
+# transformers' own switch for its bars (importing its logging module only: ~0.5 s, no torch).
+from transformers.utils import logging as _transformers_logging  # noqa: E402
+
+if hasattr(_transformers_logging, "set_tqdm_hook"):  # transformers 5; older ones keep their bars
+    _transformers_logging.set_tqdm_hook(_quiet_transformers_bars)

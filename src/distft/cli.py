@@ -1,4 +1,4 @@
-"""`distft` command line: train, infer, eval, plan and bench.
+"""`distft` command line: train, infer, eval, plan and bench (infer and eval: `distft.infer.commands`).
 
 Every user error (a bad config, an impossible strategy/model combination, a malformed dataset
 row, an output directory that cannot take the run) is checked here, before any worker process is
@@ -17,18 +17,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from distft import bench, faults, plan
 from distft.config import Config, load_config, to_toml
 from distft.data import ChatFormatter, load_rows, load_tokenizer, tokenize_rows
 from distft.distributed import exit_worker, launched_by_torchrun
 from distft.errors import ConfigError, TrainingError
 from distft.export import EXPORT_DTYPES, export_run
-from distft.infer import evaluate_run, held_out_meeting, load_trained, summarize
+from distft.infer import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer  # the infer/eval commands
 from distft.io.checkpoint import check_resume
-from distft.io.preflight import check_output_dir
+from distft.io.preflight import check_finished_run, check_output_dir
 from distft.model import is_preset, model_config
 from distft.parallel import STRATEGIES, check_config, check_model
 from distft.train import train
@@ -104,6 +101,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the finished run in --out (refused without this flag)",
+    )
+    p.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. optim.lr=1e-4"
     )
 
@@ -116,19 +118,32 @@ def config_from_args(args: argparse.Namespace) -> Config:
     ]
     if args.no_resume:
         flags.append("output.resume=false")
+    if args.overwrite:
+        flags.append("output.overwrite=true")
     config_file = args.config
     if args.resume:
         run = Path(args.resume)
         if not (run / "config.toml").is_file():
             raise ConfigError(f"--resume {run}: no config.toml there; it is not a distft run directory.")
         config_file = config_file or run / "config.toml"
-        flags.append(f"output.dir={run}")
+        # The saved config may say resume=false or overwrite=true (how that run began): --resume continues.
+        flags += [f"output.dir={run}", "output.resume=true", "output.overwrite=false"]
     cfg = load_config(config_file, [*args.overrides, *flags])
+    resolve_local_paths(cfg)
     check_config(cfg)  # the strategy's checks: before anything is launched
     return cfg
 
 
-def preflight(cfg: Config) -> None:
+def resolve_local_paths(cfg: Config) -> None:
+    """A local data file or model directory, made absolute: the run's config.toml then works for
+    `distft eval`/`infer` from any directory (a relative path would be read from where they run)."""
+    if Path(cfg.data.source).is_file():
+        cfg.data.source = str(Path(cfg.data.source).resolve())
+    if not is_preset(cfg.model.name) and Path(cfg.model.name).is_dir():
+        cfg.model.name = str(Path(cfg.model.name).resolve())
+
+
+def preflight(cfg: Config, resuming: bool = False) -> None:
     """Everything that can be checked without training: devices, the output directory, the model
     architecture and every data row."""
 
@@ -144,6 +159,7 @@ def preflight(cfg: Config) -> None:
         )
     check_resume(cfg)
     check_trackers(cfg)  # output.report_to: each tracker's library is installed
+    check_finished_run(cfg, resuming)  # after check_resume: a foreign config is named first
     architecture = model_config(cfg.model.name)
     check_model(cfg, architecture)
     check_output_dir(cfg, architecture)
@@ -186,7 +202,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if not launched_by_torchrun():
-        preflight(cfg)
+        preflight(cfg, resuming=args.resume is not None)
         if STRATEGIES[cfg.parallel.strategy].distributed:
             with tempfile.TemporaryDirectory(prefix="distft-launch-") as tmp:
                 config_file = os.path.join(tmp, "config.toml")
@@ -194,66 +210,6 @@ def cmd_train(args: argparse.Namespace) -> int:
                     f.write(to_toml(cfg))
                 return subprocess.call(torchrun_command(cfg, config_file))
     train(cfg, hooks=faults.from_environment())  # test-only fault injection, off unless DISTFT_FAULT_*
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# infer / eval
-# ---------------------------------------------------------------------------------------------
-
-
-def add_infer_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "infer",
-        help="summarise a meeting with a trained adapter",
-        description="Load base model + adapter and generate a summary. With no --input: a "
-        "held-out meeting from the run's validation split.",
-    )
-    p.add_argument("--run", help="run directory written by `distft train`")
-    p.add_argument("--adapter", help="a PEFT adapter directory (instead of --run)")
-    p.add_argument(
-        "--model", help="base model for --adapter (default: the adapter's base_model_name_or_path)"
-    )
-    p.add_argument("--input", help="transcript file, or - for standard input")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="longest summary to generate (tokens)")
-
-
-def cmd_infer(args: argparse.Namespace) -> int:
-    loaded = load_trained(run=args.run, adapter=args.adapter, model=args.model)
-    if args.input == "-":
-        transcript = sys.stdin.read()
-    elif args.input:
-        if not os.path.isfile(args.input):
-            raise ConfigError(f"--input {args.input} does not exist.")
-        with open(args.input, encoding="utf-8") as f:
-            transcript = f.read()
-    else:
-        transcript = held_out_meeting(loaded.cfg)
-        print("--- held-out meeting (first lines) ---")
-        print("\n".join(transcript.splitlines()[:6]) + "\n...")
-    print("--- generated summary ---")
-    print(summarize(loaded, transcript, args.max_new_tokens))
-    return 0
-
-
-def add_eval_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "eval",
-        help="validation loss and ROUGE-L, base model vs finetuned",
-        description="Score the base model and the finetuned one on the run's validation split.",
-    )
-    p.add_argument("--run", required=True, help="run directory written by `distft train`")
-    p.add_argument("--rows", type=int, default=16, help="validation meetings to score")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="longest generated summary (tokens)")
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-
-    scores = evaluate_run(args.run, args.rows, args.max_new_tokens)
-    table = Table("model", "validation loss", "ROUGE-L", title=f"{args.run}: {args.rows} validation meetings")
-    for name, s in scores.items():
-        table.add_row(name, f"{s['loss']:.4f}", f"{s['rougeL']:.4f}")
-    Console().print(table)
     return 0
 
 

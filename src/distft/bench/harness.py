@@ -47,7 +47,7 @@ class BenchSettings:
         nproc = 1 if strategy == "single" else self.nproc
         return [
             "train", "--strategy", strategy, "--nproc", str(nproc), "--model", self.model,
-            "--max-steps", str(self.warmup + self.steps), "--out", str(out), "--no-resume",
+            "--max-steps", str(self.warmup + self.steps), "--out", str(out), "--overwrite",
             f"train.global_batch_size={self.global_batch_size}", f"train.micro_batch_size={self.micro_batch_size}",
             f"data.max_length={self.seq_len}", f"train.seed={self.seed}", "train.eval_every=0", "train.log_every=1",
             *self.overrides, *extra,

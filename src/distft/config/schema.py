@@ -200,6 +200,8 @@ class OutputConfig:
     rank 0: any of tensorboard (event files in `dir`/tensorboard), wandb, mlflow, trackio."""
     run_name: str = ""
     """The run's name in the trackers; empty: the name of `dir`."""
+    overwrite: bool = False
+    """Replace a finished run in `dir` (start over; its checkpoints go) instead of refusing to."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from distft.data.formats import (
     detect_format,
     row_from_record,
 )
-from distft.data.rows import load_rows
+from distft.data.rows import load_rows, read_file
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "load_tokenizer",
     "qwen3_tokenizer",
     "rank_micro_batches",
+    "read_file",
     "row_from_record",
     "tokenize_rows",
 ]

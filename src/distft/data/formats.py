@@ -145,7 +145,7 @@ def _text_of(value: Any, field: str) -> str:
     raise TypeError(f"unsupported value of type {type(value).__name__}")
 
 
-def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> MeetingRow:
+def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_summary: bool) -> MeetingRow:
     if cfg.transcript_field or cfg.summary_field:
         fields = (cfg.transcript_field or "transcript", cfg.summary_field or "summary")
     else:  # the first schema both of whose fields are present, else one with one of them
@@ -155,6 +155,9 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> Meetin
         )
     texts = []
     for field in fields:
+        if field == fields[1] and field not in record and not need_summary:
+            texts.append("")  # inference: a meeting to summarise need not carry a summary
+            continue
         if field not in record:
             raise DataError(f"{origin}: missing field `{field}` (row has: {', '.join(sorted(record))}).")
         try:
@@ -204,13 +207,14 @@ def _alpaca_row(record: dict[str, Any], origin: str) -> ChatRow:
     return ChatRow((user, Message("assistant", (output,))), origin)
 
 
-def row_from_record(record: Any, cfg: DataConfig, origin: str) -> Row:
-    """One dataset record as a row of `data.format` (detected when auto); bad rows name `origin`."""
+def row_from_record(record: Any, cfg: DataConfig, origin: str, need_summary: bool = True) -> Row:
+    """One dataset record as a row of `data.format` (detected when auto); bad rows name `origin`.
+    With `need_summary=False` (rows to generate for) a meeting row may lack its summary."""
     if not isinstance(record, dict):
         raise DataError(f"{origin}: expected a JSON object, got {type(record).__name__}.")
     fmt = detect_format(record, cfg, origin) if cfg.format == "auto" else cfg.format
     if fmt == "summary":
-        return _summary_row(record, cfg, origin)
+        return _summary_row(record, cfg, origin, need_summary)
     if fmt == "chat":
         return _chat_row(record, origin)
     if fmt == "prompt_completion":

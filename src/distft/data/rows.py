@@ -22,7 +22,7 @@ from distft.data.sample import sample_path
 from distft.errors import DataError
 
 
-def _read_jsonl(path: Path, cfg: DataConfig) -> list[Row]:
+def _read_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> list[Row]:
     rows = []
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -34,15 +34,25 @@ def _read_jsonl(path: Path, cfg: DataConfig) -> list[Row]:
                 raise DataError(
                     f"{path}:{line_no}: not valid JSON ({err.msg} at column {err.colno})."
                 ) from None
-            rows.append(row_from_record(record, cfg, f"{path}:{line_no}"))
+            rows.append(row_from_record(record, cfg, f"{path}:{line_no}", need_summary))
     return rows
 
 
-def _read_parquet(path: Path, cfg: DataConfig) -> list[Row]:
+def _read_parquet(path: Path, cfg: DataConfig, need_summary: bool = True) -> list[Row]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(path).to_pylist()
-    return [row_from_record(r, cfg, f"{path}[row {i}]") for i, r in enumerate(table)]
+    return [row_from_record(r, cfg, f"{path}[row {i}]", need_summary) for i, r in enumerate(table)]
+
+
+def read_file(path: str | Path, cfg: DataConfig, need_summary: bool = True) -> list[Row]:
+    """Every row of a local .jsonl/.parquet file, unsplit (`distft eval --data`, `distft infer
+    --input`); with `need_summary=False` a meeting row may lack its summary (it is then "")."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"Dataset file {path} does not exist.")
+    reader = _read_parquet if path.suffix == ".parquet" else _read_jsonl
+    return reader(path, cfg, need_summary)
 
 
 def _read_hub(dataset_id: str, split: str, cfg: DataConfig) -> list[Row]:

@@ -142,10 +142,12 @@ RESUMABLE_CHANGES = (
 def check_resume(cfg: Config, force: bool = False) -> Path | None:
     """The checkpoint this run will resume from, or None; refuses a run dir of another config.
 
-    `force`: resume even with output.resume=false (an elastic restart continues its own run).
+    `force`: resume even with output.resume=false or output.overwrite=true (an elastic restart
+    continues its own run).
     """
     out = Path(cfg.output.dir)
-    checkpoint = latest_checkpoint(out) if cfg.output.resume or force else None
+    wanted = cfg.output.resume and not cfg.output.overwrite
+    checkpoint = latest_checkpoint(out) if wanted or force else None
     if checkpoint is None or not (out / "config.toml").is_file():
         return checkpoint
     saved = load_config(out / "config.toml")

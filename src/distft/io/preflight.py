@@ -1,7 +1,9 @@
-"""Before launch: can the run write its outputs? (writable, and room for them on the disk)"""
+"""Before launch: may the run write its outputs, and can it? (no finished run replaced by accident,
+writable, room on the disk)"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,6 +14,7 @@ from torch import nn
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.io.checkpoint import latest_checkpoint
 from distft.model import DTYPES, is_preset
 
 if TYPE_CHECKING:
@@ -47,6 +50,58 @@ def output_bytes(cfg: Config, model_config: PretrainedConfig) -> dict[str, int]:
     if is_preset(cfg.model.name) and cfg.output.save_base:
         sizes["base"] = total * itemsize
     return sizes
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The last step of the finished run in `run_dir` (one that exported its adapter or model), or None."""
+    run_dir = Path(run_dir)
+    exported = (run_dir / "adapter" / "adapter_config.json").is_file() or (
+        run_dir / "model" / "config.json"
+    ).is_file()
+    if not exported:
+        return None
+    step = 0
+    metrics = run_dir / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        try:
+            step = max(step, int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short
+    return step
+
+
+def check_finished_run(cfg: Config, resuming: bool = False) -> None:
+    """Refuse to replace a finished run silently: it takes --overwrite, or --resume to continue it.
+
+    A run that stopped early with checkpoints is not finished: it resumes, as before. `resuming`:
+    the user asked for `--resume DIR`, which continues from the run's latest checkpoint.
+    """
+    out = Path(cfg.output.dir)
+    step = finished_step(out)
+    if step is None or cfg.output.overwrite:
+        return
+    checkpoint = latest_checkpoint(out)
+    if resuming and checkpoint is not None:
+        return
+    if resuming:
+        raise ConfigError(
+            f"--resume {out}: that run finished at step {step} and kept no checkpoint to continue from "
+            "(checkpoints are written with --checkpoint-every N). Use --overwrite to train it again from "
+            "the start, or another --out."
+        )
+    exported = "model" if (out / "model").is_dir() else "adapter"
+    what = (
+        f"{out} holds a finished run (step {step}, its {exported} exported); this command would replace it."
+    )
+    if checkpoint is None:
+        raise ConfigError(
+            f"{what} Choose another --out for a new run, or --overwrite to replace it (--resume continues "
+            "a run from a checkpoint, and this one has none)."
+        )
+    raise ConfigError(
+        f"{what} Choose another --out for a new run, `distft train --resume {out} --max-steps N` to "
+        f"continue it from its checkpoint {checkpoint.name}, or --overwrite to replace it."
+    )
 
 
 def check_output_dir(cfg: Config, model_config: PretrainedConfig) -> None:

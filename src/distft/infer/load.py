@@ -1,4 +1,4 @@
-"""Inference and evaluation with a trained run: load base + adapter, summarise, score.
+"""Loading a trained run: its base model + adapter (or its fully finetuned model), and tokenizer.
 
 Loading knows nothing about how the run was trained: every strategy exports the same PEFT adapter
 (or, for full finetuning, the same transformers checkpoint), so this is the plain
@@ -13,15 +13,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
 from distft.config import Config, load_config
-from distft.data import ChatFormatter, collate, count_label_tokens, load_rows, tokenize_rows
 from distft.data.tokenizer import load_tokenizer
 from distft.errors import ConfigError
-from distft.model import DTYPES, SummaryLM, causal_lm, is_preset, load_base_model
+from distft.model import DTYPES, causal_lm, is_preset, load_base_model
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
 
 
@@ -31,6 +29,19 @@ class Loaded:
     tokenizer: object
     cfg: Config
     has_adapter: bool
+    preset: str | None = None  # the preset the base was built from (randomly initialised), if any
+
+
+def preset_notice(loaded: Loaded) -> str | None:
+    """The line a user must read before judging a summary: a preset base knows no language."""
+    if loaded.preset is None:
+        return None
+    return (
+        f"note: the base model is the `{loaded.preset}` preset, randomly initialised and trained only "
+        f"on the run's data ({loaded.cfg.train.max_steps} steps of {loaded.cfg.data.source}); its summaries show "
+        "that the pipeline works, not what a pretrained Qwen3 writes. For real summaries train on a "
+        "pretrained model (--model Qwen/Qwen3-0.6B, or a local directory)."
+    )
 
 
 def _load_base(name: str, cfg: Config) -> nn.Module:
@@ -44,6 +55,7 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
     """A run directory, or an adapter directory (+ optional base model override)."""
     from peft import PeftModel
 
+    from_run = False  # an adapter whose base is a run's saved preset base (RUN/base)
     if run:
         run_dir = Path(run)
         if not (run_dir / "config.toml").is_file():
@@ -53,7 +65,7 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
         cfg = load_config(run_dir / "config.toml")
         if (run_dir / "model").is_dir():  # full finetune
             lm = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=DTYPES[cfg.model.dtype])
-            return Loaded(lm.eval(), _tokenizer_for(run_dir, cfg), cfg, has_adapter=False)
+            return Loaded(lm.eval(), _tokenizer_for(run_dir, cfg), cfg, False, _preset(cfg.model.name))
         adapter = adapter or str(run_dir / "adapter")
         base_name = model or (str(run_dir / "base") if (run_dir / "base").is_dir() else cfg.model.name)
         tokenizer = _tokenizer_for(run_dir, cfg)
@@ -63,13 +75,17 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
         config_path = Path(adapter) / "adapter_config.json"
         if not config_path.is_file():
             raise ConfigError(f"{adapter} is not a PEFT adapter directory (no adapter_config.json).")
-        cfg = load_config()
         base_name = model or json.loads(config_path.read_text())["base_model_name_or_path"]
+        # A run's saved preset base (RUN/base) is described by that run's config.
+        run_config = Path(base_name).parent / "config.toml"
+        from_run = Path(base_name).name == "base" and run_config.is_file()
+        cfg = load_config(run_config if from_run else None)
         tokenizer = load_tokenizer(
             base_name if Path(base_name).is_dir() or not is_preset(base_name) else None
         )
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"No adapter in {adapter}: the run has not finished, or it was a full finetune.")
+    preset = _preset(cfg.model.name) if (run or from_run) and not model else _preset(base_name)
     base = _load_base(base_name, cfg)
     quant_file = Path(adapter) / QUANTIZATION_FILE
     if quant_file.is_file():  # a QLoRA adapter: rebuild the 4-bit base it was trained on
@@ -79,75 +95,14 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
             NF4Spec(spec["block_size"], spec["scaler_block_size"], spec["double_quant"]),
         )
     lm = PeftModel.from_pretrained(base, adapter)
-    return Loaded(lm.eval(), tokenizer, cfg, has_adapter=True)
+    return Loaded(lm.eval(), tokenizer, cfg, True, preset)
+
+
+def _preset(name: str) -> str | None:
+    return name if is_preset(name) and not Path(name).is_dir() else None
 
 
 def _tokenizer_for(run_dir: Path, cfg: Config):
     if (run_dir / "base" / "tokenizer.json").is_file():
         return load_tokenizer(str(run_dir / "base"))
     return load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
-
-
-@torch.no_grad()
-def summarize(loaded: Loaded, transcript: str, max_new_tokens: int = 128) -> str:
-    formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
-    prompt = torch.tensor([formatter.prompt_ids(transcript, reserve=max_new_tokens)])
-    output = loaded.model.generate(
-        input_ids=prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        use_cache=True,
-        eos_token_id=formatter.end_id,
-        pad_token_id=loaded.tokenizer.pad_token_id,
-    )
-    return loaded.tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True).strip()
-
-
-def held_out_meeting(cfg: Config) -> str:
-    """The first validation meeting of the run's dataset (never seen in training)."""
-    return load_rows(cfg.data, seed=cfg.train.seed)["validation"][0].transcript
-
-
-@torch.no_grad()
-def validation_loss(model: nn.Module, loaded: Loaded, max_rows: int) -> float:
-    formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
-    rows = load_rows(loaded.cfg.data, seed=loaded.cfg.train.seed)["validation"][:max_rows]
-    examples = tokenize_rows(rows, formatter).examples
-    head = SummaryLM(model)
-    loss, n = 0.0, 0
-    mb = loaded.cfg.train.micro_batch_size
-    for i in range(0, len(examples), mb):
-        batch = examples[i : i + mb]
-        loss += head(**collate(batch, loaded.tokenizer.pad_token_id)).item()
-        n += count_label_tokens(batch)
-    return loss / n
-
-
-def evaluate_run(run: str, max_rows: int = 16, max_new_tokens: int = 96) -> dict[str, dict[str, float]]:
-    """Validation loss and ROUGE-L of the base model vs the finetuned one."""
-    from rouge_score import rouge_scorer
-
-    loaded = load_trained(run=run)
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    rows = load_rows(loaded.cfg.data, seed=loaded.cfg.train.seed)["validation"][:max_rows]
-
-    def score() -> dict[str, float]:
-        loss = validation_loss(loaded.model, loaded, max_rows)
-        rouge = [
-            scorer.score(r.summary, summarize(loaded, r.transcript, max_new_tokens))["rougeL"].fmeasure
-            for r in rows
-        ]
-        return {"loss": loss, "rougeL": sum(rouge) / len(rouge)}
-
-    finetuned = score()
-    if loaded.has_adapter:
-        with loaded.model.disable_adapter():
-            base = score()
-    else:
-        base_model = _load_base(
-            str(Path(run) / "base") if (Path(run) / "base").is_dir() else loaded.cfg.model.name, loaded.cfg
-        ).eval()
-        loaded = Loaded(base_model, loaded.tokenizer, loaded.cfg, False)
-        base = score()
-    return {"base": base, "finetuned": finetuned}

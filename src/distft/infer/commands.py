@@ -1,0 +1,177 @@
+"""`distft infer` and `distft eval`: their flags and what they print.
+
+Flags are checked before the model is loaded, so a mistake costs no load time: one paragraph,
+exit code 2 (`ConfigError`, reported by `distft.cli`). Notices (a preset base, a truncated
+transcript) go to standard error, so standard output holds only what was asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from distft.data import MeetingRow, load_rows, read_file
+from distft.errors import ConfigError
+from distft.infer.evaluate import LOCAL_FORMATS, compare, eval_rows
+from distft.infer.generate import Generated, Sampling, generate, truncation_notice, write_results
+from distft.infer.load import Loaded, load_trained, preset_notice
+from distft.io.files import atomic_write_text
+
+# ---- infer --------------------------------------------------------------------------------------
+
+
+def add_infer_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "infer",
+        help="summarise a meeting (or a file of them) with a trained adapter",
+        description="Load base model + adapter and generate summaries. With no --input: a held-out "
+        "meeting from the run's validation split. Decoding is greedy unless --temperature, --top-p or "
+        "--top-k is given.",
+    )
+    p.add_argument("--run", help="run directory written by `distft train`")
+    p.add_argument("--adapter", help="a PEFT adapter directory (instead of --run)")
+    p.add_argument(
+        "--model", help="base model for --adapter (default: the adapter's base_model_name_or_path)"
+    )
+    p.add_argument(
+        "--input",
+        help="a transcript (text file, or - for standard input), or a .jsonl/.parquet file of rows to "
+        "summarise, one summary per row (the fields `distft train --data` reads; the summary is optional)",
+    )
+    p.add_argument(
+        "--output", help="write the summaries as JSON lines: origin, summary, prompt and dropped tokens"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128, help="longest summary to generate (tokens)")
+    g = p.add_argument_group("decoding")
+    g.add_argument("--greedy", action="store_true", help="the most likely token at every step (the default)")
+    g.add_argument("--temperature", type=float, help="sample, with the logits divided by T")
+    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with probability P")
+    g.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeated tokens (1: off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed, set before every row")
+
+
+def sampling_from_args(args: argparse.Namespace) -> Sampling:
+    """The decoding settings the flags ask for; a contradiction or a bad value is a ConfigError."""
+    given = {
+        flag: value
+        for flag, value in (
+            ("--temperature", args.temperature),
+            ("--top-p", args.top_p),
+            ("--top-k", args.top_k),
+        )
+        if value is not None
+    }
+    if args.greedy and given:
+        raise ConfigError(
+            f"--greedy picks the most likely token, so {', '.join(given)} would be ignored; drop --greedy "
+            "to sample, or drop the sampling flags."
+        )
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        greedy=not given,
+        temperature=1.0 if args.temperature is None else args.temperature,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        top_k=0 if args.top_k is None else args.top_k,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+    sampling.check()
+    return sampling
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    sampling = sampling_from_args(args)
+    batch = bool(args.input) and args.input.endswith(LOCAL_FORMATS)
+    if args.input and args.input != "-" and not os.path.isfile(args.input):
+        raise ConfigError(f"--input {args.input} does not exist.")
+    loaded = load_trained(run=args.run, adapter=args.adapter, model=args.model)
+    if notice := preset_notice(loaded):
+        print(notice, file=sys.stderr)
+    rows = _input_rows(loaded, args.input, batch)
+    results = []
+    for row in rows:
+        result = generate(loaded, row.transcript, sampling)
+        if notice := truncation_notice(loaded, row.origin, result, sampling):
+            print(notice, file=sys.stderr)
+        results.append(result)
+        if not args.output:
+            _print_summary(row, result, batch)
+    if args.output:
+        write_results(Path(args.output), rows, results)
+        print(f"wrote {len(results)} summar{'y' if len(results) == 1 else 'ies'} to {args.output}")
+    return 0
+
+
+def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> list[MeetingRow]:
+    if batch:
+        rows = read_file(source, loaded.cfg.data, need_summary=False)
+        if not rows:
+            raise ConfigError(f"--input {source} has no rows to summarise.")
+        return rows
+    if source == "-":
+        return [MeetingRow(sys.stdin.read(), "", "stdin")]
+    if source:
+        return [MeetingRow(Path(source).read_text(encoding="utf-8"), "", source)]
+    row = load_rows(loaded.cfg.data, seed=loaded.cfg.train.seed)["validation"][0]
+    print("--- held-out meeting (first lines) ---")
+    print("\n".join(row.transcript.splitlines()[:6]) + "\n...")
+    return [row]
+
+
+def _print_summary(row: MeetingRow, result: Generated, batch: bool) -> None:
+    print(f"--- {row.origin} ---" if batch else "--- generated summary ---")
+    print(result.summary)
+
+
+# ---- eval ---------------------------------------------------------------------------------------
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="validation loss and ROUGE-L, base model vs finetuned",
+        description="Score the base model and the finetuned one on the run's validation split, or on "
+        "--data: a .jsonl/.parquet file (every row), a hub dataset or `sample` (its validation split).",
+    )
+    p.add_argument("--run", required=True, help="run directory written by `distft train`")
+    p.add_argument(
+        "--data", help="rows to score instead of the run's validation split (any --data distft reads)"
+    )
+    p.add_argument("--rows", type=int, default=16, help="meetings to score (the first N)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="longest generated summary (tokens)")
+    p.add_argument("--output", help="write the scores, the rows and the settings as JSON")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    if args.rows < 1:
+        raise ConfigError(f"--rows must be at least 1, got {args.rows}: it is how many meetings to score.")
+    Sampling(max_new_tokens=args.max_new_tokens).check()
+    loaded = load_trained(run=args.run)
+    if notice := preset_notice(loaded):
+        print(notice, file=sys.stderr)
+    rows = eval_rows(loaded, args.data, args.rows)
+    scores = compare(loaded, args.run, rows, args.max_new_tokens)
+    source = args.data or f"{loaded.cfg.data.source} (validation split)"
+    table = Table("model", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} meetings of {source}")
+    for name, s in scores.items():
+        table.add_row(name, f"{s['loss']:.4f}", f"{s['rougeL']:.4f}")
+    Console().print(table)
+    if args.output:
+        results = {
+            "run": str(args.run),
+            "data": source,
+            "rows": [r.origin for r in rows],
+            "settings": {**asdict(Sampling(max_new_tokens=args.max_new_tokens)), "rows": len(rows)},
+            "models": scores,
+        }
+        atomic_write_text(Path(args.output), json.dumps(results, indent=1) + "\n")
+        print(f"wrote {args.output}")
+    return 0

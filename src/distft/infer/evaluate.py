@@ -1,0 +1,104 @@
+"""Scoring a trained run: validation loss and ROUGE-L, the base model against the finetuned one.
+
+The rows come from the run's own validation split (never trained on), or from any source distft
+reads (`--data`): a local .jsonl/.parquet file is scored whole, a hub dataset or `sample` by its
+validation split. Loss is the mean over summary tokens, as in training; ROUGE-L compares greedy
+summaries with the rows' own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distft.config import Config
+from distft.data import (
+    ChatFormatter,
+    MeetingRow,
+    collate,
+    count_label_tokens,
+    load_rows,
+    read_file,
+    tokenize_rows,
+)
+from distft.errors import ConfigError
+from distft.infer.generate import summarize
+from distft.infer.load import Loaded, _load_base, load_trained
+from distft.model import SummaryLM
+
+LOCAL_FORMATS = (".jsonl", ".json", ".parquet")
+
+
+def held_out_meeting(cfg: Config) -> str:
+    """The first validation meeting of the run's dataset (never seen in training)."""
+    return load_rows(cfg.data, seed=cfg.train.seed)["validation"][0].transcript
+
+
+def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> list[MeetingRow]:
+    """The first `max_rows` rows to score: the run's validation split, or those of `data`."""
+    if max_rows < 1:
+        raise ConfigError(f"--rows must be at least 1, got {max_rows}: it is how many meetings to score.")
+    cfg = loaded.cfg
+    if data is not None and data.endswith(LOCAL_FORMATS):
+        rows = read_file(data, cfg.data)  # a user's own file: every row, no split
+    else:
+        source = replace(cfg.data, source=data or cfg.data.source, max_rows=0)
+        rows = load_rows(source, seed=cfg.train.seed)["validation"]
+    if not rows:
+        raise ConfigError(f"--data {data}: no rows to score; each needs a transcript and a summary.")
+    return rows[:max_rows]
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, loaded: Loaded, rows: list[MeetingRow]) -> float:
+    """Mean loss per summary token over `rows`, in micro-batches of the run's size."""
+    formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
+    examples = tokenize_rows(rows, formatter).examples
+    head = SummaryLM(model)
+    loss, n = 0.0, 0
+    mb = loaded.cfg.train.micro_batch_size
+    for i in range(0, len(examples), mb):
+        batch = examples[i : i + mb]
+        loss += head(**collate(batch, loaded.tokenizer.pad_token_id)).item()
+        n += count_label_tokens(batch)
+    return loss / n
+
+
+def score(loaded: Loaded, rows: list[MeetingRow], max_new_tokens: int) -> dict[str, float]:
+    """Loss and mean ROUGE-L F1 of `loaded.model` on `rows`."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    rouge = [
+        scorer.score(r.summary, summarize(loaded, r.transcript, max_new_tokens))["rougeL"].fmeasure
+        for r in rows
+    ]
+    return {"loss": validation_loss(loaded.model, loaded, rows), "rougeL": sum(rouge) / len(rouge)}
+
+
+def compare(
+    loaded: Loaded, run: str, rows: list[MeetingRow], max_new_tokens: int
+) -> dict[str, dict[str, float]]:
+    """{"base": scores, "finetuned": scores}: the adapter switched off (or the base reloaded) and on."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
+    finetuned = score(loaded, rows, max_new_tokens)
+    if loaded.has_adapter:
+        with loaded.model.disable_adapter():
+            base = score(loaded, rows, max_new_tokens)
+    else:
+        run_base = Path(run) / "base"
+        base_model = _load_base(str(run_base) if run_base.is_dir() else loaded.cfg.model.name, loaded.cfg)
+        base = score(replace(loaded, model=base_model.eval()), rows, max_new_tokens)
+    return {"base": base, "finetuned": finetuned}
+
+
+def evaluate_run(
+    run: str, max_rows: int = 16, max_new_tokens: int = 96, data: str | None = None
+) -> dict[str, dict[str, float]]:
+    """Validation loss and ROUGE-L of the base model vs the finetuned one (on `data` if given)."""
+    loaded = load_trained(run=run)
+    return compare(loaded, run, eval_rows(loaded, data, max_rows), max_new_tokens)

@@ -1,0 +1,130 @@
+"""Generating summaries: decoding settings, one transcript, or a file of rows.
+
+Decoding is greedy by default (the same summary every time); `--temperature`, `--top-p` and
+`--top-k` switch to sampling, seeded per row with `--seed`, so a row's summary does not depend on
+the rows before it. A transcript longer than the run's `data.max_length` (minus the tokens kept
+free for the summary) is cut as in training (`data.truncation`), and the caller is told how many
+tokens were dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from distft.data import ChatFormatter, MeetingRow
+from distft.errors import ConfigError
+from distft.infer.load import Loaded
+from distft.io.files import atomic_write_text
+
+
+@dataclass
+class Sampling:
+    """How tokens are chosen; greedy unless a sampling setting is given."""
+
+    max_new_tokens: int = 128
+    """Longest summary to generate, in tokens."""
+    greedy: bool = True
+    """Pick the most likely token at every step (deterministic)."""
+    temperature: float = 1.0
+    """Sampling: divide the logits by this (below 1 sharper, above 1 flatter)."""
+    top_p: float = 1.0
+    """Sampling: keep the smallest set of tokens whose probabilities sum to top_p (1: all)."""
+    top_k: int = 0
+    """Sampling: keep the k most likely tokens (0: all)."""
+    repetition_penalty: float = 1.0
+    """Divide the logits of tokens already generated or in the prompt by this (1: off)."""
+    seed: int = 0
+    """Seed of the sampling RNG, set before every row."""
+
+    def check(self) -> None:
+        """Refuse settings `generate` would reject or ignore, naming the flag."""
+        if self.max_new_tokens < 1:
+            raise ConfigError(
+                f"--max-new-tokens must be at least 1, got {self.max_new_tokens}: it is the longest summary "
+                "to generate, in tokens (the default, 128, fits a meeting summary)."
+            )
+        if self.temperature <= 0:
+            raise ConfigError(
+                f"--temperature must be positive, got {self.temperature}; for deterministic output use --greedy."
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k cannot be negative, got {self.top_k} (0 keeps every token).")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(
+                f"--repetition-penalty must be positive, got {self.repetition_penalty} (1: off)."
+            )
+
+    def generate_kwargs(self) -> dict:
+        if self.greedy:
+            return {"do_sample": False, "repetition_penalty": self.repetition_penalty}
+        return {
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty,
+        }
+
+
+@dataclass
+class Generated:
+    """One summary and what it took to make it."""
+
+    summary: str
+    prompt_tokens: int
+    dropped_tokens: int  # transcript tokens cut to fit data.max_length (0: the whole transcript)
+
+
+@torch.no_grad()
+def generate(loaded: Loaded, transcript: str, sampling: Sampling) -> Generated:
+    formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
+    ids = formatter.prompt_ids(transcript, reserve=sampling.max_new_tokens)
+    transcript_tokens = len(loaded.tokenizer.encode(transcript, add_special_tokens=False))
+    kept = len(ids) - len(formatter.prefix) - len(formatter.suffix)
+    prompt = torch.tensor([ids])
+    torch.manual_seed(sampling.seed)  # per row: a row's sample does not depend on the rows before
+    output = loaded.model.generate(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=sampling.max_new_tokens,
+        use_cache=True,
+        eos_token_id=formatter.end_id,
+        pad_token_id=loaded.tokenizer.pad_token_id,
+        **sampling.generate_kwargs(),
+    )
+    text = loaded.tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+    return Generated(text, len(ids), transcript_tokens - kept)
+
+
+def summarize(loaded: Loaded, transcript: str, max_new_tokens: int = 128) -> str:
+    """The greedy summary of `transcript`."""
+    return generate(loaded, transcript, Sampling(max_new_tokens=max_new_tokens)).summary
+
+
+def truncation_notice(loaded: Loaded, where: str, generated: Generated, sampling: Sampling) -> str | None:
+    """One line saying how much of a transcript the model never saw, or None."""
+    if not generated.dropped_tokens:
+        return None
+    data = loaded.cfg.data
+    return (
+        f"notice: {where}: the transcript was truncated, {generated.dropped_tokens} of its tokens dropped "
+        f"(data.truncation={data.truncation}), to fit the run's data.max_length={data.max_length} with "
+        f"{sampling.max_new_tokens} tokens kept free for the summary."
+    )
+
+
+def write_results(path: Path, rows: list[MeetingRow], results: list[Generated]) -> None:
+    """`path` as JSON lines, one per input row: where it came from, the summary, what was cut."""
+    lines = []
+    for row, result in zip(rows, results, strict=True):
+        record = {"origin": row.origin, **asdict(result)}
+        if row.summary:
+            record["reference"] = row.summary
+        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+    atomic_write_text(path, "".join(lines))

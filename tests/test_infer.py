@@ -1,0 +1,205 @@
+"""Inference and evaluation (issue 14): decoding flags, batch files, notices, eval on a user's file,
+and a quiet command line. One micro run, trained once, serves every test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distft.cli import main
+from distft.config import load_config
+from distft.infer import Sampling, generate, load_trained, summarize
+from tests.helpers import distft
+
+TRAIN = [
+    "--model", "micro",
+    "--max-steps", "2",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=2",
+    "train.eval_batches=1",
+    "data.max_length=384",
+    "data.max_rows=8",
+]  # fmt: skip
+MEETING = "Anna: we ship the remote on Friday.\nBen: the budget is fixed at ten euros.\n" * 3
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished micro run, trained as users train: `distft train` in its own process."""
+    out = tmp_path_factory.mktemp("infer") / "run"
+    proc = distft("train", *TRAIN, "--checkpoint-every", "1", "--out", str(out))
+    return out, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def loaded(run):
+    return load_trained(run=str(run[0]))
+
+
+# ---- noise: none of the libraries' chatter reaches the user -----------------------------------
+
+NOISE = [
+    "Writing model shards",
+    "Loading weights",
+    "FutureWarning",
+    "is_gradient_checkpointing",
+    "torch.distributed is disabled",
+    "assuming the intent is to save in a single process",
+    "Warning",
+]
+
+
+def test_train_and_infer_print_no_library_noise(run):
+    out, train_output = run
+    infer = distft("infer", "--run", str(out), "--max-new-tokens", "4")
+    for output in (train_output, infer.stdout + infer.stderr):
+        for noise in NOISE:
+            assert noise not in output, f"{noise!r} in:\n{output}"
+    assert "generated summary" in infer.stdout
+
+
+# ---- decoding ---------------------------------------------------------------------------------
+
+
+def test_greedy_is_deterministic_and_sampling_follows_the_seed(loaded):
+    greedy = Sampling(max_new_tokens=8)
+    assert generate(loaded, MEETING, greedy).summary == summarize(loaded, MEETING, 8)
+    hot = Sampling(max_new_tokens=8, greedy=False, temperature=5.0, seed=1)
+    first, again = generate(loaded, MEETING, hot), generate(loaded, MEETING, hot)
+    assert first.summary == again.summary, "the same seed draws the same summary"
+    others = {generate(loaded, MEETING, Sampling(8, False, 5.0, seed=s)).summary for s in range(2, 6)}
+    assert others - {first.summary}, "another seed draws another summary at temperature 5"
+
+
+def test_sampling_flags_reach_generate(loaded, monkeypatch, capsys):
+    seen = {}
+    real = loaded.model.generate
+
+    def spy(**kwargs):
+        seen.update(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr("distft.infer.commands.load_trained", lambda **kw: loaded)
+    monkeypatch.setattr(loaded.model, "generate", spy)
+    args = ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--repetition-penalty", "1.2"]
+    assert main(["infer", "--run", "unused", "--max-new-tokens", "3", *args]) == 0
+    assert seen["do_sample"] and seen["temperature"] == 0.7 and seen["top_p"] == 0.9
+    assert seen["top_k"] == 20 and seen["repetition_penalty"] == 1.2 and seen["max_new_tokens"] == 3
+    assert main(["infer", "--run", "unused", "--max-new-tokens", "3"]) == 0
+    assert seen["do_sample"] is False  # greedy by default
+    capsys.readouterr()
+
+
+# ---- notices ----------------------------------------------------------------------------------
+
+
+def test_preset_base_and_truncation_are_told(run, tmp_path, capsys):
+    long = tmp_path / "long.txt"
+    long.write_text("Anna: " + "we discussed the remote control design and its budget " * 120)
+    assert main(["infer", "--run", str(run[0]), "--input", str(long), "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "the base model is the `micro` preset, randomly initialised and trained only on the run's data" in err
+    )
+    (notice,) = [line for line in err.splitlines() if line.startswith("notice: ")]
+    dropped = int(notice.split("the transcript was truncated, ")[1].split()[0])
+    assert dropped > 500 and "data.max_length=384" in notice and "4 tokens kept free" in notice
+
+
+# ---- batch inference --------------------------------------------------------------------------
+
+
+def test_batch_input_gives_one_summary_per_row(run, tmp_path, capsys):
+    rows = tmp_path / "meetings.jsonl"
+    rows.write_text(
+        json.dumps({"transcript": MEETING})
+        + "\n\n"
+        + json.dumps({"dialogue": MEETING, "summary": "Ship Friday."})
+        + "\n"
+    )
+    out = tmp_path / "summaries.jsonl"
+    argv = [
+        "infer",
+        "--run",
+        str(run[0]),
+        "--input",
+        str(rows),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "3",
+    ]
+    assert main(argv) == 0
+    assert f"wrote 2 summaries to {out}" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["origin"] for r in records] == [f"{rows}:1", f"{rows}:3"]  # file and line of each row
+    assert all(isinstance(r["summary"], str) and r["dropped_tokens"] == 0 for r in records)
+    assert "reference" not in records[0] and records[1]["reference"] == "Ship Friday."
+
+
+# ---- eval -------------------------------------------------------------------------------------
+
+
+def test_eval_scores_a_user_file_and_writes_results(run, tmp_path, capsys):
+    data = tmp_path / "mine.jsonl"
+    data.write_text(
+        "".join(json.dumps({"transcript": MEETING, "summary": f"Ship on day {i}."}) + "\n" for i in range(3))
+    )
+    results = tmp_path / "results.json"
+    argv = ["eval", "--run", str(run[0]), "--data", str(data), "--rows", "2", "--max-new-tokens", "3"]
+    assert main([*argv, "--output", str(results)]) == 0
+    assert "2 meetings of" in capsys.readouterr().out
+    scores = json.loads(results.read_text())
+    assert scores["rows"] == [f"{data}:1", f"{data}:2"] and scores["data"] == str(data)
+    assert scores["settings"]["max_new_tokens"] == 3
+    for model in ("base", "finetuned"):
+        assert scores["models"][model]["loss"] > 0 and 0 <= scores["models"][model]["rougeL"] <= 1
+
+
+# ---- rough edges: bad flags are one paragraph, exit 2, before any model is loaded -------------
+
+BAD_FLAGS = [
+    (["infer", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+    (["infer", "--greedy", "--temperature", "0.7"], "--greedy picks the most likely token, so --temperature"),
+    (["infer", "--temperature", "0"], "--temperature must be positive"),
+    (["infer", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["infer", "--input", "nope.txt"], "--input nope.txt does not exist"),
+    (["eval", "--rows", "0"], "--rows must be at least 1, got 0"),
+    (["eval", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "phrase"), BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_bad_flags_are_refused_before_loading(argv, phrase, run, monkeypatch, capsys):
+    def loaded(**kwargs):
+        raise AssertionError("the model was loaded for bad flags")
+
+    monkeypatch.setattr("distft.infer.commands.load_trained", loaded)
+    assert main([*argv, "--run", str(run[0])]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (message,) = [line for line in err.splitlines() if line.startswith(f"distft {argv[0]}: error: ")]
+    assert phrase in message, err
+
+
+def test_a_relative_data_path_is_stored_absolute(tmp_path, run):
+    """eval/infer read the run's config.toml from anywhere: its local data path is absolute."""
+    (tmp_path / "data").mkdir()
+    rows = "".join(
+        json.dumps({"transcript": MEETING, "summary": f"Ship on day {i}."}) + "\n" for i in range(6)
+    )
+    (tmp_path / "data" / "mine.jsonl").write_text(rows)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    train = [sys.executable, "-m", "distft.cli", "train", *TRAIN, "--data", "data/mine.jsonl", "--out", "r"]
+    proc = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_config(tmp_path / "r" / "config.toml").data.source == str(tmp_path / "data" / "mine.jsonl")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    infer = [sys.executable, "-m", "distft.cli", "infer", "--run", "../r", "--max-new-tokens", "2"]
+    proc = subprocess.run(infer, cwd=elsewhere, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "generated summary" in proc.stdout, proc.stderr[-3000:]
