@@ -66,6 +66,10 @@ class DataConfig:
     """User instruction placed before the transcript."""
     max_rows: int = 0
     """Use at most this many training rows (0: all)."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one row, with no padding: position ids restart at
+    every document and attention never crosses one (docs/packing.md). Same loss as padded rows, up
+    to float summation order; false: one right-padded row per sequence."""
 
 
 @dataclass
