@@ -72,6 +72,10 @@ class DataConfig:
     enable_thinking: bool = False
     """Qwen3 thinking mode, passed to the chat template: false pre-fills an empty think block in the
     prompt; true leaves it to the model, so the think block is part of the trained target."""
+    packing: bool = True
+    """Pack each micro-batch's sequences into one row, with no padding: position ids restart at
+    every document and attention never crosses one (docs/packing.md). Same loss as padded rows, up
+    to float summation order; false: one right-padded row per sequence."""
 
 
 @dataclass

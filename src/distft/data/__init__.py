@@ -3,7 +3,15 @@ from files, the hub or memory (`rows`); chat tokens with label masks (`chat`), t
 batches every strategy shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's
 chat template from `qwen3_template`) and the bundled synthetic meetings (`sample`)."""
 
-from distft.data.batches import collate, count_label_tokens, global_batch_indices, rank_micro_batches
+from distft.data.batches import (
+    collate,
+    count_label_tokens,
+    document_ids,
+    global_batch_indices,
+    micro_batch,
+    pack,
+    rank_micro_batches,
+)
 from distft.data.chat import IGNORE, ChatFormatter, Example, TokenizedSplit, tokenize_rows
 from distft.data.formats import (
     KNOWN_SCHEMAS,
@@ -30,9 +38,12 @@ __all__ = [
     "collate",
     "count_label_tokens",
     "detect_format",
+    "document_ids",
     "global_batch_indices",
     "load_rows",
     "load_tokenizer",
+    "micro_batch",
+    "pack",
     "qwen3_tokenizer",
     "rank_micro_batches",
     "read_file",

@@ -1,7 +1,14 @@
 """Batches: the rows of optimizer step `s` are a fixed function of (seed, s, global batch size).
 
 So every strategy and process count trains on exactly the same global batch. A data-parallel
-rank takes its contiguous slice of it (`rank_micro_batches`), cut into micro-batches.
+rank takes its contiguous slice of it (`rank_micro_batches`), cut into micro-batches, and each
+micro-batch becomes tensors in one of two layouts (docs/packing.md):
+
+- padded (`collate`): one row per sequence, right-padded to the longest, with a 2-D attention mask;
+- packed (`pack`): the sequences end to end in one row, no padding and no attention mask. Position
+  ids restart at 0 at every document, so rotary embeddings see what they would see alone, and
+  that restart is what the attention reads to keep every document to itself (transformers builds
+  a block-diagonal causal mask from it, or runs flash-attention's varlen kernel on CUDA).
 """
 
 from __future__ import annotations
@@ -34,6 +41,40 @@ def collate(examples: list[Example], pad_id: int, pad_to: int | None = None) -> 
         labels[i, :n] = torch.tensor(e.labels)
         attention_mask[i, :n] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def pack(examples: list[Example], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """The examples end to end in one (1, total) row, with per-document position ids.
+
+    Labels are already shifted within each example (its last position predicts nothing), so no
+    position predicts the next document's first token. `pad_to` (fixed-shape strategies: the
+    pipeline) appends a fill that is a document of its own: positions from 0, no loss.
+    """
+    input_ids = [t for e in examples for t in e.input_ids]
+    labels = [t for e in examples for t in e.labels]
+    position_ids = [p for e in examples for p in range(len(e.input_ids))]
+    fill = (pad_to or len(input_ids)) - len(input_ids)
+    if fill < 0:
+        raise ValueError(f"{len(input_ids)} tokens do not fit a packed row of {pad_to}")
+    input_ids += [pad_id] * fill
+    labels += [IGNORE] * fill
+    position_ids += range(fill)
+    row = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+    return {k: torch.tensor([v], dtype=torch.long) for k, v in row.items()}
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) index of the document each position belongs to: a new one wherever the
+    position does not continue the previous one by 1 (transformers' rule for packed rows)."""
+    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
+    return (position_ids != previous + 1).cumsum(dim=1)
+
+
+def micro_batch(
+    examples: list[Example], pad_id: int, packed: bool, pad_to: int | None = None
+) -> dict[str, torch.Tensor]:
+    """One micro-batch's tensors: packed into one row (`pad_to` long, if given) or padded rows."""
+    return pack(examples, pad_id, pad_to) if packed else collate(examples, pad_id, pad_to)
 
 
 def count_label_tokens(examples: list[Example]) -> int:

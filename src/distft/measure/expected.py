@@ -135,8 +135,8 @@ def pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, i
     lay, me = s.layout, s.pp_rank
     hidden = model.module.backbone.config.hidden_size
     itemsize = next(model.module.parameters()).element_size()
-    seq = batches[0]["input_ids"].shape[1]
-    activation = lay.micro_batch_size * seq * hidden * itemsize  # one (mb, seq, hidden) tensor
+    rows, seq = batches[0]["input_ids"].shape  # (mb, seq) padded, (1, mb x seq) packed
+    activation = rows * seq * hidden * itemsize  # one (rows, seq, hidden) tensor
     send = recv = 0
     for stage in range(lay.num_stages - 1):
         src, dst = lay.rank_of(stage), lay.rank_of(stage + 1)

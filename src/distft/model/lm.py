@@ -4,6 +4,11 @@
 labelled (summary) positions. Only those positions go through lm_head: with Qwen3's 151,936-token
 vocabulary the logits of the whole prompt would dominate memory for nothing, since the prompt
 carries no loss. Every strategy wraps a `SummaryLM`, so DDP/FSDP hooks see one forward.
+
+A batch is padded (`attention_mask`, one sequence per row) or packed (`position_ids` restarting
+at 0 at every document, no mask; `distft.data.batches.pack`). A packed batch goes to transformers
+with `attention_mask=None`: only then does it read the position restarts as document boundaries
+(a block-diagonal causal mask for sdpa/eager/flex, flash-attention's varlen kernel on CUDA).
 """
 
 from __future__ import annotations
@@ -38,10 +43,14 @@ class SummaryLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # (batch, seq)
-        attention_mask: torch.Tensor,  # (batch, seq), 1 for real tokens
         labels: torch.Tensor,  # (batch, seq), shifted, -100 where no loss
+        attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens (padded)
+        position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
     ) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # use_cache=False: a KV cache would also switch off transformers' packed-row detection.
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return summed_loss(hidden, self.lm_head, labels)
 
 

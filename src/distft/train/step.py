@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distft.config import Config
-from distft.data import Example, collate, count_label_tokens, global_batch_indices, rank_micro_batches
+from distft.data import Example, count_label_tokens, global_batch_indices, micro_batch, rank_micro_batches
 from distft.errors import NonFiniteError
 from distft.io.checkpoint import resume_hint
 from distft.parallel import Strategy
@@ -33,12 +33,15 @@ def global_batch(run: Run, step: int) -> list[Example]:
 
 
 def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_id: int) -> list[Batch]:
-    """This rank's micro-batches of `examples`, collated and on its device."""
-    pad_to = cfg.data.max_length if strategy.fixed_sequence_length else None
-    micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, strategy.micro_batch_size(cfg))
+    """This rank's micro-batches of `examples`, packed or padded (`data.packing`), on its device."""
+    size, packed = strategy.micro_batch_size(cfg), cfg.data.packing
+    # One shape every step (pipelines): a sequence of max_length, or a packed row of `size` of them.
+    pad_to = cfg.data.max_length * (size if packed else 1) if strategy.fixed_sequence_length else None
+    micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size)
     device = strategy.env.device
     return [
-        {k: v.to(device, non_blocking=True) for k, v in collate(mb, pad_id, pad_to).items()} for mb in micro
+        {k: v.to(device, non_blocking=True) for k, v in micro_batch(mb, pad_id, packed, pad_to).items()}
+        for mb in micro
     ]
 
 

@@ -21,14 +21,17 @@ backward) and g (all-reduce forward, identity backward), the residual stream rep
 all-reduce moves as many bytes on a ring as a reduce-scatter plus an all-gather, so SP is free in
 traffic and divides the memory of everything outside the blocks by N.
 
-Masking and positions. Attention here is causal only (`is_causal=True`, no padding mask). That is
-exact for every labelled position because batches are right-padded (checked per micro-batch) and
-labels are pre-shifted with -100 on padding: a real position attends only to earlier positions,
-all real, so its output, and thus the loss and every gradient, equals the padding-masked one;
-padded positions get garbage but carry no loss and nothing real attends to them. The same holds
-for the positions appended so that N divides S (token 0, label -100). Rotary embeddings get the
-global position ids 0..S-1 explicitly, computed once per forward (attention runs on the gathered
-full sequence, so no rank ever sees shard-local positions).
+Masking and positions. A padded batch (`attention_mask`) gets a causal mask only
+(`is_causal=True`, no padding mask). That is exact for every labelled position because batches
+are right-padded (checked per micro-batch) and labels are pre-shifted with -100 on padding: a real
+position attends only to earlier positions, all real, so its output, and thus the loss and every
+gradient, equals the padding-masked one; padded positions get garbage but carry no loss and nothing
+real attends to them. The same holds for the positions appended so that N divides S (token 0,
+label -100). Rotary embeddings get the global position ids 0..S-1 explicitly, computed once per
+forward (attention runs on the gathered full sequence, so no rank ever sees shard-local positions).
+A packed batch (`position_ids`, restarting at 0 at every document; docs/packing.md) gets those
+position ids for rotary and a block-diagonal causal mask built from them (`document_mask`), so no
+document attends to another; the appended positions are documents of their own.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
+from distft.data import document_ids
 from distft.model import summed_loss
 from distft.parallel.megatron.collectives import (
     copy_to_tp_region,
@@ -87,20 +91,24 @@ class MegatronLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # (batch, seq)
-        attention_mask: torch.Tensor,  # (batch, seq), 1 for real tokens, right-padded
         labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
+        attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens, right-padded
+        position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
     ) -> torch.Tensor:
-        if (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+        if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
             raise ValueError("tp-sp applies a causal mask only, which is exact for right-padded batches only")
         backbone = self.module.backbone
         input_ids, labels = input_ids.t(), labels.t()  # sequence-first: (S, B)
+        if position_ids is None:  # padded: global positions 0..S-1
+            position_ids = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(0)
         if self.sequence_parallel:  # N must divide S: append positions that carry no loss
             pad = -input_ids.shape[0] % self.world
             input_ids = F.pad(input_ids, (0, 0, 0, pad), value=0)
             labels = F.pad(labels, (0, 0, 0, pad), value=-100)
+            position_ids = F.pad(position_ids, (0, pad), value=0)  # packed: each one a document
         seq = input_ids.shape[0]
-        positions = torch.arange(seq, device=input_ids.device).unsqueeze(0)  # global, (1, S)
-        cos, sin = backbone.rotary_emb(backbone.embed_tokens.weight, positions)  # (1, S, head_dim)
+        mask = document_mask(position_ids) if attention_mask is None else None  # (B or 1, 1, S, S)
+        cos, sin = backbone.rotary_emb(backbone.embed_tokens.weight, position_ids)  # (B or 1, S, head_dim)
         if self.sequence_parallel:
             mine = slice(self.rank * seq // self.world, (self.rank + 1) * seq // self.world)
             input_ids, labels = input_ids[mine], labels[mine]
@@ -108,14 +116,22 @@ class MegatronLM(nn.Module):
         for layer in backbone.layers:
             if self.checkpoint_layers:
                 # early_stop=False: recompute the whole layer, so its 4 collectives rerun every time
-                x = checkpoint(self.layer, layer, x, cos, sin, use_reentrant=False, early_stop=False)
+                x = checkpoint(self.layer, layer, x, cos, sin, mask, use_reentrant=False, early_stop=False)
             else:
-                x = self.layer(layer, x, cos, sin)
+                x = self.layer(layer, x, cos, sin, mask)
         x = backbone.norm(x)
         return summed_loss(x, self.module.lm_head, labels)  # this rank's tokens' share of the loss
 
-    def layer(self, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One Qwen3 decoder layer. x: (S/N, B, H) with SP, (S, B, H) without."""
+    def layer(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One Qwen3 decoder layer. x: (S/N, B, H) with SP, (S, B, H) without; mask: packed rows'
+        block-diagonal causal mask, None for plain causal attention."""
         attn, mlp = layer.self_attn, layer.mlp
         h = self.enter(layer.input_layernorm(x))  # (S, B, H)
         seq, batch, _ = h.shape
@@ -131,8 +147,9 @@ class MegatronLM(nn.Module):
             q,
             k,
             v,
+            attn_mask=mask,
             dropout_p=attn.attention_dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=mask is None,
             scale=attn.scaling,
             enable_gqa=True,  # H/N query heads share KV/N KV heads, the same grouping as unsplit
         )
@@ -141,3 +158,11 @@ class MegatronLM(nn.Module):
 
         h = self.enter(layer.post_attention_layernorm(x))
         return x + self.leave(mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h)))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, S, S) boolean mask of a packed row: position i sees j iff j <= i, same document."""
+    doc = document_ids(position_ids)
+    seq = doc.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
+    return (causal & (doc[:, :, None] == doc[:, None, :])).unsqueeze(1)

@@ -2,9 +2,12 @@
 
 What is sharded: the decoder layers, by stage (`Layout.layers_of`). Stage 0 also holds the
 embedding, the last stage the final norm, lm_head and the loss. Every stage recomputes what
-Qwen3Model.forward computes once: position ids 0..T-1, the causal + padding mask from the 2-D
-attention mask (a keyword argument of the step, which torch splits per micro-batch and hands to
-every stage) and rotary cos/sin (a non-persistent buffer, so each stage holds a copy). Layers keep
+Qwen3Model.forward computes once: the mask, position ids and rotary cos/sin (a non-persistent
+buffer, so each stage holds a copy). A padded batch carries a 2-D attention mask, a packed one
+(docs/packing.md) per-document position ids and no mask; either is a keyword argument of the
+step, which torch splits per micro-batch and hands to every stage. From the attention mask come
+positions 0..T-1 and the causal + padding mask; from packed position ids, transformers'
+block-diagonal causal mask (one block per document, the fill of the fixed-length row included). Layers keep
 their global index (`layers.2.self_attn.q_proj.lora_A`), so checkpoints and the exported adapter
 need no renaming. Nothing is sent by this module: torch's `PipelineStage` moves the hidden states
 (and their gradients) between stages on different ranks.
@@ -29,7 +32,7 @@ Action = tuple[str, int, int]  # (kind F|B|W, stage, micro-batch)
 class StageModule(nn.Module):
     """The part of Qwen3 one stage runs, built from the (PEFT-wrapped) model's own modules.
 
-    forward(x, attention_mask, labels): x is input_ids (batch, seq) on the first stage and the
+    forward(x, labels, attention_mask | position_ids): x is input_ids (batch, seq) on the first stage and the
     hidden states (batch, seq, hidden) elsewhere; returns the hidden states, or on the last stage
     the summed token loss (shape (1,)), so the loss head is part of the stage's timed forward and
     its parameters (lm_head) belong to the stage for the zero-bubble weight pass.
@@ -52,17 +55,19 @@ class StageModule(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (batch, seq) token ids on the first stage, else (batch, seq, hidden)
-        attention_mask: torch.Tensor,  # (batch, seq), 1 for real tokens; reaches every stage as a kwarg
         labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
+        attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens (padded)
+        position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
     ) -> torch.Tensor:
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-        # What Qwen3Model.forward computes once, every stage recomputes: positions 0..S-1 (right
-        # padding), the causal + padding mask, and rotary cos/sin (a decoder layer without them fails).
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        # What Qwen3Model.forward computes once, every stage recomputes: positions (0..S-1 with right
+        # padding), the mask, and rotary cos/sin (a decoder layer without them fails).
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask_args = {
             "config": self.config,
             "inputs_embeds": hidden,
-            "attention_mask": attention_mask,
+            "attention_mask": attention_mask,  # None: packed, read from the position ids
             "past_key_values": None,
             "position_ids": position_ids,
         }

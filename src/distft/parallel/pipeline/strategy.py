@@ -30,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage
 from transformers import PretrainedConfig
 
 from distft.config import Config
+from distft.data import Example, micro_batch
 from distft.errors import ConfigError
 from distft.parallel.base import Batch, Strategy
 from distft.parallel.pipeline.layout import Layout, layout
@@ -134,12 +135,8 @@ class PipelineParallel(Strategy):
         so every gradient is exactly zero; they are dropped, and the RNG is restored.
         """
         lay, length = self.layout, self.cfg.data.max_length
-        shape = (lay.micro_batch_size, length)
-        batch = {
-            "input_ids": torch.zeros(shape, dtype=torch.long),
-            "attention_mask": torch.ones(shape, dtype=torch.long),
-            "labels": torch.full(shape, -100, dtype=torch.long),
-        }
+        blank = Example([0] * length, [-100] * length, 0)  # the shape of every real batch, no loss
+        batch = micro_batch([blank] * lay.micro_batch_size, 0, self.cfg.data.packing)
         batches = [{k: v.to(self.env.device) for k, v in batch.items()} for _ in range(lay.microbatches)]
         with torch.random.fork_rng(devices=[]):
             self._run(batches, num_label_tokens=1)
@@ -159,13 +156,8 @@ class PipelineParallel(Strategy):
         self._loss_sums: list[torch.Tensor] = []
         args = (batch["input_ids"],) if self.holds_first else ()
         target = batch["labels"] if self.holds_last else None
-        self.schedule.step(
-            *args,
-            attention_mask=batch["attention_mask"],
-            labels=batch["labels"],
-            target=target,
-            return_outputs=False,
-        )
+        masks = {k: v for k, v in batch.items() if k != "input_ids"}  # labels, the mask or positions
+        self.schedule.step(*args, **masks, target=target, return_outputs=False)
         total = torch.zeros((), device=self.env.device)
         for loss_sum in self._loss_sums:
             total += loss_sum.float().sum()
@@ -192,19 +184,19 @@ class PipelineParallel(Strategy):
         """
         lay, me, ranks = self.layout, self.pp_rank, self.pp_ranks
         batch = self._full_batch(micro_batches)
-        chunks = {k: v.split(lay.micro_batch_size) for k, v in batch.items()}
+        chunks = {k: v.chunk(lay.microbatches) for k, v in batch.items()}
         hidden_size = model.module.backbone.config.hidden_size
         dtype = next(self.stages[0].submod.parameters()).dtype
         modules = {stage.stage_index: stage.submod for stage in self.stages}
         total = torch.zeros((), device=self.env.device)
         for i in range(lay.microbatches):
-            ids, mask, labels = chunks["input_ids"][i], chunks["attention_mask"][i], chunks["labels"][i]
+            ids, masks = chunks["input_ids"][i], {k: c[i] for k, c in chunks.items() if k != "input_ids"}
             x = ids
             for s in self.stage_ids:
                 if s > 0 and lay.rank_of(s - 1) != me:
                     x = torch.empty((*ids.shape, hidden_size), dtype=dtype, device=self.env.device)
                     dist.recv(x, src=ranks[lay.rank_of(s - 1)])
-                x = modules[s](x, attention_mask=mask, labels=labels)
+                x = modules[s](x, **masks)
                 if s == lay.num_stages - 1:
                     total += x.float().sum()
                 elif lay.rank_of(s + 1) != me:
@@ -215,9 +207,10 @@ class PipelineParallel(Strategy):
         """One (global_batch, seq) batch; a short one (the last validation batch) is filled with rows
         that carry no loss, since the stage shapes are fixed."""
         batch = {k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]}
-        missing = self.layout.microbatches * self.layout.micro_batch_size - batch["input_ids"].shape[0]
-        if missing > 0:
-            fill = {"input_ids": 0, "attention_mask": 1, "labels": -100}
+        rows = 1 if self.cfg.data.packing else self.layout.micro_batch_size  # per micro-batch
+        missing = self.layout.microbatches * rows - batch["input_ids"].shape[0]
+        if missing > 0:  # packed fill rows: position 0 everywhere, each token a document of its own
+            fill = {"input_ids": 0, "attention_mask": 1, "position_ids": 0, "labels": -100}
             batch = {
                 k: torch.cat([v, torch.full((missing, v.shape[1]), fill[k], dtype=v.dtype, device=v.device)])
                 for k, v in batch.items()
