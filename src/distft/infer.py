@@ -22,6 +22,7 @@ from distft.data import ChatFormatter, collate, count_label_tokens, load_rows, t
 from distft.data.tokenizer import load_tokenizer
 from distft.errors import ConfigError
 from distft.model import DTYPES, SummaryLM, causal_lm, is_preset, load_base_model
+from distft.model.build import RECIPE_FILE, rebuild_base
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
 
 
@@ -34,6 +35,11 @@ class Loaded:
 
 
 def _load_base(name: str, cfg: Config) -> nn.Module:
+    """The base an adapter sits on: a directory of weights, a run's DIR/base holding only a preset's
+    recipe (rebuilt bit for bit, `distft.model.build.rebuild_base`), a preset or a hub id."""
+    recipe = Path(name) / RECIPE_FILE
+    if recipe.is_file() and not (Path(name) / "config.json").is_file():
+        return rebuild_base(json.loads(recipe.read_text()))
     if Path(name).is_dir():
         return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[cfg.model.dtype])
     cfg.model.name = name
