@@ -66,10 +66,10 @@ def test_auto_compiles_on_cuda_only_where_the_strategy_can():
 @pytest.mark.parametrize("strategy", ["tp", "tp-sp", "pp", "fsdp+tp", "ddp+pp"])
 def test_compile_true_is_refused_before_launch_where_blocks_are_rewritten(strategy):
     cfg = load_config(None, [f"parallel.strategy={strategy}", "parallel.nproc=2", "model.compile=true"])
-    with pytest.raises(ConfigError, match="model.compile=true cannot run with --strategy"):
+    with pytest.raises(ConfigError, match=r"model\.compile=true cannot run with --strategy"):
         check_config(cfg)
 
 
 def test_compile_setting_is_checked():
-    with pytest.raises(ConfigError, match="model.compile"):
+    with pytest.raises(ConfigError, match=r"model\.compile"):
         load_config(None, ["model.compile=yes"])
