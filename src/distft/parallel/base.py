@@ -126,8 +126,8 @@ class Strategy:
             total += model(**batch).float()
         return total
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
-        """Clip the global gradient norm and return it (before clipping): `distft.parallel.grads`."""
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm and return it (before clipping, on the device): `distft.parallel.grads`."""
         shared, replicated = self.gradient_shares(model)
         return clip_grad_norm_(shared, replicated, max_norm, self.env.device, group=self.norm_group())
 

@@ -36,10 +36,14 @@ def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_i
     """This rank's micro-batches of `examples`, collated and on its device."""
     pad_to = cfg.data.max_length if strategy.fixed_sequence_length else None
     micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, strategy.micro_batch_size(cfg))
-    device = strategy.env.device
-    return [
-        {k: v.to(device, non_blocking=True) for k, v in collate(mb, pad_id, pad_to).items()} for mb in micro
-    ]
+    return [to_device(collate(mb, pad_id, pad_to), strategy.env.device) for mb in micro]
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """`batch` on `device`. On CUDA from pinned host memory, so the copy is asynchronous
+    (`non_blocking`) and the host goes on queueing kernels instead of waiting for it."""
+    pin = device.type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in batch.items()}
 
 
 def train_step(
@@ -57,8 +61,11 @@ def train_step(
         loss_sum = strategy.forward_backward(model, batches, n_tokens)
     after_backward(model, step)
     with run.collective(f"the all-reduces of the gradient norm and the loss in step {step}"):
-        grad_norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
-        loss = strategy.reduce_loss(loss_sum).item() / n_tokens
+        norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
+        total = strategy.reduce_loss(loss_sum)
+        # The step's one host sync: loss and norm come back together (the branch below needs both).
+        total, grad_norm = torch.stack([total.double(), norm.double()]).tolist()
+    loss = total / n_tokens
     # Both are global (reduced over ranks), so every rank takes the same branch here.
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
