@@ -21,6 +21,7 @@ from distft.distributed import DistEnv, init_distributed, naming_collective, res
 from distft.io.checkpoint import check_resume, clear_checkpoints, load_training_state, resume_hint
 from distft.io.export import base_weights_written, save_base
 from distft.io.files import atomic_write_text
+from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.model.build import base_recipe
 from distft.model.compile import compile_blocks, compile_wanted
@@ -52,6 +53,9 @@ class Run:
     start_step: int = 0  # the step of the checkpoint resumed from; 0 for a new run
     checkpoint: Path | None = None
     compiled: bool = False  # decoder layers run torch.compile'd (`distft.model.compile`)
+    flops: ModelFlops | None = None  # the step's model FLOPs (`distft.measure.flops`)
+    peak_flops: float | None = None  # one device's peak dense bf16 FLOP/s; None off a known GPU
+    peak_note: str = ""  # what MFU is measured against, or why it is null
 
     @property
     def pad_id(self) -> int:
@@ -121,6 +125,7 @@ def setup(cfg: Config) -> Run:
     if cfg.model.activation_checkpointing:
         causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     parameters = count_parameters(lm)
+    flops = ModelFlops.from_model(lm)  # whole, before a strategy shards it
     compiled = compile_wanted(cfg.model.compile, env.device, strategy.supports_compile)
     if compiled:  # per decoder layer, before the strategy wraps them (`distft.model.compile`)
         compile_blocks(lm)
@@ -136,7 +141,8 @@ def setup(cfg: Config) -> Run:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
 
     run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
-              param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled)  # fmt: skip
+              param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, flops=flops)  # fmt: skip
+    run.peak_flops, run.peak_note = peak_flops(env.device)
     resume(run)
     return run
 
