@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from distft.io.preflight import check_finished_run, check_output_dir
 from distft.model import is_preset, model_config
 from distft.parallel import STRATEGIES, check_config, check_model
 from distft.train import train
+from distft.train.metrics import START_ENV
 from distft.train.tracking import check_trackers
 
 EXIT_FAILURE = 1
@@ -260,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault(START_ENV, str(time.time()))  # start-up time is measured from here
     parser = build_parser()
     # Overrides may sit anywhere among the flags (`--model micro optim.lr=1e-3 --max-steps 5`);
     # argparse only takes positionals in one run, so the rest are collected here.

@@ -96,6 +96,8 @@ def run_strategy(
     for key in ("idle_fraction", "idle_fraction_theory"):  # pipeline bubble, measured and in theory
         if key in measured[-1]:
             extra[key] = statistics.median(r[key] for r in measured)
+    if all(r.get("mfu") is not None for r in measured):  # null off a known GPU (distft.measure.flops)
+        extra["mfu"] = statistics.median(r["mfu"] for r in measured)
     return StrategyResult(
         strategy=strategy,
         world_size=1 if strategy == "single" else settings.nproc,

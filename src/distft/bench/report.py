@@ -174,16 +174,17 @@ def throughput_section(summary: dict) -> list[str]:
     lines = [
         "## Throughput and memory (measured)",
         "",
-        "| strategy | ranks | step time (s, median [min-max]) | tokens/s (median) | peak memory per rank (MiB) "
-        "| activations saved per rank (MiB) |",
-        "|---|---|---|---|---|---|",
+        "| strategy | ranks | step time (s, median [min-max]) | tokens/s (median) | MFU (median) "
+        "| peak memory per rank (MiB) | activations saved per rank (MiB) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         st, peak = r["step_time_s"], [mib(x["peak_mem_bytes"]) for x in r["ranks"]]
         saved = [mib(x["saved_activation_bytes"]) for x in r["ranks"]]
+        mfu = f"{r['extra']['mfu']:.1%}" if "mfu" in r.get("extra", {}) else "n/a"  # null off a known GPU
         lines.append(
             f"| {r['strategy']} | {r['world_size']} | {st['median']:.3f} [{st['min']:.3f}-{st['max']:.3f}] "
-            f"| {r['tokens_per_s']['median']:,.0f} | {' / '.join(peak)} | {' / '.join(saved)} |"
+            f"| {r['tokens_per_s']['median']:,.0f} | {mfu} | {' / '.join(peak)} | {' / '.join(saved)} |"
         )
     for r in results:
         if "idle_fraction" in r.get("extra", {}):

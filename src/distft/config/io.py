@@ -60,7 +60,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"`{where}` must be a number, got {value!r}.") from None
     if annotation is str:
-        if not isinstance(value, str | int | float) or isinstance(value, bool):
+        if isinstance(value, bool):  # `model.compile = true`: a string field whose choices include it
+            return "true" if value else "false"
+        if not isinstance(value, str | int | float):
             raise ConfigError(f"`{where}` must be a string, got {value!r}.")
         return str(value)
     raise TypeError(f"unsupported config type {annotation} ({where})")

@@ -39,6 +39,9 @@ class ModelConfig:
     block count; under FSDP each rank must hold whole groups, checked before launch)."""
     double_quant: bool = True
     """QLoRA: store the block absmaxes in 8 bits (double quantization); false: in the model dtype."""
+    compile: str = "auto"
+    """torch.compile each decoder layer (`distft.model.compile`): auto (on CUDA where the strategy
+    takes compiled blocks: single, ddp, fsdp, zero2), true or false."""
 
 
 @dataclass
@@ -192,7 +195,9 @@ class OutputConfig:
     dir: str = "runs/default"
     """Run directory: adapter/, metrics.jsonl, config.toml."""
     save_base: bool = True
-    """Save a randomly initialised preset base next to the adapter, so the adapter can be loaded."""
+    """Write a small preset's random base weights to DIR/base, so the adapter loads with plain peft.
+    DIR/base always holds the base's recipe (preset, seed, dtype, device), from which `distft infer`
+    rebuilds it; real-size presets (qwen3-*) are written as the recipe alone."""
     checkpoint_every: int = 0
     """Write a resumable training-state checkpoint every N steps (0: never)."""
     keep_last: int = 2
@@ -258,6 +263,7 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
     for tracker in cfg.output.report_to:
         check_choice(tracker, TRACKERS, "output.report_to")
+    check_choice(cfg.model.compile, ("auto", "true", "false"), "model.compile")
     _check_counts(cfg)
     _check_ranges(cfg)
 

@@ -20,6 +20,7 @@ from distft.config import Config, load_config
 from distft.data.tokenizer import load_tokenizer
 from distft.errors import ConfigError
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model
+from distft.model.build import RECIPE_FILE, rebuild_base
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
 
 
@@ -45,6 +46,11 @@ def preset_notice(loaded: Loaded) -> str | None:
 
 
 def _load_base(name: str, cfg: Config) -> nn.Module:
+    """The base an adapter sits on: a directory of weights, a run's DIR/base holding only a preset's
+    recipe (rebuilt bit for bit, `distft.model.build.rebuild_base`), a preset or a hub id."""
+    recipe = Path(name) / RECIPE_FILE
+    if recipe.is_file() and not (Path(name) / "config.json").is_file():
+        return rebuild_base(json.loads(recipe.read_text()))
     if Path(name).is_dir():
         return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[cfg.model.dtype])
     cfg.model.name = name

@@ -4,8 +4,10 @@
   `PeftModel.from_pretrained` loads in a plain Python process, whatever strategy trained it.
 - `DIR/model/`: the whole model, for full finetuning (config.json + model.safetensors), with the
   tokenizer and its chat template.
-- `DIR/base/`: the randomly initialised base of a preset model, with the tokenizer, so an adapter
-  trained on a preset can be loaded anywhere (presets have no weights on the hub).
+- `DIR/base/`: a preset model's base: its recipe (preset, seed, dtype, device type) and the
+  tokenizer, plus its random weights for the small CPU presets, so their adapters load anywhere
+  with plain peft. A real-size preset's base (8 GB for Qwen3-4B) is never written: the recipe
+  rebuilds it bit for bit (`distft.model.build.rebuild_base`).
 - `distft export`'s directory: the merged model, tokenizer and model card (`distft.export`).
 """
 
@@ -18,8 +20,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from distft.config import Config
 from distft.io.files import atomic_directory
+from distft.model.build import RECIPE_FILE
 from distft.model.nf4 import QUANTIZATION_FILE
+from distft.model.presets import PRESETS
 
 
 def save_adapter(
@@ -60,11 +65,21 @@ def save_full_model(
             tokenizer.save_pretrained(str(tmp))
 
 
-def save_base(lm: nn.Module, tokenizer: object, out: Path) -> None:
-    """Write a preset's base model and tokenizer, so its adapter loads outside distft."""
+def base_weights_written(cfg: Config) -> bool:
+    """Whether a run writes its base's weights to DIR/base: a small preset with output.save_base
+    (a real-size preset, one mirroring a released model, is written as its recipe alone)."""
+    return cfg.model.name in PRESETS and cfg.output.save_base and not PRESETS[cfg.model.name].hub_id
+
+
+def save_base(lm: nn.Module, tokenizer: object, out: Path, recipe: dict, weights: bool) -> None:
+    """Write a preset's base to `out`: its recipe (`distft.model.build.base_recipe`) and tokenizer
+    always, its random weights only when `weights` (small presets), so its adapter loads outside
+    distft. A real-size preset's base is the recipe alone: `distft infer` rebuilds it."""
     with atomic_directory(out) as tmp:
-        lm.save_pretrained(str(tmp))
+        if weights:
+            lm.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
 
 
 def save_merged_model(lm: nn.Module, tokenizer: object, out: Path, card: str) -> None:

@@ -15,7 +15,8 @@ from torch import nn
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.io.checkpoint import latest_checkpoint
-from distft.model import DTYPES, is_preset
+from distft.io.export import base_weights_written
+from distft.model import DTYPES
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -47,7 +48,7 @@ def output_bytes(cfg: Config, model_config: PretrainedConfig) -> dict[str, int]:
     sizes = {"export": 2 * trainable * itemsize}
     if cfg.output.checkpoint_every:
         sizes["checkpoints"] = (cfg.output.keep_last + 1) * 3 * trainable * itemsize
-    if is_preset(cfg.model.name) and cfg.output.save_base:
+    if base_weights_written(cfg):
         sizes["base"] = total * itemsize
     return sizes
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distft.config import Config, ModelConfig
 from distft.errors import ConfigError
@@ -57,19 +57,20 @@ def _unreachable_model_message(name: str, err: Exception) -> str:
     )
 
 
-def load_base_model(cfg: ModelConfig) -> nn.Module:
-    """The causal LM named by `cfg.name`, in `cfg.dtype`, on CPU (strategies move it)."""
-    dtype = DTYPES[cfg.dtype]
-    kwargs = {"dtype": dtype, "attn_implementation": cfg.attn_implementation}
+def load_base_model(cfg: ModelConfig, device: torch.device | str | None = None) -> nn.Module:
+    """The causal LM named by `cfg.name`, in `cfg.dtype`, built or loaded straight onto `device`.
+
+    `device=None` means the CPU, for strategies that place or shard the model themselves (FSDP, TP,
+    pipelines); single and DDP pass their own device, so a real-size base never exists in fp32 on
+    the host. A preset is a recipe, (name, seed, dtype, device type): the same recipe gives the same
+    weights bit for bit, on every rank and in `distft infer`. On the CPU in float32 the weights are
+    the ones a plain `Qwen3ForCausalLM(config)` under `torch.manual_seed(seed)` makes.
+    """
+    dtype, device = DTYPES[cfg.dtype], torch.device(device or "cpu")
     if cfg.name in PRESETS:
-        # Seeded init so every rank (and every strategy) starts from the same random weights.
-        config = PRESETS[cfg.name].to_config()
-        config._attn_implementation = cfg.attn_implementation
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            model = Qwen3ForCausalLM(config)
-        model = model.to(dtype)
+        model = _init_preset(cfg, dtype, device)
     else:
+        kwargs = {"dtype": dtype, "attn_implementation": cfg.attn_implementation, "device_map": device}
         if not Path(cfg.name).is_dir():
             kwargs["local_files_only"] = hub_offline()
         try:
@@ -78,6 +79,52 @@ def load_base_model(cfg: ModelConfig) -> nn.Module:
             raise ConfigError(_unreachable_model_message(cfg.name, err)) from None
     model.config.use_cache = False  # training never uses the KV cache; it only costs memory
     return model
+
+
+def _init_preset(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A preset's random weights, initialised where they will live and in their final dtype."""
+    config = PRESETS[cfg.name].to_config()
+    config._attn_implementation = cfg.attn_implementation
+    # Seeded init so every rank (and every strategy) starts from the same random weights; the
+    # generator state of the caller is restored afterwards (CUDA's too, when it is the device).
+    forked = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked):
+        torch.manual_seed(cfg.seed)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+RECIPE_FILE = "recipe.json"  # in DIR/base: how to rebuild a preset's random base (`rebuild_base`)
+
+
+def base_recipe(cfg: ModelConfig, device: torch.device | str | None = None) -> dict:
+    """What rebuilds a preset's random base bit for bit: preset, seed, dtype, attention kernel,
+    and the device type it was initialised on (CPU and CUDA draw different random streams)."""
+    return {
+        "preset": cfg.name,
+        "seed": cfg.seed,
+        "dtype": cfg.dtype,
+        "attn_implementation": cfg.attn_implementation,
+        "device": torch.device(device or "cpu").type,
+    }
+
+
+def rebuild_base(recipe: dict) -> nn.Module:
+    """The base a recipe describes (`base_recipe`), on the CPU: equal, bitwise, to the one trained."""
+    cfg = ModelConfig(
+        name=recipe["preset"],
+        seed=recipe["seed"],
+        dtype=recipe["dtype"],
+        attn_implementation=recipe["attn_implementation"],
+    )
+    if recipe["device"] == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"This run's base is preset {cfg.name!r} initialised with seed {cfg.seed} on a CUDA device: "
+            "CUDA draws a different random stream than the CPU, so the same weights can only be rebuilt "
+            "on a machine with a CUDA GPU. Run `distft infer` there, or train on a small preset with "
+            "output.save_base=true so the base weights are written to DIR/base."
+        )
+    return load_base_model(cfg, "cuda" if recipe["device"] == "cuda" else None).to("cpu")
 
 
 def apply_method(model: nn.Module, cfg: Config) -> nn.Module:

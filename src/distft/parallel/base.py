@@ -43,6 +43,12 @@ class Strategy:
     supports_qlora: ClassVar[bool] = False
     qlora_refusal: ClassVar[str] = "this strategy has not been taught to place NF4 base weights"
     mesh_degrees: ClassVar[bool] = False  # takes parallel.dp / tp / pp (multi-dimensional strategies)
+    # Takes the whole model on this rank's device (single, DDP): the base is built there directly,
+    # in its dtype. The others receive it on the CPU and place or shard it themselves.
+    builds_on_device: ClassVar[bool] = False
+    # Takes decoder layers compiled with torch.compile (`distft.model.compile`); TP's DTensor plans,
+    # tp-sp's hand-written layers and pipeline stages do not.
+    supports_compile: ClassVar[bool] = False
     # What forward_backward communicates, for error messages ("timed out in ...").
     collectives: ClassVar[str] = "collectives"
 
@@ -120,8 +126,8 @@ class Strategy:
             total += model(**batch).float()
         return total
 
-    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
-        """Clip the global gradient norm and return it (before clipping): `distft.parallel.grads`."""
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm and return it (before clipping, on the device): `distft.parallel.grads`."""
         shared, replicated = self.gradient_shares(model)
         return clip_grad_norm_(shared, replicated, max_norm, self.env.device, group=self.norm_group())
 

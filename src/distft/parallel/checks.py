@@ -35,6 +35,7 @@ def check_config(cfg: Config) -> BatchShape:
     strategy = STRATEGIES[cfg.parallel.strategy]
     _check_method(cfg, strategy)
     _check_layout(cfg, strategy)
+    _check_compile(cfg, strategy)
     strategy.validate_config(cfg)
     return batch_shape(cfg)
 
@@ -63,6 +64,17 @@ def _check_method(cfg: Config, strategy: type[Strategy]) -> None:
             f"--method qlora cannot run with --strategy {strategy.name}: {strategy.qlora_refusal}. "
             f"QLoRA runs with {', '.join(s for s, c in STRATEGIES.items() if c.supports_qlora)}; "
             f"or keep --strategy {strategy.name} with --method lora."
+        )
+
+
+def _check_compile(cfg: Config, strategy: type[Strategy]) -> None:
+    if cfg.model.compile == "true" and not strategy.supports_compile:
+        raise ConfigError(
+            f"model.compile=true cannot run with --strategy {strategy.name}: it rewrites the decoder "
+            "layers itself (DTensor plans, hand-written tensor-parallel layers or pipeline stages), "
+            "which torch.compile'd blocks do not survive. Compiled blocks run with "
+            f"{', '.join(s for s, c in STRATEGIES.items() if c.supports_compile)}; or set "
+            "model.compile=auto (it stays eager here)."
         )
 
 

@@ -48,6 +48,8 @@ from distft.parallel.base import Strategy
 class DDP(Strategy):
     name = "ddp"
     supports_qlora: ClassVar[bool] = True
+    builds_on_device: ClassVar[bool] = True
+    supports_compile: ClassVar[bool] = True
     collectives = "the all-reduce of gradients (ddp)"
 
     @classmethod

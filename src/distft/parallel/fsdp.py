@@ -90,6 +90,7 @@ class FSDP(Strategy):
     name = "fsdp"
     reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
     supports_qlora: ClassVar[bool] = True
+    supports_compile: ClassVar[bool] = True  # each layer compiled before fully_shard wraps it
     collectives = "the all-gathers of parameters / reduce-scatters of gradients (fsdp)"
 
     @classmethod

@@ -29,8 +29,9 @@ def clip_grad_norm_(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     reduce: bool = True,
-) -> float:
-    """The global gradient norm (returned, before clipping); scales every gradient by
+) -> torch.Tensor:
+    """The global gradient norm (returned before clipping, a float64 tensor on `device`: reading it is
+    the caller's host sync); scales every gradient by
     min(1, max_norm / norm) when `max_norm` > 0, as `torch.nn.utils.clip_grad_norm_` does.
 
     `shared` holds (gradient, copies) pairs summed over `group` (`reduce=False`: nothing to sum,
@@ -50,7 +51,7 @@ def clip_grad_norm_(
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in [g for g, _ in shared] + replicated:
             local(g).mul_(coef.to(g.dtype))
-    return float(norm)
+    return norm
 
 
 def all_reduce_flat(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:

@@ -18,6 +18,8 @@ class Single(Strategy):
     name = "single"
     distributed: ClassVar[bool] = False
     supports_qlora: ClassVar[bool] = True
+    builds_on_device: ClassVar[bool] = True
+    supports_compile: ClassVar[bool] = True
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -1,6 +1,7 @@
 """Hardware profiles, links, and the time a collective takes on them.
 
-`GPUS` holds per-GPU memory and dense bf16 tensor-core throughput; `LINKS` the bandwidth of each
+`GPUS` (from `distft.measure.gpus`, where training's MFU reads it too) holds per-GPU memory and
+dense bf16 tensor-core throughput; `LINKS` the bandwidth of each
 interconnect, per direction. Figures marked `vendor=True` are datasheet numbers (peaks; training
 reaches a fraction of them); `efficiency` and `latency_s` are our assumptions, stated once here:
 NCCL's ring collectives typically reach 70-85% of a link's per-direction bandwidth, less through
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 
 from distft.errors import ConfigError
 from distft.measure.comm import WIRE_FACTOR
+from distft.measure.gpus import GPU, GPU_ALIASES, GPUS, GiB
 
-GiB = 1024**3
 GB = 1000**3
 
 
@@ -65,39 +66,6 @@ LINKS: dict[str, Link] = {
     "ib-ndr": Link("ib-ndr", "InfiniBand NDR 400 Gb/s", 50 * GB, 0.8, 10e-6, True),
 }
 
-
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    label: str
-    memory: int  # bytes (vendor figure)
-    bf16_tflops: float | None  # dense bf16 tensor-core peak, TFLOP/s (vendor figure)
-    pcie: str  # the host link
-    nvlink: str | None  # the GPU-to-GPU link of the usual multi-GPU system, if any
-    vendor: bool = True  # memory and bf16_tflops are datasheet figures (False: user-given memory only)
-
-    VENDOR_FIELDS = ("memory", "bf16_tflops")
-
-
-GPUS: dict[str, GPU] = {
-    # Ada whitepaper: 165.2 TFLOP/s bf16 with fp32 accumulate (dense); no NVLink, no P2P on GeForce.
-    "rtx4090": GPU("rtx4090", "RTX 4090 24 GB", 24 * GiB, 165.2, "pcie4", None),
-    "rtx3090": GPU("rtx3090", "RTX 3090 24 GB", 24 * GiB, 71.0, "pcie4", "nvlink-bridge"),
-    "l40s": GPU("l40s", "L40S 48 GB", 48 * GiB, 362.0, "pcie4", None),
-    "a100-40gb": GPU("a100-40gb", "A100 SXM 40 GB", 40 * GiB, 312.0, "pcie4", "nvlink3"),
-    "a100-80gb": GPU("a100-80gb", "A100 SXM 80 GB", 80 * GiB, 312.0, "pcie4", "nvlink3"),
-    "h100": GPU("h100", "H100 SXM 80 GB", 80 * GiB, 989.0, "pcie5", "nvlink4"),
-    "h100-pcie": GPU("h100-pcie", "H100 PCIe 80 GB", 80 * GiB, 756.0, "pcie5", None),
-    # HBM capacities are binary in practice: an "80 GB" card has 80 GiB (nvidia-smi: 81,559 MiB usable).
-    "h200": GPU("h200", "H200 SXM 141 GB", 141 * GiB, 989.0, "pcie5", "nvlink4"),
-}
-GPU_ALIASES = {
-    "4090": "rtx4090",
-    "3090": "rtx3090",
-    "a100": "a100-80gb",
-    "h100-sxm": "h100",
-    "a100-40": "a100-40gb",
-}
 
 INTERCONNECTS = ("pcie", "nvlink", "infiniband", *LINKS)
 

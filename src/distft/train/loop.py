@@ -31,6 +31,8 @@ from distft.train.metrics import (
     MetricsWriter,
     gather_rank_summaries,
     rank_summary,
+    speed_line,
+    startup_seconds,
     step_record,
     truncate_metrics,
 )
@@ -63,6 +65,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     result = TrainResult(output_dir=run.out)
 
     # ---- the loop -------------------------------------------------------------------------
+    startup_s = startup_seconds()  # command start to the first step
     run.model.train()
     with progress:
         progress.advance_to(run.start_step)
@@ -76,6 +79,10 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
                 loss, grad_norm, updated = train_step(run, examples, step, hooks.after_backward)
             record = step_record(run, step, examples, loss, grad_norm, time.perf_counter() - t0)
             record.update(measure.report(step, examples))
+            if step == run.start_step + 1:  # the header's last line: start-up time and MFU
+                record["startup_s"] = startup_s
+                if progress.enabled:
+                    progress.console.print(speed_line(run, record), soft_wrap=True)
             result.losses.append(loss)
             if not updated:
                 record["skipped"] = True  # non-finite loss or gradient norm (train.on_nonfinite=skip)

@@ -1,6 +1,7 @@
 """What a run records: `metrics.jsonl` (one record per logged step) and `ranks.json` (per rank).
 
-A step's record holds its loss, learning rate, gradient norm, throughput and peak memory, plus
+A step's record holds its loss, learning rate, gradient norm, throughput (tokens/s, model FLOPs
+per token and MFU, `distft.measure.flops`; `mfu` is null off a known GPU) and peak memory, plus
 what `distft.train.measure` adds (collective bytes, saved activations, a pipeline's timeline),
 `skipped` for a step whose update was skipped, and `eval_loss` where the run evaluated.
 """
@@ -8,9 +9,12 @@ what `distft.train.measure` adds (collective bytes, saved activations, a pipelin
 from __future__ import annotations
 
 import json
+import os
 import resource
+import time
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -51,6 +55,15 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
+START_ENV = "DISTFT_START_TIME"  # stamped by the CLI on entry; torchrun's ranks inherit it
+
+
+def startup_seconds() -> float:
+    """Seconds from the command's start (the CLI's stamp; else this process's start) to now."""
+    stamp = os.environ.get(START_ENV)
+    return time.time() - (float(stamp) if stamp else psutil.Process().create_time())
+
+
 def peak_memory_bytes(env: DistEnv) -> int:
     if env.device.type == "cuda":
         return torch.cuda.max_memory_allocated(env.device)
@@ -62,6 +75,8 @@ def step_record(
 ) -> dict:
     """The figures every step records, in `metrics.jsonl`'s order."""
     tokens = sum(len(e.input_ids) for e in examples)
+    flops = run.flops.step(examples)  # the whole global batch, every rank together
+    peak = run.peak_flops * run.env.world_size if run.peak_flops else None
     return {
         "step": step,
         "loss": loss,
@@ -69,9 +84,21 @@ def step_record(
         "grad_norm": grad_norm,
         "tokens": tokens,
         "tokens_per_s": tokens / step_time,
+        "flops_per_token": flops / tokens,
+        "mfu": flops / step_time / peak if peak else None,
         "step_time_s": step_time,
         "peak_mem_bytes": peak_memory_bytes(run.env),
     }
+
+
+def speed_line(run: Run, record: dict) -> str:
+    """The header's line after the first step: start-up time and MFU (or why there is none)."""
+    mfu = f"MFU {record['mfu']:.1%}" if record["mfu"] is not None else "MFU n/a"
+    compiled = "compiled decoder layers" if run.compiled else "eager"
+    return (
+        f"start-up {record['startup_s']:.1f} s (command start to step 1); {mfu} ({run.peak_note}); "
+        f"{record['flops_per_token'] / 1e9:.3g} GFLOP/token; {compiled}"
+    )
 
 
 def rank_summary(run: Run, saved_activation_bytes: int) -> dict:

@@ -20,9 +20,12 @@ from distft.data import ChatFormatter, TokenizedSplit, load_rows, tokenize_rows
 from distft.data.tokenizer import load_tokenizer
 from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
 from distft.io.checkpoint import check_resume, clear_checkpoints, load_training_state, resume_hint
-from distft.io.export import save_base
+from distft.io.export import base_weights_written, save_base
 from distft.io.files import atomic_write_text
+from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
+from distft.model.build import base_recipe
+from distft.model.compile import compile_blocks, compile_wanted
 from distft.model.nf4 import storage_layout
 from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model
 from distft.tensors import local_bytes
@@ -50,6 +53,10 @@ class Run:
     autocast: contextlib.AbstractContextManager
     start_step: int = 0  # the step of the checkpoint resumed from; 0 for a new run
     checkpoint: Path | None = None
+    compiled: bool = False  # decoder layers run torch.compile'd (`distft.model.compile`)
+    flops: ModelFlops | None = None  # the step's model FLOPs (`distft.measure.flops`)
+    peak_flops: float | None = None  # one device's peak dense bf16 FLOP/s; None off a known GPU
+    peak_note: str = ""  # what MFU is measured against, or why it is null
 
     @property
     def pad_id(self) -> int:
@@ -77,6 +84,21 @@ def lr_lambda(cfg: Config):
     return factor
 
 
+def adamw(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; fused (one kernel for every tensor) when they are all
+    on CUDA, where the per-tensor loop would launch several kernels per parameter."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_cuda = all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+        eps=cfg.optim.eps,
+        weight_decay=cfg.optim.weight_decay,
+        fused=True if on_cuda else None,  # None: torch's default (the for-loop) on the CPU
+    )
+
+
 def setup(cfg: Config, dataset: Any = None) -> Run:
     """`dataset`: in-memory rows (`distft.data.load_rows`) instead of `cfg.data.source`."""
     shape = check_config(cfg)  # pure; the CLI ran it before launch, a Python caller may not have
@@ -90,12 +112,14 @@ def setup(cfg: Config, dataset: Any = None) -> Run:
     rows = load_rows(cfg.data, seed=cfg.train.seed, dataset=dataset)
     train_set, val_set = tokenize_rows(rows["train"], formatter), tokenize_rows(rows["validation"], formatter)
 
-    base = load_base_model(cfg.model)
+    # Built where it will train, in its dtype, when the strategy takes a whole model on its device.
+    base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None)
     check_model(cfg, base.config)
     if env.is_main:
         atomic_write_text(out / "config.toml", to_toml(cfg))
-        if is_preset(cfg.model.name) and cfg.output.save_base:
-            save_base(base, tokenizer, out / "base")
+        if is_preset(cfg.model.name):  # the recipe always; the weights when small (`io.export`)
+            recipe = base_recipe(cfg.model, base.device)
+            save_base(base, tokenizer, out / "base", recipe, weights=base_weights_written(cfg))
     base_ref = str((out / "base").resolve()) if is_preset(cfg.model.name) else cfg.model.name
 
     torch.manual_seed(cfg.train.seed)  # LoRA's random init: identical on every rank
@@ -103,25 +127,24 @@ def setup(cfg: Config, dataset: Any = None) -> Run:
     if cfg.model.activation_checkpointing:
         causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     parameters = count_parameters(lm)
+    flops = ModelFlops.from_model(lm)  # whole, before a strategy shards it
+    compiled = compile_wanted(cfg.model.compile, env.device, strategy.supports_compile)
+    if compiled:  # per decoder layer, before the strategy wraps them (`distft.model.compile`)
+        compile_blocks(lm)
     model = strategy.parallelize(SummaryLM(lm))
     param_bytes = storage_layout(model)  # NF4 parts apart (distft.model.nf4)
     # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
     # before a forward-only pass can leave ZeRO-2's parameters gathered.
     grad_bytes = local_bytes(p for p in model.parameters() if p.requires_grad)
 
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        eps=cfg.optim.eps,
-        weight_decay=cfg.optim.weight_decay,
-    )
+    optimizer = adamw(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     use_autocast = cfg.model.autocast and env.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
 
     run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
-              param_bytes, grad_bytes, optimizer, scheduler, autocast)  # fmt: skip
+              param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, flops=flops)  # fmt: skip
+    run.peak_flops, run.peak_note = peak_flops(env.device)
     resume(run)
     return run
 

@@ -38,11 +38,14 @@ def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_i
     # One shape every step (pipelines): a sequence of max_length, or a packed row of `size` of them.
     pad_to = cfg.data.max_length * (size if packed else 1) if strategy.fixed_sequence_length else None
     micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size)
-    device = strategy.env.device
-    return [
-        {k: v.to(device, non_blocking=True) for k, v in micro_batch(mb, pad_id, packed, pad_to).items()}
-        for mb in micro
-    ]
+    return [to_device(micro_batch(mb, pad_id, packed, pad_to), strategy.env.device) for mb in micro]
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """`batch` on `device`. On CUDA from pinned host memory, so the copy is asynchronous
+    (`non_blocking`) and the host goes on queueing kernels instead of waiting for it."""
+    pin = device.type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=pin) for k, v in batch.items()}
 
 
 def train_step(
@@ -60,8 +63,11 @@ def train_step(
         loss_sum = strategy.forward_backward(model, batches, n_tokens)
     after_backward(model, step)
     with run.collective(f"the all-reduces of the gradient norm and the loss in step {step}"):
-        grad_norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
-        loss = strategy.reduce_loss(loss_sum).item() / n_tokens
+        norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
+        total = strategy.reduce_loss(loss_sum)
+        # The step's one host sync: loss and norm come back together (the branch below needs both).
+        total, grad_norm = torch.stack([total.double(), norm.double()]).tolist()
+    loss = total / n_tokens
     # Both are global (reduced over ranks), so every rank takes the same branch here.
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:

@@ -1,0 +1,94 @@
+"""Model FLOPs of a training step, counted from the real model, and MFU against the GPU's peak.
+
+The convention (PaLM, Chowdhery et al. 2204.02311, appendix B; Korthikanti et al. 2205.05198):
+only matrix multiplies count, a multiply-add is 2 FLOPs, and backward costs what it computes.
+
+- A weight matrix with N elements costs 2N per token forward. Backward computes the input
+  gradient (2N) always, and the weight gradient (2N) only if the weight trains. So a frozen
+  weight costs 4N per token and a trainable one 6N: full finetuning is the familiar 6N; LoRA is
+  4 N_base + 6 N_adapters (the adapters' two thin matmuls are ordinary trainable weights).
+- Attention's two matmuls per layer (Q K^T and attention x V) cost 2 s d_attn each per token
+  forward on a sequence of s tokens, d_attn = heads x head_dim; causal masking halves them (token
+  t attends to about s/2 keys on average); backward doubles them (no weights: input gradients
+  only). Per sequence and layer: 3 x (4 s^2 d_attn) / 2 = 6 s^2 d_attn.
+- The LM head runs on the labelled positions only (`distft.model.lm.summed_loss`), so it counts
+  per labelled token; the input embedding is a lookup, not a matmul, and counts nothing.
+
+So one step over sequences of s_i tokens with k_i labelled ones costs
+
+    F = sum_i [ s_i (4 N_frozen + 6 N_trainable) + k_i c_head N_head + 6 L d_attn s_i^2 ]
+
+with N_* the decoder layers' Linear weights, N_head = hidden x vocab, c_head = 6 if the head
+trains (full finetuning) else 4, and L the layer count. `flops_per_token` = F / sum_i s_i; MFU =
+F / step time / (ranks x the GPU's peak dense bf16 FLOP/s), the GPU from `distft.measure.gpus`.
+Norms, rotary, softmax and the loss are elementwise, a few percent at most, and not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from distft.data import Example
+from distft.data.chat import IGNORE
+from distft.measure.gpus import gpu_for_device_name
+from distft.model import causal_lm
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """The counts the formula above needs, read once from the model before it is parallelized."""
+
+    frozen: int  # weights in the decoder layers' matmuls that do not train (N_frozen)
+    trainable: int  # weights in the decoder layers' matmuls that train (N_trainable)
+    head: int  # hidden x vocab (N_head)
+    head_trains: bool
+    layers: int  # L
+    attn_dim: int  # heads x head_dim (d_attn)
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> ModelFlops:
+        """Counted from `model` (a causal LM, PEFT-wrapped or not; NF4 weights count their shape)."""
+        lm = causal_lm(model)
+        frozen = trainable = 0
+        for module in lm.model.layers.modules():
+            if isinstance(module, nn.Linear):
+                n = module.in_features * module.out_features
+                if module.weight.requires_grad:
+                    trainable += n
+                else:
+                    frozen += n
+        config, head = lm.config, lm.lm_head
+        return cls(
+            frozen=frozen,
+            trainable=trainable,
+            head=head.in_features * head.out_features,
+            head_trains=head.weight.requires_grad,
+            layers=config.num_hidden_layers,
+            attn_dim=config.num_attention_heads * config.head_dim,
+        )
+
+    def sequence(self, tokens: int, labelled: int) -> int:
+        """FLOPs of forward + backward over one sequence of `tokens` tokens, `labelled` of them
+        with a loss."""
+        linear = tokens * (4 * self.frozen + 6 * self.trainable)
+        head = labelled * (6 if self.head_trains else 4) * self.head
+        attention = 6 * self.layers * self.attn_dim * tokens * tokens
+        return linear + head + attention
+
+    def step(self, examples: list[Example]) -> int:
+        """FLOPs of one optimizer step over `examples` (the global batch), every rank together."""
+        return sum(self.sequence(len(e.input_ids), sum(t != IGNORE for t in e.labels)) for e in examples)
+
+
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """(peak dense bf16 FLOP/s of one `device`, what it is), or (None, why MFU is not reported)."""
+    if device.type != "cuda":
+        return None, f"MFU is null on {device.type}: the peak table (distft.measure.gpus) lists GPUs only"
+    name = torch.cuda.get_device_name(device)
+    gpu = gpu_for_device_name(name)
+    if gpu is None or gpu.bf16_tflops is None:
+        return None, f"MFU is null: {name} has no peak bf16 figure in distft.measure.gpus"
+    return gpu.bf16_tflops * 1e12, f"MFU against {gpu.label}'s {gpu.bf16_tflops:g} TFLOP/s dense bf16 peak"

@@ -1,0 +1,70 @@
+"""Model FLOPs per token against a hand count for `micro`, and a device name matched to its peak."""
+
+import pytest
+import torch
+
+from distft.config import load_config
+from distft.data.chat import IGNORE, Example
+from distft.measure.flops import ModelFlops, peak_flops
+from distft.measure.gpus import gpu_for_device_name
+from distft.model import apply_method, load_base_model
+
+# micro: hidden 32, MLP 96, 4 layers, 4 heads x head_dim 8 (q/o: 32x32), 2 KV heads (k/v: 32x16).
+LAYER = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 3 * 32 * 96  # q, k, v, o, gate/up/down = 12,288
+# LoRA r=16 on all seven: r x (in + out) each.
+ADAPTERS = 16 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32) + 2 * (32 + 96) + (96 + 32))  # 9,728
+HEAD = 32 * 151_936
+LAYERS, ATTN = 4, 4 * 8
+
+
+def micro(method: str) -> torch.nn.Module:
+    cfg = load_config(None, ["model.name=micro", f"train.method={method}", "lora.rank=16"])
+    torch.manual_seed(0)
+    return apply_method(load_base_model(cfg.model), cfg)
+
+
+def test_lora_counts_match_the_hand_count():
+    flops = ModelFlops.from_model(micro("lora"))
+    assert flops == ModelFlops(LAYERS * LAYER, LAYERS * ADAPTERS, HEAD, False, LAYERS, ATTN)
+    # A 100-token sequence with 30 labelled tokens: 4N frozen + 6N adapters per token, the (frozen)
+    # head on the labelled tokens, and 6 L d_attn s^2 for causal attention.
+    want = 100 * (4 * 4 * 12_288 + 6 * 4 * 9_728) + 30 * 4 * 4_861_952 + 6 * 4 * 32 * 100 * 100
+    assert flops.sequence(100, 30) == want == 634_122_240
+
+
+def test_full_finetuning_is_6n_everywhere():
+    flops = ModelFlops.from_model(micro("full"))
+    assert (flops.frozen, flops.trainable, flops.head_trains) == (0, LAYERS * LAYER, True)
+    assert flops.sequence(10, 10) == 10 * 6 * LAYERS * LAYER + 10 * 6 * HEAD + 6 * LAYERS * ATTN * 100
+
+
+def test_a_step_sums_its_sequences():
+    flops = ModelFlops.from_model(micro("lora"))
+    examples = [Example([1] * 100, [IGNORE] * 70 + [5] * 30, 0), Example([1] * 8, [IGNORE] * 7 + [5], 0)]
+    assert flops.step(examples) == flops.sequence(100, 30) + flops.sequence(8, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA GeForce RTX 4090", "rtx4090"),
+        ("NVIDIA L40S", "l40s"),
+    ],
+)
+def test_cuda_device_names_find_their_row(name, key):
+    assert gpu_for_device_name(name).name == key
+
+
+def test_peak_is_none_off_a_known_gpu(monkeypatch):
+    peak, why = peak_flops(torch.device("cpu"))
+    assert peak is None and "null on cpu" in why
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    peak, what = peak_flops(torch.device("cuda", 0))
+    assert peak == 989e12 and "H100" in what
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla T4")
+    assert peak_flops(torch.device("cuda", 0))[0] is None
