@@ -92,8 +92,21 @@ def test_qlora_model_quantizes_every_decoder_projection():
         (["--strategy", "tp", "--nproc", "2"], "splits only along dim 0"),
         (["--strategy", "tp-sp", "--nproc", "2"], "splits only along dim 0"),
         (["--strategy", "fsdp+tp", "--nproc", "4", "parallel.tp=2"], "splits only along dim 0"),
-        # micro's k_proj: 8 blocks in one group of 8 (256 capped): 2 ranks cannot split a group.
-        (["--strategy", "fsdp", "--nproc", "2"], "model.quant_scaler_block_size=4"),
+        # tiny's k_proj: 32 blocks in 8 groups of 4 (the default, `NF4Spec.group_size`): 16 ranks
+        # cannot split a group; groups of 2 can.
+        (
+            [
+                "--model",
+                "tiny",
+                "--strategy",
+                "fsdp",
+                "--nproc",
+                "16",
+                "train.global_batch_size=16",
+                "train.micro_batch_size=1",
+            ],
+            "model.quant_scaler_block_size=2",
+        ),
         (
             ["--strategy", "fsdp", "--nproc", "2", "model.quant_block_size=96"],
             "does not split into NF4 blocks",

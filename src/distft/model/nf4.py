@@ -7,7 +7,8 @@ QLoRA and bitsandbytes. The forward dequantizes one weight at a time (`F.linear`
 runs torchao's `LinearNF4`), so compute and the adapters' gradients are in the model dtype.
 
 Layout of one weight of n elements (block B = `model.quant_block_size`, 64; group G =
-`model.quant_scaler_block_size`, 256, capped to the weight's block count; s = model dtype bytes):
+`model.quant_scaler_block_size`, 256, lowered for small weights by `NF4Spec.group_size`; s = model
+dtype bytes):
 
 | tensor                | dtype    | elements   | what                                                   |
 |-----------------------|----------|------------|--------------------------------------------------------|
@@ -43,8 +44,11 @@ each of them, and it implements what FSDP2 needs: `torch.chunk`/`split` along di
 the same collective as the unit's LoRA weights) and rebuilds a full NF4Tensor from them, carrying
 the per-tensor mean and code book as metadata. The gathered tensor is bit-identical to the one a
 single process quantized, so FSDP-QLoRA trains exactly like one process. The conditions, checked
-before launch (`check_shardable`): each weight's rows divide by the FSDP degree (NF4 cannot be
-padded) and so does its number of scale groups (a shard holds whole groups). The frozen 4-bit
+before launch (`check_quantizable`): each weight's rows divide by the FSDP degree (NF4 cannot be
+padded) and so does its number of scale groups (a shard holds whole groups). `group_size` cuts a
+weight too small for whole groups of G into a multiple of 8 groups, so with the defaults FSDP over
+2, 4 or 8 ranks fits the tiny presets too; past that the error names the
+`model.quant_scaler_block_size` that fits, or says that none does. The frozen 4-bit
 base has no gradient, so reduce-scatters carry only the adapters' gradients, as with LoRA.
 
 Traps met on the way, handled here:
@@ -61,6 +65,7 @@ Traps met on the way, handled here:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -77,6 +82,9 @@ from distft.tensors import local
 NF4_CODES = 16  # entries of the code book stored with each tensor
 INNER = ("quantized_data", "quantized_scalers", "quantization_factor")  # what FSDP2 shards and gathers
 META = ("scaler_mean", "nf4")  # replicated with every shard
+# Scale groups per weight are kept a multiple of this (where the weight's block count allows), so
+# FSDP over 1, 2, 4 or 8 ranks (a node) gives each rank whole groups whatever the model size.
+SHARDABLE_GROUPS = 8
 
 
 @functools.cache
@@ -105,9 +113,18 @@ class NF4Spec:
         return cls(cfg.quant_block_size, cfg.quant_scaler_block_size, cfg.double_quant)
 
     def group_size(self, numel: int) -> int:
-        """Blocks per scale group for a weight of `numel` elements: the configured size, or the
-        largest divisor of it that divides the weight's block count (small test models)."""
-        return math.gcd(self.scaler_block_size, numel // self.block_size)
+        """Blocks per scale group for a weight of `numel` elements. The configured size when it
+        divides the weight's block count (every real Qwen3 projection: the QLoRA layout the planner
+        assumes); for a smaller or uneven weight, the largest divisor of it that cuts the blocks
+        into a multiple of `SHARDABLE_GROUPS` groups (or of as large a divisor of 8 as the block
+        count allows), so FSDP over 2, 4 or 8 ranks hands each rank whole groups with the defaults.
+        The size does not depend on the rank count: every strategy quantizes a weight the same way."""
+        blocks = numel // self.block_size
+        if blocks % self.scaler_block_size == 0:
+            return self.scaler_block_size
+        step = math.gcd(blocks, SHARDABLE_GROUPS)
+        largest = math.gcd(self.scaler_block_size, blocks)
+        return next(g for g in range(largest, 0, -1) if largest % g == 0 and (blocks // g) % step == 0)
 
     def to_dict(self) -> dict:
         return {"format": "nf4", **self.__dict__}
@@ -281,20 +298,23 @@ def check_quantizable(spec: NF4Spec, model_config: PretrainedConfig, shards: int
         groups = blocks[name] // spec.group_size(rows * cols)
         if rows % shards == 0 and groups % shards == 0:
             continue
-        # The largest group size that lets every projection split (if rows allow it at all).
-        fits = [
-            g
-            for g in (256, 128, 64, 32, 16, 8, 4, 2, 1)
-            if all(b % (g * shards) == 0 for b in blocks.values())
-        ]
-        rows_ok = all(r % shards == 0 for r, _ in shapes.values())
-        fix = (
-            f"set model.quant_scaler_block_size={fits[0]} (or lower)"
-            if fits and rows_ok
-            else "use fewer ranks"
-        )
+        fix = _shardable_fix(spec, shapes, shards)
         raise ConfigError(
             f"--method qlora with FSDP over {shards} ranks: {name} ({rows} x {cols}) holds {blocks[name]} NF4 "
             f"blocks in {groups} double-quantization group(s) of {spec.group_size(rows * cols)}, and each rank "
             f"must hold whole rows and whole groups (an NF4 weight cannot be padded or cut inside a group): {fix}."
         )
+
+
+def _shardable_fix(spec: NF4Spec, shapes: dict[str, tuple[int, int]], shards: int) -> str:
+    """The override that lets every projection split across `shards` FSDP ranks, if one does."""
+    if any(rows % shards for rows, _ in shapes.values()):
+        return "use a number of ranks that divides every projection's rows"
+    for size in (256, 128, 64, 32, 16, 8, 4, 2, 1):
+        candidate = dataclasses.replace(spec, scaler_block_size=size)
+        if all(
+            (rows * cols // spec.block_size // candidate.group_size(rows * cols)) % shards == 0
+            for rows, cols in shapes.values()
+        ):
+            return f"set model.quant_scaler_block_size={size} (or lower)"
+    return "use fewer ranks"
