@@ -1,0 +1,33 @@
+"""Every shipped config loads, passes the checks `distft train` runs before launch, and opens with
+the command that runs it."""
+
+from pathlib import Path
+
+import pytest
+
+from distft.config import load_config
+from distft.model import PRESETS, model_config
+from distft.parallel import check_config, check_model
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def _architecture(name: str):
+    # Hub ids stand for their released architecture, which a preset mirrors (no download in CI).
+    mirrors = {p.hub_id: key for key, p in PRESETS.items() if p.hub_id}
+    return model_config(mirrors.get(name, name))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_is_runnable(path: Path):
+    cfg = load_config(path, [])
+    shape = check_config(cfg)
+    check_model(cfg, _architecture(cfg.model.name))
+    assert shape.accumulation_steps >= 1
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(f"# distft train --config configs/{path.name}"), first
+
+
+def test_every_strategy_of_the_series_has_a_real_scale_config():
+    strategies = {load_config(p, []).parallel.strategy for p in CONFIGS if p.stem.startswith("qwen3-4b")}
+    assert {"single", "ddp", "fsdp", "tp", "tp-sp", "pp"} <= strategies
