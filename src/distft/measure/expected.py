@@ -58,7 +58,7 @@ def fsdp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
         return _padded_rows(p.shape, n) * (dtype or p.dtype).itemsize
 
     params = list(model.parameters())  # every unit's parameters: layers and root
-    gathers = 2 if s.reshard_after_forward else 1
+    gathers = fsdp_gathers_per_microbatch(s.reshard_after_forward)
     return {
         "all_gather": len(batches) * gathers * sum(padded_bytes(p, param_dtype) for p in params),
         "reduce_scatter": len(batches)
@@ -89,7 +89,7 @@ def fsdp_tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, in
     )
     activations = tp_activation_bytes(s.cfg, causal_lm(unwrap(model).lm), batches)
     return {
-        "all_gather": len(batches) * 2 * gathered,
+        "all_gather": len(batches) * fsdp_gathers_per_microbatch(reshard_after_forward=True) * gathered,
         "reduce_scatter": len(batches) * scattered,
         "all_reduce": activations + local_bytes(s.partial_grads) + 4 + 8,
     }
@@ -176,6 +176,13 @@ FORMULAS: dict[str, Formula] = {
 
 
 # ---------------------------------------------------------------------------------------------
+# Counts `distft plan` shares (plan/traffic.py), so the planner and the runtime cannot disagree.
+
+
+def fsdp_gathers_per_microbatch(reshard_after_forward: bool) -> int:
+    """All-gathers of each FSDP unit per micro-batch: before its forward, and again before its
+    backward when it was resharded after the forward (ZeRO-3); ZeRO-2 keeps it gathered."""
+    return 2 if reshard_after_forward else 1
 
 
 def tp_activation_bytes(cfg: Config, lm: nn.Module, batches: list[Batch]) -> int:

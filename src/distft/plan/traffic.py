@@ -26,10 +26,11 @@ overlap compute and only the excess shows; a pipeline idles the runtime's theore
 the step (`distft.parallel.pipeline.Layout.theoretical_idle_fraction`, (p - 1) / (V m + p - 1)),
 so the step is compute / (1 - idle).
 
-The activation collectives of tensor parallelism are counted by the runtime's own functions
-(`distft.measure.expected.tp_activation_calls`, `megatron_crossings`), the ones the parity tests
-check against the bytes counted on real gloo ranks; the rest are plain functions of the model and
-the batch here (`dp_collectives`, `pipeline_boundary_bytes`, ...).
+The collective counts come from the runtime's own functions in `distft.measure.expected`
+(`tp_activation_calls`, `megatron_crossings`, `fsdp_gathers_per_microbatch`), the ones the parity
+tests check against the bytes counted on real gloo ranks. What differs is the input: the runtime
+sums the tensors a rank holds, the planner their shapes from a `ModelSpec` (no model is built), and
+tests/plan/test_traffic.py checks the two agree on the micro model.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from distft.measure.expected import megatron_crossings, tp_activation_calls
+from distft.measure.expected import fsdp_gathers_per_microbatch, megatron_crossings, tp_activation_calls
 from distft.plan.hardware import Link, comm_time, wire_bytes
 from distft.plan.memory import (
     layer_seq_len,
@@ -104,7 +105,7 @@ def held_bytes(
 
 def fsdp_gather_calls(layers: int, microbatches: int, reshard_after_forward: bool) -> int:
     """FSDP2 all-gathers per step: every unit (layers + root) in forward, again in backward for ZeRO-3."""
-    return (layers + 1) * (2 if reshard_after_forward else 1) * microbatches
+    return (layers + 1) * fsdp_gathers_per_microbatch(reshard_after_forward) * microbatches
 
 
 def pipeline_boundary_bytes(spec: ModelSpec, training: Training, tp: int = 1, sp: bool = False) -> float:
@@ -127,7 +128,7 @@ def dp_collectives(
             Collective("updated weights", "all_gather", weights, 1, par.dp, link, False),
         ]
     m = par.microbatches
-    gathers = 2 if par.reshard_after_forward else 1
+    gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
     params = held_bytes(spec, training, par, False, False) * gathers * m
     calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
     return [

@@ -1,0 +1,78 @@
+"""The planner's bytes per step equal the runtime's expected bytes (which the parity tests check
+against what gloo ranks really moved) for the same model, batch and layout.
+
+The runtime's formulas (`distft.measure.expected`) sum the tensors a built model holds; the
+planner's (`distft.plan.traffic`) multiply shapes from a `ModelSpec`. Both are evaluated here on
+the micro model, in one process: the runtime's need only a strategy's facts, given as a namespace.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from distft.config import load_config
+from distft.measure import expected
+from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
+from distft.plan.hardware import Link
+from distft.plan.model_spec import resolve_model
+from distft.plan.setup import PRECISIONS, Parallelism, Training
+from distft.plan.traffic import dp_collectives, tp_collectives
+
+WORLD, RANK, SEQ, MICRO_BATCHES = 2, 5, 32, 3  # odd LoRA rank: FSDP2 pads lora_A's rows
+LINK = Link("test", "a test link", bandwidth=1e9, efficiency=1.0, latency_s=0.0)
+
+
+def _built(method: str):
+    cfg = load_config(None, ["model.name=micro", f"train.method={method}", f"lora.rank={RANK}"])
+    torch.manual_seed(0)
+    return cfg, SummaryLM(apply_method(load_base_model(cfg.model), cfg))
+
+
+def _planned(method: str, layout: Parallelism) -> dict[str, float]:
+    spec = resolve_model("micro")
+    training = Training(
+        method=method, precision=PRECISIONS["fp32"], lora_rank=RANK, seq_len=SEQ, autocast=False
+    )
+    layers = spec.num_layers
+    out: dict[str, float] = {}
+    for c in (dp_collectives if layout.dp > 1 else tp_collectives)(spec, training, layout, LINK, layers):
+        if c.what in ("gradients", "parameters", "activations"):
+            out[c.kind] = out.get(c.kind, 0) + c.logical_bytes
+    return out
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    return [{"input_ids": torch.zeros(1, SEQ, dtype=torch.long)} for _ in range(MICRO_BATCHES)]
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_ddp_gradients(method):
+    cfg, model = _built(method)
+    facts = SimpleNamespace(cfg=cfg)
+    runtime = expected.ddp(facts, model, _batches())["all_reduce"] - 4  # less the loss scalar
+    planned = _planned(method, Parallelism("ddp", dp=WORLD, microbatches=MICRO_BATCHES))
+    assert planned == {"all_reduce": runtime}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
+def test_fsdp_gathers_and_scatters(method, reshard):
+    cfg, model = _built(method)
+    facts = SimpleNamespace(cfg=cfg, env=SimpleNamespace(world_size=WORLD), reshard_after_forward=reshard)
+    runtime = expected.fsdp(facts, model, _batches())
+    layout = Parallelism(
+        "fsdp", dp=WORLD, shard="full", reshard_after_forward=reshard, microbatches=MICRO_BATCHES
+    )
+    planned = _planned(method, layout)
+    assert planned == {"all_gather": runtime["all_gather"], "reduce_scatter": runtime["reduce_scatter"]}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_tp_activations(method):
+    cfg, model = _built(method)
+    runtime = expected.tp_activation_bytes(cfg, causal_lm(model.lm), _batches())
+    planned = _planned(method, Parallelism("tp", tp=WORLD, tp_impl="dtensor", microbatches=MICRO_BATCHES))
+    assert planned == {"all_reduce": runtime}
