@@ -53,13 +53,16 @@ NOISE = [
 ]
 
 
-def test_train_and_infer_print_no_library_noise(run):
+def test_train_infer_eval_export_print_no_library_noise(run, tmp_path):
     out, train_output = run
     infer = distft("infer", "--run", str(out), "--max-new-tokens", "4")
-    for output in (train_output, infer.stdout + infer.stderr):
+    evaluate = distft("eval", "--run", str(out), "--rows", "1", "--max-new-tokens", "2")
+    export = distft("export", "--run", str(out), "--out", str(tmp_path / "export"))
+    for output in (train_output, *(p.stdout + p.stderr for p in (infer, evaluate, export))):
         for noise in NOISE:
             assert noise not in output, f"{noise!r} in:\n{output}"
-    assert "generated summary" in infer.stdout
+    assert "generated summary" in infer.stdout and "ROUGE-L" in evaluate.stdout
+    assert export.stdout.startswith(f"exported {out} to ") and not export.stderr
 
 
 # ---- decoding ---------------------------------------------------------------------------------
