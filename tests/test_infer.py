@@ -53,13 +53,16 @@ NOISE = [
 ]
 
 
-def test_train_and_infer_print_no_library_noise(run):
+def test_train_infer_eval_export_print_no_library_noise(run, tmp_path):
     out, train_output = run
     infer = distft("infer", "--run", str(out), "--max-new-tokens", "4")
-    for output in (train_output, infer.stdout + infer.stderr):
+    evaluate = distft("eval", "--run", str(out), "--rows", "1", "--max-new-tokens", "2")
+    export = distft("export", "--run", str(out), "--out", str(tmp_path / "export"))
+    for output in (train_output, *(p.stdout + p.stderr for p in (infer, evaluate, export))):
         for noise in NOISE:
             assert noise not in output, f"{noise!r} in:\n{output}"
-    assert "generated summary" in infer.stdout
+    assert "generated summary" in infer.stdout and "ROUGE-L" in evaluate.stdout
+    assert export.stdout.startswith(f"exported {out} to ") and not export.stderr
 
 
 # ---- decoding ---------------------------------------------------------------------------------
@@ -158,6 +161,95 @@ def test_eval_scores_a_user_file_and_writes_results(run, tmp_path, capsys):
     assert scores["settings"]["max_new_tokens"] == 3
     for model in ("base", "finetuned"):
         assert scores["models"][model]["loss"] > 0 and 0 <= scores["models"][model]["rougeL"] <= 1
+
+
+# ---- every data format: a row's prompt is its turns before the last answer --------------------
+
+CHATS = [
+    {
+        "messages": [
+            {"role": "system", "content": "You answer in French."},
+            {"role": "user", "content": "Good morning"},
+            {"role": "assistant", "content": "Bonjour"},
+            {"role": "user", "content": "Thank you"},
+            {"role": "assistant", "content": "Merci beaucoup"},
+        ]
+    },
+    {"messages": [{"role": "user", "content": "Good night"}, {"role": "assistant", "content": "Bonne nuit"}]},
+]
+ALPACAS = [
+    {"instruction": "Translate to German.", "input": "Good night", "output": "Gute Nacht"},
+    {"instruction": "Translate to German.", "input": "Thank you", "output": "Danke"},
+]
+
+
+@pytest.mark.parametrize("records", [CHATS, ALPACAS], ids=["chat", "alpaca"])
+def test_eval_scores_chat_and_alpaca_files(records, run, tmp_path, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = tmp_path / "results.json"
+    argv = ["eval", "--run", str(run[0]), "--data", str(data), "--max-new-tokens", "3"]
+    # alpaca's input/output also fit the qmsum summary schema: --format says which (the run trained on auto)
+    fmt = ["--format", "alpaca"] if "instruction" in records[0] else []
+    assert main([*argv, *fmt, "--output", str(results)]) == 0
+    assert "2 rows of" in capsys.readouterr().out
+    scores = json.loads(results.read_text())
+    assert scores["rows"] == [f"{data}:1", f"{data}:2"]
+    for model in ("base", "finetuned"):
+        assert scores["models"][model]["loss"] > 0 and 0 <= scores["models"][model]["rougeL"] <= 1
+
+
+def test_batch_infer_on_a_chat_file_answers_every_row(run, tmp_path, capsys):
+    """One output per row: its prompt is the chat up to its last answer, that answer its reference;
+    a chat ending with a user turn is answered too, with no reference."""
+    open_chat = {"messages": [*CHATS[0]["messages"][:2], {"role": "user", "content": "And goodbye?"}]}
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in [*CHATS, open_chat]))
+    out = tmp_path / "answers.jsonl"
+    argv = [
+        "infer",
+        "--run",
+        str(run[0]),
+        "--input",
+        str(rows),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "3",
+    ]
+    assert main(argv) == 0
+    assert f"wrote 3 responses to {out}" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["origin"] for r in records] == [f"{rows}:{i}" for i in (1, 2, 3)]
+    assert [r.get("reference") for r in records] == ["Merci beaucoup", "Bonne nuit", None]
+    assert all(isinstance(r["response"], str) and "summary" not in r for r in records)
+    # the prompt ends before the last answer: the first row's prompt holds "Bonjour", not "Merci"
+    assert records[0]["prompt_tokens"] > records[1]["prompt_tokens"]
+    assert records[2]["dropped_tokens"] == 0
+
+
+def test_a_chat_ending_with_a_user_turn_is_generated_for(loaded, monkeypatch):
+    from distft.data import ChatFormatter, row_from_record
+
+    seen = {}
+    real = loaded.model.generate
+
+    def spy(**kwargs):
+        seen["prompt"] = kwargs["input_ids"][0].tolist()
+        return real(**kwargs)
+
+    monkeypatch.setattr(loaded.model, "generate", spy)
+    record = {"messages": [*CHATS[0]["messages"][:2], {"role": "user", "content": "And goodbye?"}]}
+    row = row_from_record(record, loaded.cfg.data, "x:1", need_summary=False)
+    result = generate(loaded, row, Sampling(max_new_tokens=3))
+    text = loaded.tokenizer.decode(seen["prompt"])
+    assert text.endswith(
+        "<|im_start|>user\nAnd goodbye?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert seen["prompt"] == ChatFormatter(loaded.tokenizer, loaded.cfg.data).generation_ids(
+        list(row.messages)
+    )
+    assert result.prompt_tokens == len(seen["prompt"]) and isinstance(result.summary, str)
 
 
 # ---- rough edges: bad flags are one paragraph, exit 2, before any model is loaded -------------

@@ -1,7 +1,6 @@
 """distft: finetune Qwen3 on meeting transcripts with every parallel strategy."""
 
 import logging
-import warnings
 
 __version__ = "0.1.0"
 
@@ -11,24 +10,10 @@ __version__ = "0.1.0"
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-# Noise on every command, each silenced by its message and the module that raises it, so any other
-# warning from the same libraries still shows:
-# - DCP warns on every single-process save/load that it "assumes" one process: distft passes
-#   no_dist=True on purpose (`distft.io.checkpoint`).
-warnings.filterwarnings(
-    "ignore",
-    message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to",
-    category=UserWarning,
-    module=r"torch\.distributed\.checkpoint",
-)
-# - peft's PeftModel reads transformers 5's deprecated `is_gradient_checkpointing` alias; nothing
-#   in distft calls it, and the fix belongs in peft.
-warnings.filterwarnings(
-    "ignore",
-    message=r"`is_gradient_checkpointing` is deprecated",
-    category=FutureWarning,
-    module=r"transformers\.modeling_utils",
-)
+# Two more warnings on every command are silenced where they arise, by message, so any other
+# warning from the same libraries still shows: DCP's single-process notice
+# (`distft.io.checkpoint`) and peft's use of a deprecated transformers alias
+# (`distft.model.build.peft_quietly`).
 
 
 def _quiet_transformers_bars(factory, args, kwargs):

@@ -63,6 +63,25 @@ def test_errors_are_clear(tmp_path, text, overrides, expected):
     assert "\n" not in str(err.value).strip()  # one paragraph
 
 
+@pytest.mark.parametrize(("value", "hint"), [("bogus", None), ("zero3", "Did you mean `zero2`?")])
+def test_a_bad_choice_lists_the_choices_once(value, hint):
+    with pytest.raises(ConfigError) as err:
+        check_config(load_config(None, [f"parallel.strategy={value}"]))
+    message = str(err.value)
+    assert message.count("ddp+pp") == 1 and "Valid:" not in message, message
+    assert message.startswith(f"`parallel.strategy` is '{value}'; choose one of ddp, ddp+pp, fsdp")
+    assert (hint in message) if hint else message.endswith("zero2.")
+
+
+def test_strategy_help_lists_the_strategies():
+    from distft.cli import build_parser
+    from distft.parallel import STRATEGIES
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    (action,) = [a for a in train._actions if "--strategy" in a.option_strings]
+    assert all(name in action.help for name in STRATEGIES)
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("nope.toml")

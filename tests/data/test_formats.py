@@ -7,7 +7,16 @@ import json
 import pytest
 
 from distft.config import DataConfig, load_config
-from distft.data import IGNORE, ChatFormatter, ChatRow, MeetingRow, Message, load_rows, row_from_record
+from distft.data import (
+    IGNORE,
+    ChatFormatter,
+    ChatRow,
+    MeetingRow,
+    Message,
+    load_rows,
+    prompt_and_reference,
+    row_from_record,
+)
 from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import ConfigError, DataError
 
@@ -200,6 +209,65 @@ def test_the_models_own_template_is_used(tokenizer):
     ex = ChatFormatter(plain, DataConfig()).encode(row_from_record(CHAT, DataConfig(), "x:1"))
     assert "<think>" not in plain.decode(ex.input_ids)
     assert targets(plain, ex) == ["Bonjour<|im_end|>", "Merci<|im_end|>"]
+
+
+# ---- rows to generate for (`distft infer --input`, `distft eval`) ------------------------
+
+
+def test_prompt_and_reference_split_at_the_last_assistant_turn():
+    cfg = DataConfig()
+    prompt, reference = prompt_and_reference(row_from_record(CHAT, cfg, "x:1"), cfg)
+    assert [m.content for m in prompt] == ["You answer in French.", "Good morning", "Bonjour", "Thank you"]
+    assert reference == "Merci"
+    prompt, reference = prompt_and_reference(row_from_record(ALPACA, DataConfig(format="alpaca"), "x:1"), cfg)
+    assert [(m.role, m.content) for m in prompt] == [("user", "Translate to German.\n\nGood night")]
+    assert reference == "Gute Nacht"
+    meeting = row_from_record({"transcript": "A: hi", "summary": "Hi."}, cfg, "x:1")
+    prompt, reference = prompt_and_reference(meeting, cfg)
+    assert prompt[-1].role == "user" and prompt[-1].parts[-1] == "A: hi" and reference == "Hi."
+
+
+@pytest.mark.parametrize(
+    ("record", "last_user"),
+    [
+        ({"messages": [*CHAT["messages"], {"role": "user", "content": "Goodbye"}]}, "Goodbye"),
+        ({"messages": [{"role": "user", "content": "Hi"}]}, "Hi"),
+        ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]}, "Hi"),
+        ({"prompt": "Capital of Spain?"}, "Capital of Spain?"),
+        ({"instruction": "Translate to German.", "input": "Good day"}, "Translate to German.\n\nGood day"),
+    ],
+)
+def test_a_row_to_generate_for_may_lack_its_answer(record, last_user):
+    """As a meeting may lack its summary: a chat may end with a user turn (or an empty answer),
+    a prompt lack its completion, an instruction its output."""
+    cfg = DataConfig()
+    row = row_from_record(record, cfg, "x:1", need_summary=False)
+    prompt, reference = prompt_and_reference(row, cfg)
+    assert prompt[-1].role == "user" and prompt[-1].content == last_user and reference == ""
+    try:  # training: the row is refused, or its turns after the last answer dropped
+        assert prompt_and_reference(row_from_record(record, cfg, "x:1"), cfg)[1] == "Merci"
+    except DataError as err:
+        assert str(err).startswith("x:1: ")
+
+
+def test_a_generation_prompt_is_cut_as_training_cuts(tokenizer):
+    turns = []
+    for i in range(12):
+        turns += [
+            {"role": "user", "content": f"Question {i}: " + "tell me more " * 10},
+            {"role": "assistant", "content": f"Answer {i}."},
+        ]
+    turns.append({"role": "user", "content": "Question 12?"})
+    cfg = DataConfig(max_length=200)
+    row = row_from_record({"messages": turns}, cfg, "x:1", need_summary=False)
+    formatter = ChatFormatter(tokenizer, cfg)
+    full = formatter.generation_ids(list(row.messages), reserve=-10_000)  # room for everything
+    ids, dropped = formatter.generation_prompt(list(row.messages), reserve=40)
+    text = tokenizer.decode(ids)
+    assert len(ids) <= 160 and dropped == len(full) - len(ids) > 0
+    assert "Question 0:" not in text and text.endswith(
+        "Question 12?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
 
 
 # ---- truncation ----------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def test_tiny_qlora_fsdp_trains_with_defaults(tmp_path):
     distft(
         "train", "--method", "qlora", "--strategy", "fsdp", "--nproc", "2", "--max-steps", "2",
         "train.global_batch_size=2", "train.micro_batch_size=1", "train.eval_every=0",
-        "train.eval_batches=1", "data.max_length=128", "data.max_rows=8", "--out", str(out),
+        "train.eval_batches=1", "data.max_length=256", "data.max_rows=8", "--out", str(out),
     )  # fmt: skip
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]

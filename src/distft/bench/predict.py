@@ -192,7 +192,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
 
 
 def claims(rows: dict, profile: Profile, link: str) -> list[dict]:
-    """The seeds' claims, checked against one projection where they apply."""
+    """The blog series' claims, checked against one projection where they apply."""
     out = []
     if link.startswith("pcie") and "tp-sp" in rows and "fsdp" in rows:
         a, b = rows["tp-sp"]["tokens_per_s"], rows["fsdp"]["tokens_per_s"]

@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 from distft.config import load_config
 from distft.data import IGNORE, ChatFormatter, collate, global_batch_indices, load_rows, tokenize_rows
 from distft.data.tokenizer import qwen3_tokenizer
-from distft.model import load_base_model
+from distft.model import load_base_model, peft_quietly
 
 
 def time_plain_loop(settings) -> dict:  # settings: BenchSettings
@@ -28,10 +28,11 @@ def time_plain_loop(settings) -> dict:  # settings: BenchSettings
     # ---- the plain loop starts here ------------------------------------------------------
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(settings.seed)
-    model = get_peft_model(
-        load_base_model(cfg.model),
-        LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules),
-    ).to(device)
+    with peft_quietly():  # peft's own deprecation warning
+        model = get_peft_model(
+            load_base_model(cfg.model),
+            LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules),
+        ).to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)
     accumulation = settings.global_batch_size // settings.micro_batch_size
     times = []

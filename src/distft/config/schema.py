@@ -247,9 +247,10 @@ def nearest(name: str, choices: list[str]) -> str:
 
 def check_choice(value: str, choices: tuple[str, ...] | list[str], where: str) -> None:
     if value not in choices:
-        raise ConfigError(
-            f"`{where}` is {value!r}; choose one of {', '.join(choices)}.{nearest(value, list(choices))}"
-        )
+        # The choices are listed once; `nearest` would list them again when nothing is close.
+        match = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
+        hint = f" Did you mean `{match[0]}`?" if match else ""
+        raise ConfigError(f"`{where}` is {value!r}; choose one of {', '.join(choices)}.{hint}")
 
 
 def check_fields(cfg: Config) -> None:

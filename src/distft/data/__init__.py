@@ -20,6 +20,8 @@ from distft.data.formats import (
     Message,
     Row,
     detect_format,
+    messages_of,
+    prompt_and_reference,
     row_from_record,
 )
 from distft.data.rows import load_rows, read_file
@@ -42,8 +44,10 @@ __all__ = [
     "global_batch_indices",
     "load_rows",
     "load_tokenizer",
+    "messages_of",
     "micro_batch",
     "pack",
+    "prompt_and_reference",
     "qwen3_tokenizer",
     "rank_micro_batches",
     "read_file",

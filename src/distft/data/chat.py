@@ -151,13 +151,24 @@ class ChatFormatter:
         labels = [input_ids[t + 1] if target[t + 1] else IGNORE for t in range(len(input_ids) - 1)]
         return Example(input_ids, [*labels, IGNORE], full - len(input_ids))
 
+    def generation_prompt(self, messages: list[Message], reserve: int = 0) -> tuple[list[int], int]:
+        """The prompt that asks for the next assistant turn, leaving `reserve` of max_length free,
+        cut as training cuts (earliest exchanges, then the longest prompt text); and how many
+        tokens were dropped to fit."""
+        messages = list(messages)
+        budget = self.cfg.max_length - reserve
+        pieces = self._pieces(messages, generation=True)
+        full = _length(pieces)
+        while _length(pieces) > budget and _drop_earliest_exchange(messages):
+            pieces = self._pieces(messages, generation=True)
+        if _length(pieces) > budget:
+            self._cut_longest(pieces, _length(pieces) - budget, origin=None)
+        ids = [t for p in pieces for t in p.ids]
+        return ids, full - len(ids)
+
     def generation_ids(self, messages: list[Message], reserve: int = 0) -> list[int]:
         """The prompt that asks for the next assistant turn, leaving `reserve` of max_length free."""
-        pieces = self._pieces(list(messages), generation=True)
-        over = _length(pieces) + reserve - self.cfg.max_length
-        if over > 0:
-            self._cut_longest(pieces, over, origin=None)
-        return [t for p in pieces for t in p.ids]
+        return self.generation_prompt(messages, reserve)[0]
 
     def prompt_ids(self, transcript: str, reserve: int = 0) -> list[int]:
         """The generation prompt for a meeting `transcript`, leaving `reserve` tokens of max_length free."""

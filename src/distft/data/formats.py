@@ -10,6 +10,11 @@
 than one format (alpaca's `input`/`output` are also qmsum-cleaned's transcript/summary) is
 refused rather than guessed. Every row becomes either a `MeetingRow` (summary) or a `ChatRow`
 (the rest), and `messages_of` turns both into the conversation that is tokenised.
+
+Rows to generate for (`need_summary=False`: `distft infer --input FILE`) may lack their answer: a
+meeting its summary, a prompt its completion, an alpaca row its output, and a chat may end with a
+user turn (or an empty assistant turn). `prompt_and_reference` splits any row into the prompt
+(the conversation up to its last assistant turn) and the reference (that turn's text, or "").
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),
     "alpaca": ("instruction", "output"),
 }
+ANSWER = {"prompt_completion": "completion", "alpaca": "output"}  # optional in a row to generate for
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class Message:
 
 @dataclass(frozen=True)
 class ChatRow:
-    messages: tuple[Message, ...]  # ends with an assistant turn
+    messages: tuple[Message, ...]  # ends with an assistant turn, unless read to generate for
     origin: str
 
 
@@ -75,14 +81,27 @@ def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
     return (*system, Message("user", (cfg.instruction, row.transcript)), Message("assistant", (row.summary,)))
 
 
+def prompt_and_reference(row: Row, cfg: DataConfig) -> tuple[tuple[Message, ...], str]:
+    """What to generate from and what to compare with: the conversation up to (not including) its
+    last assistant turn, and that turn's text; a row ending in another turn is all prompt, no reference."""
+    messages = messages_of(row, cfg)
+    if messages[-1].role == "assistant":
+        return messages[:-1], messages[-1].content
+    return messages, ""
+
+
 # ---- detection -------------------------------------------------------------------------------
 
 
-def _fits(record: dict[str, Any], cfg: DataConfig) -> list[str]:
+def _fits(record: dict[str, Any], cfg: DataConfig, need_answer: bool = True) -> list[str]:
     if cfg.transcript_field or cfg.summary_field:
         return ["summary"]  # naming the summary fields says which format this is
     fits = ["summary"] if any(t in record and s in record for t, s in KNOWN_SCHEMAS) else []
-    return fits + [name for name, fields in REQUIRED.items() if all(f in record for f in fields)]
+    for name, fields in REQUIRED.items():
+        needed = fields if need_answer else [f for f in fields if f != ANSWER.get(name)]
+        if all(f in record for f in needed):
+            fits.append(name)
+    return fits
 
 
 def _partial(record: dict[str, Any]) -> str | None:
@@ -92,10 +111,11 @@ def _partial(record: dict[str, Any]) -> str | None:
     return next((name for name, fields in REQUIRED.items() if any(f in record for f in fields)), None)
 
 
-def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str) -> str:
-    """The one format `record` fits under data.format=auto; a DataError if none or several."""
+def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_answer: bool = True) -> str:
+    """The one format `record` fits under data.format=auto; a DataError if none or several.
+    With `need_answer=False` a prompt or an instruction without its completion/output fits."""
     seen = ", ".join(sorted(record))
-    fits = _fits(record, cfg)
+    fits = _fits(record, cfg, need_answer)
     if len(fits) > 1:
         raise DataError(
             f"{origin}: the row's fields ({seen}) fit more than one format: {' and '.join(fits)}. "
@@ -170,7 +190,7 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_summ
     return MeetingRow(texts[0], texts[1], origin)
 
 
-def _chat_row(record: dict[str, Any], origin: str) -> ChatRow:
+def _chat_row(record: dict[str, Any], origin: str, need_answer: bool = True) -> ChatRow:
     turns = record.get("messages")
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{origin}: `messages` must be a non-empty list of {{role, content}} objects.")
@@ -186,6 +206,11 @@ def _chat_row(record: dict[str, Any], origin: str) -> ChatRow:
                 f"{where} ({turn['role']}): content is not text (got {type(turn['content']).__name__})."
             )
         messages.append(Message(turn["role"], (turn["content"].strip(),)))
+    if not need_answer:  # a chat to continue: it may end with a user turn, or an empty answer to fill
+        if messages[-1].role == "assistant" and not messages[-1].content:
+            messages.pop()
+        if messages and messages[-1].role != "assistant":
+            return ChatRow(tuple(messages), origin)
     last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=None)
     if last is None:
         raise DataError(f"{origin}: the chat has no assistant turn, so nothing to learn from.")
@@ -195,28 +220,35 @@ def _chat_row(record: dict[str, Any], origin: str) -> ChatRow:
     return ChatRow(tuple(messages[: last + 1]), origin)
 
 
-def _prompt_completion_row(record: dict[str, Any], origin: str) -> ChatRow:
-    prompt, completion = _field(record, "prompt", origin), _field(record, "completion", origin)
-    return ChatRow((Message("user", (prompt,)), Message("assistant", (completion,))), origin)
+def _single_turn(user: Message, answer: str, origin: str) -> ChatRow:
+    """A one-exchange chat; without an answer (a row to generate for) the user turn alone."""
+    return ChatRow((user, Message("assistant", (answer,))) if answer else (user,), origin)
 
 
-def _alpaca_row(record: dict[str, Any], origin: str) -> ChatRow:
-    instruction, output = _field(record, "instruction", origin), _field(record, "output", origin)
+def _prompt_completion_row(record: dict[str, Any], origin: str, need_answer: bool = True) -> ChatRow:
+    prompt = _field(record, "prompt", origin)
+    completion = _field(record, "completion", origin, optional=not need_answer)
+    return _single_turn(Message("user", (prompt,)), completion, origin)
+
+
+def _alpaca_row(record: dict[str, Any], origin: str, need_answer: bool = True) -> ChatRow:
+    instruction = _field(record, "instruction", origin)
+    output = _field(record, "output", origin, optional=not need_answer)
     given = _field(record, "input", origin, optional=True)
-    user = Message("user", (instruction, given) if given else (instruction,))
-    return ChatRow((user, Message("assistant", (output,))), origin)
+    return _single_turn(Message("user", (instruction, given) if given else (instruction,)), output, origin)
 
 
 def row_from_record(record: Any, cfg: DataConfig, origin: str, need_summary: bool = True) -> Row:
     """One dataset record as a row of `data.format` (detected when auto); bad rows name `origin`.
-    With `need_summary=False` (rows to generate for) a meeting row may lack its summary."""
+    With `need_summary=False` (rows to generate for) a row may lack its answer: a meeting its
+    summary, a prompt its completion, an alpaca row its output; a chat may end with a user turn."""
     if not isinstance(record, dict):
         raise DataError(f"{origin}: expected a JSON object, got {type(record).__name__}.")
-    fmt = detect_format(record, cfg, origin) if cfg.format == "auto" else cfg.format
+    fmt = detect_format(record, cfg, origin, need_summary) if cfg.format == "auto" else cfg.format
     if fmt == "summary":
         return _summary_row(record, cfg, origin, need_summary)
     if fmt == "chat":
-        return _chat_row(record, origin)
+        return _chat_row(record, origin, need_summary)
     if fmt == "prompt_completion":
-        return _prompt_completion_row(record, origin)
-    return _alpaca_row(record, origin)
+        return _prompt_completion_row(record, origin, need_summary)
+    return _alpaca_row(record, origin, need_summary)

@@ -11,13 +11,15 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from distft.data import MeetingRow, load_rows, read_file
+from distft.config import DataConfig
+from distft.config.schema import DATA_FORMATS
+from distft.data import ChatRow, MeetingRow, Message, Row, load_rows, prompt_and_reference, read_file
 from distft.errors import ConfigError
 from distft.infer.evaluate import LOCAL_FORMATS, compare, eval_rows
 from distft.infer.generate import Generated, Sampling, generate, truncation_notice, write_results
@@ -30,10 +32,10 @@ from distft.io.files import atomic_write_text
 def add_infer_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "infer",
-        help="summarise a meeting (or a file of them) with a trained adapter",
-        description="Load base model + adapter and generate summaries. With no --input: a held-out "
-        "meeting from the run's validation split. Decoding is greedy unless --temperature, --top-p or "
-        "--top-k is given.",
+        help="summarise a meeting (or answer a file of rows in any data format) with a trained run",
+        description="Load base model + adapter and generate summaries (or answers). With no --input: a "
+        "held-out row from the run's validation split. Decoding is greedy unless --temperature, --top-p "
+        "or --top-k is given.",
     )
     p.add_argument("--run", help="run directory written by `distft train`")
     p.add_argument("--adapter", help="a PEFT adapter directory (instead of --run)")
@@ -42,11 +44,15 @@ def add_infer_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--input",
-        help="a transcript (text file, or - for standard input), or a .jsonl/.parquet file of rows to "
-        "summarise, one summary per row (the fields `distft train --data` reads; the summary is optional)",
+        help="a transcript (text file, or - for standard input), or a .jsonl/.parquet file of rows, one "
+        "output per row (any format `distft train --data` reads; the answer is optional, a chat may end "
+        "with a user turn)",
     )
+    _add_format_flag(p, "--input")
     p.add_argument(
-        "--output", help="write the summaries as JSON lines: origin, summary, prompt and dropped tokens"
+        "--output",
+        help="write the outputs as JSON lines: origin, summary (response for non-meeting rows), prompt "
+        "and dropped tokens, reference",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest summary to generate (tokens)")
     g = p.add_argument_group("decoding")
@@ -56,6 +62,22 @@ def add_infer_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeated tokens (1: off)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed, set before every row")
+
+
+def _add_format_flag(p: argparse.ArgumentParser, rows: str) -> None:
+    p.add_argument(
+        "--format",
+        choices=DATA_FORMATS,
+        help=f"how to read the {rows} rows (default: the run's data.format); e.g. alpaca for rows "
+        "whose input/output fields also fit the qmsum summary schema",
+    )
+
+
+def _with_format(loaded: Loaded, fmt: str | None) -> Loaded:
+    """The run, its rows read as `fmt` (--format) when given."""
+    return (
+        replace(loaded, cfg=replace(loaded.cfg, data=replace(loaded.cfg.data, format=fmt))) if fmt else loaded
+    )
 
 
 def sampling_from_args(args: argparse.Namespace) -> Sampling:
@@ -92,42 +114,59 @@ def cmd_infer(args: argparse.Namespace) -> int:
     batch = bool(args.input) and args.input.endswith(LOCAL_FORMATS)
     if args.input and args.input != "-" and not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input} does not exist.")
-    loaded = load_trained(run=args.run, adapter=args.adapter, model=args.model)
+    loaded = _with_format(load_trained(run=args.run, adapter=args.adapter, model=args.model), args.format)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)
     rows = _input_rows(loaded, args.input, batch)
     results = []
     for row in rows:
-        result = generate(loaded, row.transcript, sampling)
-        if notice := truncation_notice(loaded, row.origin, result, sampling):
+        result = generate(loaded, row, sampling)
+        if notice := truncation_notice(loaded, row, result, sampling):
             print(notice, file=sys.stderr)
         results.append(result)
         if not args.output:
-            _print_summary(row, result, batch)
+            _print_result(row, result, batch)
     if args.output:
-        write_results(Path(args.output), rows, results)
-        print(f"wrote {len(results)} summar{'y' if len(results) == 1 else 'ies'} to {args.output}")
+        write_results(Path(args.output), rows, results, loaded.cfg.data)
+        meetings = all(isinstance(r, MeetingRow) for r in rows)
+        noun = ("summary", "summaries") if meetings else ("response", "responses")
+        print(f"wrote {len(rows)} {noun[len(rows) != 1]} to {args.output}")
     return 0
 
 
-def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> list[MeetingRow]:
+def _text_row(text: str, origin: str, cfg: DataConfig) -> Row:
+    """A plain-text input: a meeting transcript, or the user turn when the run trained on another format."""
+    if cfg.format in ("auto", "summary"):
+        return MeetingRow(text, "", origin)
+    return ChatRow((Message("user", (text.strip(),)),), origin)
+
+
+def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> list[Row]:
     if batch:
         rows = read_file(source, loaded.cfg.data, need_summary=False)
         if not rows:
-            raise ConfigError(f"--input {source} has no rows to summarise.")
+            raise ConfigError(f"--input {source} has no rows to generate for.")
         return rows
     if source == "-":
-        return [MeetingRow(sys.stdin.read(), "", "stdin")]
+        return [_text_row(sys.stdin.read(), "stdin", loaded.cfg.data)]
     if source:
-        return [MeetingRow(Path(source).read_text(encoding="utf-8"), "", source)]
+        return [_text_row(Path(source).read_text(encoding="utf-8"), source, loaded.cfg.data)]
     row = load_rows(loaded.cfg.data, seed=loaded.cfg.train.seed)["validation"][0]
-    print("--- held-out meeting (first lines) ---")
-    print("\n".join(row.transcript.splitlines()[:6]) + "\n...")
+    if isinstance(row, MeetingRow):
+        print("--- held-out meeting (first lines) ---")
+        print("\n".join(row.transcript.splitlines()[:6]) + "\n...")
+    else:
+        prompt, _ = prompt_and_reference(row, loaded.cfg.data)
+        print(f"--- held-out row {row.origin}: its last prompt turn (first lines) ---")
+        print("\n".join(prompt[-1].content.splitlines()[:6] if prompt else []) + "\n...")
     return [row]
 
 
-def _print_summary(row: MeetingRow, result: Generated, batch: bool) -> None:
-    print(f"--- {row.origin} ---" if batch else "--- generated summary ---")
+def _print_result(row: Row, result: Generated, batch: bool) -> None:
+    if batch:
+        print(f"--- {row.origin} ---")
+    else:
+        print("--- generated summary ---" if isinstance(row, MeetingRow) else "--- generated answer ---")
     print(result.summary)
 
 
@@ -139,14 +178,16 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "eval",
         help="validation loss and ROUGE-L, base model vs finetuned",
         description="Score the base model and the finetuned one on the run's validation split, or on "
-        "--data: a .jsonl/.parquet file (every row), a hub dataset or `sample` (its validation split).",
+        "--data: a .jsonl/.parquet file (every row, any data format), a hub dataset or `sample` (its "
+        "validation split). ROUGE-L compares each row's generated last answer with its own.",
     )
     p.add_argument("--run", required=True, help="run directory written by `distft train`")
     p.add_argument(
         "--data", help="rows to score instead of the run's validation split (any --data distft reads)"
     )
-    p.add_argument("--rows", type=int, default=16, help="meetings to score (the first N)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="longest generated summary (tokens)")
+    _add_format_flag(p, "--data")
+    p.add_argument("--rows", type=int, default=16, help="rows (meetings) to score: the first N")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="longest generated answer (tokens)")
     p.add_argument("--output", help="write the scores, the rows and the settings as JSON")
 
 
@@ -154,13 +195,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.rows < 1:
         raise ConfigError(f"--rows must be at least 1, got {args.rows}: it is how many meetings to score.")
     Sampling(max_new_tokens=args.max_new_tokens).check()
-    loaded = load_trained(run=args.run)
+    loaded = _with_format(load_trained(run=args.run), args.format)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)
     rows = eval_rows(loaded, args.data, args.rows)
     scores = compare(loaded, args.run, rows, args.max_new_tokens)
     source = args.data or f"{loaded.cfg.data.source} (validation split)"
-    table = Table("model", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} meetings of {source}")
+    what = "meetings" if all(isinstance(r, MeetingRow) for r in rows) else "rows"
+    table = Table("model", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} {what} of {source}")
     for name, s in scores.items():
         table.add_row(name, f"{s['loss']:.4f}", f"{s['rougeL']:.4f}")
     Console().print(table)

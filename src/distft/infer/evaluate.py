@@ -1,9 +1,11 @@
 """Scoring a trained run: validation loss and ROUGE-L, the base model against the finetuned one.
 
 The rows come from the run's own validation split (never trained on), or from any source distft
-reads (`--data`): a local .jsonl/.parquet file is scored whole, a hub dataset or `sample` by its
-validation split. Loss is the mean over summary tokens, as in training; ROUGE-L compares greedy
-summaries with the rows' own.
+reads (`--data`), in any of its formats: a local .jsonl/.parquet file is scored whole, a hub
+dataset or `sample` by its validation split. Loss is the mean over the answer tokens of the whole
+row, tokenised as in training (`ChatFormatter.encode`: every assistant turn of a chat); ROUGE-L
+compares the greedy answer to a row's prompt (its turns before the last assistant turn) with that
+last turn (a meeting's summary).
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from torch import nn
 from distft.config import Config
 from distft.data import (
     ChatFormatter,
-    MeetingRow,
+    Row,
     collate,
     count_label_tokens,
     load_rows,
+    prompt_and_reference,
     read_file,
     tokenize_rows,
 )
 from distft.errors import ConfigError
-from distft.infer.generate import summarize
+from distft.infer.generate import Sampling, generate
 from distft.infer.load import Loaded, _load_base, load_trained
 from distft.model import SummaryLM
 
@@ -37,7 +40,7 @@ def held_out_meeting(cfg: Config) -> str:
     return load_rows(cfg.data, seed=cfg.train.seed)["validation"][0].transcript
 
 
-def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> list[MeetingRow]:
+def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> list[Row]:
     """The first `max_rows` rows to score: the run's validation split, or those of `data`."""
     if max_rows < 1:
         raise ConfigError(f"--rows must be at least 1, got {max_rows}: it is how many meetings to score.")
@@ -48,13 +51,13 @@ def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> li
         source = replace(cfg.data, source=data or cfg.data.source, max_rows=0)
         rows = load_rows(source, seed=cfg.train.seed)["validation"]
     if not rows:
-        raise ConfigError(f"--data {data}: no rows to score; each needs a transcript and a summary.")
+        raise ConfigError(f"--data {data}: no rows to score; each needs a prompt and its answer.")
     return rows[:max_rows]
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, loaded: Loaded, rows: list[MeetingRow]) -> float:
-    """Mean loss per summary token over `rows`, in micro-batches of the run's size."""
+def validation_loss(model: nn.Module, loaded: Loaded, rows: list[Row]) -> float:
+    """Mean loss per answer token over `rows` (tokenised as in training), in micro-batches of the run's size."""
     formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
     examples = tokenize_rows(rows, formatter).examples
     head = SummaryLM(model)
@@ -67,21 +70,20 @@ def validation_loss(model: nn.Module, loaded: Loaded, rows: list[MeetingRow]) ->
     return loss / n
 
 
-def score(loaded: Loaded, rows: list[MeetingRow], max_new_tokens: int) -> dict[str, float]:
-    """Loss and mean ROUGE-L F1 of `loaded.model` on `rows`."""
+def score(loaded: Loaded, rows: list[Row], max_new_tokens: int) -> dict[str, float]:
+    """Loss and mean ROUGE-L F1 of `loaded.model` on `rows`: each row's greedy answer against its own."""
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    rouge = [
-        scorer.score(r.summary, summarize(loaded, r.transcript, max_new_tokens))["rougeL"].fmeasure
-        for r in rows
-    ]
+    greedy = Sampling(max_new_tokens=max_new_tokens)
+    rouge = []
+    for row in rows:
+        reference = prompt_and_reference(row, loaded.cfg.data)[1]
+        rouge.append(scorer.score(reference, generate(loaded, row, greedy).summary)["rougeL"].fmeasure)
     return {"loss": validation_loss(loaded.model, loaded, rows), "rougeL": sum(rouge) / len(rouge)}
 
 
-def compare(
-    loaded: Loaded, run: str, rows: list[MeetingRow], max_new_tokens: int
-) -> dict[str, dict[str, float]]:
+def compare(loaded: Loaded, run: str, rows: list[Row], max_new_tokens: int) -> dict[str, dict[str, float]]:
     """{"base": scores, "finetuned": scores}: the adapter switched off (or the base reloaded) and on."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")

@@ -1,9 +1,11 @@
-"""Generating summaries: decoding settings, one transcript, or a file of rows.
+"""Generating: decoding settings, one transcript, or a file of rows in any of the data formats.
 
 Decoding is greedy by default (the same summary every time); `--temperature`, `--top-p` and
-`--top-k` switch to sampling, seeded per row with `--seed`, so a row's summary does not depend on
-the rows before it. A transcript longer than the run's `data.max_length` (minus the tokens kept
-free for the summary) is cut as in training (`data.truncation`), and the caller is told how many
+`--top-k` switch to sampling, seeded per row with `--seed`, so a row's output does not depend on
+the rows before it. A row's prompt is its conversation up to its last assistant turn
+(`distft.data.formats.prompt_and_reference`: a meeting's instruction + transcript, a chat's turns);
+one longer than the run's `data.max_length` (minus the tokens kept free for the answer) is cut as
+in training (earliest chat exchanges, then `data.truncation`), and the caller is told how many
 tokens were dropped.
 """
 
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from distft.data import ChatFormatter, MeetingRow
+from distft.config import DataConfig
+from distft.data import ChatFormatter, MeetingRow, Row, prompt_and_reference
 from distft.errors import ConfigError
 from distft.infer.load import Loaded
 from distft.io.files import atomic_write_text
@@ -74,19 +77,21 @@ class Sampling:
 
 @dataclass
 class Generated:
-    """One summary and what it took to make it."""
+    """One generated answer (a summary, for a meeting) and what it took to make it."""
 
     summary: str
     prompt_tokens: int
-    dropped_tokens: int  # transcript tokens cut to fit data.max_length (0: the whole transcript)
+    dropped_tokens: int  # prompt tokens cut to fit data.max_length (0: the whole prompt)
 
 
 @torch.no_grad()
-def generate(loaded: Loaded, transcript: str, sampling: Sampling) -> Generated:
+def generate(loaded: Loaded, source: str | Row, sampling: Sampling) -> Generated:
+    """The answer to a row's prompt (its turns before the last assistant turn); a string is a
+    meeting transcript to summarise."""
+    row = MeetingRow(source, "", "prompt") if isinstance(source, str) else source
     formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
-    ids = formatter.prompt_ids(transcript, reserve=sampling.max_new_tokens)
-    transcript_tokens = len(loaded.tokenizer.encode(transcript, add_special_tokens=False))
-    kept = len(ids) - len(formatter.prefix) - len(formatter.suffix)
+    messages, _ = prompt_and_reference(row, loaded.cfg.data)
+    ids, dropped = formatter.generation_prompt(list(messages), reserve=sampling.max_new_tokens)
     prompt = torch.tensor([ids])
     torch.manual_seed(sampling.seed)  # per row: a row's sample does not depend on the rows before
     output = loaded.model.generate(
@@ -99,7 +104,7 @@ def generate(loaded: Loaded, transcript: str, sampling: Sampling) -> Generated:
         **sampling.generate_kwargs(),
     )
     text = loaded.tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True).strip()
-    return Generated(text, len(ids), transcript_tokens - kept)
+    return Generated(text, len(ids), dropped)
 
 
 def summarize(loaded: Loaded, transcript: str, max_new_tokens: int = 128) -> str:
@@ -107,24 +112,28 @@ def summarize(loaded: Loaded, transcript: str, max_new_tokens: int = 128) -> str
     return generate(loaded, transcript, Sampling(max_new_tokens=max_new_tokens)).summary
 
 
-def truncation_notice(loaded: Loaded, where: str, generated: Generated, sampling: Sampling) -> str | None:
-    """One line saying how much of a transcript the model never saw, or None."""
+def truncation_notice(loaded: Loaded, row: Row, generated: Generated, sampling: Sampling) -> str | None:
+    """One line saying how much of a row's prompt the model never saw, or None."""
     if not generated.dropped_tokens:
         return None
     data = loaded.cfg.data
+    what, answer = ("transcript", "summary") if isinstance(row, MeetingRow) else ("prompt", "answer")
     return (
-        f"notice: {where}: the transcript was truncated, {generated.dropped_tokens} of its tokens dropped "
+        f"notice: {row.origin}: the {what} was truncated, {generated.dropped_tokens} of its tokens dropped "
         f"(data.truncation={data.truncation}), to fit the run's data.max_length={data.max_length} with "
-        f"{sampling.max_new_tokens} tokens kept free for the summary."
+        f"{sampling.max_new_tokens} tokens kept free for the {answer}."
     )
 
 
-def write_results(path: Path, rows: list[MeetingRow], results: list[Generated]) -> None:
-    """`path` as JSON lines, one per input row: where it came from, the summary, what was cut."""
+def write_results(path: Path, rows: list[Row], results: list[Generated], cfg: DataConfig) -> None:
+    """`path` as JSON lines, one per input row: where it came from, the generated text (`summary`
+    for a meeting, `response` for the other formats), what was cut, and the row's own answer."""
     lines = []
     for row, result in zip(rows, results, strict=True):
-        record = {"origin": row.origin, **asdict(result)}
-        if row.summary:
-            record["reference"] = row.summary
+        generated = asdict(result)
+        text = "summary" if isinstance(row, MeetingRow) else "response"
+        record = {"origin": row.origin, text: generated.pop("summary"), **generated}
+        if reference := prompt_and_reference(row, cfg)[1]:
+            record["reference"] = reference
         lines.append(json.dumps(record, ensure_ascii=False) + "\n")
     atomic_write_text(path, "".join(lines))

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from distft.config import Config, load_config
 from distft.data.tokenizer import load_tokenizer
 from distft.errors import ConfigError
-from distft.model import DTYPES, causal_lm, is_preset, load_base_model
+from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
 from distft.model.build import RECIPE_FILE, rebuild_base
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
 
@@ -100,7 +100,8 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
             causal_lm(base).model.layers,
             NF4Spec(spec["block_size"], spec["scaler_block_size"], spec["double_quant"]),
         )
-    lm = PeftModel.from_pretrained(base, adapter)
+    with peft_quietly():  # peft's own deprecation warning, not the user's concern
+        lm = PeftModel.from_pretrained(base, adapter)
     return Loaded(lm.eval(), tokenizer, cfg, True, preset)
 
 

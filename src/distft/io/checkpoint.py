@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,6 +27,19 @@ from distft.config import Config, config_differences, load_config
 from distft.errors import CheckpointError, ConfigError
 
 CHECKPOINTS = "checkpoints"
+
+
+@contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it "assumes" one process; distft passes
+    no_dist=True on purpose there, so that one message is silenced around those calls only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to",
+            category=UserWarning,
+        )
+        yield
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -76,7 +92,8 @@ def save_training_state(
     if distributed:
         dist.barrier()
     try:
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
+        with _single_process_quietly():
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
         rng = {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -120,7 +137,8 @@ def load_training_state(checkpoint: Path, state: dict, scheduler: object, rank: 
     (`Strategy.load_checkpoint_state`).
     """
     distributed = dist.is_available() and dist.is_initialized()
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not distributed)
+    with _single_process_quietly():
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not distributed)
     trainer = torch.load(checkpoint / "trainer.pt", weights_only=False)
     scheduler.load_state_dict(trainer["scheduler"])
     rng_file = checkpoint / f"rng-{rank}.pt"

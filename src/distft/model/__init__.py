@@ -4,7 +4,7 @@
 the loss head every strategy wraps; `nf4` stores QLoRA's frozen base in 4 bits.
 """
 
-from distft.model.build import apply_method, load_base_model, model_config
+from distft.model.build import apply_method, load_base_model, model_config, peft_quietly
 from distft.model.lm import SummaryLM, causal_lm, count_parameters, summed_loss
 from distft.model.presets import DTYPES, PRESETS, QWEN3_VOCAB, Preset, is_preset
 
@@ -20,5 +20,6 @@ __all__ = [
     "is_preset",
     "load_base_model",
     "model_config",
+    "peft_quietly",
     "summed_loss",
 ]

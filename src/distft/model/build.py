@@ -12,6 +12,9 @@ same on a 4-bit NF4 base (QLoRA, `distft.model.nf4`), or every weight (full fine
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -144,6 +147,20 @@ def apply_method(model: nn.Module, cfg: Config) -> nn.Module:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, lora)
+    with peft_quietly():
+        peft_model = get_peft_model(model, lora)
     # peft initialises lora_A from the global RNG: the caller seeds it so every rank agrees.
     return peft_model
+
+
+@contextmanager
+def peft_quietly() -> Iterator[None]:
+    """Around wrapping a model in a PeftModel (`get_peft_model`, `PeftModel.from_pretrained`):
+    peft's constructor reads transformers 5's deprecated `is_gradient_checkpointing` alias, a
+    FutureWarning on every command that nothing in distft causes (the fix belongs in peft). Only
+    that message is silenced, only here; every other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        yield

@@ -1,6 +1,6 @@
 """The decision tree: from the estimates of every layout (`estimate.evaluate`) to one recommendation.
 
-`decide` walks the seeds' framework, question by question, and records each answer:
+`decide` walks the blog series' framework, question by question, and records each answer:
 0. Can LoRA or QLoRA do it? (For full finetuning: would they fit, and where.)
 1. Does it fit one GPU? Then memory is not the problem: one GPU, or DDP for throughput. If it
    fits only with activation checkpointing, that is the cheapest fix.

@@ -10,7 +10,7 @@ Five components, in bytes per rank:
 3. Optimizer state. AdamW keeps two moments per trainable element (`Precision.state` bytes each)
    and, under mixed precision, an fp32 master copy (`Precision.master`), plus one fp32 step
    counter per trainable tensor. Mixed precision is therefore 2 + 2 + 4 + 4 + 4 = 16 bytes per
-   trained parameter; bf16 weights with fp32 moments and no master copy is 12 (the seeds' 13B
+   trained parameter; bf16 weights with fp32 moments and no master copy is 12 (the blog series' 13B
    table: 26 + 26 + 104 = 156 GB). LoRA pays this only on the adapters, which PEFT keeps in fp32
    over a 16-bit base (`autocast_adapter_dtype`): 4 + 4 + 8 = 16 bytes per adapter parameter.
 4. Activations: what autograd saves for backward (`activations.activation_bytes`), plus a transient working set (one layer's recompute under activation checkpointing,

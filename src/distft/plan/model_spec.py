@@ -9,7 +9,7 @@ convention; column-parallel projections split `out` (dim 0), row-parallel ones s
 Where an architecture comes from (`resolve_model`, in this order):
 1. a distft preset (`distft.model.PRESETS`: micro, tiny, qwen3-0.6b ... qwen3-32b);
 2. the built-in table below, offline: hub ids of Qwen3 (mapped to the presets) and the Llama sizes
-   the seed examples use (Llama-2-13B, Llama-3-8B, Llama-3-70B), plus short aliases;
+   the blog series' examples use (Llama-2-13B, Llama-3-8B, Llama-3-70B), plus short aliases;
 3. a local directory holding config.json (or the config.json path itself);
 4. the hub, only when online (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset): config.json alone is
    fetched; any failure becomes a one-paragraph `ConfigError`.
