@@ -10,7 +10,7 @@ tokens were dropped.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -85,8 +85,9 @@ class Generated:
 def generate(loaded: Loaded, transcript: str, sampling: Sampling) -> Generated:
     formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
     ids = formatter.prompt_ids(transcript, reserve=sampling.max_new_tokens)
-    transcript_tokens = len(loaded.tokenizer.encode(transcript, add_special_tokens=False))
-    kept = len(ids) - len(formatter.prefix) - len(formatter.suffix)
+    # Only the transcript is ever cut: the uncut prompt's extra length is what the model never saw.
+    uncut = ChatFormatter(loaded.tokenizer, replace(loaded.cfg.data, max_length=1 << 30))
+    dropped = len(uncut.prompt_ids(transcript)) - len(ids)
     prompt = torch.tensor([ids])
     torch.manual_seed(sampling.seed)  # per row: a row's sample does not depend on the rows before
     output = loaded.model.generate(
@@ -99,7 +100,7 @@ def generate(loaded: Loaded, transcript: str, sampling: Sampling) -> Generated:
         **sampling.generate_kwargs(),
     )
     text = loaded.tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True).strip()
-    return Generated(text, len(ids), transcript_tokens - kept)
+    return Generated(text, len(ids), dropped)
 
 
 def summarize(loaded: Loaded, transcript: str, max_new_tokens: int = 128) -> str:
