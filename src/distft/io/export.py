@@ -22,6 +22,7 @@ from torch import nn
 
 from distft.config import Config
 from distft.io.files import atomic_directory
+from distft.io.lineage import write_lineage
 from distft.model.build import RECIPE_FILE
 from distft.model.nf4 import QUANTIZATION_FILE
 from distft.model.presets import PRESETS
@@ -55,14 +56,21 @@ def save_adapter(
 
 
 def save_full_model(
-    lm: nn.Module, state: dict[str, torch.Tensor], out: Path, tokenizer: object | None = None
+    lm: nn.Module,
+    state: dict[str, torch.Tensor],
+    out: Path,
+    tokenizer: object | None = None,
+    lineage: dict | None = None,
 ) -> None:
     """Write a fully finetuned model in transformers' layout (tied weights stored once), with the
-    tokenizer and its chat template beside it, so `from_pretrained(out)` needs nothing else."""
+    tokenizer and its chat template beside it, so `from_pretrained(out)` needs nothing else; a
+    preset's descendant also gets its `lineage.json` (`distft.io.lineage`), which a run that trains
+    on this directory (`--model DIR/model`) carries on."""
     with atomic_directory(out) as tmp:
         lm.save_pretrained(str(tmp), state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        write_lineage(tmp, lineage)
 
 
 def base_weights_written(cfg: Config) -> bool:
