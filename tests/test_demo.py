@@ -138,3 +138,11 @@ def test_make_demo_runs_the_shipped_configs():
     recipe = (ROOT / "Makefile").read_text().split("\ndemo:", 1)[1].split("\n\n", 1)[0]
     assert "configs/demo-base.toml" in recipe and "configs/demo-lora.toml" in recipe
     assert "eval --run runs/demo" in recipe and "infer --run runs/demo" in recipe
+
+
+def test_export_keeps_the_lineage_and_says_it_in_the_card(stages, stage2_output, tmp_path):
+    _, lora, _ = stages
+    assert main(["export", "--run", str(lora), "--out", str(tmp_path / "export"), "--dtype", "float32"]) == 0
+    assert read_lineage(tmp_path / "export") == read_lineage(lora)
+    card = " ".join((tmp_path / "export" / "README.md").read_text().split())
+    assert "This is not a real language model" in card and "2 steps of LoRA" in card

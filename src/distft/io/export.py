@@ -90,10 +90,14 @@ def save_base(lm: nn.Module, tokenizer: object, out: Path, recipe: dict, weights
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
 
 
-def save_merged_model(lm: nn.Module, tokenizer: object, out: Path, card: str) -> None:
+def save_merged_model(
+    lm: nn.Module, tokenizer: object, out: Path, card: str, lineage: dict | None = None
+) -> None:
     """Write `distft export`'s output: a plain transformers model (config.json + safetensors), its
-    tokenizer with the chat template, and the model card `README.md`."""
+    tokenizer with the chat template, the model card `README.md`, and a preset descendant's
+    `lineage.json` (so a run on the export still says it started random)."""
     with atomic_directory(out) as tmp:
         lm.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "README.md").write_text(card, encoding="utf-8")
+        write_lineage(tmp, lineage)
