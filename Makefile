@@ -15,8 +15,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-demo: install  ## train the tiny Qwen3 on the bundled meetings (CPU), then summarise a held-out meeting
-	$(VENV)/bin/distft train --out runs/demo --overwrite  # a second `make demo` replaces the first
+# The demo's model is the `tiny` preset: random initial weights, trained only on the bundled synthetic
+# meetings. Stage 1 full-finetunes it (the random base learns the words), stage 2 trains a LoRA
+# adapter on stage 1's model; eval scores the untrained model, stage 1 and stage 2 on 16 held-out
+# meetings; infer summarises one of them. --overwrite: a second `make demo` replaces the first.
+demo: install  ## two-stage training of the tiny Qwen3 on the bundled meetings (CPU), then eval and a held-out summary
+	$(VENV)/bin/distft train --config configs/demo-base.toml --overwrite
+	$(VENV)/bin/distft train --config configs/demo-lora.toml --overwrite
+	$(VENV)/bin/distft eval --run runs/demo --rows 16
 	$(VENV)/bin/distft infer --run runs/demo
 
 test: install  ## lint, then the whole suite (CPU, gloo; GPU tests skip without CUDA)

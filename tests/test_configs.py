@@ -15,7 +15,10 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
 def _architecture(name: str):
     # Hub ids stand for their released architecture, which a preset mirrors (no download in CI).
     mirrors = {p.hub_id: key for key, p in PRESETS.items() if p.hub_id}
-    return model_config(mirrors.get(name, name))
+    # A config that trains on another config's output (the demo's LoRA stage on runs/demo-base/model)
+    # stands for that config's model: the directory exists only once the first one has run.
+    outputs = {f"{load_config(p, []).output.dir}/model": load_config(p, []).model.name for p in CONFIGS}
+    return model_config(mirrors.get(name, outputs.get(name, name)))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

@@ -105,9 +105,10 @@ def test_preset_base_and_truncation_are_told(run, tmp_path, capsys):
     long.write_text("Anna: " + "we discussed the remote control design and its budget " * 120)
     assert main(["infer", "--run", str(run[0]), "--input", str(long), "--max-new-tokens", "4"]) == 0
     err = capsys.readouterr().err
-    assert (
-        "the base model is the `micro` preset, randomly initialised and trained only on the run's data" in err
-    )
+    said = " ".join(err.split())
+    assert "this is not a real language model. It is distft's `micro` preset" in said
+    assert "random initial weights (seed 0), trained only on the bundled synthetic meetings" in said
+    assert "2 steps of LoRA (this run)" in said
     (notice,) = [line for line in err.splitlines() if line.startswith("notice: ")]
     dropped = int(notice.split("the transcript was truncated, ")[1].split()[0])
     assert dropped > 500 and "data.max_length=384" in notice and "4 tokens kept free" in notice

@@ -27,6 +27,7 @@ from distft.errors import ConfigError
 from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
 from distft.io.export import save_merged_model
+from distft.io.lineage import describe
 from distft.model import DTYPES, is_preset
 
 EXPORT_DTYPES = ("bfloat16", "float32")
@@ -131,6 +132,12 @@ def _base_line(cfg: Config) -> str:
     return f"`{cfg.model.name}`"
 
 
+def _sentence(note: str) -> str:
+    """ "note: this is ..." as a card's paragraph: "This is ..."."""
+    text = note.removeprefix("note: ")
+    return text[:1].upper() + text[1:]
+
+
 def _settings(cfg: Config) -> list[str]:
     t, p = cfg.train, cfg.parallel
     rows = [
@@ -152,9 +159,12 @@ def _settings(cfg: Config) -> list[str]:
     return [f"| {name} | {value} |" for name, value in rows]
 
 
-def model_card(cfg: Config, run_dir: Path, dtype: str, where: str = "PATH_OR_REPO") -> str:
-    """README.md of the export: hub metadata, what was trained on what, the final losses, and how
-    to load it from `where` (the hub repository or the directory)."""
+def model_card(
+    cfg: Config, run_dir: Path, dtype: str, where: str = "PATH_OR_REPO", lineage: dict | None = None
+) -> str:
+    """README.md of the export: hub metadata, what was trained on what (the whole chain from a
+    random preset, `lineage`), the final losses, and how to load it from `where` (the hub
+    repository or the directory)."""
     from huggingface_hub import ModelCardData
 
     hub_base = not is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir()
@@ -189,6 +199,7 @@ def model_card(cfg: Config, run_dir: Path, dtype: str, where: str = "PATH_OR_REP
             "transcript in, its summary out. Exported with `distft export` as one plain transformers model "
             f"({dtype}){', the adapter merged into the base' if cfg.train.method != 'full' else ''}.",
             "",
+            *([_sentence(describe(lineage)), ""] if lineage else []),
             "## Training",
             "",
             "| setting | value |",
@@ -237,8 +248,8 @@ def export_run(
     with torch.no_grad():
         model = merged_model(loaded.model, loaded.has_adapter, dtype)
     stop_on_end_of_turn(model, loaded.tokenizer)
-    card = model_card(cfg, run_dir, dtype, where=push_to_hub or str(out))
-    save_merged_model(model, loaded.tokenizer, out, card)
+    card = model_card(cfg, run_dir, dtype, where=push_to_hub or str(out), lineage=loaded.lineage)
+    save_merged_model(model, loaded.tokenizer, out, card, loaded.lineage)
     if push_to_hub:
         push(out, push_to_hub, private)
     return out

@@ -25,6 +25,7 @@ from distft.infer.evaluate import LOCAL_FORMATS, compare, eval_rows
 from distft.infer.generate import Generated, Sampling, generate, truncation_notice, write_results
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
+from distft.io.lineage import origin_text, stage_text
 
 # ---- infer --------------------------------------------------------------------------------------
 
@@ -168,6 +169,9 @@ def _print_result(row: Row, result: Generated, batch: bool) -> None:
     else:
         print("--- generated summary ---" if isinstance(row, MeetingRow) else "--- generated answer ---")
     print(result.summary)
+    if not batch and isinstance(row, MeetingRow) and row.summary:  # the held-out meeting's own summary
+        print("--- reference summary (held out, never trained on) ---")
+        print(row.summary)
 
 
 # ---- eval ---------------------------------------------------------------------------------------
@@ -202,9 +206,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     scores = compare(loaded, args.run, rows, args.max_new_tokens)
     source = args.data or f"{loaded.cfg.data.source} (validation split)"
     what = "meetings" if all(isinstance(r, MeetingRow) for r in rows) else "rows"
-    table = Table("model", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} {what} of {source}")
+    table = Table("model", "what", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} {what} of {source}")
+    labels = model_labels(loaded)
     for name, s in scores.items():
-        table.add_row(name, f"{s['loss']:.4f}", f"{s['rougeL']:.4f}")
+        table.add_row(name, labels.get(name, ""), f"{s['loss']:.4f}", f"{s['rougeL']:.4f}")
     Console().print(table)
     if args.output:
         results = {
@@ -217,3 +222,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         atomic_write_text(Path(args.output), json.dumps(results, indent=1) + "\n")
         print(f"wrote {args.output}")
     return 0
+
+
+def model_labels(loaded: Loaded) -> dict[str, str]:
+    """What each row of the eval table is: the random preset, then each training stage on top."""
+    cfg, lineage = loaded.cfg, loaded.lineage
+    if lineage is None:
+        return {"base": cfg.model.name, "finetuned": f"+ {cfg.train.max_steps} steps of {cfg.train.method}"}
+    *earlier, last = lineage["stages"]
+    labels = {"untrained": origin_text(lineage), "base": origin_text(lineage)}
+    if earlier:
+        labels["base"] = "+ " + ", + ".join(stage_text(s) for s in earlier)
+    labels["finetuned"] = "+ " + stage_text(last, loaded.run)
+    return labels

@@ -31,6 +31,7 @@ from distft.errors import ConfigError
 from distft.infer.generate import Sampling, generate
 from distft.infer.load import Loaded, _load_base, load_trained
 from distft.model import SummaryLM
+from distft.model.build import rebuild_base
 
 LOCAL_FORMATS = (".jsonl", ".json", ".parquet")
 
@@ -84,18 +85,35 @@ def score(loaded: Loaded, rows: list[Row], max_new_tokens: int) -> dict[str, flo
 
 
 def compare(loaded: Loaded, run: str, rows: list[Row], max_new_tokens: int) -> dict[str, dict[str, float]]:
-    """{"base": scores, "finetuned": scores}: the adapter switched off (or the base reloaded) and on."""
+    """{"base": scores, "finetuned": scores}: the adapter switched off (or the base reloaded) and on.
+    A base that is itself a trained random preset (`make demo`'s LoRA stage on its stage-1 model)
+    also gets {"untrained": scores}: the random preset the chain started from, rebuilt."""
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
+    scores = {}
+    if (untrained := untrained_model(loaded)) is not None:
+        scores["untrained"] = score(replace(loaded, model=untrained.eval()), rows, max_new_tokens)
     finetuned = score(loaded, rows, max_new_tokens)
     if loaded.has_adapter:
         with loaded.model.disable_adapter():
-            base = score(loaded, rows, max_new_tokens)
+            scores["base"] = score(loaded, rows, max_new_tokens)
     else:
         run_base = Path(run) / "base"
         base_model = _load_base(str(run_base) if run_base.is_dir() else loaded.cfg.model.name, loaded.cfg)
-        base = score(replace(loaded, model=base_model.eval()), rows, max_new_tokens)
-    return {"base": base, "finetuned": finetuned}
+        scores["base"] = score(replace(loaded, model=base_model.eval()), rows, max_new_tokens)
+    return {**scores, "finetuned": finetuned}
+
+
+def untrained_model(loaded: Loaded) -> nn.Module | None:
+    """The random preset `loaded` descends from, when its base was trained before this run (the
+    lineage has an earlier stage); None when the base is that preset itself, or pretrained."""
+    lineage = loaded.lineage
+    if lineage is None or len(lineage["stages"]) < 2:
+        return None
+    try:
+        return rebuild_base(lineage["origin"])
+    except ConfigError:  # initialised on CUDA, scored without one: the row is left out
+        return None
 
 
 def evaluate_run(

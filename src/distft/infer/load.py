@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from distft.config import Config, load_config
 from distft.data.tokenizer import load_tokenizer
 from distft.errors import ConfigError
+from distft.io.lineage import describe, read_lineage
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
 from distft.model.build import RECIPE_FILE, rebuild_base
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
@@ -31,10 +32,14 @@ class Loaded:
     cfg: Config
     has_adapter: bool
     preset: str | None = None  # the preset the base was built from (randomly initialised), if any
+    lineage: dict | None = None  # random preset -> the runs that trained it (`distft.io.lineage`)
+    run: str | None = None  # the run directory it was loaded from
 
 
 def preset_notice(loaded: Loaded) -> str | None:
     """The line a user must read before judging a summary: a preset base knows no language."""
+    if loaded.lineage is not None:  # the whole chain: random preset, then each run that trained it
+        return describe(loaded.lineage, loaded.run)
     if loaded.preset is None:
         return None
     return (
@@ -71,10 +76,14 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
         cfg = load_config(run_dir / "config.toml")
         if (run_dir / "model").is_dir():  # full finetune
             lm = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=DTYPES[cfg.model.dtype])
-            return Loaded(lm.eval(), _tokenizer_for(run_dir, cfg), cfg, False, _preset(cfg.model.name))
+            tokenizer = _tokenizer_for(run_dir, cfg)
+            return Loaded(
+                lm.eval(), tokenizer, cfg, False, _preset(cfg.model.name), read_lineage(run_dir), run
+            )
         adapter = adapter or str(run_dir / "adapter")
         base_name = model or (str(run_dir / "base") if (run_dir / "base").is_dir() else cfg.model.name)
         tokenizer = _tokenizer_for(run_dir, cfg)
+        lineage = read_lineage(model) if model else read_lineage(run_dir)
     else:
         if not adapter:
             raise ConfigError("Give --run DIR or --adapter DIR.")
@@ -86,6 +95,7 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
         run_config = Path(base_name).parent / "config.toml"
         from_run = Path(base_name).name == "base" and run_config.is_file()
         cfg = load_config(run_config if from_run else None)
+        lineage = read_lineage(Path(base_name).parent) if from_run else read_lineage(base_name)
         tokenizer = load_tokenizer(
             base_name if Path(base_name).is_dir() or not is_preset(base_name) else None
         )
@@ -102,7 +112,7 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
         )
     with peft_quietly():  # peft's own deprecation warning, not the user's concern
         lm = PeftModel.from_pretrained(base, adapter)
-    return Loaded(lm.eval(), tokenizer, cfg, True, preset)
+    return Loaded(lm.eval(), tokenizer, cfg, True, preset, lineage, run)
 
 
 def _preset(name: str) -> str | None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from distft.config import Config
 from distft.io.files import atomic_directory
+from distft.io.lineage import write_lineage
 from distft.model.build import RECIPE_FILE
 from distft.model.nf4 import QUANTIZATION_FILE
 from distft.model.presets import PRESETS
@@ -55,14 +56,21 @@ def save_adapter(
 
 
 def save_full_model(
-    lm: nn.Module, state: dict[str, torch.Tensor], out: Path, tokenizer: object | None = None
+    lm: nn.Module,
+    state: dict[str, torch.Tensor],
+    out: Path,
+    tokenizer: object | None = None,
+    lineage: dict | None = None,
 ) -> None:
     """Write a fully finetuned model in transformers' layout (tied weights stored once), with the
-    tokenizer and its chat template beside it, so `from_pretrained(out)` needs nothing else."""
+    tokenizer and its chat template beside it, so `from_pretrained(out)` needs nothing else; a
+    preset's descendant also gets its `lineage.json` (`distft.io.lineage`), which a run that trains
+    on this directory (`--model DIR/model`) carries on."""
     with atomic_directory(out) as tmp:
         lm.save_pretrained(str(tmp), state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        write_lineage(tmp, lineage)
 
 
 def base_weights_written(cfg: Config) -> bool:
@@ -82,10 +90,14 @@ def save_base(lm: nn.Module, tokenizer: object, out: Path, recipe: dict, weights
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
 
 
-def save_merged_model(lm: nn.Module, tokenizer: object, out: Path, card: str) -> None:
+def save_merged_model(
+    lm: nn.Module, tokenizer: object, out: Path, card: str, lineage: dict | None = None
+) -> None:
     """Write `distft export`'s output: a plain transformers model (config.json + safetensors), its
-    tokenizer with the chat template, and the model card `README.md`."""
+    tokenizer with the chat template, the model card `README.md`, and a preset descendant's
+    `lineage.json` (so a run on the export still says it started random)."""
     with atomic_directory(out) as tmp:
         lm.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "README.md").write_text(card, encoding="utf-8")
+        write_lineage(tmp, lineage)

@@ -124,6 +124,7 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
         params=run.parameters,
         batch=(run.shape.micro_batch_size, run.shape.accumulation_steps, run.shape.data_parallel_size),
         data={"train": run.train_set.summary(), "validation": run.val_set.summary()},
+        lineage=run.lineage,
     )
     if env.is_main and run.start_step:
         truncate_metrics(run.out / "metrics.jsonl", run.start_step)
@@ -153,5 +154,5 @@ def export(run: Run, summary: dict) -> None:
     if run.cfg.train.method in ("lora", "qlora"):
         save_adapter(lm, state, run.out / "adapter", run.base_ref, quantization(run.cfg))
     else:
-        save_full_model(causal_lm(lm), state, run.out / "model", run.tokenizer)
+        save_full_model(causal_lm(lm), state, run.out / "model", run.tokenizer, run.lineage)
     atomic_write_text(run.out / "ranks.json", json.dumps(ranks, indent=1))

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from distft.config import Config
+from distft.io.lineage import describe
 from distft.model import is_preset
 
 
@@ -36,6 +37,7 @@ class TrainingProgress:
         params: tuple[int, int],
         batch: tuple[int, int, int],
         data: dict[str, dict[str, float]],
+        lineage: dict | None = None,
     ) -> None:
         if not self.enabled:
             return
@@ -71,7 +73,9 @@ class TrainingProgress:
                 f"{s['truncated_tokens_mean']:.0f} / {s['truncated_tokens_max']}",
             )
         c.print(table)
-        if not is_preset(cfg.model.name) and cfg.optim.lr > 1e-3:
+        if lineage is not None:  # a random preset or its descendant: say so before the first loss
+            c.print(describe(lineage, cfg.output.dir), soft_wrap=True)
+        elif not is_preset(cfg.model.name) and cfg.optim.lr > 1e-3:  # a pretrained base
             c.print(
                 f"[yellow]warning:[/yellow] optim.lr={cfg.optim.lr:g} is the default for random presets; "
                 "pretrained checkpoints usually want 1e-4 to 2e-4."

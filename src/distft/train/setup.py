@@ -22,6 +22,7 @@ from distft.distributed import DistEnv, init_distributed, naming_collective, res
 from distft.io.checkpoint import check_resume, clear_checkpoints, load_training_state, resume_hint
 from distft.io.export import base_weights_written, save_base
 from distft.io.files import atomic_write_text
+from distft.io.lineage import run_lineage, write_lineage
 from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.model.build import base_recipe
@@ -57,6 +58,7 @@ class Run:
     flops: ModelFlops | None = None  # the step's model FLOPs (`distft.measure.flops`)
     peak_flops: float | None = None  # one device's peak dense bf16 FLOP/s; None off a known GPU
     peak_note: str = ""  # what MFU is measured against, or why it is null
+    lineage: dict | None = None  # a preset descendant's chain of runs (`distft.io.lineage`); None: pretrained
 
     @property
     def pad_id(self) -> int:
@@ -115,10 +117,12 @@ def setup(cfg: Config, dataset: Any = None) -> Run:
     # Built where it will train, in its dtype, when the strategy takes a whole model on its device.
     base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None)
     check_model(cfg, base.config)
+    recipe = base_recipe(cfg.model, base.device) if is_preset(cfg.model.name) else None
+    lineage = run_lineage(cfg, recipe)  # random preset -> earlier runs -> this one
     if env.is_main:
         atomic_write_text(out / "config.toml", to_toml(cfg))
-        if is_preset(cfg.model.name):  # the recipe always; the weights when small (`io.export`)
-            recipe = base_recipe(cfg.model, base.device)
+        write_lineage(out, lineage)
+        if recipe is not None:  # the recipe always; the weights when small (`io.export`)
             save_base(base, tokenizer, out / "base", recipe, weights=base_weights_written(cfg))
     base_ref = str((out / "base").resolve()) if is_preset(cfg.model.name) else cfg.model.name
 
@@ -145,6 +149,7 @@ def setup(cfg: Config, dataset: Any = None) -> Run:
     run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
               param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, flops=flops)  # fmt: skip
     run.peak_flops, run.peak_note = peak_flops(env.device)
+    run.lineage = lineage
     resume(run)
     return run
 

@@ -1,0 +1,97 @@
+"""Where a model came from, when it started as a randomly initialised preset: `lineage.json`.
+
+A preset (`tiny`, `micro`, ...) is an architecture with random weights: whatever it writes after
+training it learned from the run's data alone, and the user must be told so before judging its
+output. A run on a preset writes `DIR/lineage.json`, and a full finetune also writes it beside its
+weights in `DIR/model/`; a run whose `--model` is such a directory (a LoRA stage on a stage-1 model,
+`make demo`) extends the chain. So `distft infer`/`eval` and the training header can say, for any
+model in the chain, "random `tiny`, then N steps of full finetuning on X, then M steps of LoRA".
+A pretrained base (a hub id, a directory without the file) has no lineage: None.
+
+    {"origin": {"preset": "tiny", "seed": 0, ...},          # the recipe (`model.build.base_recipe`)
+     "stages": [{"method": "full", "steps": 400, "data": "sample", "run": "/abs/runs/demo-base"}]}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distft.config import Config
+from distft.io.files import atomic_write_text
+from distft.model import is_preset
+
+LINEAGE_FILE = "lineage.json"
+METHOD_NAMES = {"full": "full finetuning", "lora": "LoRA", "qlora": "QLoRA"}
+
+
+def read_lineage(path: str | Path) -> dict | None:
+    """The lineage written in directory `path` (a run, a full model, an export), or None."""
+    file = Path(path) / LINEAGE_FILE
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+
+
+def run_lineage(cfg: Config, recipe: dict | None) -> dict | None:
+    """The lineage of the model a run with `cfg` produces: its base's (a preset: `recipe`; a local
+    directory: its lineage.json) plus this run as the last stage; None for a pretrained base."""
+    if is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir():
+        base = {"origin": recipe, "stages": []}
+    else:
+        base = read_lineage(cfg.model.name)
+    if base is None:
+        return None
+    stage = {
+        "method": cfg.train.method,
+        "steps": cfg.train.max_steps,
+        "data": cfg.data.source,
+        "run": str(Path(cfg.output.dir).resolve()),
+    }
+    return {"origin": base["origin"], "stages": [*base["stages"], stage]}
+
+
+def write_lineage(path: Path, lineage: dict | None) -> None:
+    if lineage is not None:
+        atomic_write_text(Path(path) / LINEAGE_FILE, json.dumps(lineage, indent=1) + "\n")
+
+
+def _data_name(source: str) -> str:
+    return "the bundled synthetic meetings (--data sample)" if source == "sample" else f"`{source}`"
+
+
+def describe(lineage: dict, this_run: str | None = None) -> str:
+    """One paragraph a user reads before judging the model's output: what the model is."""
+    origin = lineage["origin"]
+    stages = lineage["stages"]
+    sources = sorted({s["data"] for s in stages})
+    data = " and ".join(_data_name(s) for s in sources) if sources else "nothing yet"
+    steps = ", then ".join(stage_text(s, this_run) for s in stages)
+    return (
+        f"note: this is not a real language model. It is distft's `{origin['preset']}` preset, a small "
+        f"Qwen3 architecture with random initial weights (seed {origin['seed']}), trained only on {data}"
+        + (f": {steps}" if steps else "")
+        + ". Its summaries show that the pipeline works, not what a pretrained Qwen3 writes; for real "
+        "summaries train on a pretrained model (--model Qwen/Qwen3-0.6B, or a local directory)."
+    )
+
+
+def stage_text(stage: dict, this_run: str | None = None) -> str:
+    """ "400 steps of full finetuning (runs/demo-base)", or "... (this run)"."""
+    text = f"{stage['steps']} steps of {METHOD_NAMES.get(stage['method'], stage['method'])}"
+    run = stage.get("run")
+    if run and this_run and run == str(Path(this_run).resolve()):
+        return f"{text} (this run)"
+    return f"{text} ({_short(run)})" if run else text
+
+
+def origin_text(lineage: dict) -> str:
+    return f"`{lineage['origin']['preset']}` preset, random weights"
+
+
+def _short(run: str | None) -> str:
+    """A run directory as the user typed it, relative to here when it is below here."""
+    if not run:
+        return ""
+    try:
+        return str(Path(run).relative_to(Path.cwd()))
+    except ValueError:
+        return run
