@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -17,9 +18,11 @@ from distft.model.nf4 import NF4Spec
 from distft.plan import evaluate, make_request
 from distft.plan.activations import inflight_microbatches
 from distft.plan.decide import decide
+from distft.plan.estimate import estimate, max_micro_batch
 from distft.plan.hardware import GB, LINKS, GiB, comm_time, parse_bytes, wire_bytes
 from distft.plan.memory import chunk_rows, nf4_tensor_bytes, qlora_base_bytes, state_bytes
 from distft.plan.model_spec import resolve_model
+from distft.plan.report import largest_micro_batch
 from distft.plan.setup import PRECISIONS, Parallelism, Training
 
 
@@ -329,3 +332,23 @@ def test_local_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_moe", "num_experts": 128}))
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         resolve_model(str(tmp_path))
+
+
+def test_plan_says_the_largest_micro_batch_that_fits(capsys):
+    """The recommendation's layout fits with that many sequences per micro-batch, and not one more."""
+    req, _, rec = plan("--model qwen3-4b --gpu h100 --gpus 1 --seq-len 2048 --micro-batch 2")
+    largest = largest_micro_batch(req, rec)
+    assert rec.strategy == "single" and largest >= 2
+
+    def fits(m: int) -> bool:
+        return estimate(
+            replace(req, training=replace(req.training, micro_batch=m)), rec.layout, rec.strategy
+        ).fits
+
+    assert fits(largest) and not fits(largest + 1)
+    assert max_micro_batch(req, rec.layout, rec.strategy, limit=3) == 3  # capped
+    tiny_gpu, _, tiny_rec = plan("--model qwen3-4b --gpu-mem 2GiB --gpus 1 --seq-len 2048")
+    assert max_micro_batch(tiny_gpu, tiny_rec.layout or Parallelism("single"), "single") == 0
+    assert main(["plan", "--model", "qwen3-4b", "--gpu", "h100", "--gpus", "1", "--seq-len", "2048"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"largest micro-batch that fits: {largest} sequences of 2048 tokens" in out

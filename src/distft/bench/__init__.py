@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from distft.bench.gpu import GpuSuiteSettings, run_gpu_suite
+from distft.bench.gpu_report import write_gpu_report
 from distft.bench.harness import (
     BenchSettings,
     StrategyResult,
@@ -20,6 +22,7 @@ from distft.errors import ConfigError
 
 DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp,tp-sp,pp"  # every strategy that runs on 2 processes
 PP_SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv"
+DEFAULT_OUT = "runs/bench"
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,12 +37,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated (default {DEFAULT_STRATEGIES})"
     )
     p.add_argument("--nproc", type=int, default=2, help="processes for the multi-process strategies")
-    p.add_argument("--model", default="tiny", help="preset, local directory or hub id")
-    p.add_argument("--steps", type=int, default=10, help="measured optimizer steps per strategy")
-    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    p.add_argument("--model", help="preset, local directory or hub id (default tiny; --gpu: qwen3-4b)")
+    p.add_argument("--steps", type=int, help="measured optimizer steps per run (default 10; --gpu: 6)")
+    p.add_argument("--warmup", type=int, help="steps run before measuring (default 3; --gpu: 2)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward on a rank")
-    p.add_argument("--seq-len", type=int, default=512, help="data.max_length")
+    p.add_argument("--seq-len", type=int, help="data.max_length (default 512; --gpu: 2048)")
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the one-device suite instead: distft single LoRA, QLoRA and full finetuning and the plain "
+        "transformers+peft loop at the seeds' shapes (qwen3-4b, seq 2048, micro-batch 2, global 8, bf16); "
+        "tokens/s, MFU, peak memory, start-up, the ratios and the targets (docs/bench.md)",
+    )
+    p.add_argument("--methods", default="lora,qlora,full", help="--gpu: the distft methods to run")
     p.add_argument(
         "--pp-sweep",
         nargs="?",
@@ -59,7 +70,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="project the measured compute and bytes onto hardware profiles, e.g. 2xrtx4090-pcie,8xh100-nvlink "
         "(N x a `distft plan` GPU, optionally -pcie/-nvlink/...), and say which strategy should win there",
     )
-    p.add_argument("--out", default="runs/bench", help="output directory")
+    p.add_argument(
+        "--out", default=DEFAULT_OUT, help="output directory (default runs/bench; --gpu: runs/bench-gpu)"
+    )
     p.add_argument(
         "--report-only",
         action="store_true",
@@ -90,7 +103,28 @@ def rereport(out: Path, project: list[str]) -> dict:
     return summary
 
 
+def cmd_gpu(args: argparse.Namespace) -> int:
+    settings = GpuSuiteSettings(
+        model=args.model or "qwen3-4b",
+        seq_len=args.seq_len or 2048,
+        micro_batch_size=args.micro_batch,
+        global_batch_size=args.global_batch,
+        steps=6 if args.steps is None else args.steps,
+        warmup=2 if args.warmup is None else args.warmup,
+        methods=_names(args.methods),
+        overrides=list(args.overrides),
+    )
+    out = Path(args.out if args.out != DEFAULT_OUT else "runs/bench-gpu")
+    summary = run_gpu_suite(settings, out)
+    report = write_gpu_report(summary, out)
+    print(report.read_text())
+    print(f"\nwrote {report} and {out / 'results.json'}")
+    return 1 if summary["failures"] else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.gpu:
+        return cmd_gpu(args)
     try:
         microbatches = [int(m) for m in _names(args.pp_microbatches)]
     except ValueError:
@@ -100,12 +134,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         strategies=_names(args.strategies),
         nproc=args.nproc,
-        model=args.model,
-        steps=args.steps,
-        warmup=args.warmup,
+        model=args.model or "tiny",
+        steps=10 if args.steps is None else args.steps,
+        warmup=3 if args.warmup is None else args.warmup,
         global_batch_size=args.global_batch,
         micro_batch_size=args.micro_batch,
-        seq_len=args.seq_len,
+        seq_len=args.seq_len or 512,
         overrides=list(args.overrides),
         pp_schedules=_names(args.pp_sweep),
         pp_microbatches=microbatches,

@@ -25,6 +25,7 @@ from distft.bench.reference import time_plain_loop
 from distft.errors import ConfigError
 from distft.parallel import STRATEGIES
 from distft.parallel.pipeline import SCHEDULES
+from distft.train.metrics import START_ENV
 
 
 @dataclass
@@ -77,7 +78,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 def run_strategy(
     settings: BenchSettings, strategy: str, out: Path, extra: tuple[str, ...] = ()
 ) -> StrategyResult:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Each run measures its own start-up: not from the bench command's stamp (`START_ENV`).
+    env = {k: v for k, v in os.environ.items() if k != START_ENV} | {"PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "distft.cli", *settings.train_args(strategy, out, extra)],
@@ -96,6 +98,8 @@ def run_strategy(
     for key in ("idle_fraction", "idle_fraction_theory"):  # pipeline bubble, measured and in theory
         if key in measured[-1]:
             extra[key] = statistics.median(r[key] for r in measured)
+    if "startup_s" in first:  # command start to step 1, and step 1 itself (compilation runs there)
+        extra.update(startup_s=first["startup_s"], first_step_s=first["step_time_s"])
     if all(r.get("mfu") is not None for r in measured):  # null off a known GPU (distft.measure.flops)
         extra["mfu"] = statistics.median(r["mfu"] for r in measured)
     return StrategyResult(

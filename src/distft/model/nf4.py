@@ -3,8 +3,9 @@
 `--method qlora` stores every projection of every decoder layer (q, k, v, o, gate, up, down) as
 4-bit NormalFloat (Dettmers et al., "QLoRA", 2305.14314) and trains LoRA adapters in the model
 dtype on top. Embeddings (tied to lm_head in Qwen3) and norms stay in the model dtype, as in
-QLoRA and bitsandbytes. The forward dequantizes one weight at a time (`F.linear` on an NF4Tensor
-runs torchao's `LinearNF4`), so compute and the adapters' gradients are in the model dtype.
+QLoRA and bitsandbytes. The forward dequantizes one weight at a time (`distft.model.nf4_linear`:
+torchao's arithmetic, fused into one compiled kernel on CUDA), so compute and the adapters'
+gradients are in the model dtype.
 
 Layout of one weight of n elements (block B = `model.quant_block_size`, 64; group G =
 `model.quant_scaler_block_size`, 256, lowered for small weights by `NF4Spec.group_size`; s = model
@@ -77,6 +78,7 @@ from transformers import PretrainedConfig
 
 from distft.config import ModelConfig
 from distft.errors import ConfigError
+from distft.model.nf4_linear import NF4Linear
 from distft.tensors import local
 
 NF4_CODES = 16  # entries of the code book stored with each tensor
@@ -171,9 +173,11 @@ def quantized_linears(layers: nn.ModuleList) -> list[tuple[str, nn.Linear]]:
 
 @torch.no_grad()
 def quantize_base(layers: nn.ModuleList, spec: NF4Spec) -> None:
-    """Replace each projection's weight in these decoder layers with a frozen NF4 parameter, in place."""
+    """Replace each projection's weight in these decoder layers with a frozen NF4 parameter, in
+    place, and make the projection an `NF4Linear` (its dequantisation can be compiled)."""
     for _, linear in quantized_linears(layers):
         linear.weight = nn.Parameter(quantize(linear.weight, spec), requires_grad=False)
+        linear.__class__ = NF4Linear
 
 
 @torch.no_grad()
@@ -185,6 +189,7 @@ def dequantize_base(layers: nn.ModuleList, spec: NF4Spec) -> None:
         w = linear.weight
         q = w if is_nf4(w) else quantize(w, spec)
         linear.weight = nn.Parameter(q.get_original_weight().to(w.dtype), requires_grad=False)
+        linear.__class__ = nn.Linear
 
 
 # Why tp, tp-sp and fsdp+tp refuse --method qlora (shown to the user before launch).

@@ -15,7 +15,7 @@ read from the runtime's registry, `distft.parallel.STRATEGIES` (`runnable`); onl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from distft.parallel import STRATEGIES as RUNTIME
 from distft.plan.activations import activation_bytes
@@ -220,6 +220,26 @@ def estimate(req: Request, par: Parallelism, strategy: str | None = None) -> Est
     if par.tp > req.gpus_per_node:
         est.note = "TP group spans nodes"
     return est
+
+
+def max_micro_batch(req: Request, par: Parallelism, strategy: str | None = None, limit: int = 256) -> int:
+    """The largest micro-batch (up to `limit`) with which layout `par` still fits, the rest of
+    `req` unchanged; 0 if not even one sequence does. Memory grows with the micro-batch
+    (activations, the loss's logits), so a doubling then a bisection finds it."""
+
+    def fits(m: int) -> bool:
+        return estimate(replace(req, training=replace(req.training, micro_batch=m)), par, strategy).fits
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def _divisors(n: int) -> list[int]:

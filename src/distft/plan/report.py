@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from distft.plan.commands import run_command
-from distft.plan.estimate import Estimate, Request
+from distft.plan.estimate import Estimate, Request, max_micro_batch
 from distft.plan.explain import Recommendation
 from distft.plan.hardware import format_bytes, format_seconds
 from distft.plan.memory import trainable_params
@@ -14,6 +14,14 @@ from distft.plan.memory import trainable_params
 
 def _command(req: Request, rec: Recommendation) -> str | None:
     return run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.layout)
+
+
+def largest_micro_batch(req: Request, rec: Recommendation) -> int | None:
+    """The largest micro-batch the recommendation fits with (its method and checkpointing)."""
+    if rec.strategy is None or rec.layout is None:
+        return None
+    t = replace(req.training, method=rec.method, activation_checkpointing=rec.activation_checkpointing)
+    return max_micro_batch(replace(req, training=t), rec.layout, rec.strategy)
 
 
 def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> dict:
@@ -65,6 +73,7 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
             "steps": [asdict(s) for s in rec.steps],
             "alternatives": rec.alternatives,
             "command": _command(req, rec),
+            "max_micro_batch": largest_micro_batch(req, rec),
         },
     }
 
@@ -193,6 +202,14 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
     command = _command(req, rec)
     if command:
         console.print(f"  [dim]run:[/] {command}", highlight=False)
+    largest = largest_micro_batch(req, rec)
+    if largest:
+        console.print(
+            f"  [dim]largest micro-batch that fits:[/] {largest} sequences of {t.seq_len} tokens "
+            f"(this plan: {t.micro_batch}); larger micro-batches feed the GPU better "
+            "(train.micro_batch_size, with train.global_batch_size a multiple of it)",
+            highlight=False,
+        )
     console.print(
         "[dim]Vendor peak figures for memory, TFLOP/s and links; collective efficiency "
         f"({req.intra.efficiency:.0%} of {req.intra.label}) and MFU ({req.mfu:.0%}) are assumptions.[/]"

@@ -95,6 +95,8 @@ def speed_line(run: Run, record: dict) -> str:
     """The header's line after the first step: start-up time and MFU (or why there is none)."""
     mfu = f"MFU {record['mfu']:.1%}" if record["mfu"] is not None else "MFU n/a"
     compiled = "compiled decoder layers" if run.compiled else "eager"
+    if run.compiled_nf4:
+        compiled += f", {run.compiled_nf4} NF4 projections dequantized by compiled kernels"
     return (
         f"start-up {record['startup_s']:.1f} s (command start to step 1); {mfu} ({run.peak_note}); "
         f"{record['flops_per_token'] / 1e9:.3g} GFLOP/token; {compiled}"

@@ -28,6 +28,7 @@ from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, i
 from distft.model.build import base_recipe
 from distft.model.compile import compile_blocks, compile_wanted
 from distft.model.nf4 import storage_layout
+from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
 from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model
 from distft.tensors import local_bytes
 
@@ -55,6 +56,7 @@ class Run:
     start_step: int = 0  # the step of the checkpoint resumed from; 0 for a new run
     checkpoint: Path | None = None
     compiled: bool = False  # decoder layers run torch.compile'd (`distft.model.compile`)
+    compiled_nf4: int = 0  # NF4 projections whose dequantisation runs compiled (`distft.model.nf4_linear`)
     flops: ModelFlops | None = None  # the step's model FLOPs (`distft.measure.flops`)
     peak_flops: float | None = None  # one device's peak dense bf16 FLOP/s; None off a known GPU
     peak_note: str = ""  # what MFU is measured against, or why it is null
@@ -135,6 +137,8 @@ def setup(cfg: Config, dataset: Any = None) -> Run:
     compiled = compile_wanted(cfg.model.compile, env.device, strategy.supports_compile)
     if compiled:  # per decoder layer, before the strategy wraps them (`distft.model.compile`)
         compile_blocks(lm)
+    nf4_compiled = dequantize_compiled_wanted(cfg.model.compile, env.device)  # QLoRA: one kernel per weight
+    compiled_nf4 = use_compiled_dequantize(lm, nf4_compiled) if nf4_compiled else 0
     model = strategy.parallelize(SummaryLM(lm))
     param_bytes = storage_layout(model)  # NF4 parts apart (distft.model.nf4)
     # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
@@ -147,7 +151,7 @@ def setup(cfg: Config, dataset: Any = None) -> Run:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
 
     run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
-              param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, flops=flops)  # fmt: skip
+              param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, compiled_nf4=compiled_nf4, flops=flops)  # fmt: skip
     run.peak_flops, run.peak_note = peak_flops(env.device)
     run.lineage = lineage
     resume(run)

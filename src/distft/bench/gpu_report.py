@@ -1,0 +1,88 @@
+"""`distft bench --gpu`'s report.md: the measured runs, the ratios, the targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+GIB = 2**30
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _verdict(t: dict) -> str:
+    if t["met"] is None:
+        return "not measured"
+    verdict = "met" if t["met"] else "**not met**"
+    return verdict if t["applies"] else f"{verdict} (not the target's setting: indicative only)"
+
+
+def _value(t: dict) -> str:
+    v = t["value"]
+    if v is None:
+        return "n/a"
+    if "MFU" in t["target"]:
+        return f"{v:.1%}"
+    if "tokens/s >=" in t["target"]:
+        return f"{v:,.0f}"
+    return f"{v:.2f}" + ("x" if "x " in t["target"] else " s")
+
+
+def render(summary: dict) -> str:
+    s, env = summary["settings"], summary["environment"]
+    lines = [
+        "# distft bench --gpu: LoRA, QLoRA and full finetuning on one device, against the plain loop",
+        "",
+        f"Model `{s['model']}`, {summary['dtype']}, sequences of {s['seq_len']} tokens (every row full), "
+        f"micro-batch {s['micro_batch_size']}, global batch {s['global_batch_size']}, LoRA r=16 on every "
+        f"projection, {s['warmup']} unmeasured + {s['steps']} measured steps, seed {s['seed']}. Device "
+        f"{env['device']}; torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}.",
+        "",
+        "## Measured",
+        "",
+        "Medians over the measured steps. MFU: model FLOPs (`distft.measure.flops`, the same count for "
+        "distft and the plain loop) / step time / the GPU's dense bf16 peak; n/a off a known GPU. Start-up: "
+        "process start to step 1; first step: step 1 itself (torch.compile runs there).",
+        "",
+        "| run | tokens/s | step time (s) | MFU | peak memory (GiB) | start-up (s) | first step (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in summary["rows"].values():
+        lines.append(
+            f"| {row['run']} | {row['tokens_per_s']:,.0f} | {row['step_time_s']:.3f} | "
+            f"{_num(row['mfu'] and 100 * row['mfu'], '.1f')}{'%' if row['mfu'] else ''} | "
+            f"{row['peak_mem_bytes'] / GIB:.2f} | {_num(row['startup_s'], '.1f')} | {_num(row['first_step_s'], '.2f')} |"
+        )
+    r = summary["ratios"]
+    lines += [
+        "",
+        "## Ratios",
+        "",
+        "| ratio | value |",
+        "|---|---|",
+        f"| QLoRA / LoRA, tokens/s | {_num(r['qlora_vs_lora_tokens_per_s'], '.2f')} |",
+        f"| distft LoRA / plain loop, tokens/s | {_num(r['distft_vs_plain_tokens_per_s'], '.2f')} |",
+        f"| distft LoRA / plain loop, MFU | {_num(r['distft_vs_plain_mfu'], '.2f')} |",
+        f"| distft LoRA / plain loop, peak memory | {_num(r['distft_vs_plain_peak_memory'], '.2f')} |",
+        f"| distft LoRA / plain loop, start-up | {_num(r['distft_vs_plain_startup'], '.2f')} |",
+        "",
+        "## Targets (issue 13)",
+        "",
+        "The absolute figures are for Qwen3-4B at these shapes on one H100, the ratios for any GPU; "
+        "elsewhere the verdict is indicative only.",
+        "",
+        "| target | measured | verdict |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {t['target']} | {_value(t)} | {_verdict(t)} |" for t in summary["targets"]]
+    if summary["failures"]:
+        lines += ["", "## Failed runs", ""]
+        lines += [f"- {name}: {why}" for name, why in summary["failures"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_gpu_report(summary: dict, out: Path) -> Path:
+    path = out / "report.md"
+    path.write_text(render(summary))
+    return path

@@ -1,0 +1,134 @@
+"""The plain transformers + peft LoRA loop, as a user would write it: the GPU suite's baseline.
+
+`python -m distft.bench.plain --model qwen3-4b --seq-len 2048 --data long.jsonl --out plain.json`
+
+`AutoModelForCausalLM` built on the device in the given dtype, peft LoRA on every projection,
+AdamW (fused on CUDA, as /work/shared/gpu/plain_loop.py), `model(...).loss` over right-padded
+rows (logits for every position), no compile, no packing. It trains on the very rows distft's
+runs train on (distft's tokenization of the same file and the same seeded global batches), so
+the two are compared on the same work. Writes one JSON object: step times, tokens/s, MFU in
+distft's convention (`distft.measure.flops`: the same model FLOPs, so the ratio is a ratio of
+speeds), peak memory and start-up (process start to step 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from distft.config import load_config
+from distft.data import IGNORE, ChatFormatter, collate, global_batch_indices, load_rows, tokenize_rows
+from distft.data.tokenizer import load_tokenizer
+from distft.measure.flops import ModelFlops, peak_flops
+from distft.model.presets import DTYPES, PRESETS
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m distft.bench.plain", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="micro", help="a distft preset or a transformers model directory")
+    p.add_argument("--data", default="sample", help="data.source: the rows distft trains on")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=4, help="measured steps")
+    p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="where to write the JSON result")
+    return p.parse_args(argv)
+
+
+def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int, rank: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if name in PRESETS:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(PRESETS[name].to_config(), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device)
+    model.config.use_cache = False
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run(a: argparse.Namespace) -> dict:
+    overrides = [f"data.source={a.data}", f"data.max_length={a.seq_len}", f"train.seed={a.seed}"]
+    cfg = load_config(None, [f"model.name={a.model}", *overrides])
+    tokenizer = load_tokenizer(None if a.model in PRESETS else a.model)
+    examples = tokenize_rows(
+        load_rows(cfg.data, seed=a.seed)["train"], ChatFormatter(tokenizer, cfg.data)
+    ).examples
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    # ---- the plain loop starts here ------------------------------------------------------
+    model = build_model(a.model, DTYPES[a.dtype], device, a.seed, a.lora_rank)
+    flops = ModelFlops.from_model(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda" or None)
+    accumulation = a.global_batch // a.micro_batch
+    times, tokens, step_flops, losses = [], [], [], []
+    startup = time.time() - psutil.Process().create_time()
+    for step in range(a.warmup + a.steps):
+        rows = [examples[i] for i in global_batch_indices(step, len(examples), a.global_batch, a.seed)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start, total = time.perf_counter(), 0.0
+        for i in range(accumulation):
+            micro = rows[i * a.micro_batch : (i + 1) * a.micro_batch]
+            batch = {k: v.to(device) for k, v in collate(micro, tokenizer.pad_token_id).items()}
+            # transformers shifts labels itself: give it unshifted ones.
+            labels = torch.cat([torch.full_like(batch["labels"][:, :1], IGNORE), batch["labels"][:, :-1]], 1)
+            loss = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels
+            ).loss
+            (loss / accumulation).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(total) / accumulation)  # the host sync
+        times.append(time.perf_counter() - start)
+        tokens.append(sum(len(e.input_ids) for e in rows))
+        step_flops.append(flops.step(rows))
+    # ---- and ends here -------------------------------------------------------------------
+
+    peak, _ = peak_flops(device)
+    measured = range(a.warmup, a.warmup + a.steps)
+    return {
+        "what": "plain transformers + peft LoRA loop",
+        "settings": vars(a),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "step_time_s": statistics.median(times[i] for i in measured),
+        "tokens_per_s": statistics.median(tokens[i] / times[i] for i in measured),
+        "mfu": statistics.median(step_flops[i] / times[i] / peak for i in measured) if peak else None,
+        "peak_mem_bytes": peak_memory(device),
+        "startup_s": startup,
+        "first_step_s": times[0],
+        "losses": losses,
+        "times": times,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    Path(a.out).write_text(json.dumps(run(a), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
