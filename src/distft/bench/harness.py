@@ -96,6 +96,10 @@ def run_strategy(
     for key in ("idle_fraction", "idle_fraction_theory"):  # pipeline bubble, measured and in theory
         if key in measured[-1]:
             extra[key] = statistics.median(r[key] for r in measured)
+    for key in ("comm_s", "comm_exposed_s", "overlap_fraction"):  # distft.measure.overlap
+        values = [r[key] for r in measured if r.get(key) is not None]
+        if values:
+            extra[key] = statistics.median(values)
     if all(r.get("mfu") is not None for r in measured):  # null off a known GPU (distft.measure.flops)
         extra["mfu"] = statistics.median(r["mfu"] for r in measured)
     return StrategyResult(
