@@ -32,7 +32,7 @@ def test_study_runs_interleaved_and_writes_its_report(tmp_path, monkeypatch):
     )
     out = tmp_path / "study"
     args = ["bench", "--study", "ddp-misconfig", "--repeats", "2", "--model", "micro", "--steps", "1",
-            "--warmup", "1", "--global-batch", "4", "--micro-batch", "1", "--seq-len", "128", "--out", str(out),
+            "--warmup", "1", "--global-batch", "4", "--micro-batch", "1", "--seq-len", "256", "--out", str(out),
             "data.max_rows=16"]  # fmt: skip
     assert main(args) == 0
     summary = json.loads((out / "study.json").read_text())

@@ -101,9 +101,8 @@ def run_study(settings: BenchSettings, study: str, out: Path, repeats: int) -> d
         "runs": runs,
         "failures": failures,
         "loss_agreement": loss_agreement(named) if named else {},
-        "config": (out / "runs" / "c1-r1" / "config.toml").read_text()
-        if (out / "runs" / "c1-r1").exists()
-        else "",
+        # the correct run's (the second configuration), as resolved by `distft train`
+        "config": next((c.read_text() for c in [out / "runs" / "c1-r1" / "config.toml"] if c.exists()), ""),
     }
 
 
