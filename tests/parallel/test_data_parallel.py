@@ -137,3 +137,52 @@ def test_ddp_static_graph(reference, tmp_path, capsys):
     out = tmp_path / "static"
     distft("train", *static, "train.micro_batch_size=2", "--out", str(out))  # no accumulation
     assert_same_training(out, reference)
+
+
+# ---- the misconfiguration switches (issue 15): the same training, only the traffic changes -------
+
+
+def test_ddp_without_no_sync_moves_accumulation_times_the_bytes(reference, micro_lora, tmp_path):
+    out = tmp_path / "every-micro-batch"
+    distft(
+        "train", "--strategy", "ddp", "--nproc", "2", *PARITY, "parallel.ddp_no_sync=false", "--out", str(out)
+    )
+    assert_same_training(out, reference)
+    first = metrics(out)[0]
+    grads = expected_bytes("ddp", micro_lora)["all_reduce"] - 4
+    assert first["comm_bytes"]["all_reduce"] == ACCUMULATION * grads + 4
+    assert first["comm_calls"]["all_reduce"] == ACCUMULATION + 1  # one bucket per micro-batch, the loss
+    assert first["comm_bytes"] == first["comm_bytes_expected"]  # incl. the bucket rebuild's broadcast
+
+
+def test_ddp_misconfigurations_change_only_the_traffic(reference, micro_lora, tmp_path):
+    out = tmp_path / "misconfigured"
+    switches = [
+        "parallel.ddp_find_unused_parameters=true",
+        "parallel.ddp_broadcast_buffers=true",
+        "parallel.ddp_bucket_mb=0.01",
+    ]
+    distft("train", "--strategy", "ddp", "--nproc", "2", *PARITY, *switches, "--out", str(out))
+    assert_same_training(out, reference)
+    first = metrics(out)[0]
+    trainable = [p for p in micro_lora.parameters() if p.requires_grad]
+    buffers = sum(b.numel() * b.element_size() for b in micro_lora.buffers())
+    # The used-parameter bitmap (int32 per trainable tensor) and the rotary tables once per step.
+    assert first["comm_bytes"] == {
+        "all_reduce": expected_bytes("ddp", micro_lora)["all_reduce"] + 4 * len(trainable),
+        "broadcast": buffers,
+    }
+    assert first["comm_bytes"] == first["comm_bytes_expected"]
+    # Without a bucket rebuild (find_unused), 0.01 MB buckets hold one or a few tensors each.
+    assert first["comm_calls"]["all_reduce"] > 10
+
+
+def test_fsdp_whole_model_unit_without_prefetch(reference, micro_lora, tmp_path):
+    out = tmp_path / "fsdp-model"
+    switches = ["parallel.fsdp_wrap=model", "parallel.fsdp_prefetch=0"]
+    distft("train", "--strategy", "fsdp", "--nproc", "2", *PARITY, *switches, "--out", str(out))
+    assert_same_training(out, reference)
+    first = metrics(out)[0]
+    assert first["comm_bytes"] == first["comm_bytes_expected"] == expected_bytes("fsdp", micro_lora)
+    # The same bytes in one gather per pass: forward and backward of each micro-batch.
+    assert first["comm_calls"]["all_gather"] == 2 * ACCUMULATION

@@ -18,6 +18,8 @@ from distft.bench.harness import (
     sweep_losses,
 )
 from distft.bench.report import write_report
+from distft.bench.study import STUDIES, run_study
+from distft.bench.study_report import write_study_report
 from distft.errors import ConfigError
 
 DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp,tp-sp,pp"  # every strategy that runs on 2 processes
@@ -47,7 +49,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--gpu",
         action="store_true",
         help="the one-device suite instead: distft single LoRA, QLoRA and full finetuning and the plain "
-        "transformers+peft loop at the seeds' shapes (qwen3-4b, seq 2048, micro-batch 2, global 8, bf16); "
+        "transformers+peft loop at the blog series' shapes (qwen3-4b, seq 2048, micro-batch 2, global 8, bf16); "
         "tokens/s, MFU, peak memory, start-up, the ratios and the targets (docs/bench.md)",
     )
     p.add_argument("--methods", default="lora,qlora,full", help="--gpu: the distft methods to run")
@@ -69,6 +71,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         metavar="PROFILES",
         help="project the measured compute and bytes onto hardware profiles, e.g. 2xrtx4090-pcie,8xh100-nvlink "
         "(N x a `distft plan` GPU, optionally -pcie/-nvlink/...), and say which strategy should win there",
+    )
+    p.add_argument(
+        "--study",
+        choices=sorted(STUDIES),
+        help="run a correct configuration beside its misconfigurations (ddp-misconfig, fsdp-wrap) instead of "
+        "--strategies; writes DIR/study.md and DIR/study_NAME.png",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per configuration, interleaved (--study; default 1)"
     )
     p.add_argument(
         "--out", default=DEFAULT_OUT, help="output directory (default runs/bench; --gpu: runs/bench-gpu)"
@@ -146,6 +157,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         project=_names(args.project),
     )
     out = Path(args.out)
+    if args.study:
+        study = run_study(settings, args.study, out, args.repeats)
+        (out / "study.json").write_text(json.dumps(study, indent=1))
+        report = write_study_report(study, out)
+        print(report.read_text())
+        print(f"\nwrote {report}, {out / 'study.json'} and {out / f'study_{args.study}.png'}")
+        return 1 if study["failures"] or not all(a["agrees"] for a in study["loss_agreement"].values()) else 0
     summary = rereport(out, settings.project) if args.report_only else run_bench(settings, out)
     report = write_report(summary, out)
     print(report.read_text())

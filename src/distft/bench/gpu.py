@@ -1,6 +1,6 @@
 """`distft bench --gpu`: LoRA, QLoRA and full finetuning on one device, against the plain loop.
 
-At the seeds' shapes (Qwen3-4B architecture, LoRA r=16 on every projection, bf16, sequences of
+At the blog series' shapes (Qwen3-4B architecture, LoRA r=16 on every projection, bf16, sequences of
 2048 tokens, micro-batch 2, global batch 8) it runs `distft train --strategy single` once per
 method and the plain transformers + peft loop (`distft.bench.plain`) on the same rows, each in its
 own process (so peak memory and start-up are each run's own), and writes `report.md` and
@@ -142,7 +142,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float | None]:
 
 def targets(rows: dict[str, dict], r: dict, s: GpuSuiteSettings, device: str) -> list[dict]:
     """The issue's targets with the measured value; `applies` is false off their setting (the
-    absolute figures are for Qwen3-4B at the seeds' shapes on one H100; the ratios for any GPU)."""
+    absolute figures are for Qwen3-4B at the blog series' shapes on one H100; the ratios for any GPU)."""
     lora = rows.get("lora", {})
     first = None if lora.get("startup_s") is None else lora["startup_s"] + lora["first_step_s"]
     on_h100 = "H100" in device and s.at_target_shape()

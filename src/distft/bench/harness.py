@@ -100,6 +100,10 @@ def run_strategy(
             extra[key] = statistics.median(r[key] for r in measured)
     if "startup_s" in first:  # command start to step 1, and step 1 itself (compilation runs there)
         extra.update(startup_s=first["startup_s"], first_step_s=first["step_time_s"])
+    for key in ("comm_s", "comm_exposed_s", "overlap_fraction"):  # distft.measure.overlap
+        values = [r[key] for r in measured if r.get(key) is not None]
+        if values:
+            extra[key] = statistics.median(values)
     if all(r.get("mfu") is not None for r in measured):  # null off a known GPU (distft.measure.flops)
         extra["mfu"] = statistics.median(r["mfu"] for r in measured)
     return StrategyResult(

@@ -162,7 +162,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
             if kind != "recv"
         )
         bubble = bubble_seconds(compute, e.layout)
-        exposed = max(0.0, comm - compute) if name in OVERLAPPED else comm
+        exposed = exposed_comm(name, comm, compute, r.get("extra", {}).get("overlap_fraction"))
         step = compute + bubble + exposed
         tokens = r.get("tokens_per_step") or r["tokens_per_s"]["median"] * r["step_time_s"]["median"]
         rows[name] = {
@@ -189,6 +189,16 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
         "winner": best,
         "claims": claims(estimated, profile, link.name),
     }
+
+
+def exposed_comm(name: str, comm: float, compute: float, overlap: float | None) -> float:
+    """The communication the projected step waits for. With a measured overlap fraction (the share
+    of communication time the run computed under, `distft.measure.overlap`): that share hides, at
+    most behind the whole compute. Without one (results from before the measurement): the plan's
+    assumption, DDP's and ZeRO's collectives hide behind compute entirely, the others not at all."""
+    if overlap is not None:
+        return comm - min(overlap * comm, compute)
+    return max(0.0, comm - compute) if name in OVERLAPPED else comm
 
 
 def claims(rows: dict, profile: Profile, link: str) -> list[dict]:

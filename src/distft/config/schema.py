@@ -156,7 +156,16 @@ class ParallelConfig:
     """torchrun's elastic agent restarts every rank this many times after one fails (a killed
     rank, a lost peer); each restart resumes from the latest checkpoint."""
     ddp_bucket_mb: float = 25.0
-    """DDP: gradients are all-reduced in buckets of this size, overlapping backward."""
+    """DDP: gradients are all-reduced in buckets of this size, overlapping backward (tiny buckets:
+    many small all-reduces, each paying the link's latency)."""
+    ddp_find_unused_parameters: bool = False
+    """DDP: walk the autograd graph after every forward for parameters without a gradient (costs a
+    graph walk and an all-reduce of a used-parameter bitmap per step; nothing is unused here)."""
+    ddp_broadcast_buffers: bool = False
+    """DDP: broadcast rank 0's buffers before forward (Qwen3's rotary tables never change)."""
+    ddp_no_sync: bool = True
+    """DDP: skip the all-reduce on all but the last micro-batch of a step (false: all-reduce after
+    every micro-batch: the same gradients, accumulation-steps times the traffic)."""
     ddp_gradient_as_bucket_view: bool = True
     """DDP: gradients live inside the communication buckets (one copy fewer)."""
     ddp_static_graph: bool = False
@@ -171,6 +180,9 @@ class ParallelConfig:
     """FSDP: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA runs)."""
     fsdp_prefetch: int = 1
     """FSDP: decoder layers whose all-gather is issued ahead of use, forward and backward (0: none)."""
+    fsdp_wrap: str = "layer"
+    """FSDP: sharding units. layer: one per decoder layer plus the root; model: the root alone (the
+    whole model gathered at once: no parameter memory saved while it runs, nothing to overlap)."""
     sequence_parallel: bool = True
     """tp-sp: split the residual stream, norms and loss along the sequence; false: plain Megatron TP."""
     schedule: str = "1f1b"
@@ -265,6 +277,7 @@ def check_fields(cfg: Config) -> None:
     for tracker in cfg.output.report_to:
         check_choice(tracker, TRACKERS, "output.report_to")
     check_choice(cfg.model.compile, ("auto", "true", "false"), "model.compile")
+    check_choice(cfg.parallel.fsdp_wrap, ("layer", "model"), "parallel.fsdp_wrap")
     _check_counts(cfg)
     _check_ranges(cfg)
 

@@ -18,6 +18,7 @@ all-reduce; `wire_bytes` applies those factors.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -105,11 +106,28 @@ class CommCounter(TorchDispatchMode):
             # redistributing come back through this mode as plain-tensor ops and are counted.
             return NotImplemented
         kwargs = kwargs or {}
+        start = time.perf_counter()
         out = func(*args, **kwargs)
-        name = f"{func.namespace}.{func._opname}"
-        entry = _OPS.get(name)
-        if entry is not None:
+        end = time.perf_counter()
+        entry = _ENTRIES.get(func, _UNSEEN)
+        if entry is _UNSEEN:
+            entry = _ENTRIES[func] = _OPS.get(f"{func.namespace}.{func._opname}")
+        if entry is None:
+            self.on_op(func, args, start, end)
+        else:
             kind, where = entry
             source = out if where == "out" else args[int(where[3:])]
             self.stats.add(kind, _nbytes(source))
+            self.on_collective(func, args, kwargs, out, start, end)
         return out
+
+    # Hooks for `distft.measure.overlap.CommTimeline` (timestamps); nothing to do when counting.
+    def on_op(self, func, args: tuple, start: float, end: float) -> None:
+        """Any other op ran from `start` to `end` (perf_counter seconds)."""
+
+    def on_collective(self, func, args: tuple, kwargs: dict, out: object, start: float, end: float) -> None:
+        """A collective's op ran from `start` to `end`; `out` is what it returned."""
+
+
+_UNSEEN = object()
+_ENTRIES: dict = {}  # op overload -> its _OPS entry or None (the name, formatted once per op)

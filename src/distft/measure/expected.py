@@ -41,8 +41,31 @@ def loss_only(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, 
 
 
 def ddp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-    # Every trainable gradient once per optimizer step (not per micro-batch), plus the loss.
-    return {"all_reduce": trainable_bytes(model) + 4}
+    """Every trainable gradient once per optimizer step (not per micro-batch), plus the loss; the
+    misconfiguration switches (`parallel.ddp_*`) add what they cost, on the step measured (the
+    first one of the process):
+    - `ddp_no_sync=false`: every micro-batch's backward all-reduces the gradients; and since DDP
+      rebuilds its buckets before the first forward that follows a synced backward, rank 0
+      broadcasts the bucket layout (int32: the parameter order plus a count, and each bucket's size);
+    - `ddp_find_unused_parameters`: per synced backward, an int32 all-reduce of the
+      parameter-used bitmap (one entry per trainable tensor); DDP then never rebuilds its buckets;
+    - `ddp_broadcast_buffers`: rank 0's buffers broadcast before each forward that follows a synced
+      backward (or the construction): once per step, or every micro-batch without no_sync."""
+    p = s.cfg.parallel
+    synced = 1 if p.ddp_no_sync else len(batches)  # backwards that all-reduce; = forwards that sync
+    trainable = [t for t in model.parameters() if t.requires_grad]
+    out = {"all_reduce": synced * trainable_bytes(model) + 4}
+    if p.ddp_find_unused_parameters:
+        out["all_reduce"] += synced * 4 * len(trainable)
+    broadcast = 0
+    if p.ddp_broadcast_buffers:
+        broadcast += synced * sum(b.numel() * b.element_size() for b in unwrap(model).buffers())
+    if synced > 1 and not p.ddp_find_unused_parameters and not p.ddp_static_graph:
+        buckets = len(model.reducer._get_zeros_like_grad_buckets())  # after the rebuild
+        broadcast += 4 * (len(trainable) + 1) + 4 * buckets
+    if broadcast:
+        out["broadcast"] = broadcast
+    return out
 
 
 def fsdp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:

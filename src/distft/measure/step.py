@@ -1,8 +1,10 @@
 """What the loop measures around each step, beyond loss and time: one object, called once a step.
 
-- Collectives (`distft.measure.comm.CommCounter`), on the first step only: the pattern repeats every
-  step, and the counter sees every dispatched op, which would slow the steps it watches. Recorded
-  beside the analytic prediction (`distft.measure.expected`).
+- Collectives, every step (`distft.measure.overlap.CommTimeline`, a `CommCounter` with timestamps):
+  bytes and calls per kind, the time communication ran, the part of it no compute hid, and the
+  overlap fraction. The first step's bytes are recorded beside the analytic prediction
+  (`distft.measure.expected`); later steps show the steady state (DDP rebuilds its buckets after
+  its first synced backward).
 - Saved activations (`distft.measure.activations.SavedActivations`) of the first step's first
   micro-batch.
 - A pipeline's timeline of every step (`distft.measure.pipeline.PipelineTimeline`): idle fractions,
@@ -18,8 +20,8 @@ from pathlib import Path
 from torch import nn
 
 from distft.measure.activations import SavedActivations
-from distft.measure.comm import CommCounter
 from distft.measure.expected import expected_comm_bytes
+from distft.measure.overlap import CommTimeline
 from distft.measure.pipeline import PipelineTimeline
 from distft.parallel import Strategy
 from distft.parallel.pipeline import PipelineParallel
@@ -39,16 +41,22 @@ class StepMeasurements:
         self.to_batches = to_batches
         self.timeline = PipelineTimeline(strategy, out) if isinstance(strategy, PipelineParallel) else None
         self.saved_activation_bytes = 0  # of the first step measured, for ranks.json
-        self._counter: CommCounter | None = None
+        self._counter = CommTimeline() if strategy.env.distributed else None
+        self._first = False
 
     @contextlib.contextmanager
     def watch(self, step: int) -> Iterator[None]:
         """Around the step's forward, backward and update (inside its timing)."""
-        first = step == self.first_step
-        self._counter = CommCounter() if self.strategy.env.distributed and first else None
+        self._first = first = step == self.first_step
         self.strategy.activation_probe = SavedActivations(self.model) if first else None
-        with self._counter or contextlib.nullcontext():
+        if self._counter is None:
             yield
+            return
+        self._counter.reset()
+        self._counter.begin()
+        with self._counter:
+            yield
+        self._overlap = self._counter.summary()
 
     def report(self, step: int, examples: list) -> dict:
         """The measured figures of step `step` (on `examples`), merged into its record."""
@@ -60,7 +68,9 @@ class StepMeasurements:
         if self._counter is not None:
             record["comm_bytes"] = dict(self._counter.stats.bytes)
             record["comm_calls"] = dict(self._counter.stats.calls)
-            record["comm_bytes_expected"] = expected_comm_bytes(
-                self.strategy, self.model, self.to_batches(examples)
-            )
+            record.update(self._overlap)
+            if self._first:
+                record["comm_bytes_expected"] = expected_comm_bytes(
+                    self.strategy, self.model, self.to_batches(examples)
+                )
         return record

@@ -74,12 +74,15 @@ class DDP(Strategy):
             device_ids=[self.env.device.index] if self.env.device.type == "cuda" else None,
             bucket_cap_mb=p.ddp_bucket_mb,
             gradient_as_bucket_view=p.ddp_gradient_as_bucket_view,
-            forward_sync_buffers=False,
-            find_unused_parameters=False,
+            # Both off by default: see the module docstring; on only to measure what they cost.
+            forward_sync_buffers=p.ddp_broadcast_buffers,
+            find_unused_parameters=p.ddp_find_unused_parameters,
             # The graph is the same every step (same layers, same adapters), which lets DDP fix
             # its bucket order after the first iteration; incompatible with no_sync() (see above).
             static_graph=p.ddp_static_graph,
         )
 
     def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if last_micro_batch else model.no_sync()
+        if last_micro_batch or not self.cfg.parallel.ddp_no_sync:
+            return contextlib.nullcontext()  # ddp_no_sync=false: all-reduce after every micro-batch
+        return model.no_sync()

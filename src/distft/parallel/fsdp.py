@@ -73,13 +73,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_fo
         "reshard_after_forward": reshard_after_forward,
     }
 
-    layers = list(causal_lm(model.lm).model.layers)
+    # parallel.fsdp_wrap=model: the root is the only unit, gathered whole before forward.
+    layers = list(causal_lm(model.lm).model.layers) if p.fsdp_wrap == "layer" else []
     for layer in layers:
         fully_shard(layer, **shard)
-    fully_shard(model, **shard)  # root: embeddings, final norm, (tied) lm_head
+    fully_shard(model, **shard)  # root: embeddings, final norm, (tied) lm_head; or everything
 
     # Issue the all-gathers of the next layers early, so they overlap this layer's compute.
-    if p.fsdp_prefetch:
+    if p.fsdp_prefetch and layers:
         for i, layer in enumerate(layers):
             layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + p.fsdp_prefetch])
             layer.set_modules_to_backward_prefetch(layers[max(0, i - p.fsdp_prefetch) : i][::-1])
