@@ -137,6 +137,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """A step whose loss or gradient norm is NaN/inf: `stop` (before the optimizer step, so the
     weights and the last checkpoint stay good) or `skip` (no update; the run goes on)."""
+    measure_comm: str = "auto"
+    """Collectives' bytes and overlap: `every` step, the `first` only, or auto: every step on CPU,
+    the first on CUDA (a host hook on every op would slow the steps it measures)."""
 
 
 @dataclass
@@ -274,6 +277,7 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.data.format, DATA_FORMATS, "data.format")
     check_choice(cfg.train.device, ("auto", "cpu", "cuda"), "train.device")
     check_choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
+    check_choice(cfg.train.measure_comm, ("auto", "every", "first"), "train.measure_comm")
     for tracker in cfg.output.report_to:
         check_choice(tracker, TRACKERS, "output.report_to")
     check_choice(cfg.model.compile, ("auto", "true", "false"), "model.compile")

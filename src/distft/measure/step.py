@@ -42,14 +42,18 @@ class StepMeasurements:
         self.timeline = PipelineTimeline(strategy, out) if isinstance(strategy, PipelineParallel) else None
         self.saved_activation_bytes = 0  # of the first step measured, for ranks.json
         self._counter = CommTimeline() if strategy.env.distributed else None
+        every = strategy.cfg.train.measure_comm
+        self._every_step = every == "every" or (every == "auto" and strategy.env.device.type == "cpu")
         self._first = False
+        self._measured = False
 
     @contextlib.contextmanager
     def watch(self, step: int) -> Iterator[None]:
         """Around the step's forward, backward and update (inside its timing)."""
         self._first = first = step == self.first_step
         self.strategy.activation_probe = SavedActivations(self.model) if first else None
-        if self._counter is None:
+        self._measured = self._counter is not None and (first or self._every_step)
+        if not self._measured:
             yield
             return
         self._counter.reset()
@@ -65,7 +69,7 @@ class StepMeasurements:
         probe = self.strategy.activation_probe
         if probe is not None:
             self.saved_activation_bytes = record["saved_activation_bytes"] = probe.bytes  # 1st micro-batch
-        if self._counter is not None:
+        if self._measured:
             record["comm_bytes"] = dict(self._counter.stats.bytes)
             record["comm_calls"] = dict(self._counter.stats.calls)
             record.update(self._overlap)
