@@ -203,6 +203,8 @@ class ParallelConfig:
     """ddp+pp: pipeline degree (ranks per pipeline replica), the outermost mesh dimension; 1 elsewhere.
     parallel.schedule, microbatches and stages_per_rank apply to each replica's pipeline, whose
     micro-batches cut global_batch_size / dp sequences."""
+    shard: int = 0
+    """hsdp: consecutive ranks sharding each parameter (one node), replicated across the others; 0: --nproc."""
 
 
 @dataclass

@@ -14,6 +14,12 @@ Sizes follow one convention, the size of the whole logical tensor:
 - broadcast, send, recv: the tensor sent or received.
 A ring algorithm moves (N-1)/N of that per rank for all-gather and reduce-scatter and 2(N-1)/N for
 all-reduce; `wire_bytes` applies those factors.
+
+Each collective is also credited to the process group it ran over (`CommStats.by_dim`), named by
+its mesh dimension: a `DeviceMesh` names its groups `mesh_<dim>` ("shard", "replicate", "dp",
+"tp", ...), the default group is "world", any other group is named by its ranks. On a 2D mesh
+that splits the bytes per dimension, e.g. HSDP's all-gathers inside a node from its all-reduce
+across nodes, which run over links ten times apart in speed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -73,14 +81,38 @@ def _nbytes(obj: object) -> int:
     return 0
 
 
+def group_dimension(args: tuple) -> str:
+    """The mesh dimension a collective's process group spans ("world": the default group)."""
+    for arg in args:  # c10d ops carry the group itself (and a ReduceOp, which does not unbox)
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return _dimension(dist.ProcessGroup.unbox(arg))
+            except RuntimeError:
+                continue
+    names = [arg for arg in args if isinstance(arg, str)]  # functional ops: the group's name, last
+    return _dimension(_resolve_process_group(names[-1])) if names else "unknown"
+
+
+def _dimension(group: dist.ProcessGroup) -> str:
+    desc = group.group_desc
+    if desc == "default_pg":
+        return "world"
+    if desc.startswith("mesh_"):
+        return desc.removeprefix("mesh_")
+    return "ranks " + ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
 @dataclass
 class CommStats:
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    by_dim: dict[str, dict[str, int]] = field(default_factory=dict)  # dimension -> kind -> bytes
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, dim: str = "world") -> None:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
+        per_kind = self.by_dim.setdefault(dim, {})
+        per_kind[kind] = per_kind.get(kind, 0) + nbytes
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
@@ -117,7 +149,7 @@ class CommCounter(TorchDispatchMode):
         else:
             kind, where = entry
             source = out if where == "out" else args[int(where[3:])]
-            self.stats.add(kind, _nbytes(source))
+            self.stats.add(kind, _nbytes(source), group_dimension(args))
             self.on_collective(func, args, kwargs, out, start, end)
         return out
 

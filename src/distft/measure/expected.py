@@ -68,26 +68,43 @@ def ddp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
     return out
 
 
+def zero1(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """DDP's traffic, then the optimizer step's broadcasts of the updated trainable weights: every
+    rank takes part in each rank's broadcast, so it counts every trainable byte once."""
+    out = ddp(s, model, batches)
+    out["broadcast"] = out.get("broadcast", 0) + trainable_bytes(model)
+    return out
+
+
 def fsdp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
     """Per micro-batch: all-gather every unit's parameters (twice under ZeRO-3: forward and
     backward; once under ZeRO-2) and reduce-scatter the trainable gradients."""
-    n = s.env.world_size
-    policy = mixed_precision(s.cfg)
-    param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
+    out = fsdp_unit_bytes(s.cfg, model, s.env.world_size, len(batches), s.reshard_after_forward)
+    return {**out, "all_reduce": 4 + 8}  # the loss (fp32) and the gradient norm's sum of squares (float64)
 
-    def padded_bytes(p: torch.Tensor, dtype: torch.dtype | None) -> int:
-        if is_nf4(p):  # codes, block scales and group factors (never padded)
-            return nf4_gather_bytes(p, n)
-        return _padded_rows(p.shape, n) * (dtype or p.dtype).itemsize
 
-    params = list(model.parameters())  # every unit's parameters: layers and root
-    gathers = fsdp_gathers_per_microbatch(s.reshard_after_forward)
-    return {
-        "all_gather": len(batches) * gathers * sum(padded_bytes(p, param_dtype) for p in params),
-        "reduce_scatter": len(batches)
-        * sum(padded_bytes(p, reduce_dtype) for p in params if p.requires_grad),
-        "all_reduce": 4 + 8,  # the loss (fp32) and the gradient norm's sum of squares (float64)
-    }
+def hsdp_by_dim(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, dict[str, int]]:
+    """Per mesh dimension. "shard": FSDP's traffic inside each group of `s.shard` ranks (`fsdp`'s, at
+    that degree). "replicate": once per step, the all-reduce of each rank's reduce-scattered
+    gradient shard (its padded rows / shard) across the replicas. "world": the loss and the norm."""
+    shard = s.shard
+    inside = fsdp_unit_bytes(s.cfg, model, shard, len(batches), reshard_after_forward=True)
+    dtype = mixed_precision(s.cfg).reduce_dtype
+    shards = sum(
+        _padded_rows(p.shape, shard) // shard * (dtype or p.dtype).itemsize
+        for p in model.parameters()
+        if p.requires_grad
+    )
+    return {"shard": inside, "replicate": {"all_reduce": shards}, "world": {"all_reduce": 4 + 8}}
+
+
+def hsdp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """`hsdp_by_dim`, summed over the dimensions."""
+    out: dict[str, int] = {}
+    for per_kind in hsdp_by_dim(s, model, batches).values():
+        for kind, nbytes in per_kind.items():
+            out[kind] = out.get(kind, 0) + nbytes
+    return out
 
 
 def tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
@@ -188,8 +205,10 @@ def ddp_pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[st
 FORMULAS: dict[str, Formula] = {
     "single": loss_only,
     "ddp": ddp,
+    "zero1": zero1,
     "fsdp": fsdp,
     "zero2": fsdp,
+    "hsdp": hsdp,
     "tp": tp,
     "tp-sp": megatron,
     "pp": pipeline,
@@ -198,8 +217,44 @@ FORMULAS: dict[str, Formula] = {
 }
 
 
+# Strategies whose collectives run over several mesh dimensions, bytes per dimension (as
+# `CommStats.by_dim` names them).
+PER_DIMENSION: dict[str, Callable[[Strategy, nn.Module, list[Batch]], dict[str, dict[str, int]]]] = {
+    "hsdp": hsdp_by_dim,
+}
+
+
+def expected_comm_bytes_by_dim(
+    strategy: Strategy, model: nn.Module, batches: list[Batch]
+) -> dict[str, dict[str, int]] | None:
+    """Bytes per mesh dimension and kind, for the strategies in `PER_DIMENSION` (None elsewhere)."""
+    formula = PER_DIMENSION.get(strategy.name)
+    return formula(strategy, model, batches) if formula else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Counts `distft plan` shares (plan/traffic.py), so the planner and the runtime cannot disagree.
+
+
+def fsdp_unit_bytes(
+    cfg: Config, model: nn.Module, n: int, microbatches: int, reshard_after_forward: bool
+) -> dict[str, int]:
+    """FSDP2 over `n` ranks: all-gathers of every unit's parameters and reduce-scatters of the
+    trainable gradients, each padded to a multiple of n rows, in the `MixedPrecisionPolicy`'s dtypes."""
+    policy = mixed_precision(cfg)
+
+    def padded_bytes(p: torch.Tensor, dtype: torch.dtype | None) -> int:
+        if is_nf4(p):  # codes, block scales and group factors (never padded)
+            return nf4_gather_bytes(p, n)
+        return _padded_rows(p.shape, n) * (dtype or p.dtype).itemsize
+
+    params = list(model.parameters())  # every unit's parameters: layers and root
+    gathers = fsdp_gathers_per_microbatch(reshard_after_forward)
+    return {
+        "all_gather": microbatches * gathers * sum(padded_bytes(p, policy.param_dtype) for p in params),
+        "reduce_scatter": microbatches
+        * sum(padded_bytes(p, policy.reduce_dtype) for p in params if p.requires_grad),
+    }
 
 
 def fsdp_gathers_per_microbatch(reshard_after_forward: bool) -> int:

@@ -1,8 +1,8 @@
 """What the loop measures around each step, beyond loss and time: one object, called once a step.
 
 - Collectives, every step (`distft.measure.overlap.CommTimeline`, a `CommCounter` with timestamps):
-  bytes and calls per kind, the time communication ran, the part of it no compute hid, and the
-  overlap fraction. The first step's bytes are recorded beside the analytic prediction
+  bytes and calls per kind (and per mesh dimension, where several process groups ran), the time
+  communication ran, the part of it no compute hid, and the overlap fraction. The first step's bytes are recorded beside the analytic prediction
   (`distft.measure.expected`); later steps show the steady state (DDP rebuilds its buckets after
   its first synced backward).
 - Saved activations (`distft.measure.activations.SavedActivations`) of the first step's first
@@ -20,7 +20,7 @@ from pathlib import Path
 from torch import nn
 
 from distft.measure.activations import SavedActivations
-from distft.measure.expected import expected_comm_bytes
+from distft.measure.expected import expected_comm_bytes, expected_comm_bytes_by_dim
 from distft.measure.overlap import CommTimeline
 from distft.measure.pipeline import PipelineTimeline
 from distft.parallel import Strategy
@@ -72,9 +72,13 @@ class StepMeasurements:
         if self._measured:
             record["comm_bytes"] = dict(self._counter.stats.bytes)
             record["comm_calls"] = dict(self._counter.stats.calls)
+            if len(self._counter.stats.by_dim) > 1:  # several process groups: bytes per mesh dimension
+                record["comm_bytes_by_dim"] = self._counter.stats.by_dim
             record.update(self._overlap)
             if self._first:
-                record["comm_bytes_expected"] = expected_comm_bytes(
-                    self.strategy, self.model, self.to_batches(examples)
-                )
+                batches = self.to_batches(examples)
+                record["comm_bytes_expected"] = expected_comm_bytes(self.strategy, self.model, batches)
+                by_dim = expected_comm_bytes_by_dim(self.strategy, self.model, batches)
+                if by_dim is not None:
+                    record["comm_bytes_expected_by_dim"] = by_dim
         return record

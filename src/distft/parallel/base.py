@@ -7,8 +7,9 @@ The loop in `distft.train` never asks which strategy it runs. It asks the strate
   (`forward_backward`), which is where DDP defers its all-reduce and a pipeline runs its schedule;
 - combine per-rank loss sums (`reduce_loss`) and gather the trained weights into the single-model
   layout on rank 0 (`trainable_state_dict`), so every strategy exports the same PEFT adapter;
-- present its weights and optimizer state to `torch.distributed.checkpoint` and take them back
-  (`checkpoint_state`, `load_checkpoint_state`), shards as DTensors so DCP can reshard them.
+- build the optimizer (`build_optimizer`: ZeRO-1 partitions its state) and present weights and
+  optimizer state to `torch.distributed.checkpoint` and take them back (`checkpoint_state`,
+  `load_checkpoint_state`), shards as DTensors so DCP can reshard them.
 
 The defaults below are the single-process behaviour; a strategy overrides only what it changes.
 """
@@ -43,6 +44,7 @@ class Strategy:
     supports_qlora: ClassVar[bool] = False
     qlora_refusal: ClassVar[str] = "this strategy has not been taught to place NF4 base weights"
     mesh_degrees: ClassVar[bool] = False  # takes parallel.dp / tp / pp (multi-dimensional strategies)
+    shard_groups: ClassVar[bool] = False  # takes parallel.shard (hsdp: ranks sharding each parameter)
     # Takes the whole model on this rank's device (single, DDP): the base is built there directly,
     # in its dtype. The others receive it on the CPU and place or shard it themselves.
     builds_on_device: ClassVar[bool] = False
@@ -125,6 +127,16 @@ class Strategy:
         for batch in micro_batches:
             total += model(**batch).float()
         return total
+
+    def build_optimizer(
+        self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], **defaults
+    ) -> torch.optim.Optimizer:
+        """The optimizer over the trainable `params` (ZeRO-1 wraps it to partition its state)."""
+        return optimizer_class(params, **defaults)
+
+    def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer whose `state` this rank holds (ZeRO-1: the one over its partition)."""
+        return optimizer
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm and return it (before clipping, on the device): `distft.parallel.grads`."""

@@ -87,6 +87,12 @@ def _check_layout(cfg: Config, strategy: type[Strategy]) -> None:
             f"({', '.join(mesh)}); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, "
             f"or use --strategy {' or '.join(mesh)}."
         )
+    if par.shard and not strategy.shard_groups:
+        raise ConfigError(
+            f"parallel.shard sets the shard groups of --strategy "
+            f"{' or '.join(n for n, c in STRATEGIES.items() if c.shard_groups)}; --strategy "
+            f"{strategy.name} does not take it. Drop it, or use that strategy."
+        )
     if par.max_restarts and not strategy.distributed:
         raise ConfigError(
             f"--max-restarts is handled by torchrun's elastic agent, which --strategy {par.strategy} "

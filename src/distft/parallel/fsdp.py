@@ -59,10 +59,11 @@ def mixed_precision(cfg: Config) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_forward: bool) -> nn.Module:
-    """`fully_shard` each decoder layer, then the root, over the 1D `mesh`; set up prefetching.
+    """`fully_shard` each decoder layer, then the root, over `mesh`; set up prefetching.
 
-    Shared by `fsdp`/`zero2` (mesh: every rank) and `fsdp+tp` (mesh: the "dp" dimension of the 2D
-    mesh, applied after tensor parallelism, so FSDP shards each rank's TP shard)."""
+    Shared by `fsdp`/`zero2` (mesh: every rank), `fsdp+tp` (mesh: the "dp" dimension of the 2D
+    mesh, applied after tensor parallelism, so FSDP shards each rank's TP shard) and `hsdp` (a 2D
+    ("replicate", "shard") mesh: FSDP2 shards over the inner dimension, replicates over the outer)."""
     p = cfg.parallel
     policy = mixed_precision(cfg)
     offload = CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy()

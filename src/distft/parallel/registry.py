@@ -11,18 +11,22 @@ from distft.parallel.ddp import DDP
 from distft.parallel.ddp_pp import DDPPipelineParallel
 from distft.parallel.fsdp import FSDP, ZeRO2
 from distft.parallel.fsdp_tp import FSDPTensorParallel
+from distft.parallel.hsdp import HSDP
 from distft.parallel.megatron import MegatronTPSP
 from distft.parallel.pipeline import PipelineParallel
 from distft.parallel.single import Single
 from distft.parallel.tensor_parallel import TensorParallel
+from distft.parallel.zero1 import ZeRO1
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (
         Single,
         DDP,
+        ZeRO1,
         FSDP,
         ZeRO2,
+        HSDP,
         TensorParallel,
         MegatronTPSP,
         PipelineParallel,

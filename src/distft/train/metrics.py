@@ -112,7 +112,10 @@ def rank_summary(run: Run, saved_activation_bytes: int) -> dict:
         "param_bytes": run.param_bytes,
         "grad_bytes": run.grad_bytes,
         "optimizer_bytes": local_bytes(
-            v for state in run.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+            v
+            for state in run.strategy.local_optimizer(run.optimizer).state.values()
+            for v in state.values()
+            if torch.is_tensor(v)
         ),
     }
 

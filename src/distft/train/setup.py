@@ -88,13 +88,15 @@ def lr_lambda(cfg: Config):
     return factor
 
 
-def adamw(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; fused (one kernel for every tensor) when they are all
-    on CUDA, where the per-tensor loop would launch several kernels per parameter."""
+def adamw(model: torch.nn.Module, cfg: Config, strategy: Strategy) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, built by the strategy (ZeRO-1 partitions it); fused
+    (one kernel for every tensor) when they are all on CUDA, where the per-tensor loop would launch
+    several kernels per parameter."""
     params = [p for p in model.parameters() if p.requires_grad]
     on_cuda = all(p.device.type == "cuda" for p in params)
-    return torch.optim.AdamW(
+    return strategy.build_optimizer(
         params,
+        torch.optim.AdamW,
         lr=cfg.optim.lr,
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         eps=cfg.optim.eps,
@@ -145,7 +147,7 @@ def setup(cfg: Config, dataset: Any = None) -> Run:
     # before a forward-only pass can leave ZeRO-2's parameters gathered.
     grad_bytes = local_bytes(p for p in model.parameters() if p.requires_grad)
 
-    optimizer = adamw(model, cfg)
+    optimizer = adamw(model, cfg, strategy)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     use_autocast = cfg.model.autocast and env.device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()

@@ -1,0 +1,104 @@
+"""Hybrid sharded data parallel (`hsdp`): FSDP inside each node, replicas across nodes.
+
+The ranks form a 2D `DeviceMesh` ("replicate", "shard"): `parallel.shard` consecutive ranks (a
+node: 0 means --nproc) shard each parameter between them, FSDP2 style, and the world / shard such
+groups are replicas of each other, each reading its own part of the global batch (every rank reads
+distinct data: the data-parallel degree is the world size). With 2 nodes of 2 ranks, {0, 1} and
+{2, 3} are the shard groups, {0, 2} and {1, 3} the replicate groups. `fully_shard` takes the 2D
+mesh as is (`fsdp.apply_fsdp`); each parameter becomes a DTensor placed (Replicate(), Shard(0)).
+
+What each rank holds: 1/shard of every parameter (dim-0 shards, padded to a multiple of shard), of
+every gradient, and the optimizer state of its shards: memory as FSDP over one node, whatever the
+number of nodes.
+
+Which collectives run, on which dimension (per micro-batch, per unit, as in `fsdp`):
+- shard (inside a node): all-gather of the unit's parameters before its forward and again before
+  its backward (ZeRO-3), reduce-scatter of its trainable gradients after its backward; logical
+  bytes per step: 2 m P + m G (P: the parameters' bytes, G: the trainable gradients', padded to a
+  multiple of shard rows; m micro-batches);
+- replicate (across nodes): once per optimizer step, after the last micro-batch's backward, an
+  all-reduce of each rank's reduce-scattered gradient shard: G / shard bytes. The earlier
+  micro-batches leave their reduce-scattered shards unreduced across replicas
+  (`set_requires_all_reduce(False)`, the analogue of DDP's `no_sync`), so accumulation adds no
+  traffic between nodes;
+- world: the loss (fp32) and the gradient norm's sum of squares (float64).
+Plain FSDP over all the ranks of several nodes moves 2 m P + m G through rings that cross the
+inter-node link (about 10x slower than NVLink); HSDP moves only G / shard across it, once per
+step, and pays for it with shard-degree memory instead of world-degree (docs/hsdp.md).
+
+QLoRA: the NF4 base weights shard over the shard dimension as under `fsdp` (torchao's
+`fsdp_pre/post_all_gather`) and are replicated across replicas: each rank quantizes the same
+seeded weights itself, so the replicas hold the same codes without a broadcast.
+
+Papers: Zhao et al., "PyTorch FSDP" (2304.11277), section 3.2.2 (hybrid sharding); ZeRO (1910.02054).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ClassVar
+
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from distft.config import Config
+from distft.errors import ConfigError
+from distft.parallel.fsdp import FSDP, apply_fsdp
+
+
+class HSDP(FSDP):
+    name = "hsdp"
+    shard_groups: ClassVar[bool] = True
+    collectives = (
+        "the all-gathers / reduce-scatters inside a shard group and the all-reduce across replicas (hsdp)"
+    )
+
+    @classmethod
+    def shard_degree(cls, cfg: Config) -> int:
+        """Ranks sharding each parameter: `parallel.shard`, by default a node's processes."""
+        return cfg.parallel.shard or cfg.parallel.nproc
+
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        super().validate_config(cfg)
+        shard, world = cls.shard_degree(cfg), cfg.world_size
+        if shard < 1 or world % shard:
+            raise ConfigError(
+                f"parallel.shard={cfg.parallel.shard} must divide the {world} processes (--nproc x --nnodes) "
+                "into equal shard groups; e.g. parallel.shard=--nproc, one group per node."
+            )
+        if shard == world:
+            raise ConfigError(
+                f"--strategy hsdp with parallel.shard = {shard} = every process has a single replica: it is "
+                f"plain FSDP. Use --strategy fsdp, or a smaller parallel.shard (e.g. --nproc {cfg.parallel.nproc} "
+                f"--nnodes 2, or parallel.shard={world // 2})."
+            )
+        if shard == 1:
+            raise ConfigError(
+                "--strategy hsdp with parallel.shard=1 shards nothing (every rank holds the whole model): "
+                "use --strategy ddp, or parallel.shard of 2 or more."
+            )
+
+    @classmethod
+    def nf4_shards(cls, cfg: Config) -> int:
+        return cls.shard_degree(cfg)
+
+    def __init__(self, cfg: Config, env) -> None:
+        super().__init__(cfg, env)
+        self.shard = self.shard_degree(cfg)
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        model.to(self.env.device)
+        # Row-major: the shard dimension is the inner one, so a shard group is consecutive ranks (a node).
+        self.mesh = init_device_mesh(
+            self.env.device.type,
+            (self.env.world_size // self.shard, self.shard),
+            mesh_dim_names=("replicate", "shard"),
+        )
+        return apply_fsdp(model, self.mesh, self.cfg, reshard_after_forward=True)
+
+    def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        # Reduce-scatter inside the node every micro-batch (gradients stay sharded); all-reduce
+        # across the replicas only after the last one.
+        model.set_requires_all_reduce(last_micro_batch)
+        return contextlib.nullcontext()

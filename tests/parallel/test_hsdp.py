@@ -1,0 +1,73 @@
+"""HSDP on 4 gloo processes (2 shard groups of 2) trains exactly like one process, and moves the
+bytes it should on each mesh dimension.
+
+One launch: `distft train --strategy hsdp --nproc 4 parallel.shard=2` with a global batch of 8, so
+each rank accumulates 2 micro-batches and the replicas' all-reduce runs once per step, not per
+micro-batch (`set_requires_all_reduce`). Its losses, gradient norms and adapter equal a single
+process's on the same global batches; its first step's bytes, counted per process group
+(`CommStats.by_dim`), equal the analytic bytes per dimension, written out here from the model:
+- shard ({0, 1} and {2, 3}): every parameter all-gathered twice per micro-batch, the trainable
+  gradients reduce-scattered once per micro-batch, each padded to a multiple of 2 rows;
+- replicate ({0, 2} and {1, 3}): each rank's gradient shard all-reduced once;
+- world: the loss (fp32) and the gradient norm's sum of squares (float64).
+"""
+
+import pytest
+import torch
+
+from distft.cli import main
+from distft.config import load_config
+from distft.model import apply_method, load_base_model
+from tests.helpers import PARITY, assert_same_training, distft, metrics
+
+WORLD, SHARD, ACCUMULATION = 4, 2, 2
+GLOBAL_BATCH = ["train.global_batch_size=8", "train.max_steps=2"]  # 8 = micro 1 x 2 x 4 ranks
+
+
+def padded_bytes(p: torch.Tensor, n: int) -> int:
+    return -(-p.shape[0] // n) * n * (p.numel() // p.shape[0]) * p.element_size()
+
+
+def expected_by_dim() -> dict[str, dict[str, int]]:
+    cfg = load_config(None, ["model.name=micro"])
+    torch.manual_seed(0)
+    model = apply_method(load_base_model(cfg.model), cfg)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    return {
+        "shard": {
+            "all_gather": ACCUMULATION * 2 * sum(padded_bytes(p, SHARD) for p in params),
+            "reduce_scatter": ACCUMULATION * sum(padded_bytes(p, SHARD) for p in trainable),
+        },
+        "replicate": {"all_reduce": sum(padded_bytes(p, SHARD) // SHARD for p in trainable)},
+        "world": {"all_reduce": 4 + 8},
+    }
+
+
+def test_matches_single_process_with_bytes_per_dimension(tmp_path):
+    reference, out = tmp_path / "single", tmp_path / "hsdp"
+    distft("train", *PARITY, *GLOBAL_BATCH, "--out", str(reference))
+    proc = distft(
+        "train", "--strategy", "hsdp", "--nproc", str(WORLD), f"parallel.shard={SHARD}", *PARITY,
+        *GLOBAL_BATCH, "--out", str(out),
+    )  # fmt: skip
+    assert "global batch 8 = micro-batch 1 x accumulation 2 x data-parallel ranks 4" in proc.stdout
+    assert_same_training(out, reference)
+
+    first, want = metrics(out)[0], expected_by_dim()
+    assert first["comm_bytes_by_dim"] == first["comm_bytes_expected_by_dim"] == want
+    assert first["comm_bytes"] == first["comm_bytes_expected"]
+
+
+@pytest.mark.parametrize(
+    "argv,phrase",
+    [
+        (["--strategy", "hsdp", "--nproc", "4"], "it is plain FSDP"),  # shard = --nproc, one node
+        (["--strategy", "hsdp", "--nproc", "4", "parallel.shard=3"], "must divide the 4 processes"),
+        (["--strategy", "hsdp", "--nproc", "4", "parallel.shard=1"], "shards nothing"),
+        (["--strategy", "fsdp", "--nproc", "4", "parallel.shard=2"], "does not take it"),
+    ],
+)
+def test_bad_shard_degree_is_refused_before_launch(argv, phrase, tmp_path, capsys):
+    assert main(["train", "--model", "micro", *argv, "--out", str(tmp_path / "refused")]) == 2
+    assert phrase in capsys.readouterr().err
