@@ -30,7 +30,7 @@ from distft.train.metrics import truncate_metrics
 from tests.helpers import adapter, assert_same_training, distft, metrics
 
 WORLD = 2
-STRATEGIES = ["ddp", "fsdp", "zero2", "tp", "tp-sp"]
+STRATEGIES = ["ddp", "zero1", "fsdp", "zero2", "tp", "tp-sp"]
 # 4 steps, a checkpoint after step 2; dropout on, so a resume that failed to restore any rank's
 # RNG would draw other dropout masks and show in the losses.
 RUN = [

@@ -14,7 +14,7 @@ import shlex
 import pytest
 
 from distft.cli import build_parser, config_from_args
-from distft.parallel import STRATEGIES
+from distft.parallel import STRATEGIES, check_config
 from distft.plan import evaluate, make_request, run_command
 from distft.plan.decide import decide
 from distft.plan.estimate import MODELLED
@@ -40,11 +40,11 @@ def test_runnable_strategies_come_from_the_registry():
         assert e.runnable == (name in STRATEGIES), name
         assert e.in_distft == ("yes" if name in STRATEGIES else "no")
     # The planner models layouts distft cannot run; they stay, marked, and never get a run: line.
-    for name in ("zero1", "fsdp+pp"):
+    for name in ("fsdp+pp",):
         e = estimates[name]
         assert e.applicable and not e.runnable
         assert run_command(req, name, "lora", False, e.layout) is None
-    assert {"pp", "fsdp+tp", "ddp+pp"} <= {n for n, e in estimates.items() if e.runnable}
+    assert {"zero1", "hsdp", "pp", "fsdp+tp", "ddp+pp"} <= {n for n, e in estimates.items() if e.runnable}
 
 
 def test_qlora_runs_only_where_the_registry_says():
@@ -89,8 +89,36 @@ def test_every_run_line_carries_the_estimates_assumptions(command):
         assert cls.data_parallel_size(cfg) == lay.dp, name
         if cls.mesh_degrees:
             assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)
+        if cls.shard_groups:  # HSDP: the shard groups the plan counted, one node each
+            assert cls.shard_degree(cfg) == lay.shard_degree == req.gpus_per_node
         if lay.pp > 1:  # the runtime's own pipeline for this config is the one the plan counted
             assert cls.pipeline_layout(cfg) == lay.pipeline(t.micro_batch)
+
+
+@pytest.mark.parametrize(
+    "command,strategy",
+    [
+        ("--model llama-2-13b --method full --gpus 8 --gpu a100-80gb --activation-checkpointing", "zero1"),
+        (
+            "--model qwen3-32b --method full --gpus 8 --nodes 4 --gpu h100 --interconnect infiniband "
+            "--activation-checkpointing",
+            "hsdp",
+        ),
+    ],
+)
+def test_zero1_and_hsdp_recommendations_pass_the_checks_before_launch(command, strategy):
+    """What the planner recommends, distft runs: the printed line passes `distft train`'s checks
+    (`config_from_args` runs the strategy's `check_config`) and cuts the batch as the plan did."""
+    req = request(command)
+    estimates = evaluate(req)
+    rec = decide(req, estimates)
+    assert rec.strategy == strategy, rec.reason
+    cfg = parse_run(to_dict(req, estimates, rec)["recommendation"]["command"])
+    assert (cfg.parallel.strategy, cfg.world_size, cfg.parallel.nnodes) == (strategy, req.world, req.nodes)
+    shape = check_config(cfg)
+    assert shape.data_parallel_size == rec.layout.dp and shape.accumulation_steps == rec.layout.microbatches
+    if strategy == "hsdp":
+        assert cfg.parallel.shard == 8 and STRATEGIES["hsdp"].nf4_shards(cfg) == 8
 
 
 def test_recommended_command_in_json_matches_the_request():

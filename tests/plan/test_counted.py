@@ -1,8 +1,9 @@
 """The memory model against the real wrapped models, on 2 gloo ranks (one launch).
 
-For each strategy (single, ddp, fsdp, zero2, tp, tp-sp) and method (LoRA, full), the strategy is
-built in-process as the training loop builds it (`Strategy.parallelize` on a `SummaryLM`), runs
-forward + backward and one AdamW step, and each rank counts what it holds: the storage of its
+For each strategy (single, ddp, zero1, fsdp, zero2, tp, tp-sp) and method (LoRA, full), the strategy
+is built in-process as the training loop builds it (`Strategy.parallelize` on a `SummaryLM`, then
+`Strategy.build_optimizer`), runs forward + backward and one AdamW step, and each rank counts what
+it holds: the storage of its
 parameters (`to_local()` for DTensors; FSDP2's padded shards count in full), of its gradients and
 of every optimizer state tensor. Those must equal `plan.memory.state_bytes` exactly, on each rank.
 LoRA uses rank 5, so lora_A (5, in) splits unevenly across 2 ranks: FSDP2 pads it to 3 rows on
@@ -42,6 +43,7 @@ TOLERANCE = 0.15
 LAYOUTS = {
     "single": Parallelism("single"),
     "ddp": Parallelism("ddp", dp=WORLD),
+    "zero1": Parallelism("zero1", dp=WORLD, shard="optimizer"),
     "fsdp": Parallelism("fsdp", dp=WORLD, shard="full"),
     "zero2": Parallelism("zero2", dp=WORLD, shard="full", reshard_after_forward=False),
     "tp": Parallelism("tp", tp=WORLD, tp_impl="dtensor"),
@@ -99,7 +101,8 @@ def _count_and_measure(rank: int, world: int) -> None:
             torch.manual_seed(0)
             strategy = STRATEGIES[name](cfg, env)
             model = strategy.parallelize(SummaryLM(apply_method(load_base_model(cfg.model), cfg)))
-            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer = strategy.build_optimizer(trainable, torch.optim.AdamW, lr=1e-3)
             cases = ACTIVATION_CASES if name in MEASURED else [(1, 32, 4, 0)]
             for b, s, labels, pad in cases:
                 pad = 0 if name == "tp-sp" else pad
@@ -120,7 +123,7 @@ def _count_and_measure(rank: int, world: int) -> None:
                 "gradients": _storage_bytes([p.grad for p in params if p.grad is not None]),
                 "optimizer": sum(
                     _local(v).untyped_storage().nbytes()
-                    for state in optimizer.state.values()
+                    for state in strategy.local_optimizer(optimizer).state.values()  # ZeRO-1: its partition
                     for v in state.values()
                     if torch.is_tensor(v)
                 ),

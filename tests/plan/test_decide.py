@@ -58,17 +58,31 @@ SCENARIOS = [
         "qlora",
         ["Full finetuning needs more memory", "QLoRA fits"],
     ),
-    (  # ... on two such nodes (16 cards) full finetuning fits with FSDP.
+    (  # ... on two such nodes (16 cards) full finetuning fits with FSDP; HSDP (1/8 per card) does not.
         "--model llama-2-13b --method full --gpus 8 --nodes 2 --gpu rtx4090 --activation-checkpointing",
         "fsdp",
         "full",
-        ["FSDP over all 16 GPUs"],
+        ["FSDP over all 16 GPUs", "HSDP would keep the gathers inside each node", "does not fit"],
     ),
     (  # Weights and gradients fit one card, AdamW's state does not: ZeRO.
         "--model qwen3-1.7b --method full --gpus 2 --gpu rtx4090 --activation-checkpointing",
         "zero1",
         "full",
         ["only the optimizer state does not"],
+    ),
+    (  # ... the seeds' 13B on 8 A100s: 156 GB of state; weights and gradients fit an 80 GB card.
+        "--model llama-2-13b --method full --gpus 8 --gpu a100-80gb --activation-checkpointing",
+        "zero1",
+        "full",
+        ["only the optimizer state does not", "keeping DDP's gradient all-reduce"],
+    ),
+    (  # 32B full finetuning across 4 nodes: FSDP fits but all-gathers over InfiniBand; HSDP keeps
+        # them inside each node and sends 1/8 of the gradients across, once per step.
+        "--model qwen3-32b --method full --gpus 8 --nodes 4 --gpu h100 --interconnect infiniband "
+        "--activation-checkpointing",
+        "hsdp",
+        "full",
+        ["HSDP (shard=8, replicas=4) fits", "stay inside each node", "all-reduce of 1/8 of the gradients"],
     ),
     (  # Sharding needed on PCIe: FSDP's weight traffic cannot hide behind compute, TP+SP wins.
         "--model qwen3-14b --method lora --gpus 2 --gpu rtx4090 --seq-len 512 --activation-checkpointing",
@@ -250,6 +264,7 @@ def test_json_has_every_strategy_and_component(capsys):
         "zero1",
         "zero2",
         "fsdp",
+        "hsdp",
         "tp",
         "tp-sp",
         "pp",

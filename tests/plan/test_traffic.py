@@ -19,7 +19,7 @@ from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
 from distft.plan.hardware import Link
 from distft.plan.model_spec import resolve_model
 from distft.plan.setup import PRECISIONS, Parallelism, Training
-from distft.plan.traffic import dp_collectives, tp_collectives
+from distft.plan.traffic import dp_collectives, replica_collectives, tp_collectives
 
 WORLD, RANK, SEQ, MICRO_BATCHES = 2, 5, 32, 3  # odd LoRA rank: FSDP2 pads lora_A's rows
 LINK = Link("test", "a test link", bandwidth=1e9, efficiency=1.0, latency_s=0.0)
@@ -31,15 +31,16 @@ def _built(method: str):
     return cfg, SummaryLM(apply_method(load_base_model(cfg.model), cfg))
 
 
-def _planned(method: str, layout: Parallelism) -> dict[str, float]:
+def _planned(method: str, layout: Parallelism, collectives=None) -> dict[str, float]:
     spec = resolve_model("micro")
     training = Training(
         method=method, precision=PRECISIONS["fp32"], lora_rank=RANK, seq_len=SEQ, autocast=False
     )
     layers = spec.num_layers
+    collectives = collectives or (dp_collectives if layout.dp > 1 else tp_collectives)
     out: dict[str, float] = {}
-    for c in (dp_collectives if layout.dp > 1 else tp_collectives)(spec, training, layout, LINK, layers):
-        if c.what in ("gradients", "parameters", "activations"):
+    for c in collectives(spec, training, layout, LINK, layers):
+        if c.what in ("gradients", "parameters", "activations", "updated weights", "gradient shards"):
             out[c.kind] = out.get(c.kind, 0) + c.logical_bytes
     return out
 
@@ -76,3 +77,22 @@ def test_tp_activations(method):
     runtime = expected.tp_activation_bytes(cfg, causal_lm(model.lm), _batches())
     planned = _planned(method, Parallelism("tp", tp=WORLD, tp_impl="dtensor", microbatches=MICRO_BATCHES))
     assert planned == {"all_reduce": runtime}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_zero1_all_reduce_and_broadcasts(method):
+    cfg, model = _built(method)
+    runtime = expected.zero1(SimpleNamespace(cfg=cfg), model, _batches())
+    planned = _planned(method, Parallelism("zero1", dp=WORLD, shard="optimizer", microbatches=MICRO_BATCHES))
+    assert planned == {"all_reduce": runtime["all_reduce"] - 4, "broadcast": runtime["broadcast"]}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_hsdp_bytes_per_mesh_dimension(method):
+    """HSDP over 2 shard groups of 2: the shard dimension's gathers and scatters (padded to 2 rows),
+    the replicate dimension's all-reduce of the gradient shards."""
+    cfg, model = _built(method)
+    runtime = expected.hsdp_by_dim(SimpleNamespace(cfg=cfg, shard=WORLD), model, _batches())
+    layout = Parallelism("hsdp", dp=2 * WORLD, shard="full", dp_shard=WORLD, microbatches=MICRO_BATCHES)
+    assert _planned(method, layout) == runtime["shard"]
+    assert _planned(method, layout, replica_collectives) == runtime["replicate"]

@@ -100,7 +100,7 @@ def _request(
 def _estimate(req: Request, settings, strategy: str, n: int):
     """The plan's estimate of `strategy` on n ranks with the bench's global batch."""
     n = 1 if strategy == "single" else n
-    dp = n if strategy in ("ddp", "zero2", "fsdp") else 1
+    dp = n if strategy in ("ddp", "zero1", "zero2", "fsdp") else 1
     accum = settings.global_batch_size // (settings.micro_batch_size * dp)
     if accum < 1:
         raise ConfigError(
@@ -108,7 +108,7 @@ def _estimate(req: Request, settings, strategy: str, n: int):
             f"{settings.micro_batch_size} each"
         )
     req = replace(req, grad_accum=accum, pp_microbatches=accum if strategy == "pp" else None)
-    degrees = {"ddp": "dp", "zero2": "dp", "fsdp": "dp", "tp": "tp", "tp-sp": "tp", "pp": "pp"}
+    degrees = {"ddp": "dp", "zero1": "dp", "zero2": "dp", "fsdp": "dp", "tp": "tp", "tp-sp": "tp", "pp": "pp"}
     kwargs = {degrees[strategy]: n} if strategy in degrees else {}
     return estimate(req, layout_for(req, strategy, **kwargs), strategy)
 

@@ -4,7 +4,7 @@ Only strategies in the runtime's registry get one (`estimate.runnable`). The com
 setting the estimate assumed, because `distft train`'s defaults (fp32, micro-batch 4, 768 tokens)
 are not the plan's: the model dtype, the micro-batch and the global batch it implies, the sequence
 length, activation checkpointing, the attention kernel, the LoRA rank, the mesh degrees of the 2-D
-strategies and the pipeline's schedule and micro-batches. `run_overrides` returns them as the
+strategies (HSDP's shard degree) and the pipeline's schedule and micro-batches. `run_overrides` returns them as the
 `section.key=value` overrides `distft.config.load_config` reads, so a test can parse the line back
 into a config and compare.
 """
@@ -31,6 +31,8 @@ def run_overrides(req: Request, method: str, ckpt: bool, par: Parallelism) -> di
         out["lora.rank"] = str(t.lora_rank)
     if RUNTIME[par.name].mesh_degrees:
         out.update({"parallel.dp": str(par.dp), "parallel.tp": str(par.tp), "parallel.pp": str(par.pp)})
+    if RUNTIME[par.name].shard_groups:
+        out["parallel.shard"] = str(par.shard_degree)
     if par.pp > 1:
         out["parallel.schedule"] = par.schedule
         out["parallel.microbatches"] = str(par.microbatches)

@@ -6,8 +6,8 @@
    fits only with activation checkpointing, that is the cheapest fix.
 2. Is it the optimizer state? If weights, gradients and activations fit but AdamW's state does
    not, shard the optimizer state (ZeRO-1), then gradients (ZeRO-2).
-3. Does the model need sharding? FSDP shards everything; across nodes FSDP x TP keeps TP on the
-   node's fast links. Is the interconnect slow (PCIe, or FSDP's traffic longer than the compute it
+3. Does the model need sharding? FSDP shards everything; across nodes HSDP keeps FSDP's gathers
+   inside each node and FSDP x TP keeps TP on the node's fast links. Is the interconnect slow (PCIe, or FSDP's traffic longer than the compute it
    should hide behind)? TP+SP moves activations instead of weights.
 4. Is sequence length the problem? FSDP does not split activations: TP+SP does (along the
    sequence too), FSDP x TP splits attention's and the MLP's over its TP ranks; activation
@@ -27,10 +27,13 @@ from distft.plan.explain import (
     fit_text,
     gb,
     gpus_needed,
+    hsdp_reason,
+    hsdp_why_not,
     interconnect_slow,
     link_name,
     others,
     rate,
+    zero_across_nodes,
 )
 from distft.plan.hardware import format_seconds
 from distft.plan.memory import trainable_params
@@ -152,16 +155,17 @@ def _optimizer_state(walk: _Walk) -> Recommendation | None:
         f"ZeRO-1 shards it ({gb(zero1.total)} per GPU), ZeRO-2 also the gradients ({gb(zero2.total)} with "
         "distft's FSDP2 version, which keeps the gathered weights from forward to backward).",
     )
+    slower = zero_across_nodes(req, zero1 if zero1.fits else zero2, est["hsdp"])
+    if slower:  # across nodes ZeRO all-reduces every gradient over the slow link: shard instead
+        walk.steps[-1].answer += slower
+        return None
     if zero1.fits:
-        alt = [
-            f"distft has no ZeRO-1; its zero2 {'also fits' if zero2.fits else 'does not fit'} ({gb(zero2.total)}).",
-            *others(est, "zero1", "zero2", limit=1),
-        ]
         return walk.rec(
             "zero1",
             f"Weights, gradients and activations fit; only the optimizer state does not. ZeRO-1 shards it "
-            f"over {n} GPUs ({gb(zero1.total)} per GPU) for the same traffic as DDP.",
-            alt,
+            f"over {n} GPUs ({gb(zero1.total)} per GPU), keeping DDP's gradient all-reduce and adding one "
+            "broadcast of the updated weights per step.",
+            others(est, "zero1", limit=2),
         )
     if zero2.fits:
         return walk.rec(
@@ -214,12 +218,17 @@ def _pipelines(walk: _Walk) -> list[Estimate]:
 
 
 def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:
-    """FSDP everywhere, FSDP x TP (TP inside nodes), or a pipeline across nodes: the best that fits."""
+    """FSDP everywhere, HSDP (FSDP inside nodes), FSDP x TP (TP inside nodes), or a pipeline across
+    nodes: the best that fits. HSDP over FSDP whenever it fits at about FSDP's estimated speed: the
+    estimate lets FSDP's inter-node traffic hide behind compute, but that traffic is the one a
+    shared, ten times slower fabric delays, and HSDP sends a fraction of it across."""
     req, est = walk.req, walk.est
-    fsdp, fsdp_tp = est["fsdp"], est["fsdp+tp"]
-    pick = best([e for e in (fsdp, fsdp_tp, *_pipelines(walk)) if e.applicable and e.fits])
+    fsdp, hsdp, fsdp_tp = est["fsdp"], est["hsdp"], est["fsdp+tp"]
+    pick = best([e for e in (fsdp, hsdp, fsdp_tp, *_pipelines(walk)) if e.applicable and e.fits])
     if pick is None or not pick.fits:
         return _nothing_fits(walk)
+    if pick is fsdp and hsdp.fits and (hsdp.tokens_per_s or 0) >= 0.9 * (fsdp.tokens_per_s or 0):
+        pick = hsdp  # (an HSDP that does not apply never fits)
     if pick.strategy == "fsdp+tp":
         than = (
             f"FSDP alone does not fit ({gb(fsdp.total)})"
@@ -232,10 +241,12 @@ def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:
             f"with FSDP across nodes over {req.inter.label}: {fsdp_tp.label}, {gb(fsdp_tp.total)} per GPU, "
             f"{rate(fsdp_tp)}. {than}."
         )
+    elif pick.strategy == "hsdp":
+        reason = hsdp_reason(hsdp, fsdp, req)
     elif pick.strategy == "fsdp":
         reason = (
             f"FSDP over all {req.world} GPUs fits ({gb(fsdp.total)} per GPU, {rate(fsdp)}); its traffic across "
-            f"nodes ({format_seconds(fsdp.comm_s)} per step) hides behind compute."
+            f"nodes ({format_seconds(fsdp.comm_s)} per step) hides behind compute.{hsdp_why_not(hsdp)}"
         )
     else:
         lay = pick.layout

@@ -8,7 +8,7 @@ step and the time they take, and a rough step time. Two-dimensional layouts (FSD
 FSDP x PP) try every factorisation of the GPUs, TP inside a node and the pipeline across nodes,
 and keep the one that fits with the shortest estimated step.
 
-The planner models more layouts than distft runs (ZeRO-1, FSDP x PP): which ones distft runs is
+The planner models more layouts than distft runs (FSDP x PP): which ones distft runs is
 read from the runtime's registry, `distft.parallel.STRATEGIES` (`runnable`); only those get a
 `run:` command (`commands.py`).
 """
@@ -33,13 +33,16 @@ from distft.plan.traffic import (
 )
 
 # Every layout the planner models, in the order the report lists them (a superset of the registry).
-MODELLED = ("single", "ddp", "zero1", "zero2", "fsdp", "tp", "tp-sp", "pp", "fsdp+tp", "ddp+pp", "fsdp+pp")
+MODELLED = (
+    "single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "ddp+pp", "fsdp+pp",
+)  # fmt: skip
 LABELS = {
     "single": "one GPU",
     "ddp": "DDP",
     "zero1": "ZeRO-1",
     "zero2": "ZeRO-2 (FSDP2)",
     "fsdp": "FSDP / ZeRO-3",
+    "hsdp": "HSDP",
     "tp": "TP",
     "tp-sp": "TP + SP",
     "pp": "PP",
@@ -114,6 +117,8 @@ class Estimate:
     @property
     def label(self) -> str:
         lay = self.layout
+        if lay.dp_shard:  # HSDP: shard groups x replicas
+            return f"{LABELS[self.strategy]} (shard={lay.shard_degree}, replicas={lay.replicas})"
         degrees = [f"{k}={v}" for k, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp)) if v > 1]
         return f"{LABELS[self.strategy]}" + (
             f" ({', '.join(degrees)})" if degrees and "+" in self.strategy else ""
@@ -147,8 +152,10 @@ class Estimate:
 # ---------------------------------------------------------------------------------------------
 
 
-def layout_for(req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1) -> Parallelism:
-    """How `strategy` splits the work at these degrees, as the runtime builds it."""
+def layout_for(
+    req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1, shard: int = 0
+) -> Parallelism:
+    """How `strategy` splits the work at these degrees (`shard`: HSDP's), as the runtime builds it."""
     m = req.grad_accum
     if pp > 1:
         m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
@@ -160,6 +167,7 @@ def layout_for(req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 
         "zero1": {"dp": dp, "shard": "optimizer"},
         "zero2": {"dp": dp, "shard": "full", "reshard_after_forward": False},
         "fsdp": {"dp": dp, "shard": "full"},
+        "hsdp": {"dp": dp, "shard": "full", "dp_shard": shard or req.gpus_per_node},  # a node shards
         "fsdp+pp": {"dp": dp, "pp": pp, "shard": "full"},
         "tp": {"tp": tp, "tp_impl": "dtensor"},
         "tp-sp": {"tp": tp, "sp": True},
@@ -189,6 +197,8 @@ def why_not(req: Request, par: Parallelism) -> str:
             return "QLoRA's NF4 weights are not split by distft's TP"
     if par.pp > spec.num_layers:
         return f"more stages than the {spec.num_layers} layers"
+    if par.dp_shard and par.replicas < 2:
+        return "one node: its shard group is every GPU, i.e. plain FSDP (HSDP needs 2+ nodes)"
     return ""
 
 
@@ -266,7 +276,7 @@ def candidate_layouts(req: Request, strategy: str) -> list[Parallelism]:
     n, g = req.world, req.gpus_per_node
     if strategy == "single":
         return [layout_for(req, strategy)]
-    if strategy in ("ddp", "zero1", "zero2", "fsdp"):
+    if strategy in ("ddp", "zero1", "zero2", "fsdp", "hsdp"):  # hsdp: each node one shard group
         return [layout_for(req, strategy, dp=n)]
     if strategy in ("tp", "tp-sp"):
         return [layout_for(req, strategy, tp=n)]

@@ -89,6 +89,47 @@ def interconnect_slow(req: Request, fsdp: Estimate) -> tuple[bool, str]:
     return False, f"No: {traffic}, less than the {format_seconds(compute)} of compute it hides behind."
 
 
+def inter_node_bytes(e: Estimate, req: Request) -> float:
+    """Bytes on the wire per GPU per step over the inter-node link."""
+    return sum(c.wire_bytes for c in e.collectives if c.link.name == req.inter.name)
+
+
+def hsdp_reason(hsdp: Estimate, fsdp: Estimate, req: Request) -> str:
+    """Why HSDP across nodes: what stays inside a node, what crosses, against FSDP over every GPU."""
+    return (
+        f"The job spans {req.nodes} nodes and {hsdp.label} fits ({gb(hsdp.total)} per GPU, {rate(hsdp)}): "
+        f"FSDP's all-gathers and reduce-scatters stay inside each node on {req.intra.label}, and only an "
+        f"all-reduce of 1/{hsdp.layout.shard_degree} of the gradients crosses {req.inter.label}, once per step: "
+        f"{gb(inter_node_bytes(hsdp, req))} per GPU against {gb(inter_node_bytes(fsdp, req))} for FSDP over "
+        f"all {req.world} GPUs ({gb(fsdp.total)} per GPU)."
+    )
+
+
+def hsdp_why_not(hsdp: Estimate) -> str:
+    """Why not HSDP, when it applies (several nodes) but does not fit; else nothing."""
+    if not hsdp.applicable or hsdp.fits:
+        return ""
+    return (
+        f" HSDP would keep the gathers inside each node, but with 1/{hsdp.layout.shard_degree} of the model "
+        f"per GPU it needs {gb(hsdp.total)}, which does not fit."
+    )
+
+
+def zero_across_nodes(req: Request, zero: Estimate, hsdp: Estimate) -> str:
+    """Step 2's caveat across nodes: ZeRO-1/2 fit, but their all-reduce of every gradient (or their
+    gathers) cross the inter-node link, and HSDP fits and is estimated more than 10% faster: the
+    sentence that sends the tree on to sharding; empty otherwise."""
+    if req.nodes < 2 or not zero.fits or not hsdp.fits:
+        return ""
+    if (hsdp.tokens_per_s or 0) <= 1.1 * (zero.tokens_per_s or 0):
+        return ""
+    return (
+        f" But the job spans {req.nodes} nodes: {zero.label} moves {gb(inter_node_bytes(zero, req))} per GPU per "
+        f"step over {req.inter.label} ({rate(zero)}), {hsdp.label} {gb(inter_node_bytes(hsdp, req))} "
+        f"({rate(hsdp)}); see 3."
+    )
+
+
 def gpus_needed(req: Request) -> str:
     """The smallest number of these GPUs with which FSDP fits, as a sentence."""
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512):

@@ -16,13 +16,16 @@ Five components, in bytes per rank:
 4. Activations: what autograd saves for backward (`activations.activation_bytes`), plus a transient working set (one layer's recompute under activation checkpointing,
    or the logits at the loss).
 5. Communication buffers: FSDP's gathered (unsharded) parameters and unsharded gradients
-   before their reduce-scatter, DeepSpeed's ZeRO-1 buckets, TP/SP and pipeline send/receive
-   buffers, the dequantized QLoRA weight (`comm_buffer_bytes`).
+   before their reduce-scatter, TP/SP and pipeline send/receive buffers, the dequantized QLoRA
+   weight (`comm_buffer_bytes`). ZeRO-1 adds none: its broadcast buckets are the weights
+   themselves (`parameters_as_bucket_view`), DDP's all-reduce buckets the gradients.
 
 How layouts divide the first three (`state_bytes`; `Layout` says which applies):
 - single, DDP: nothing divided (DDP's gradient buckets are the gradients: `gradient_as_bucket_view`).
-- ZeRO-1: optimizer state / N.  FSDP2 (`fsdp` ZeRO-3, `zero2`): parameters, gradients and
-  optimizer state / N, tensor by tensor along dim 0: FSDP2 pads dim 0 to a multiple of N, so a
+- ZeRO-1 (`zero1`): the optimizer state of whole tensors, partitioned as torch's
+  ZeroRedundancyOptimizer does (`zero1_partition`: largest first, each to the rank with the fewest
+  elements so far), about 1/N per rank.  FSDP2 (`fsdp` ZeRO-3, `zero2`, and `hsdp` with N its
+  shard degree): parameters, gradients and optimizer state / N, tensor by tensor along dim 0: FSDP2 pads dim 0 to a multiple of N, so a
   parameter or gradient occupies ceil(d0/N) rows on every rank, while the optimizer state (made
   with `zeros_like` on the unpadded local view) takes only this rank's chunk, torch.chunk style
   (rank r: min(ceil(d0/N), d0 - r ceil(d0/N)) rows).  ZeRO-2 persists the same shards as
@@ -47,7 +50,6 @@ from distft.plan.model_spec import ModelSpec, TensorSpec
 from distft.plan.setup import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 
 STEP_BYTES = 4  # AdamW's `step`: one fp32 scalar tensor per trainable tensor
-ZERO1_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce / all-gather bucket sizes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,28 +182,46 @@ def state_bytes(
     """Parameters, gradients and optimizer state held by one rank, in bytes (the counted storage).
 
     Exact for distft's strategies (checked against the wrapped models in tests/plan): FSDP2's
-    padded parameter and gradient shards, the unpadded optimizer chunks, AdamW's step tensors.
+    padded parameter and gradient shards, the unpadded optimizer chunks, ZeRO-1's partition of
+    whole tensors, AdamW's step tensors.
     """
     out = StateBytes()
-    sharded = par.shard == "full"
-    for t, trainable in stage_tensors(spec, training, par, stage):
+    sharded, n = par.shard == "full", par.shard_degree  # FSDP's degree (HSDP: one shard group's)
+    held = stage_tensors(spec, training, par, stage)
+    trained = [math.prod(local_shape(t, par.tp, tp_rank)) for t, trains in held if trains]
+    # ZeRO-1: the rank whose AdamW updates each trained tensor.
+    owners = iter(zero1_partition(trained, par.dp) if par.shard == "optimizer" else [])
+    for t, trainable in held:
         shape = local_shape(t, par.tp, tp_rank)
         numel = math.prod(shape)
         rest = numel // shape[0] if shape[0] else 0
         gbytes, obytes = trained_element_bytes(t, training)
-        out.params += _param_bytes(t, training, shape, par.dp if sharded else 1)
+        out.params += _param_bytes(t, training, shape, n if sharded else 1)
         if not trainable:
             continue
         if sharded:
-            out.grads += math.ceil(shape[0] / par.dp) * rest * gbytes
-            out.optimizer += chunk_rows(shape[0], par.dp, dp_rank) * rest * obytes + STEP_BYTES
-        elif par.shard == "optimizer":  # ZeRO-1: a flat 1/N of every optimizer tensor
+            out.grads += math.ceil(shape[0] / n) * rest * gbytes
+            # dp_rank % n: the rank's place in its shard group (HSDP's replicas hold the same chunks).
+            out.optimizer += chunk_rows(shape[0], n, dp_rank % n) * rest * obytes + STEP_BYTES
+        elif par.shard == "optimizer":  # ZeRO-1: whole gradients, the state of this rank's tensors
             out.grads += numel * gbytes
-            out.optimizer += math.ceil(numel / par.dp) * obytes + STEP_BYTES
+            if next(owners) == dp_rank:
+                out.optimizer += numel * obytes + STEP_BYTES
         else:
             out.grads += numel * gbytes
             out.optimizer += numel * obytes + STEP_BYTES
     return out
+
+
+def zero1_partition(numels: list[int], n: int) -> list[int]:
+    """The rank whose optimizer holds each tensor's state under torch's ZeroRedundancyOptimizer:
+    tensors largest first (ties in their order), each to the rank with the fewest elements so far
+    (the lowest such rank)."""
+    owners, sizes = [0] * len(numels), [0] * n
+    for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
+        owners[i] = sizes.index(min(sizes))
+        sizes[owners[i]] += numels[i]
+    return owners
 
 
 def trainable_params(spec: ModelSpec, training: Training) -> int:
@@ -260,17 +280,11 @@ def comm_buffer_bytes(
     spec: ModelSpec, training: Training, par: Parallelism, stage: int = 0
 ) -> dict[str, int]:
     """Transient buffers at the peak of a step, by what they hold (bytes, one rank)."""
-    p, c, tp = training.precision, training.precision.activation, par.tp
+    c, tp = training.precision.activation, par.tp
     held = stage_tensors(spec, training, par, stage)
     out: dict[str, int] = {}
     if par.shard == "full" and par.dp > 1:
         out.update(_fsdp_buffers(held, training, par))
-    if par.shard == "optimizer" and par.dp > 1:
-        grads = _unsharded(held, training, tp, True, True)
-        params = _unsharded([(t, tr) for t, tr in held if tr], training, tp)
-        out["ZeRO-1 buckets"] = min(grads, ZERO1_BUCKET_ELEMENTS * p.grad) + min(
-            params, ZERO1_BUCKET_ELEMENTS * p.param
-        )
     if tp > 1:
         out["TP collective buffers"] = (
             2 * c * training.micro_batch * layer_seq_len(training, par) * spec.hidden_size

@@ -84,6 +84,9 @@ class Parallelism:
     name: str
     dp: int = 1  # data-parallel degree: replicas (DDP), or shards (ZeRO, FSDP)
     shard: str = "none"  # none | optimizer (ZeRO-1) | full (FSDP2: params, grads, optimizer)
+    dp_shard: int = (
+        0  # HSDP (parallel.shard): ranks sharding each parameter, dp / dp_shard replicas; 0: all dp
+    )
     reshard_after_forward: bool = True  # FSDP2: ZeRO-3 (True) or ZeRO-2 (False)
     fsdp_prefetch: int = 1  # layers gathered ahead (distft's parallel.fsdp_prefetch)
     tp: int = 1
@@ -97,6 +100,16 @@ class Parallelism:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks each parameter is split across by ZeRO/FSDP (HSDP: one shard group)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """HSDP's replicate degree: shard groups holding the same shards (1 for FSDP)."""
+        return self.dp // self.shard_degree
 
     @property
     def virtual_stages(self) -> int:

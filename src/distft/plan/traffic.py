@@ -3,10 +3,14 @@
 Per rank, per optimizer step of `Layout.microbatches` micro-batches (logical sizes, `distft.measure.comm`
 convention; `hardware.wire_bytes` turns them into bytes on the wire):
 - DDP: one all-reduce of the trainable gradients per step (bucketed, overlapping backward).
-- ZeRO-1: a reduce-scatter of the gradients and an all-gather of the updated trainable weights.
+- ZeRO-1 (`zero1`: DDP + torch's ZeroRedundancyOptimizer): DDP's all-reduce of the trainable
+  gradients, then one broadcast per rank of its partition of the updated trainable weights (every
+  rank takes part in all N: the weights' bytes once, not overlapped).
 - FSDP2: per micro-batch an all-gather of every parameter (twice for ZeRO-3: forward and again in
   backward; once for ZeRO-2) and a reduce-scatter of the trainable gradients. Frozen weights
   travel too: LoRA under FSDP moves the whole base model every micro-batch.
+- HSDP: FSDP2's traffic inside each shard group (a node), and once per step an all-reduce of each
+  rank's gradient shard (1/shard of the padded gradients) across the replicas (the nodes).
 - TP+SP (`tp-sp`): per layer and micro-batch 2 all-gathers and 2 reduce-scatters of a
   (batch, seq, hidden) activation forward and as many backward (one fewer when nothing before
   the first block trains); without SP the same bytes as all-reduces. Checkpointing repeats the
@@ -16,8 +20,8 @@ convention; `hardware.wire_bytes` turns them into bytes on the wire):
   and, with LoRA, small (batch, seq, r) ones per adapter, as `parallel/tensor_parallel.py` counts.
 - PP: a (batch, seq, hidden) send forward and one backward per micro-batch and stage boundary.
 
-Groups are laid out TP innermost, then data parallel, then pipeline; a group longer than a node
-crosses the inter-node link. Compute per rank: 2 FLOPs per weight per token forward (plus
+Groups are laid out TP innermost, then data parallel (HSDP: its shard groups inside, its replicas
+across), then pipeline; a group longer than a node crosses the inter-node link. Compute per rank: 2 FLOPs per weight per token forward (plus
 attention's 2 B S^2 nq d per layer, causal), backward twice that for full finetuning and once
 for LoRA (no weight gradients for the frozen base), one more forward with checkpointing;
 divided by the GPU's dense bf16 peak times an assumed model-FLOPs utilisation (`mfu`).
@@ -86,14 +90,14 @@ def held_bytes(
     spec: ModelSpec, training: Training, par: Parallelism, trainable_only: bool, grad: bool
 ) -> float:
     """Logical bytes of this rank's TP/PP slice of the model (FSDP2: including dim-0 padding)."""
-    total = 0.0
+    total, n = 0.0, par.shard_degree
     for t, trains in stage_tensors(spec, training, par, 0):
         if trainable_only and not trains:
             continue
         shape = local_shape(t, par.tp, 0)
         numel = math.prod(shape)
-        if par.shard == "full" and par.dp > 1 and shape[0]:
-            numel = math.ceil(shape[0] / par.dp) * par.dp * (numel // shape[0])
+        if par.shard == "full" and n > 1 and shape[0]:
+            numel = math.ceil(shape[0] / n) * n * (numel // shape[0])
         total += numel * (trained_element_bytes(t, training)[0] if grad else param_element_bytes(t, training))
     return total
 
@@ -117,24 +121,34 @@ def pipeline_boundary_bytes(spec: ModelSpec, training: Training, tp: int = 1, sp
 def dp_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
 ) -> list[Collective]:
-    """DDP's gradient all-reduce, ZeRO-1's reduce-scatter + all-gather, FSDP2's per-unit traffic."""
+    """DDP's gradient all-reduce, ZeRO-1's all-reduce + broadcasts, FSDP2's per-unit traffic (over
+    one shard group under HSDP: `link` is its link; `replica_collectives` adds the rest)."""
     grads = held_bytes(spec, training, par, True, True)
     if par.shard == "none":
         return [Collective("gradients", "all_reduce", grads, 1, par.dp, link, True)]
     if par.shard == "optimizer":
         weights = held_bytes(spec, training, par, True, False)
         return [
-            Collective("gradients", "reduce_scatter", grads, 1, par.dp, link, True),
-            Collective("updated weights", "all_gather", weights, 1, par.dp, link, False),
+            Collective("gradients", "all_reduce", grads, 1, par.dp, link, True),
+            Collective("updated weights", "broadcast", weights, par.dp, par.dp, link, False),
         ]
-    m = par.microbatches
+    m, n = par.microbatches, par.shard_degree
     gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
     params = held_bytes(spec, training, par, False, False) * gathers * m
     calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
     return [
-        Collective("parameters", "all_gather", params, calls, par.dp, link, True),
-        Collective("gradients", "reduce_scatter", grads * m, (layers + 1) * m, par.dp, link, True),
+        Collective("parameters", "all_gather", params, calls, n, link, True),
+        Collective("gradients", "reduce_scatter", grads * m, (layers + 1) * m, n, link, True),
     ]
+
+
+def replica_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
+) -> list[Collective]:
+    """HSDP across its replicas: once per step, per unit, an all-reduce of this rank's
+    reduce-scattered gradient shard (the padded gradients / shard)."""
+    shard = held_bytes(spec, training, par, True, True) / par.shard_degree
+    return [Collective("gradient shards", "all_reduce", shard, layers + 1, par.replicas, link, True)]
 
 
 def tp_collectives(
@@ -190,8 +204,11 @@ def step_collectives(
     """Every collective of one optimizer step on rank 0. Groups: TP innermost, then DP, then PP."""
     layers = len(rank_layers(spec.num_layers, par, 0))
     out: list[Collective] = []
-    if par.dp > 1:
-        out += dp_collectives(spec, training, par, topo.link(par.dp, par.tp), layers)
+    if par.dp > 1:  # HSDP: shard groups of neighbouring ranks, replicas `shard` groups apart
+        out += dp_collectives(spec, training, par, topo.link(par.shard_degree, par.tp), layers)
+    if par.replicas > 1:
+        link = topo.link(par.replicas, par.tp * par.shard_degree)
+        out += replica_collectives(spec, training, par, link, layers)
     if par.tp > 1:
         out += tp_collectives(spec, training, par, topo.link(par.tp, 1), layers)
     if par.pp > 1:
