@@ -7,13 +7,18 @@ all-reduce of the gradients plus one broadcast of every trainable weight (each r
 one flat bucket each). Then the checkpoint, in which each rank wrote only its own partition's AdamW
 state, resumes in one process (`--strategy single`) and finishes the run like the reference: every
 parameter's state was found. (The bitwise resume at the same world size: tests/test_reliability.py.)
+A second, in-process test checks that fused AdamW (what `setup.adamw` asks for on CUDA) runs on
+each rank's partition and updates the weights bit for bit as one fused AdamW over all of them.
 """
 
 import torch
 
 from distft.config import load_config
+from distft.distributed import DistEnv
 from distft.model import apply_method, load_base_model
+from distft.parallel.zero1 import ZeRO1
 from tests.helpers import PARITY, assert_same_training, distft, metrics
+from tests.parallel.test_collectives import spawn
 
 WORLD = 2
 
@@ -47,3 +52,31 @@ def test_matches_single_process_and_resumes_in_one(reference, tmp_path):
     proc = distft("train", "--resume", str(out), "--strategy", "single", "--nproc", "1")
     assert "resuming from" in proc.stdout and "step 2" in proc.stdout
     assert_same_training(out, reference)
+
+
+def _fused_step(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, 3)) for n in (5, 4, 3, 2)]  # 2 tensors per rank
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    strategy = ZeRO1(
+        load_config(None, ["parallel.strategy=zero1"]),
+        DistEnv(rank, world, rank, torch.device("cpu"), "gloo"),
+    )
+    zero = strategy.build_optimizer(params, torch.optim.AdamW, lr=0.1, fused=True)
+    plain = torch.optim.AdamW(reference, lr=0.1, fused=True)
+    local = strategy.local_optimizer(zero)
+    assert local.defaults["fused"] and local.param_groups[0]["fused"]
+    for p, q in zip(params, reference, strict=True):
+        p.grad = torch.full_like(p, 0.5) * (1 + torch.arange(p.shape[0])[:, None])
+        q.grad = p.grad.clone()
+    zero.step()
+    plain.step()
+    assert len(local.state) == 2  # this rank's partition only
+    for p, q in zip(params, reference, strict=True):  # every weight, updated by its owner, broadcast
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_fused_adamw_runs_on_each_partition():
+    """The flag `setup.adamw` sets on CUDA (fused=True) reaches each rank's AdamW, whose updates,
+    broadcast, equal one fused AdamW over every tensor (torch has a fused CPU kernel too)."""
+    spawn(_fused_step)
