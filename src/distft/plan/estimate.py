@@ -117,7 +117,7 @@ class Estimate:
     @property
     def label(self) -> str:
         lay = self.layout
-        if lay.dp_shard:  # HSDP: shard groups x replicas
+        if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas
             return f"{LABELS[self.strategy]} (shard={lay.shard_degree}, replicas={lay.replicas})"
         degrees = [f"{k}={v}" for k, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp)) if v > 1]
         return f"{LABELS[self.strategy]}" + (
