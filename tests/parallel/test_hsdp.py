@@ -10,6 +10,7 @@ process's on the same global batches; its first step's bytes, counted per proces
   gradients reduce-scattered once per micro-batch, each padded to a multiple of 2 rows;
 - replicate ({0, 2} and {1, 3}): each rank's gradient shard all-reduced once;
 - world: the loss (fp32) and the gradient norm's sum of squares (float64).
+Then its checkpoint of step 1 (2D DTensors) resumes in one process and ends like the reference.
 """
 
 import pytest
@@ -49,7 +50,7 @@ def test_matches_single_process_with_bytes_per_dimension(tmp_path):
     distft("train", *PARITY, *GLOBAL_BATCH, "--out", str(reference))
     proc = distft(
         "train", "--strategy", "hsdp", "--nproc", str(WORLD), f"parallel.shard={SHARD}", *PARITY,
-        *GLOBAL_BATCH, "--out", str(out),
+        *GLOBAL_BATCH, "--checkpoint-every", "1", "--out", str(out),
     )  # fmt: skip
     assert "global batch 8 = micro-batch 1 x accumulation 2 x data-parallel ranks 4" in proc.stdout
     assert_same_training(out, reference)
@@ -57,6 +58,11 @@ def test_matches_single_process_with_bytes_per_dimension(tmp_path):
     first, want = metrics(out)[0], expected_by_dim()
     assert first["comm_bytes_by_dim"] == first["comm_bytes_expected_by_dim"] == want
     assert first["comm_bytes"] == first["comm_bytes_expected"]
+
+    # DCP reshards the 2D (Replicate, Shard) DTensors: step 1's checkpoint resumes in one process.
+    (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    distft("train", "--resume", str(out), "--strategy", "single", "--nproc", "1", "parallel.shard=0")
+    assert_same_training(out, reference)
 
 
 @pytest.mark.parametrize(

@@ -90,7 +90,10 @@ def group_dimension(args: tuple) -> str:
             except RuntimeError:
                 continue
     names = [arg for arg in args if isinstance(arg, str)]  # functional ops: the group's name, last
-    return _dimension(_resolve_process_group(names[-1])) if names else "unknown"
+    try:
+        return _dimension(_resolve_process_group(names[-1])) if names else "unknown"
+    except (ValueError, RuntimeError):  # a name no group answers to: counting must not stop a run
+        return "unknown"
 
 
 def _dimension(group: dist.ProcessGroup) -> str:

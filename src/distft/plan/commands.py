@@ -4,9 +4,9 @@ Only strategies in the runtime's registry get one (`estimate.runnable`). The com
 setting the estimate assumed, because `distft train`'s defaults (fp32, micro-batch 4, 768 tokens)
 are not the plan's: the model dtype, the micro-batch and the global batch it implies, the sequence
 length, activation checkpointing, the attention kernel, the LoRA rank, the mesh degrees of the 2-D
-strategies (HSDP's shard degree) and the pipeline's schedule and micro-batches. `run_overrides` returns them as the
-`section.key=value` overrides `distft.config.load_config` reads, so a test can parse the line back
-into a config and compare.
+strategies, HSDP's shard degree and the pipeline's schedule and micro-batches. `run_overrides`
+returns them as the `section.key=value` overrides `distft.config.load_config` reads, so a test can
+parse the line back into a config and compare.
 """
 
 from __future__ import annotations
