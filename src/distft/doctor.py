@@ -135,8 +135,8 @@ def print_tables(env: DistEnv, report: HealthReport, bandwidth: list[Bandwidth])
             format_bytes(b.bytes),
             str(b.iterations),
             f"{1e3 * b.seconds:.3f}",
-            f"{b.algbw / 1e9:.3f}",
-            f"{b.busbw / 1e9:.3f}",
+            f"{b.algbw / 1e9:.3g}",
+            f"{b.busbw / 1e9:.3g}",
         )
     console.print(table)
     console.print(

@@ -107,7 +107,7 @@ def _visible_devices_warning(environ: Mapping[str, str], nproc: int) -> str | No
     if len(visible) < nproc:
         return (
             f"CUDA_VISIBLE_DEVICES={value!r} shows {len(visible)} GPU(s) but --nproc is {nproc}: each rank "
-            f"takes GPU LOCAL_RANK, so ranks {len(visible)}..{nproc - 1} of this node have none."
+            f"takes GPU LOCAL_RANK, so local ranks {len(visible)}..{nproc - 1} have none."
         )
     if len(visible) > nproc:
         return (
