@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -43,6 +48,73 @@ def distft(*args: str, timeout: int = 300, env: dict | None = None) -> subproces
             f"distft {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agents(
+    *args: str, nnodes: int = 2, timeout: int = 400, grace: int = 20, env: dict | None = None
+) -> list[tuple[int | None, str]]:
+    """Run `distft ARGS` as `nnodes` separate agents, as on `nnodes` machines: each its own torchrun
+    with `--nnodes N --node-rank R`, meeting at a free port on 127.0.0.1. Returns each agent's exit
+    code (None: killed by a signal) and output. Every agent is killed, with all its ranks, once
+    `timeout` passes, or `grace` seconds after one agent failed (its peers may wait in a collective
+    for parallel.timeout_s): a hang fails the test instead of blocking the suite."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="distft-agents-") as tmp, contextlib.ExitStack() as files:
+        logs = [files.enter_context(open(Path(tmp) / f"node-{n}.log", "w+")) for n in range(nnodes)]
+        placement = ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]
+        nodes = [
+            subprocess.Popen(
+                [sys.executable, "-m", "distft.cli", *args, *placement, "--node-rank", str(node)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=run_env,
+            )
+            for node, log in enumerate(logs)
+        ]
+        try:
+            _wait(nodes, timeout, grace)
+        finally:
+            for p in nodes:
+                if p.poll() is None:
+                    _kill_tree(p.pid)
+                    p.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+    return [(p.returncode if p.returncode >= 0 else None, out) for p, out in zip(nodes, outputs, strict=True)]
+
+
+def _wait(nodes: list[subprocess.Popen], timeout: float, grace: float) -> None:
+    """Until every agent has exited, `timeout` has passed, or `grace` since the first failure."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
+        if failed_at is None and any(p.returncode for p in nodes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() > failed_at + grace:
+            return
+        time.sleep(0.2)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL an agent and every process under it (torchrun starts each rank in a session of its
+    own, so killing the agent's process group would miss them)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]  # listed before any dies and is re-parented
+    except psutil.NoSuchProcess:
+        return
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
 
 def metrics(run: Path) -> list[dict]:

@@ -20,6 +20,7 @@ LAYERS = {
     "distft.data": 2,
     "distft.distributed": 2,
     "distft.io": 3,
+    "distft.health": 3,  # pre-flight checks: the environment, a roll call, all-reduce timings
     "distft.parallel": 4,
     "distft.measure": 5,
     "distft.train": 6,
@@ -28,6 +29,7 @@ LAYERS = {
     "distft.plan": 7,
     "distft.bench": 8,
     "distft.export": 8,  # on top of distft.infer (7), whose load_trained it reuses
+    "distft.doctor": 8,  # the health check alone, with test-only faults (7) and plan's byte units (7)
     "distft.cli": 9,
     "distft.launch": 9,
     "distft.__main__": 10,

@@ -1,4 +1,5 @@
-"""`distft` command line: train, infer, eval, plan and bench (infer and eval: `distft.infer.commands`).
+"""`distft` command line: train, infer, eval, export, plan, bench and doctor (infer and eval:
+`distft.infer.commands`; doctor: `distft.doctor`).
 
 Every user error (a bad config, an impossible strategy/model combination, a malformed dataset
 row, an output directory that cannot take the run) is checked here, before any worker process is
@@ -21,9 +22,11 @@ from typing import Any
 from distft import bench, faults, plan
 from distft.config import Config, load_config, to_toml
 from distft.data import ChatFormatter, load_rows, load_tokenizer, tokenize_rows
-from distft.distributed import exit_worker, launched_by_torchrun
+from distft.distributed import exit_worker, launched_by_torchrun, pick_device, torchrun_command
+from distft.doctor import add_doctor_parser, cmd_doctor
 from distft.errors import ConfigError, TrainingError
 from distft.export import EXPORT_DTYPES, export_run
+from distft.health import print_network_warnings
 from distft.infer import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer  # the infer/eval commands
 from distft.io.checkpoint import check_resume
 from distft.io.preflight import check_finished_run, check_output_dir
@@ -176,41 +179,21 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def torchrun_command(cfg: Config, config_file: str) -> list[str]:
-    """`distft train --config FILE` (the resolved config), once per rank, under PyTorch's launcher."""
-    p = cfg.parallel
-    # distft.launch is torchrun with a one-paragraph failure report instead of the agent's traceback.
-    cmd = [
-        sys.executable,
-        "-m",
-        "distft.launch",
-        f"--nproc-per-node={p.nproc}",
-        f"--max-restarts={p.max_restarts}",
-    ]
-    if p.nnodes == 1:
-        cmd.append("--standalone")  # picks a free port on this machine
-    else:
-        host, _, port = p.rdzv_endpoint.rpartition(":")
-        cmd += [
-            f"--nnodes={p.nnodes}",
-            f"--node-rank={p.node_rank}",
-            f"--master-addr={host}",
-            f"--master-port={port}",
-        ]
-    return [*cmd, "-m", "distft.cli", "train", "--config", config_file]
-
-
 def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if not launched_by_torchrun():
         preflight(cfg, resuming=args.resume is not None)
         if STRATEGIES[cfg.parallel.strategy].distributed:
+            backend = "nccl" if pick_device(cfg.train.device).type == "cuda" else "gloo"
+            print_network_warnings(
+                backend, cfg.parallel.nproc, cfg.parallel.nnodes
+            )  # `distft.health.network`
             with tempfile.TemporaryDirectory(prefix="distft-launch-") as tmp:
                 config_file = os.path.join(tmp, "config.toml")
                 with open(config_file, "w", encoding="utf-8") as f:
                     f.write(to_toml(cfg))
-                return subprocess.call(torchrun_command(cfg, config_file))
+                return subprocess.call(torchrun_command(cfg.parallel, ["train", "--config", config_file]))
     train(cfg, hooks=faults.from_environment())  # test-only fault injection, off unless DISTFT_FAULT_*
     return 0
 
@@ -257,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     plan.add_plan_parser(sub)
     bench.add_bench_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 
@@ -279,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": lambda: cmd_export(args),
         "bench": lambda: bench.cmd_bench(args),
         "plan": lambda: plan.cmd_plan(args),
+        "doctor": lambda: cmd_doctor(args),
     }
     try:
         code = handlers[args.command]()

@@ -1,6 +1,7 @@
 """Process-group set-up: device and backend come from the machine, ranks from torchrun.
 
-Under torchrun every process finds RANK, WORLD_SIZE and LOCAL_RANK in its environment. With CUDA
+`torchrun_command` launches a multi-process run; under torchrun every process then finds RANK,
+WORLD_SIZE, LOCAL_RANK, GROUP_RANK (its node) and LOCAL_WORLD_SIZE in its environment. With CUDA
 present each process takes GPU `LOCAL_RANK` and talks NCCL; without it, the CPU and gloo. The same
 code runs both ways unchanged. A single process (no torchrun) needs no process group at all.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distft.config import ParallelConfig
 from distft.errors import CollectiveError
 
 
@@ -28,6 +30,8 @@ class DistEnv:
     local_rank: int
     device: torch.device
     backend: str | None  # None: a single process without a process group
+    node: int = 0  # this node's index (torchrun's GROUP_RANK, i.e. --node-rank)
+    local_world_size: int = 1  # processes per node (--nproc); rank = node x this + local rank
 
     @property
     def is_main(self) -> bool:
@@ -40,6 +44,30 @@ class DistEnv:
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_command(p: ParallelConfig, argv: list[str]) -> list[str]:
+    """`distft ARGV` once per rank under PyTorch's launcher: --nproc processes on this node, which
+    meet the other nodes' at --rdzv-endpoint (node 0's HOST:PORT) when --nnodes is above 1."""
+    # distft.launch is torchrun with a one-paragraph failure report instead of the agent's traceback.
+    cmd = [
+        sys.executable,
+        "-m",
+        "distft.launch",
+        f"--nproc-per-node={p.nproc}",
+        f"--max-restarts={p.max_restarts}",
+    ]
+    if p.nnodes == 1:
+        cmd.append("--standalone")  # picks a free port on this machine
+    else:
+        host, _, port = p.rdzv_endpoint.rpartition(":")
+        cmd += [
+            f"--nnodes={p.nnodes}",
+            f"--node-rank={p.node_rank}",
+            f"--master-addr={host}",
+            f"--master-port={port}",
+        ]
+    return [*cmd, "-m", "distft.cli", *argv]
 
 
 def restart_count() -> int:
@@ -76,7 +104,12 @@ def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: boo
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev if dev.type == "cuda" else None,
         )
-    return DistEnv(rank, world_size, local_rank, dev, backend)
+    # Outside torchrun (a spawned test, a group of one) every rank counts as node 0.
+    node, local_world_size = (
+        int(os.environ.get("GROUP_RANK", 0)),
+        int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+    )
+    return DistEnv(rank, world_size, local_rank, dev, backend, node, local_world_size)
 
 
 def _free_port() -> int:
@@ -85,6 +118,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def synchronize(env: DistEnv) -> None:
+    """Wait for this rank's queued device work (CUDA collectives return before they finish)."""
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
 
 
 def barrier(env: DistEnv) -> None:

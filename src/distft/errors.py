@@ -31,6 +31,10 @@ class CollectiveError(TrainingError):
     """A collective timed out or lost a peer; the message names the rank and the operation."""
 
 
+class HealthError(CollectiveError):
+    """The pre-flight health check (`distft.health`) found a rank missing, or `distft doctor` a slow one."""
+
+
 class NonFiniteError(TrainingError):
     """A step's loss or gradient norm is NaN or infinite (train.on_nonfinite=stop)."""
 

@@ -2,8 +2,8 @@
 
 The reliability tests need a rank that dies, a rank that hangs and a step that diverges, at a
 known step, in a real multi-process run. Each is one environment variable; `from_environment()`
-turns those that are set into `TrainHooks` for the loop (`distft.cli` installs them), and returns
-None when none is set, so a normal run calls nothing.
+turns those that are set into `TrainHooks` for the loop (`distft.cli` installs them; `distft doctor`
+their health-check points), and returns None when none is set, so a normal run calls nothing.
 
 | variable                     | effect                                                             |
 |------------------------------|--------------------------------------------------------------------|
@@ -13,9 +13,13 @@ None when none is set, so a normal run calls nothing.
 |                              | 3600) as step N begins: a stuck rank, so its peers wait in the     |
 |                              | next collective                                                    |
 | DISTFT_FAULT_NAN_AT_STEP=N   | every rank's gradients turn NaN after step N's backward            |
-| DISTFT_FAULT_RANK=R          | the rank that dies or hangs (default 1)                            |
+| DISTFT_FAULT_HEALTH_MISS=1   | rank DISTFT_FAULT_RANK sleeps DISTFT_FAULT_HANG_S seconds before   |
+|                              | the health check's roll call: a rank that never joins it           |
+| DISTFT_FAULT_HEALTH_LATE_S=S | rank DISTFT_FAULT_RANK sleeps S seconds before the health check's  |
+|                              | all-reduce: a slow rank                                            |
+| DISTFT_FAULT_RANK=R          | the rank that dies, hangs or is late (default 1)                   |
 
-Kill and hang strike on the first attempt only: torchrun's elastic agent sets
+Kill, hang and the health faults strike on the first attempt only: torchrun's elastic agent sets
 TORCHELASTIC_RESTART_COUNT to 1, 2, ... on restarts, and a restarted run must then finish, as it
 would after a real, one-off fault. NaN strikes on every attempt (a diverging run diverges again).
 """
@@ -30,17 +34,25 @@ import torch
 from torch import nn
 
 from distft.distributed import restart_count
+from distft.health import HealthHooks
 from distft.tensors import local
 from distft.train import TrainHooks
 
-VARIABLES = ("DISTFT_FAULT_KILL_AT_STEP", "DISTFT_FAULT_HANG_AT_STEP", "DISTFT_FAULT_NAN_AT_STEP")
+VARIABLES = (
+    "DISTFT_FAULT_KILL_AT_STEP",
+    "DISTFT_FAULT_HANG_AT_STEP",
+    "DISTFT_FAULT_NAN_AT_STEP",
+    "DISTFT_FAULT_HEALTH_MISS",
+    "DISTFT_FAULT_HEALTH_LATE_S",
+)
 
 
 def from_environment() -> TrainHooks | None:
     """The hooks the DISTFT_FAULT_* variables ask for, or None when none is set."""
     if not any(v in os.environ for v in VARIABLES):
         return None
-    return TrainHooks(before_step=before_step, after_backward=poison_gradients)
+    health = HealthHooks(before_roll_call=miss_roll_call, before_all_reduce=join_late)
+    return TrainHooks(before_step=before_step, after_backward=poison_gradients, health=health)
 
 
 def _at(variable: str, step: int) -> bool:
@@ -48,14 +60,30 @@ def _at(variable: str, step: int) -> bool:
     return value is not None and int(value) == step
 
 
+def _strikes(rank: int) -> bool:
+    return not restart_count() and rank == int(os.environ.get("DISTFT_FAULT_RANK", "1"))
+
+
 def before_step(step: int, rank: int) -> None:
     """Kill or stall this rank as 1-based step `step` begins, if asked to."""
-    if restart_count() or rank != int(os.environ.get("DISTFT_FAULT_RANK", "1")):
+    if not _strikes(rank):
         return
     if _at("DISTFT_FAULT_KILL_AT_STEP", step):
         os.kill(os.getpid(), signal.SIGKILL)
     if _at("DISTFT_FAULT_HANG_AT_STEP", step):
         time.sleep(float(os.environ.get("DISTFT_FAULT_HANG_S", "3600")))
+
+
+def miss_roll_call(rank: int) -> None:
+    """Stall this rank before the health check's roll call, if asked to: it never answers."""
+    if _strikes(rank) and os.environ.get("DISTFT_FAULT_HEALTH_MISS"):
+        time.sleep(float(os.environ.get("DISTFT_FAULT_HANG_S", "3600")))
+
+
+def join_late(rank: int) -> None:
+    """Delay this rank before the health check's all-reduce, if asked to: a slow rank."""
+    if _strikes(rank) and os.environ.get("DISTFT_FAULT_HEALTH_LATE_S"):
+        time.sleep(float(os.environ["DISTFT_FAULT_HEALTH_LATE_S"]))
 
 
 def poison_gradients(model: nn.Module, step: int) -> None:

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 
 from distft.errors import ConfigError
 
-# ---------------------------------------------------------------------------------------------
-# Sections
-# ---------------------------------------------------------------------------------------------
+# ---- Sections -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -155,6 +153,13 @@ class ParallelConfig:
     """HOST:PORT of the rendezvous for multi-node runs."""
     timeout_s: int = 600
     """A collective that waits longer than this fails instead of hanging."""
+    health_check: bool = True
+    """Multi-process runs: before the model is built, a roll call and a timed all-reduce name a rank
+    that is missing (an error) or late (a warning): `distft.health`, docs/multi-node.md."""
+    health_timeout_s: int = 60
+    """Health check: seconds every rank has to answer the roll call before the missing ones are named."""
+    health_slow_s: float = 5.0
+    """Health check: a rank joining the all-reduce this many seconds after the first rank is slow."""
     max_restarts: int = 0
     """torchrun's elastic agent restarts every rank this many times after one fails (a killed
     rank, a lost peer); each restart resumes from the latest checkpoint."""
@@ -245,9 +250,7 @@ class Config:
         return self.parallel.nproc * self.parallel.nnodes
 
 
-# ---------------------------------------------------------------------------------------------
-# Validation
-# ---------------------------------------------------------------------------------------------
+# ---- Validation -----------------------------------------------------------------------------
 
 METHODS = ("lora", "qlora", "full")
 DTYPES = ("float32", "bfloat16")
@@ -300,6 +303,8 @@ def _check_counts(cfg: Config) -> None:
         "parallel.nproc": cfg.parallel.nproc,
         "parallel.nnodes": cfg.parallel.nnodes,
         "parallel.timeout_s": cfg.parallel.timeout_s,
+        "parallel.health_timeout_s": cfg.parallel.health_timeout_s,
+        "parallel.health_slow_s": cfg.parallel.health_slow_s,
     }
     for where, value in positive.items():
         if value <= 0:

@@ -208,6 +208,11 @@ class Strategy:
             options=state_dict_options(),
         )
 
+    def mesh_groups(self) -> dict[str, list[int]]:
+        """The global ranks of this rank's group along each mesh dimension (`ranks.json`); a
+        one-dimensional strategy has no mesh."""
+        return {}
+
     def is_logging_rank(self) -> bool:
         return self.env.is_main
 

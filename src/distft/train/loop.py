@@ -55,7 +55,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     (a list of dicts, a `datasets.Dataset`, or a dict of splits) replaces `cfg.data.source`."""
     hooks = hooks or TrainHooks()
     # ---- set-up ---------------------------------------------------------------------------
-    run = setup(cfg, dataset)
+    run = setup(cfg, dataset, hooks.health)
     env, tc = run.env, cfg.train
     progress = TrainingProgress(enabled=run.strategy.is_logging_rank(), total_steps=tc.max_steps)
     metrics = start_outputs(run, progress)
@@ -126,6 +126,10 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
         data={"train": run.train_set.summary(), "validation": run.val_set.summary()},
         lineage=run.lineage,
     )
+    if run.health is not None and progress.enabled:
+        progress.console.print(run.health.summary(), soft_wrap=True)
+        for warning in run.health.slow_messages():
+            progress.console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
     if env.is_main and run.start_step:
         truncate_metrics(run.out / "metrics.jsonl", run.start_step)
         progress.console.print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import socket
 import time
 from pathlib import Path
 
@@ -104,9 +105,14 @@ def speed_line(run: Run, record: dict) -> str:
 
 
 def rank_summary(run: Run, saved_activation_bytes: int) -> dict:
-    """This rank's end-of-run figures for `ranks.json`: peak memory and bytes by kind."""
+    """This rank's end-of-run figures for `ranks.json`: where it ran (node, host, local rank, its
+    groups of each mesh dimension), peak memory and bytes by kind."""
     return {
         "rank": run.env.rank,
+        "node": run.env.node,
+        "host": socket.gethostname(),
+        "local_rank": run.env.local_rank,
+        "mesh": run.strategy.mesh_groups(),
         "peak_mem_bytes": peak_memory_bytes(run.env),
         "saved_activation_bytes": saved_activation_bytes,
         "param_bytes": run.param_bytes,

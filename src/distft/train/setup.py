@@ -1,14 +1,15 @@
 """Everything a run needs before its first step, built in one visible order.
 
-process group -> tokenizer -> data -> base model -> method (LoRA, QLoRA, full) -> loss head
-(`SummaryLM`) -> parallelize -> optimizer + scheduler -> resume. `setup` returns it all as a `Run`,
-which the loop and `distft.train.step` read; nothing here trains.
+process group -> health check -> tokenizer -> data -> base model -> method (LoRA, QLoRA, full) ->
+loss head (`SummaryLM`) -> parallelize -> optimizer + scheduler -> resume. `setup` returns it all as
+a `Run`, which the loop and `distft.train.step` read; nothing here trains.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from distft.config import Config, to_toml
 from distft.data import ChatFormatter, TokenizedSplit, load_rows, tokenize_rows
 from distft.data.tokenizer import load_tokenizer
 from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
+from distft.health import HealthHooks, HealthReport, check_health, failure_advice
 from distft.io.checkpoint import check_resume, clear_checkpoints, load_training_state, resume_hint
 from distft.io.export import base_weights_written, save_base
 from distft.io.files import atomic_write_text
@@ -61,6 +63,7 @@ class Run:
     peak_flops: float | None = None  # one device's peak dense bf16 FLOP/s; None off a known GPU
     peak_note: str = ""  # what MFU is measured against, or why it is null
     lineage: dict | None = None  # a preset descendant's chain of runs (`distft.io.lineage`); None: pretrained
+    health: HealthReport | None = None  # the pre-flight health check's (`distft.health`); None: not run
 
     @property
     def pad_id(self) -> int:
@@ -70,7 +73,8 @@ class Run:
         """Run collectives; a timeout or a lost peer names this rank and `what`, and the resume."""
 
         def advice() -> str:
-            return f"{resume_hint(self.out)} If the wait was legitimate, raise parallel.timeout_s."
+            nccl = failure_advice(os.environ, self.env.backend)  # NCCL_DEBUG=INFO, where it is off
+            return f"{resume_hint(self.out)} If the wait was legitimate, raise parallel.timeout_s. {nccl}".strip()
 
         return naming_collective(self.env, what, self.cfg.parallel.timeout_s, advice)
 
@@ -105,11 +109,18 @@ def adamw(model: torch.nn.Module, cfg: Config, strategy: Strategy) -> torch.opti
     )
 
 
-def setup(cfg: Config, dataset: Any = None) -> Run:
-    """`dataset`: in-memory rows (`distft.data.load_rows`) instead of `cfg.data.source`."""
+def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = None) -> Run:
+    """`dataset`: in-memory rows (`distft.data.load_rows`) instead of `cfg.data.source`;
+    `health_hooks`: fault points inside the health check (tests only)."""
     shape = check_config(cfg)  # pure; the CLI ran it before launch, a Python caller may not have
     strategy_cls = STRATEGIES[cfg.parallel.strategy]
     env = init_distributed(cfg.train.device, cfg.parallel.timeout_s, need_group=strategy_cls.distributed)
+    # Every rank answers and all-reduces once before anything slow is built (docs/multi-node.md).
+    health = (
+        check_health(env, cfg.parallel, health_hooks)
+        if cfg.parallel.health_check and env.world_size > 1
+        else None
+    )
     strategy = strategy_cls(cfg, env)
     out = Path(cfg.output.dir)
 
@@ -155,7 +166,7 @@ def setup(cfg: Config, dataset: Any = None) -> Run:
     run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
               param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, compiled_nf4=compiled_nf4, flops=flops)  # fmt: skip
     run.peak_flops, run.peak_note = peak_flops(env.device)
-    run.lineage = lineage
+    run.lineage, run.health = lineage, health
     resume(run)
     return run
 
