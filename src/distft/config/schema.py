@@ -1,17 +1,14 @@
 """The run configuration: plain dataclasses, one per section, a docstring under every field.
 
 A run is fully described by one `Config` in seven sections (`model`, `data`, `lora`, `optim`,
-`train`, `parallel`, `output`). `check_fields` holds the checks that need nothing but the config
-itself (choices, ranges, positive counts); checks that depend on a strategy or a model
+`train`, `parallel`, `output`). `distft.config.fields.check_fields` holds the checks that need nothing but
+the config itself (choices, ranges, positive counts); checks that depend on a strategy or a model
 architecture run later, in `distft.parallel.checks`, before any process is launched.
 """
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
-
-from distft.errors import ConfigError
 
 # ---- Sections -------------------------------------------------------------------------------
 
@@ -257,96 +254,3 @@ DTYPES = ("float32", "bfloat16")
 TRUNCATIONS = ("head", "tail", "middle")
 DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca")
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`
-
-
-def nearest(name: str, choices: list[str]) -> str:
-    """ " Did you mean `x`?" for a close match, else the valid choices."""
-    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-    return f" Did you mean `{match[0]}`?" if match else f" Valid: {', '.join(sorted(choices))}."
-
-
-def check_choice(value: str, choices: tuple[str, ...] | list[str], where: str) -> None:
-    if value not in choices:
-        # The choices are listed once; `nearest` would list them again when nothing is close.
-        match = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
-        hint = f" Did you mean `{match[0]}`?" if match else ""
-        raise ConfigError(f"`{where}` is {value!r}; choose one of {', '.join(choices)}.{hint}")
-
-
-def check_fields(cfg: Config) -> None:
-    """Checks that need only the config itself; strategy and model checks: `distft.parallel.checks`."""
-    check_choice(cfg.train.method, METHODS, "train.method")
-    check_choice(cfg.model.dtype, DTYPES, "model.dtype")
-    check_choice(cfg.model.attn_implementation, ("sdpa", "eager"), "model.attn_implementation")
-    check_choice(cfg.data.truncation, TRUNCATIONS, "data.truncation")
-    check_choice(cfg.data.format, DATA_FORMATS, "data.format")
-    check_choice(cfg.train.device, ("auto", "cpu", "cuda"), "train.device")
-    check_choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
-    check_choice(cfg.train.measure_comm, ("auto", "every", "first"), "train.measure_comm")
-    for tracker in cfg.output.report_to:
-        check_choice(tracker, TRACKERS, "output.report_to")
-    check_choice(cfg.model.compile, ("auto", "true", "false"), "model.compile")
-    check_choice(cfg.parallel.fsdp_wrap, ("layer", "model"), "parallel.fsdp_wrap")
-    _check_counts(cfg)
-    _check_ranges(cfg)
-
-
-def _check_counts(cfg: Config) -> None:
-    positive = {
-        "lora.rank": cfg.lora.rank,
-        "train.max_steps": cfg.train.max_steps,
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "train.micro_batch_size": cfg.train.micro_batch_size,
-        "train.eval_batches": cfg.train.eval_batches,
-        "train.log_every": cfg.train.log_every,
-        "data.max_length": cfg.data.max_length,
-        "parallel.nproc": cfg.parallel.nproc,
-        "parallel.nnodes": cfg.parallel.nnodes,
-        "parallel.timeout_s": cfg.parallel.timeout_s,
-        "parallel.health_timeout_s": cfg.parallel.health_timeout_s,
-        "parallel.health_slow_s": cfg.parallel.health_slow_s,
-    }
-    for where, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"`{where}` must be positive, got {value}.")
-    if cfg.output.checkpoint_every < 0 or cfg.output.keep_last < 1:
-        raise ConfigError(
-            "`output.checkpoint_every` cannot be negative and `output.keep_last` must be at least 1."
-        )
-    if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0 or cfg.train.eval_every < 0:
-        raise ConfigError(
-            "`optim.warmup_steps`, `optim.grad_clip` and `train.eval_every` cannot be negative."
-        )
-    if cfg.parallel.max_restarts < 0:
-        raise ConfigError(f"`parallel.max_restarts` cannot be negative, got {cfg.parallel.max_restarts}.")
-    if cfg.train.method == "qlora":
-        if cfg.model.quant_block_size <= 0 or cfg.model.quant_block_size % 2:
-            raise ConfigError(
-                f"`model.quant_block_size` must be a positive even number, got {cfg.model.quant_block_size}."
-            )
-        if cfg.model.quant_scaler_block_size <= 0:
-            raise ConfigError(
-                f"`model.quant_scaler_block_size` must be positive, got {cfg.model.quant_scaler_block_size}."
-            )
-
-
-def _check_ranges(cfg: Config) -> None:
-    if not 0.0 <= cfg.lora.dropout < 1.0:
-        raise ConfigError(f"`lora.dropout` must be in [0, 1), got {cfg.lora.dropout}.")
-    if cfg.lora.alpha <= 0:
-        raise ConfigError(f"`lora.alpha` must be positive, got {cfg.lora.alpha}.")
-    if not cfg.lora.target_modules:
-        raise ConfigError("`lora.target_modules` is empty: name at least one projection, e.g. q_proj.")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"`optim.lr` must be positive, got {cfg.optim.lr}.")
-    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
-        raise ConfigError(f"`optim.min_lr_ratio` must be in [0, 1], got {cfg.optim.min_lr_ratio}.")
-    if not 0.0 < cfg.data.validation_fraction < 1.0:
-        raise ConfigError(
-            f"`data.validation_fraction` must be in (0, 1), got {cfg.data.validation_fraction}."
-        )
-    if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
-        raise ConfigError(
-            f"`parallel.node_rank` is {cfg.parallel.node_rank} but there are {cfg.parallel.nnodes} nodes "
-            f"(ranks 0..{cfg.parallel.nnodes - 1})."
-        )
