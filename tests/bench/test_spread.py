@@ -106,6 +106,10 @@ def test_bench_interleaves_repeats_and_reports_spreads(tmp_path, monkeypatch):
     assert "| ddp | 2 |" in report and "| 1,400 [1,300-1,500] |" in report
     assert "No winner on tokens/s: the min-max ranges of zero2 and ddp overlap" in report
     assert "zero2 ~ ddp > single" in report  # zero2 has the higher median
+    assert (
+        "every strategy's 3 runs gave the same losses (largest relative difference between a repeat and its first run 0.0e+00)"
+        in report
+    )
     # Overlap measured for the communicating strategies, with its range over the runs.
     assert "## Communication time and overlap (measured)" in report
     assert "| ddp | 10.0 [10.0-10.0] | 7.5 [7.5-7.5] | 25% [25%-25%] |" in report

@@ -260,7 +260,8 @@ def run_bench(settings: BenchSettings, out: Path) -> dict:
         for strategy in settings.strategies:
             if strategy in failures:
                 continue
-            print(f"bench: {strategy} (repeat {repeat}/{settings.repeats}) ...", flush=True)
+            of = f" (repeat {repeat}/{settings.repeats})" if settings.repeats > 1 else ""
+            print(f"bench: {strategy}{of} ...", flush=True)
             name = strategy if repeat == 1 else f"{strategy}-r{repeat}"
             try:
                 runs.setdefault(strategy, []).append(run_strategy(settings, strategy, out / "runs" / name))

@@ -278,6 +278,15 @@ def agreement_section(summary: dict) -> list[str]:
             f"- {name}: {verdict} with {first} "
             f"(largest relative loss difference {agreement['max_relative_difference']:.1e})"
         )
+    repeats = {r["strategy"]: r["extra"]["repeat_loss_max_relative_difference"] for r in summary["results"]
+               if "repeat_loss_max_relative_difference" in r.get("extra", {})}  # fmt: skip
+    if repeats:
+        worst = max(repeats.values())
+        verdict = (
+            "gave the same losses" if worst <= 1e-4 else "**did not give the same losses**"
+        )  # as loss_agreement
+        lines += ["", f"Repeats: every strategy's {summary['settings']['repeats']} runs {verdict} "
+                  f"(largest relative difference between a repeat and its first run {worst:.1e})."]  # fmt: skip
     return [*lines, "", "![losses](losses.png)", ""]
 
 
