@@ -5,7 +5,8 @@ import json
 import pytest
 
 from distft.bench import study
-from distft.bench.study import spread, summarize
+from distft.bench.spread import spread
+from distft.bench.study import summarize
 from distft.cli import main
 
 CONFIGS = {"single": ("single", ()), "ok": ("ddp", ()), "bad": ("ddp", ("parallel.ddp_no_sync=false",))}

@@ -79,7 +79,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--strategies; writes DIR/study.md and DIR/study_NAME.png",
     )
     p.add_argument(
-        "--repeats", type=int, default=1, help="runs per configuration, interleaved (--study; default 1)"
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per strategy (or --study configuration), interleaved; the report gives each one's median "
+        "and min-max over the runs and names a winner only where the ranges do not overlap (default 1)",
     )
     p.add_argument(
         "--out", default=DEFAULT_OUT, help="output directory (default runs/bench; --gpu: runs/bench-gpu)"
@@ -155,10 +159,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         pp_schedules=_names(args.pp_sweep),
         pp_microbatches=microbatches,
         project=_names(args.project),
+        repeats=args.repeats,
     )
     out = Path(args.out)
     if args.study:
-        study = run_study(settings, args.study, out, args.repeats)
+        study = run_study(settings, args.study, out)
         (out / "study.json").write_text(json.dumps(study, indent=1))
         report = write_study_report(study, out)
         print(report.read_text())

@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ class BenchSettings:
     pp_schedules: list[str] = field(default_factory=list)  # the pipeline sweep (empty: none)
     pp_microbatches: list[int] = field(default_factory=lambda: [4, 8])
     project: list[str] = field(default_factory=list)  # hardware profiles, e.g. 2xrtx4090-pcie
+    repeats: int = 1  # runs per strategy (or study configuration), interleaved
 
     def train_args(self, strategy: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
         nproc = 1 if strategy == "single" else self.nproc
@@ -69,10 +70,47 @@ class StrategyResult:
     comm_calls: dict[str, int] = field(default_factory=dict)
     tokens_per_step: float = 0.0  # median over the measured steps
     extra: dict = field(default_factory=dict)  # strategy-specific figures (e.g. pipeline idle time)
+    # With --repeats N > 1: one entry per run (its step time and tokens/s over its measured steps,
+    # its overlap figures); step_time_s and tokens_per_s above are then the spread of the runs' medians.
+    repeats: list[dict] = field(default_factory=list)
 
 
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+OVERLAP_KEYS = ("comm_s", "comm_exposed_s", "overlap_fraction")  # distft.measure.overlap, per step
+
+
+def combine_repeats(runs: list[StrategyResult]) -> StrategyResult:
+    """N runs of one strategy as one result: the first run's deterministic figures (losses, bytes,
+    memory), the spread over runs of each run's median step time and tokens/s, the median over runs
+    of the overlap figures (their range beside them), and every run's own figures in `repeats`."""
+    first = runs[0]
+    per_run = [
+        {"wall_s": r.wall_s, "step_time_s": r.step_time_s, "tokens_per_s": r.tokens_per_s}
+        | {k: r.extra[k] for k in OVERLAP_KEYS if k in r.extra}
+        for r in runs
+    ]
+    if len(runs) == 1:
+        return first
+    extra = dict(first.extra)
+    for key in OVERLAP_KEYS:
+        values = [r.extra[key] for r in runs if key in r.extra]
+        if values:
+            extra[key], extra[f"{key}_range"] = statistics.median(values), [min(values), max(values)]
+    losses = [r.losses for r in runs]  # the runs are seeded alike: their losses must agree
+    extra["repeat_loss_max_relative_difference"] = max(
+        abs(a - b) / abs(b) for curve in losses[1:] for a, b in zip(curve, losses[0], strict=True)
+    )
+    return replace(
+        first,
+        step_time_s=_spread([r.step_time_s["median"] for r in runs]),
+        tokens_per_s=_spread([r.tokens_per_s["median"] for r in runs]),
+        wall_s=statistics.median(r.wall_s for r in runs),
+        extra=extra,
+        repeats=per_run,
+    )
 
 
 def run_strategy(
@@ -100,7 +138,7 @@ def run_strategy(
             extra[key] = statistics.median(r[key] for r in measured)
     if "startup_s" in first:  # command start to step 1, and step 1 itself (compilation runs there)
         extra.update(startup_s=first["startup_s"], first_step_s=first["step_time_s"])
-    for key in ("comm_s", "comm_exposed_s", "overlap_fraction"):  # distft.measure.overlap
+    for key in OVERLAP_KEYS:  # distft.measure.overlap
         values = [r[key] for r in measured if r.get(key) is not None]
         if values:
             extra[key] = statistics.median(values)
@@ -213,15 +251,25 @@ def run_bench(settings: BenchSettings, out: Path) -> dict:
         raise ConfigError(f"Unknown pipeline schedules {', '.join(bad)}; available: {', '.join(SCHEDULES)}.")
     if settings.warmup < 0 or settings.steps < 1:
         raise ConfigError("--steps must be at least 1 and --warmup cannot be negative.")
+    if settings.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {settings.repeats}.")
     out.mkdir(parents=True, exist_ok=True)
-    results, failures = [], {}
-    for strategy in settings.strategies:
-        print(f"bench: {strategy} ...", flush=True)
-        try:
-            results.append(run_strategy(settings, strategy, out / "runs" / strategy))
-        except RuntimeError as err:
-            failures[strategy] = str(err)
-            print(f"bench: {err}", flush=True)
+    runs: dict[str, list[StrategyResult]] = {}
+    failures: dict[str, str] = {}
+    for repeat in range(1, settings.repeats + 1):  # interleaved: every strategy once per round
+        for strategy in settings.strategies:
+            if strategy in failures:
+                continue
+            of = f" (repeat {repeat}/{settings.repeats})" if settings.repeats > 1 else ""
+            print(f"bench: {strategy}{of} ...", flush=True)
+            name = strategy if repeat == 1 else f"{strategy}-r{repeat}"
+            try:
+                runs.setdefault(strategy, []).append(run_strategy(settings, strategy, out / "runs" / name))
+            except RuntimeError as err:
+                failures[strategy] = str(err)
+                runs.pop(strategy, None)  # a strategy that failed once is reported as failed
+                print(f"bench: {err}", flush=True)
+    results = [combine_repeats(rs) for rs in runs.values()]
     if not results:
         raise ConfigError(f"Every strategy failed: {failures}")
     sweep, sweep_failures = run_pp_sweep(settings, out)

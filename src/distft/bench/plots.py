@@ -9,28 +9,55 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from distft.measure.pipeline import simulate
 
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all"]
 
 
+DPI = 100  # committed under docs/: keep each PNG small
+LOG_SPAN = 100  # bytes spanning more than this factor get a log axis
+
+
 def mib(n: float) -> str:
     return f"{n / 2**20:,.2f}"
 
 
-def plot_throughput(results: list[dict], path: Path) -> None:
+def save(fig: Figure, path: Path) -> Figure:
+    """Write the figure (legends sit outside the axes, so crop to everything drawn) and return it,
+    closed, for tests to read its axes."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return fig
+
+
+def legend_outside(ax: Axes, *args, **kwargs) -> None:
+    """A legend to the right of the axes, never over the data."""
+    ax.legend(*args, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=7, **kwargs)
+
+
+def plot_throughput(results: list[dict], path: Path) -> Figure:
+    """Tokens/s per strategy: bar at the median, whiskers min-max (over the repeats' medians with
+    --repeats, else over one run's measured steps), a dot per repeat; zero-based."""
     names = [r["strategy"] for r in results]
     med = [r["tokens_per_s"]["median"] for r in results]
     low = [m - r["tokens_per_s"]["min"] for m, r in zip(med, results, strict=True)]
     high = [r["tokens_per_s"]["max"] - m for m, r in zip(med, results, strict=True)]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(names, med, yerr=[low, high], capsize=4, color="#4C72B0")
-    ax.set_ylabel("tokens / s (median, min-max)")
+    runs = max(len(r.get("repeats") or [None]) for r in results)
+    for i, r in enumerate(results):
+        dots = [x["tokens_per_s"]["median"] for x in r.get("repeats") or []]
+        ax.plot([i] * len(dots), dots, "o", color="black", markersize=3)
+    ax.set_ylim(bottom=0)
+    over = f"min-max over {runs} runs, dots: each run" if runs > 1 else "min-max over the measured steps"
+    ax.set_ylabel(f"tokens / s\n(median; {over})", fontsize=8)
     ax.set_title("Throughput per strategy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return save(fig, path)
 
 
 COMPONENTS = [  # (measured key in ranks.json, plan key, label)
@@ -51,11 +78,12 @@ def measured_components(rank: dict) -> dict[str, float]:
     return out
 
 
-def plot_memory(results: list[dict], path: Path, plan: dict | None = None) -> None:
-    """Per rank, measured bytes stacked by component; beside each strategy the plan's prediction."""
+def plot_memory(results: list[dict], path: Path, plan: dict | None = None) -> Figure:
+    """Per rank, measured bytes stacked by component; beside each strategy the plan's prediction.
+    Stacked bars need a linear, zero-based axis."""
     plan = (plan or {}).get("strategies", {})
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * sum(len(r["ranks"]) + 1 for r in results)), 4))
-    labels, x, bars, hatched = [], 0, [], []
+    fig, ax = plt.subplots(figsize=(max(8, 0.8 * sum(len(r["ranks"]) + 1 for r in results)), 4))
+    labels, x, bars = [], 0.0, []
     for r in results:
         for rank in r["ranks"]:
             bars.append((x, measured_components(rank), False))
@@ -65,7 +93,6 @@ def plot_memory(results: list[dict], path: Path, plan: dict | None = None) -> No
         if "params" in predicted:
             bars.append((x, {label: float(predicted[key]) for _, key, label in COMPONENTS}, True))
             labels.append((x, f"{r['strategy']}\nplan"))
-            hatched.append(x)
             x += 1
         x += 0.5
     for pos, parts, is_plan in bars:
@@ -77,44 +104,73 @@ def plot_memory(results: list[dict], path: Path, plan: dict | None = None) -> No
             bottom += value
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="grey", hatch="//"))
-    ax.legend(handles, [label for _, _, label in COMPONENTS] + ["distft plan's prediction"], fontsize=7)
+    legend_outside(ax, handles, [label for _, _, label in COMPONENTS] + ["distft plan's\nprediction"])
     ax.set_xticks([p for p, _ in labels], [t for _, t in labels], fontsize=7)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("MiB per rank")
-    ax.set_title("Memory per rank by component: measured (solid) and the plan's prediction (hatched)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_title(
+        "Memory per rank by component: measured (solid), the plan's prediction (hatched)", fontsize=10
+    )
+    return save(fig, path)
 
 
-def plot_comm(results: list[dict], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+def plot_comm(results: list[dict], path: Path) -> Figure:
+    """Bytes per optimizer step on rank 0 by collective: stacked on a zero-based axis, or side by
+    side on a log axis when the strategies' totals span more than `LOG_SPAN` (DDP's LoRA gradients
+    against FSDP's gathered base: three orders of magnitude)."""
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
     names = [r["strategy"] for r in results]
+    kinds = [k for k in KINDS if any(r["comm_bytes"].get(k, 0) for r in results)]
+    totals = [sum(r["comm_bytes"].values()) / 2**20 for r in results]
+    positive = [t for t in totals if t > 0]
+    log = bool(positive) and max(positive) / min(positive) > LOG_SPAN
+    colors = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     bottom = [0.0] * len(results)
-    for kind in KINDS:
-        values = [r["comm_bytes"].get(kind, 0) / 2**20 for r in results]
-        if any(values):
-            ax.bar(names, values, bottom=bottom, label=kind)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set_ylabel("MiB per optimizer step (rank 0)")
-    ax.set_title("Bytes moved per step, by collective")
-    if any(bottom):
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    for i, r in enumerate(results):
+        present = [k for k in kinds if r["comm_bytes"].get(k, 0)]
+        width = 0.8 / max(len(present), 1) if log else 0.8
+        for j, kind in enumerate(present):
+            value = r["comm_bytes"][kind] / 2**20
+            if log:  # stacking means nothing on a log axis: one bar per collective, side by side
+                ax.bar(i - 0.4 + width * (j + 0.5), value, width=width, color=colors[kind])
+            else:
+                ax.bar(i, value, bottom=bottom[i], width=width, color=colors[kind])
+                bottom[i] += value
+    for i, t in enumerate(totals):  # the total above each bar; "none" on the axis (log has no zero)
+        where = {"xy": (i, t)} if t else {"xy": (i, 0), "xycoords": ("data", "axes fraction")}
+        ax.annotate(f"{t:,.3g}" if t else "none", **where, xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=7)  # fmt: skip
+    ax.set_xticks(range(len(results)), names)
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylabel("MiB per step, rank 0\n(log scale; label: total)", fontsize=8)
+    else:
+        ax.set_ylim(bottom=0, top=max(max(totals), 1e-9) * 1.15)
+        ax.set_ylabel("MiB per step, rank 0\n(label: total)", fontsize=8)
+    ax.set_title("Bytes moved per optimizer step, by collective")
+    if kinds:
+        legend_outside(ax, [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in kinds], kinds)
+    return save(fig, path)
 
 
-def plot_losses(results: list[dict], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for r in results:
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["strategy"], alpha=0.8)
+LINESTYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "v", "D", "x", "+", "*"]
+
+
+def plot_losses(results: list[dict], path: Path) -> Figure:
+    """Every strategy's loss per optimizer step (integer ticks). Curves that train the same thing
+    coincide: each has its own line style and marker so that every one stays visible."""
+    fig, ax = plt.subplots(figsize=(7.5, 3.5))
+    for i, r in enumerate(results):
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["strategy"], alpha=0.8,
+                linestyle=LINESTYLES[i % len(LINESTYLES)], marker=MARKERS[i % len(MARKERS)],
+                markersize=9 - i, markerfacecolor="none")  # fmt: skip
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
-    ax.set_title("Loss curves (they should lie on top of each other)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_title("Loss curves (they lie on top of each other when they agree)", fontsize=10)
+    legend_outside(ax)
+    return save(fig, path)
 
 
 SCHEDULE_COLORS = {"gpipe": "#4C72B0", "1f1b": "#DD8452", "interleaved-1f1b": "#55A868",
@@ -122,7 +178,7 @@ SCHEDULE_COLORS = {"gpipe": "#4C72B0", "1f1b": "#DD8452", "interleaved-1f1b": "#
 KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
-def plot_pp_idle(sweep: list[dict], path: Path) -> None:
+def plot_pp_idle(sweep: list[dict], path: Path) -> Figure:
     """Measured idle fraction against micro-batches, one line per schedule, theory dashed."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for schedule in dict.fromkeys(s["schedule"] for s in sweep):
@@ -138,14 +194,13 @@ def plot_pp_idle(sweep: list[dict], path: Path) -> None:
             alpha=0.7,
             label=f"{schedule} theory",
         )
+    ax.set_xticks(sorted({s["microbatches"] for s in sweep}))  # the measured m, integers
     ax.set_xlabel("micro-batches per step (m)")
     ax.set_ylabel("idle fraction (mean over ranks)")
     ax.set_ylim(0, 1)
-    ax.set_title("Pipeline bubble: measured (solid) vs equal-stage theory (dashed)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_title("Pipeline bubble: measured (solid) vs equal-stage theory (dashed)", fontsize=10)
+    legend_outside(ax)
+    return save(fig, path)
 
 
 def ideal_timeline(timeline: dict) -> list[list[dict]]:
@@ -182,11 +237,12 @@ def _gantt(ax, rows: list[list[dict]], title: str, unit: str) -> None:
                     ha="center", va="center", fontsize=5)  # fmt: skip
     ax.set_yticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))])
     ax.invert_yaxis()
+    ax.set_xlim(left=0)
     ax.set_xlabel(unit)
     ax.set_title(title, fontsize=9)
 
 
-def plot_pp_gantt(timeline: dict, path: Path) -> None:
+def plot_pp_gantt(timeline: dict, path: Path) -> Figure:
     """The last step's passes per rank as measured, beside the schedule's ideal (equal stage times)."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * len(timeline["ranks"]) * 2))
     measured = [
@@ -200,7 +256,5 @@ def plot_pp_gantt(timeline: dict, path: Path) -> None:
     _gantt(bottom, ideal_timeline(timeline), f"{head}: ideal, idle {timeline['idle_fraction_theory']:.0%} "
            "(torch's order, equal stage times)", "units (forward = 1)")  # fmt: skip
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
-    top.legend(handles, ["F forward", "B backward", "W weight grad"], fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    legend_outside(top, handles, ["F forward", "B backward", "W weight grad"])
+    return save(fig, path)

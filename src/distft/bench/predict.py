@@ -12,9 +12,11 @@ Projection (`project`), per strategy on a profile `NxGPU-LINK` (e.g. `2xrtx4090-
   logical sizes), through the profile's ring `comm_time` over N ranks; a recv is the other
   direction of a send and costs nothing extra. Logical bytes per step do not depend on N for
   DDP, ZeRO, FSDP and TP (the ring factor does), so bytes measured at 2 ranks carry over;
-- overlap, as the plan assumes: DDP's, ZeRO-2's and FSDP's collectives hide behind compute and
-  only their excess shows; TP's, TP+SP's and the pipeline's sends sit on the critical path; a
-  pipeline adds its bubble, the runtime's idle fraction f of the step, i.e. f / (1 - f) of the
+- overlap, measured where the run has it: the median `overlap_fraction` of its measured steps
+  (`distft.measure.overlap`) is the share of the communication that hides, at most behind the
+  whole compute (`exposed_comm`); results from before the measurement fall back to the plan's
+  assumption (DDP's, ZeRO-2's and FSDP's collectives hide behind compute and only their excess
+  shows; TP's, TP+SP's and the pipeline's sends sit on the critical path); a pipeline adds its bubble, the runtime's idle fraction f of the step, i.e. f / (1 - f) of the
   compute (`traffic.bubble_seconds`, from `distft.parallel.pipeline.Layout`);
 - tokens/s = the measured tokens per step / the projected step time.
 """
@@ -162,13 +164,15 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
             if kind != "recv"
         )
         bubble = bubble_seconds(compute, e.layout)
-        exposed = exposed_comm(name, comm, compute, r.get("extra", {}).get("overlap_fraction"))
+        overlap = r.get("extra", {}).get("overlap_fraction")  # measured; None: the plan's assumption
+        exposed = exposed_comm(name, comm, compute, overlap)
         step = compute + bubble + exposed
         tokens = r.get("tokens_per_step") or r["tokens_per_s"]["median"] * r["step_time_s"]["median"]
         rows[name] = {
             "ranks": n,
             "compute_s": compute,
             "comm_s": comm,
+            "overlap": overlap,
             "exposed_comm_s": exposed,
             "bubble_s": bubble,
             "step_s": step,

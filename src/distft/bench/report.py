@@ -15,6 +15,7 @@ from distft.bench.plots import (
     plot_pp_idle,
     plot_throughput,
 )
+from distft.bench.spread import ranking_sentence
 
 
 def memory_section(summary: dict) -> list[str]:
@@ -84,8 +85,12 @@ def projection_section(projections: list[dict]) -> list[str]:
         "Compute per rank: the plan's FLOPs for each strategy's layout / (the GPU's dense bf16 peak x "
         f"{projections[0]['mfu']:.0%} MFU). Communication: the bytes and calls measured per collective on "
         "the first step, through the profile's ring `comm_time` (a recv is the other direction of a send). "
-        "DDP's, ZeRO-2's and FSDP's collectives overlap compute (only their excess shows); TP's, TP+SP's "
-        "and the pipeline's sit on the critical path; a pipeline adds its bubble. Tokens per step are the "
+        "Overlap: the strategy's measured overlap fraction (the section above) hides that share of its "
+        "communication, at most behind the whole compute; where a run has none (results from before the "
+        "measurement), the plan's assumption: DDP's, ZeRO-2's and FSDP's collectives hide behind compute, "
+        "TP's, TP+SP's and the pipeline's sit on the critical path. The CPU's overlap is a poor stand-in "
+        "for a GPU's, so these projections are pessimistic for DDP and FSDP on NCCL. A pipeline adds its "
+        "bubble. Tokens per step are the "
         "measured ones. These figures are for the benchmarked model and batch: a small model is "
         "latency-bound on fast hardware, so they say little about a 4B model (ask `distft plan`).",
         "",
@@ -94,17 +99,19 @@ def projection_section(projections: list[dict]) -> list[str]:
         lines += [
             f"### projected: {p['profile']} ({p['gpus']} x {p['gpu']}, {p['link']})",
             "",
-            "| strategy | ranks | compute (ms) | comm (ms) | exposed comm (ms) | bubble (ms) | step (ms) "
-            "| tokens/s | vs one GPU |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| strategy | ranks | compute (ms) | comm (ms) | overlap used | exposed comm (ms) | bubble (ms) "
+            "| step (ms) | tokens/s | vs one GPU |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, row in p["strategies"].items():
             if "note" in row:
-                lines.append(f"| {name} | {row['ranks']} | not estimated: {row['note']} | | | | | | |")
+                lines.append(f"| {name} | {row['ranks']} | not estimated: {row['note']} | | | | | | | |")
                 continue
             vs = "-" if row["speedup_vs_single"] is None else f"{row['speedup_vs_single']:.2f}x"
+            overlap = row.get("overlap")
+            used = "-" if not row["comm_s"] else "assumed" if overlap is None else f"{overlap:.0%} measured"
             lines.append(
-                f"| {name} | {row['ranks']} | {row['compute_s'] * 1e3:.3f} | {row['comm_s'] * 1e3:.3f} "
+                f"| {name} | {row['ranks']} | {row['compute_s'] * 1e3:.3f} | {row['comm_s'] * 1e3:.3f} | {used} "
                 f"| {row['exposed_comm_s'] * 1e3:.3f} | {row['bubble_s'] * 1e3:.3f} | {row['step_s'] * 1e3:.3f} "
                 f"| {row['tokens_per_s']:,.0f} | {vs} |"
             )
@@ -126,6 +133,7 @@ def write_report(summary: dict, out: Path) -> Path:
         *throughput_section(summary),
         *memory_section(summary),
         *comm_section(summary),
+        *overlap_section(summary),
         *agreement_section(summary),
         *pipeline_section(summary.get("pp_sweep") or []),
         *overhead_section(summary),
@@ -171,27 +179,73 @@ def header_section(summary: dict) -> list[str]:
 
 def throughput_section(summary: dict) -> list[str]:
     results = summary["results"]
+    repeats = summary["settings"].get("repeats", 1)
+    over = (
+        f"median [min-max] over {repeats} interleaved runs, each run's figure the median of its measured steps"
+        if repeats > 1
+        else "median [min-max] over the measured steps of one run"
+    )
     lines = [
         "## Throughput and memory (measured)",
         "",
-        "| strategy | ranks | step time (s, median [min-max]) | tokens/s (median) | MFU (median) "
+        f"Step time and tokens/s: {over}.",
+        "",
+        "| strategy | ranks | step time (s, median [min-max]) | tokens/s (median [min-max]) | MFU (median) "
         "| peak memory per rank (MiB) | activations saved per rank (MiB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        st, peak = r["step_time_s"], [mib(x["peak_mem_bytes"]) for x in r["ranks"]]
+        st, tps, peak = r["step_time_s"], r["tokens_per_s"], [mib(x["peak_mem_bytes"]) for x in r["ranks"]]
         saved = [mib(x["saved_activation_bytes"]) for x in r["ranks"]]
         mfu = f"{r['extra']['mfu']:.1%}" if "mfu" in r.get("extra", {}) else "n/a"  # null off a known GPU
         lines.append(
             f"| {r['strategy']} | {r['world_size']} | {st['median']:.3f} [{st['min']:.3f}-{st['max']:.3f}] "
-            f"| {r['tokens_per_s']['median']:,.0f} | {mfu} | {' / '.join(peak)} | {' / '.join(saved)} |"
+            f"| {tps['median']:,.0f} [{tps['min']:,.0f}-{tps['max']:,.0f}] | {mfu} | {' / '.join(peak)} "
+            f"| {' / '.join(saved)} |"
         )
+    sentence = ranking_sentence({r["strategy"]: r["tokens_per_s"] for r in results}, "tokens/s")
+    if sentence:
+        lines += ["", sentence]
     for r in results:
         if "idle_fraction" in r.get("extra", {}):
             x = r["extra"]
             lines += ["", f"{r['strategy']}: each rank idles {x['idle_fraction']:.0%} of the step (median over the "
                       f"measured steps; {x['idle_fraction_theory']:.0%} in theory with equal stages)."]  # fmt: skip
     return [*lines, "", "![throughput](throughput.png)", ""]
+
+
+def overlap_section(summary: dict) -> list[str]:
+    """Per strategy with communication: how long it ran per step, how much of it no compute hid,
+    and the overlap fraction (`distft.measure.overlap`), rank 0, median over the measured steps."""
+    rows = [r for r in summary["results"] if r.get("extra", {}).get("comm_s") is not None]
+    if not rows:
+        return []
+    lines = [
+        "## Communication time and overlap (measured)",
+        "",
+        "Rank 0, median over the measured steps (with repeats: the median over runs, [min-max] over runs): "
+        "`comm` is the union of the collectives' intervals (issued to completed), `exposed` the part of it "
+        "during which this rank ran no compute, overlap = 1 - exposed / comm. On a CPU with gloo the "
+        "collectives compete with compute for the same cores: overlap here is concurrency, not free time.",
+        "",
+        "| strategy | comm per step (ms) | exposed (ms) | overlap |",
+        "|---|---|---|---|",
+    ]
+
+    def cell(x: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+        if x.get(key) is None:
+            return "-"
+        text = fmt.format(x[key] * scale)
+        lo_hi = x.get(f"{key}_range")
+        return text + (f" [{fmt.format(lo_hi[0] * scale)}-{fmt.format(lo_hi[1] * scale)}]" if lo_hi else "")
+
+    for r in rows:
+        x = r["extra"]
+        lines.append(
+            f"| {r['strategy']} | {cell(x, 'comm_s', '{:.1f}', 1e3)} | {cell(x, 'comm_exposed_s', '{:.1f}', 1e3)} "
+            f"| {cell(x, 'overlap_fraction', '{:.0%}')} |"
+        )
+    return [*lines, ""]
 
 
 def comm_section(summary: dict) -> list[str]:
@@ -224,6 +278,15 @@ def agreement_section(summary: dict) -> list[str]:
             f"- {name}: {verdict} with {first} "
             f"(largest relative loss difference {agreement['max_relative_difference']:.1e})"
         )
+    repeats = {r["strategy"]: r["extra"]["repeat_loss_max_relative_difference"] for r in summary["results"]
+               if "repeat_loss_max_relative_difference" in r.get("extra", {})}  # fmt: skip
+    if repeats:
+        worst = max(repeats.values())
+        verdict = (
+            "gave the same losses" if worst <= 1e-4 else "**did not give the same losses**"
+        )  # as loss_agreement
+        lines += ["", f"Repeats: every strategy's {summary['settings']['repeats']} runs {verdict} "
+                  f"(largest relative difference between a repeat and its first run {worst:.1e})."]  # fmt: skip
     return [*lines, "", "![losses](losses.png)", ""]
 
 

@@ -5,7 +5,8 @@ configuration runs `--repeats` times, interleaved (repeat 1 of each, then repeat
 so slow spells of a shared machine fall on every configuration instead of on one. Per
 configuration and repeat the figure is the median step time over the measured steps; across
 repeats the report gives the median, min-max and the interquartile range. A configuration is
-called slower or faster than the correct run only when their min-max ranges do not overlap.
+called slower or faster than the correct run only when their min-max ranges do not overlap
+(`distft.bench.spread`, shared with `distft bench --strategies ... --repeats N`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from distft.bench.harness import BenchSettings, StrategyResult, environment, loss_agreement, run_strategy
+from distft.bench.spread import compare, spread
 from distft.errors import ConfigError
 
 # label -> (strategy, switches); the first multi-process configuration is the correct one.
@@ -39,12 +41,6 @@ STUDIES: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
 }
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, min, max and quartiles of measured values (one value: all equal)."""
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "q1": q1, "q3": q3}
-
-
 def steady_figures(run_dir: Path, warmup: int) -> dict:
     """Per measured step of one run: bytes and calls (the last step: DDP's steady state after its
     bucket rebuild) and the overlap figures (median over the measured steps)."""
@@ -61,7 +57,8 @@ def steady_figures(run_dir: Path, warmup: int) -> dict:
     return out
 
 
-def run_study(settings: BenchSettings, study: str, out: Path, repeats: int) -> dict:
+def run_study(settings: BenchSettings, study: str, out: Path) -> dict:
+    repeats = settings.repeats
     if study not in STUDIES:
         raise ConfigError(f"Unknown study {study!r}; available: {', '.join(STUDIES)}.")
     if repeats < 1:
@@ -139,12 +136,6 @@ def summarize(configs: dict, runs: dict[str, list[dict]], nproc: int) -> list[di
             }
         if correct and row is not correct and row["strategy"] != "single":
             c = correct["step_time_s"]
-            row["vs_correct"] = {
-                "ratio": t["median"] / c["median"],
-                "verdict": "slower"
-                if t["min"] > c["max"]
-                else "faster"
-                if t["max"] < c["min"]
-                else "spreads overlap",
-            }
+            verdict = {"above": "slower", "below": "faster", "overlap": "spreads overlap"}[compare(t, c)]
+            row["vs_correct"] = {"ratio": t["median"] / c["median"], "verdict": verdict}
     return rows

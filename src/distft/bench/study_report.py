@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
+from distft.bench.plots import save
+
 
 def _range(s: dict | None, fmt: str = "{:.3f}") -> str:
     if not s:
@@ -53,9 +55,7 @@ def plot_study(summary: dict, path: Path) -> None:
         ax_b.set_xlim(left=0, right=max(max(byte_values), 1e-9) * 1.6)
         ax_b.set_xlabel("MiB per optimizer step, rank 0")
     fig.suptitle(f"distft bench --study {summary['study']}: {summary['repeats']} repeats per configuration")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_study_report(summary: dict, out: Path) -> Path:
