@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test test-slow lint format clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,9 @@ test: install  ## lint, then the whole suite (CPU, gloo; GPU tests skip without 
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: most of a test is single-threaded start-up
+
+test-slow: install  ## the slow-marked runs the default suite leaves out (8-process 3D, fsdp+pp full/QLoRA)
+	$(PY) -m pytest -q -m slow
 
 format: install
 	$(VENV)/bin/ruff check --fix src tests

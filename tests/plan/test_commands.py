@@ -15,6 +15,7 @@ import pytest
 
 from distft.cli import build_parser, config_from_args
 from distft.parallel import STRATEGIES
+from distft.parallel.checks import check_config
 from distft.plan import evaluate, make_request, run_command
 from distft.plan.decide import decide
 from distft.plan.estimate import MODELLED
@@ -40,11 +41,12 @@ def test_runnable_strategies_come_from_the_registry():
         assert e.runnable == (name in STRATEGIES), name
         assert e.in_distft == ("yes" if name in STRATEGIES else "no")
     # The planner models layouts distft cannot run; they stay, marked, and never get a run: line.
-    for name in ("zero1", "fsdp+pp"):
-        e = estimates[name]
-        assert e.applicable and not e.runnable
-        assert run_command(req, name, "lora", False, e.layout) is None
-    assert {"pp", "fsdp+tp", "ddp+pp"} <= {n for n, e in estimates.items() if e.runnable}
+    e = estimates["zero1"]
+    assert e.applicable and not e.runnable
+    assert run_command(req, "zero1", "lora", False, e.layout) is None
+    assert {"pp", "fsdp+tp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp"} <= {
+        n for n, e in estimates.items() if e.runnable
+    }
 
 
 def test_qlora_runs_only_where_the_registry_says():
@@ -112,11 +114,28 @@ def test_recommended_command_in_json_matches_the_request():
 
 
 def test_unrunnable_recommendation_has_no_command():
+    req = request("--model qwen3-1.7b --method full --gpus 2 --gpu rtx4090 --activation-checkpointing")
+    estimates = evaluate(req)
+    rec = decide(req, estimates)
+    assert rec.strategy == "zero1" and not estimates["zero1"].runnable
+    assert to_dict(req, estimates, rec)["recommendation"]["command"] is None
+
+
+def test_recommended_pipelines_print_a_command_train_accepts():
+    """The 3D recommendation across nodes (and FSDP x PP, its alternative) parse back into configs
+    the runtime's checks accept, with the mesh and pipeline the plan counted."""
     req = request(
         "--model llama-3-70b --method full --gpus 8 --nodes 4 --gpu h100 --interconnect infiniband "
         "--seq-len 4096 --activation-checkpointing"
     )
     estimates = evaluate(req)
     rec = decide(req, estimates)
-    assert rec.strategy == "fsdp+pp" and not estimates["fsdp+pp"].runnable
-    assert to_dict(req, estimates, rec)["recommendation"]["command"] is None
+    assert rec.strategy == "fsdp+tp+pp"
+    for name in ("fsdp+tp+pp", "fsdp+pp"):
+        lay = estimates[name].layout
+        line = to_dict(req, estimates, rec)["recommendation"]["command"] if name == rec.strategy else None
+        line = line or run_command(req, name, "full", True, lay)
+        cfg = parse_run(line)
+        assert check_config(cfg).data_parallel_size == lay.dp  # the runtime's checks before launch
+        assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)
+        assert STRATEGIES[name].pipeline_layout(cfg) == lay.pipeline(req.training.micro_batch)
