@@ -152,12 +152,15 @@ def megatron(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, i
     }
 
 
-def pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+def pipeline(
+    s: Strategy, model: nn.Module, batches: list[Batch], itemsize: int | None = None
+) -> dict[str, int]:
     """Per micro-batch and stage boundary that crosses ranks: the hidden states forward, their
-    gradient backward; then the loss, the gradient norm and (full finetuning) a split tied embedding."""
+    gradient backward (`itemsize` bytes per element: the model's dtype unless FSDP computes in
+    another); then the loss, the gradient norm and (full finetuning) a split tied embedding."""
     lay, me = s.layout, s.pp_rank
     hidden = model.module.backbone.config.hidden_size
-    itemsize = next(model.module.parameters()).element_size()
+    itemsize = itemsize or next(model.module.parameters()).element_size()
     rows, seq = batches[0]["input_ids"].shape  # (mb, seq) padded, (1, mb x seq) packed
     activation = rows * seq * hidden * itemsize  # one (rows, seq, hidden) tensor
     send = recv = 0
@@ -190,8 +193,12 @@ def fsdp_pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[s
     over dp, its units' (TP-local) parameters all-gathered `gathers_per_step` times and its
     trainable gradients reduce-scattered once (nothing moves over one rank); over tp (3D), TP's
     activation all-reduces for the stage's layers and full finetuning's partial gradients."""
-    out = pipeline(s, model, batches)
     dp, policy = s.dims.dp, mixed_precision(s.cfg)
+    # FSDP's mixed precision: a stage computes in param_dtype and returns output_dtype, so the
+    # hidden states (and TP's activations) travel in those.
+    compute = policy.param_dtype.itemsize if policy.param_dtype else None
+    sent = policy.output_dtype.itemsize if policy.output_dtype else compute
+    out = pipeline(s, model, batches, itemsize=sent)
     gathered = scattered = 0
     for stage in s.stages:
         gathers = s.gathers_per_step(stage.stage_index)
@@ -209,7 +216,7 @@ def fsdp_pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[s
         lm = causal_lm(model.module.lm)
         for stage in s.stages:
             layers, first = len(stage.submod.layers), stage.stage_index == 0
-            out["all_reduce"] += tp_activation_bytes(s.cfg, lm, batches, layers, input_needs_grad=not first)
+            out["all_reduce"] += tp_activation_bytes(s.cfg, lm, batches, layers, not first, compute)
         out["all_reduce"] += local_bytes(s.partial_grads)
     return out
 
@@ -257,6 +264,7 @@ def tp_activation_bytes(
     batches: list[Batch],
     layers: int | None = None,
     input_needs_grad: bool = False,
+    itemsize: int | None = None,
 ) -> int:
     """Bytes TP all-reduces for `batches` (this rank's micro-batches) through `layers` decoder layers
     (default: all; a pipeline stage: its own): `tp_activation_calls` of a (batch, seq, hidden)
@@ -268,7 +276,7 @@ def tp_activation_bytes(
     targets = set(cfg.lora.target_modules) if lora else set()
     adapters = n_layers * sum(path.split(".")[-1] in targets for path in (*COLUMN, *ROW))
     calls = tp_activation_calls(n_layers, lora, cfg.model.activation_checkpointing, input_needs_grad)
-    itemsize = next(lm.parameters()).element_size()
+    itemsize = itemsize or next(lm.parameters()).element_size()  # the activations' dtype
     tokens = sum(b["input_ids"].numel() for b in batches)
     return itemsize * tokens * (hidden * calls + cfg.lora.rank * adapters)
 
