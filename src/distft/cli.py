@@ -77,8 +77,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--method",
         choices=["lora", "qlora", "full"],
-        help="LoRA adapters on a frozen base, the same on a 4-bit NF4 base (single, ddp, fsdp, zero2), "
-        "or full finetuning",
+        help="LoRA adapters on a frozen base, the same on a 4-bit NF4 base "
+        f"({', '.join(s for s, c in STRATEGIES.items() if c.supports_qlora)}), or full finetuning",
     )
     p.add_argument("--data", help="sample (bundled meetings), a .jsonl/.parquet file, or a hub dataset id")
     p.add_argument("--max-steps", type=int, help="optimizer steps")

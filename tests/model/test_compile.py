@@ -63,7 +63,7 @@ def test_auto_compiles_on_cuda_only_where_the_strategy_can():
     assert not compile_wanted("false", cuda, strategy_supports=True)
 
 
-@pytest.mark.parametrize("strategy", ["tp", "tp-sp", "pp", "fsdp+tp", "ddp+pp"])
+@pytest.mark.parametrize("strategy", ["tp", "tp-sp", "pp", "fsdp+tp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp"])
 def test_compile_true_is_refused_before_launch_where_blocks_are_rewritten(strategy):
     cfg = load_config(None, [f"parallel.strategy={strategy}", "parallel.nproc=2", "model.compile=true"])
     with pytest.raises(ConfigError, match=r"model\.compile=true cannot run with --strategy"):

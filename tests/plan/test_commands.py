@@ -39,12 +39,11 @@ def test_runnable_strategies_come_from_the_registry():
     for name, e in estimates.items():
         assert e.runnable == (name in STRATEGIES), name
         assert e.in_distft == ("yes" if name in STRATEGIES else "no")
-    # The planner models layouts distft cannot run; they stay, marked, and never get a run: line.
-    for name in ("fsdp+pp",):
-        e = estimates[name]
-        assert e.applicable and not e.runnable
-        assert run_command(req, name, "lora", False, e.layout) is None
-    assert {"zero1", "hsdp", "pp", "fsdp+tp", "ddp+pp"} <= {n for n, e in estimates.items() if e.runnable}
+    # Every layout the planner models, distft runs: the plan recommends nothing it cannot run.
+    assert set(MODELLED) <= set(STRATEGIES)
+    assert {"zero1", "hsdp", "pp", "fsdp+tp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp"} <= {
+        n for n, e in estimates.items() if e.runnable
+    }
 
 
 def test_qlora_runs_only_where_the_registry_says():
@@ -140,11 +139,28 @@ def test_recommended_command_in_json_matches_the_request():
 
 
 def test_unrunnable_recommendation_has_no_command():
+    req = request("--model qwen3-1.7b --method full --gpus 2 --gpu rtx4090 --activation-checkpointing")
+    estimates = evaluate(req)
+    rec = decide(req, estimates)
+    assert rec.strategy == "zero1" and not estimates["zero1"].runnable
+    assert to_dict(req, estimates, rec)["recommendation"]["command"] is None
+
+
+def test_recommended_pipelines_print_a_command_train_accepts():
+    """The 3D recommendation across nodes (and FSDP x PP, its alternative) parse back into configs
+    the runtime's checks accept, with the mesh and pipeline the plan counted."""
     req = request(
         "--model llama-3-70b --method full --gpus 8 --nodes 4 --gpu h100 --interconnect infiniband "
         "--seq-len 4096 --activation-checkpointing"
     )
     estimates = evaluate(req)
     rec = decide(req, estimates)
-    assert rec.strategy == "fsdp+pp" and not estimates["fsdp+pp"].runnable
-    assert to_dict(req, estimates, rec)["recommendation"]["command"] is None
+    assert rec.strategy == "fsdp+tp+pp"
+    for name in ("fsdp+tp+pp", "fsdp+pp"):
+        lay = estimates[name].layout
+        line = to_dict(req, estimates, rec)["recommendation"]["command"] if name == rec.strategy else None
+        line = line or run_command(req, name, "full", True, lay)
+        cfg = parse_run(line)
+        assert check_config(cfg).data_parallel_size == lay.dp  # the runtime's checks before launch
+        assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)
+        assert STRATEGIES[name].pipeline_layout(cfg) == lay.pipeline(req.training.micro_batch)

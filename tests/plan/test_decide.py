@@ -104,13 +104,14 @@ SCENARIOS = [
         "lora",
         ["because of activations", "sequence parallelism"],
     ),
-    (  # 70B full finetuning across 4 nodes: FSDP inside each node on NVLink, a pipeline across nodes
-        # ("PP cheaply spans nodes"): FSDP alone or FSDP x TP would all-gather over InfiniBand.
+    (  # 70B full finetuning across 4 nodes: torchtitan's 3D. TP and FSDP inside each node on NVLink, a
+        # pipeline across nodes ("PP cheaply spans nodes"): FSDP alone or FSDP x TP would all-gather
+        # over InfiniBand. FSDP x PP (dp=2, pp=16) is as fast but needs 64 sequences per step, not 16.
         "--model llama-3-70b --method full --gpus 8 --nodes 4 --gpu h100 --interconnect infiniband "
         "--seq-len 4096 --activation-checkpointing",
-        "fsdp+pp",
+        "fsdp+tp+pp",
         "full",
-        ["point-to-point", "FSDP stays on NVLink", "global batch of at least"],
+        ["point-to-point", "FSDP x TP stays on NVLink", "global batch of at least 16", "(dp=2, tp=4, pp=4)"],
     ),
 ]
 
@@ -271,6 +272,7 @@ def test_json_has_every_strategy_and_component(capsys):
         "fsdp+tp",
         "ddp+pp",
         "fsdp+pp",
+        "fsdp+tp+pp",
     ]
     components = {
         "parameters",

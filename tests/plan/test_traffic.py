@@ -16,9 +16,10 @@ import torch
 from distft.config import load_config
 from distft.measure import expected
 from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
+from distft.parallel.pipeline import Layout, StageModule
 from distft.plan.hardware import Link
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PRECISIONS, Parallelism, Training
+from distft.plan.setup import PRECISIONS, Parallelism, Training, rank_layers
 from distft.plan.traffic import dp_collectives, replica_collectives, tp_collectives
 
 WORLD, RANK, SEQ, MICRO_BATCHES = 2, 5, 32, 3  # odd LoRA rank: FSDP2 pads lora_A's rows
@@ -31,13 +32,19 @@ def _built(method: str):
     return cfg, SummaryLM(apply_method(load_base_model(cfg.model), cfg))
 
 
-def _planned(method: str, layout: Parallelism, collectives=None) -> dict[str, float]:
+def _planned(
+    method: str, layout: Parallelism, dimension: str | None = None, collectives=None
+) -> dict[str, float]:
+    """The planner's bytes of rank 0 along `dimension` (default: dp if there is one, else tp), or
+    from `collectives` (HSDP's replicate dimension)."""
     spec = resolve_model("micro")
     training = Training(
         method=method, precision=PRECISIONS["fp32"], lora_rank=RANK, seq_len=SEQ, autocast=False
     )
-    layers = spec.num_layers
-    collectives = collectives or (dp_collectives if layout.dp > 1 else tp_collectives)
+    layers = len(rank_layers(spec.num_layers, layout, 0))  # pipeline rank 0's, or all
+    if collectives is None:
+        dim = dimension or ("dp" if layout.dp > 1 else "tp")
+        collectives = dp_collectives if dim == "dp" else tp_collectives
     out: dict[str, float] = {}
     for c in collectives(spec, training, layout, LINK, layers):
         if c.what in ("gradients", "parameters", "activations", "updated weights", "gradient shards"):
@@ -96,3 +103,46 @@ def test_hsdp_bytes_per_mesh_dimension(method):
     layout = Parallelism("hsdp", dp=2 * WORLD, shard="full", dp_shard=WORLD, microbatches=MICRO_BATCHES)
     assert _planned(method, layout) == runtime["shard"]
     assert _planned(method, layout, replica_collectives) == runtime["replicate"]
+
+
+def test_fsdp_pipeline_gathers_and_scatters_once_per_step(method):
+    """fsdp+pp, stage 0 of 2 (the embedding, layers 0-1): its units gathered once per step and its
+    trainable gradients reduce-scattered once, whatever the micro-batch count: torch's stage keeps
+    the stage gathered and defers the reduction to its last backward."""
+    cfg, model = _built(method)
+    lay = Layout("1f1b", 2, 1, MICRO_BATCHES, 1)
+    stage = StageModule(model.backbone, model.lm_head, lay.layers_of(0, 4), first=True, last=False)
+    facts = SimpleNamespace(
+        cfg=cfg,
+        dims=SimpleNamespace(dp=WORLD, tp=1),
+        layout=lay,
+        pp_rank=0,
+        tied_weight=None,
+        stages=[SimpleNamespace(stage_index=0, submod=stage)],
+        stage_params={0: [(p.shape, p.dtype, p.requires_grad) for p in stage.parameters()]},
+        gathers_per_step=lambda stage: 1,
+    )
+    runtime = expected.fsdp_pipeline(facts, SimpleNamespace(module=model), _batches())
+    layout = Parallelism(
+        "fsdp+pp", dp=WORLD, pp=2, shard="full", reshard_after_forward=False, microbatches=MICRO_BATCHES
+    )
+    planned = _planned(method, layout)
+    assert planned == {"all_gather": runtime["all_gather"], "reduce_scatter": runtime["reduce_scatter"]}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_tp_inside_a_pipeline_stage(method):
+    """fsdp+tp+pp, stage 0 of 2: TP's all-reduces for its own two layers (rank 0's; the planner models
+    rank 0), the first of which skips q, k and v's backward one under LoRA."""
+    cfg, model = _built(method)
+    runtime = expected.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=2)
+    layout = Parallelism(
+        "fsdp+tp+pp", dp=2, tp=WORLD, pp=2, shard="full", tp_impl="dtensor", microbatches=MICRO_BATCHES
+    )
+    assert _planned(method, layout, dimension="tp") == {"all_reduce": runtime}
+    # A later stage's input needs its gradient (it is sent back): 3 more per micro-batch with LoRA.
+    later = expected.tp_activation_bytes(
+        cfg, causal_lm(model.lm), _batches(), layers=2, input_needs_grad=True
+    )
+    hidden = model.backbone.config.hidden_size
+    assert later - runtime == (3 * MICRO_BATCHES * SEQ * hidden * 4 if method == "lora" else 0)

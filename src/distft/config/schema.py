@@ -193,16 +193,18 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """pp: gpipe, 1f1b, interleaved-1f1b, zero-bubble (interleaved ZB-H1) or zbv (zero bubble, V-shaped)."""
     microbatches: int = 0
-    """pp: micro-batches the global batch (ddp+pp: a replica's share) is cut into per step (m); sets
+    """pp: micro-batches the global batch (ddp+pp, fsdp+pp, fsdp+tp+pp: a replica's share) is cut into per step (m); sets
     train.micro_batch_size to global_batch_size / m. 0: keep train.micro_batch_size (m = global_batch_size / micro_batch_size)."""
     stages_per_rank: int = 0
     """pp: virtual stages per rank (V). 0: 2 for interleaved-1f1b and zbv, 1 for the others."""
     dp: int = 0
-    """2D strategies (fsdp+tp, ddp+pp): data-parallel degree; 0: world size / (tp x pp)."""
+    """2D and 3D strategies (fsdp+tp, ddp+pp, fsdp+pp, fsdp+tp+pp): data-parallel degree; 0: world
+    size / (tp x pp)."""
     tp: int = 1
-    """2D strategies (fsdp+tp): tensor-parallel degree, the inner (fastest-varying) mesh dimension."""
+    """fsdp+tp, fsdp+tp+pp: tensor-parallel degree, the inner (fastest-varying) mesh dimension."""
     pp: int = 1
-    """ddp+pp: pipeline degree (ranks per pipeline replica), the outermost mesh dimension; 1 elsewhere.
+    """ddp+pp, fsdp+pp, fsdp+tp+pp: pipeline degree (ranks per pipeline replica), the outermost mesh
+    dimension; 1 elsewhere.
     parallel.schedule, microbatches and stages_per_rank apply to each replica's pipeline, whose
     micro-batches cut global_batch_size / dp sequences."""
     shard: int = 0

@@ -169,12 +169,15 @@ def megatron(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, i
     }
 
 
-def pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+def pipeline(
+    s: Strategy, model: nn.Module, batches: list[Batch], itemsize: int | None = None
+) -> dict[str, int]:
     """Per micro-batch and stage boundary that crosses ranks: the hidden states forward, their
-    gradient backward; then the loss, the gradient norm and (full finetuning) a split tied embedding."""
+    gradient backward (`itemsize` bytes per element: the model's dtype unless FSDP computes in
+    another); then the loss, the gradient norm and (full finetuning) a split tied embedding."""
     lay, me = s.layout, s.pp_rank
     hidden = model.module.backbone.config.hidden_size
-    itemsize = next(model.module.parameters()).element_size()
+    itemsize = itemsize or next(model.module.parameters()).element_size()
     rows, seq = batches[0]["input_ids"].shape  # (mb, seq) padded, (1, mb x seq) packed
     activation = rows * seq * hidden * itemsize  # one (rows, seq, hidden) tensor
     send = recv = 0
@@ -187,7 +190,7 @@ def pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, i
             recv += lay.microbatches * activation
     all_reduce = 4 + 8  # the loss sum (fp32) and the squared gradient norm (float64)
     if s.tied_weight is not None:
-        all_reduce += s.tied_weight.numel() * s.tied_weight.element_size()
+        all_reduce += local_bytes([s.tied_weight])  # fsdp+pp: this rank's shard of it
     out = {"all_reduce": all_reduce}
     if send:
         out["send"], out["recv"] = send, recv
@@ -199,6 +202,39 @@ def ddp_pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[st
     """pp's, plus, over dp, every trainable gradient of this rank's stages once."""
     out = pipeline(s, model, batches)
     out["all_reduce"] += trainable_bytes(model)
+    return out
+
+
+def fsdp_pipeline(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """pp's (sends, receives, loss, norm, a split tied embedding), plus, per stage this rank holds:
+    over dp, its units' (TP-local) parameters all-gathered `gathers_per_step` times and its
+    trainable gradients reduce-scattered once (nothing moves over one rank); over tp (3D), TP's
+    activation all-reduces for the stage's layers and full finetuning's partial gradients."""
+    dp, policy = s.dims.dp, mixed_precision(s.cfg)
+    # FSDP's mixed precision: a stage computes in param_dtype and returns output_dtype, so the
+    # hidden states (and TP's activations) travel in those.
+    compute = policy.param_dtype.itemsize if policy.param_dtype else None
+    sent = policy.output_dtype.itemsize if policy.output_dtype else compute
+    out = pipeline(s, model, batches, itemsize=sent)
+    gathered = scattered = 0
+    for stage in s.stages:
+        gathers = s.gathers_per_step(stage.stage_index)
+        for (shape, dtype, trains), p in zip(
+            s.stage_params[stage.stage_index], stage.submod.parameters(), strict=True
+        ):
+            if is_nf4(p):  # codes, block scales and group factors (never padded)
+                gathered += gathers * nf4_gather_bytes(p, dp)
+                continue
+            gathered += gathers * _padded_rows(shape, dp) * (policy.param_dtype or dtype).itemsize
+            scattered += trains * _padded_rows(shape, dp) * (policy.reduce_dtype or dtype).itemsize
+    if dp > 1:
+        out["all_gather"], out["reduce_scatter"] = gathered, scattered
+    if s.dims.tp > 1:
+        lm = causal_lm(model.module.lm)
+        for stage in s.stages:
+            layers, first = len(stage.submod.layers), stage.stage_index == 0
+            out["all_reduce"] += tp_activation_bytes(s.cfg, lm, batches, layers, not first, compute)
+        out["all_reduce"] += local_bytes(s.partial_grads)
     return out
 
 
@@ -214,6 +250,8 @@ FORMULAS: dict[str, Formula] = {
     "pp": pipeline,
     "fsdp+tp": fsdp_tp,
     "ddp+pp": ddp_pipeline,
+    "fsdp+pp": fsdp_pipeline,
+    "fsdp+tp+pp": fsdp_pipeline,
 }
 
 
@@ -263,28 +301,49 @@ def fsdp_gathers_per_microbatch(reshard_after_forward: bool) -> int:
     return 2 if reshard_after_forward else 1
 
 
-def tp_activation_bytes(cfg: Config, lm: nn.Module, batches: list[Batch]) -> int:
-    """Bytes TP all-reduces for `batches` (this rank's micro-batches): `tp_activation_calls` of a
-    (batch, seq, hidden) activation per micro-batch, plus, with LoRA, one (batch, seq, r) all-reduce
-    per adapter on a row projection (after its lora_A) and per column projection (backward, the
-    input of its lora_B)."""
-    hidden, n_layers = lm.config.hidden_size, lm.config.num_hidden_layers
+def fsdp_pipeline_gathers(stages_per_rank: int) -> int:
+    """All-gathers of each FSDP unit per optimizer step inside a pipeline (fsdp+pp, fsdp+tp+pp): one.
+    A stage stays gathered from its first forward to the step's end (no reshard after forward, and
+    torch's stage turns resharding after backward off until its last backward); the multi-stage
+    schedules unshard a stage ahead of its compute and keep up to 3 stages gathered (torch's
+    `_add_unshard_reshard`), so with V <= 3 stages per rank none is dropped and gathered again. The
+    runtime reads its schedule's UNSHARD actions instead (`FSDPPipelineParallel.gathers_per_step`)."""
+    if stages_per_rank > 3:
+        raise ValueError(f"{stages_per_rank} stages per rank: torch may regather a stage within a step")
+    return 1
+
+
+def tp_activation_bytes(
+    cfg: Config,
+    lm: nn.Module,
+    batches: list[Batch],
+    layers: int | None = None,
+    input_needs_grad: bool = False,
+    itemsize: int | None = None,
+) -> int:
+    """Bytes TP all-reduces for `batches` (this rank's micro-batches) through `layers` decoder layers
+    (default: all; a pipeline stage: its own): `tp_activation_calls` of a (batch, seq, hidden)
+    activation per micro-batch, plus, with LoRA, one (batch, seq, r) all-reduce per adapter on a row
+    projection (after its lora_A) and per column projection (backward, the input of its lora_B)."""
+    hidden = lm.config.hidden_size
+    n_layers = lm.config.num_hidden_layers if layers is None else layers
     lora = cfg.train.method in ("lora", "qlora")
     targets = set(cfg.lora.target_modules) if lora else set()
     adapters = n_layers * sum(path.split(".")[-1] in targets for path in (*COLUMN, *ROW))
-    calls = tp_activation_calls(n_layers, lora, cfg.model.activation_checkpointing)
-    itemsize = next(lm.parameters()).element_size()
+    calls = tp_activation_calls(n_layers, lora, cfg.model.activation_checkpointing, input_needs_grad)
+    itemsize = itemsize or next(lm.parameters()).element_size()  # the activations' dtype
     tokens = sum(b["input_ids"].numel() for b in batches)
     return itemsize * tokens * (hidden * calls + cfg.lora.rank * adapters)
 
 
-def tp_activation_calls(layers: int, lora: bool, checkpointing: bool) -> int:
+def tp_activation_calls(layers: int, lora: bool, checkpointing: bool, input_needs_grad: bool = False) -> int:
     """parallelize_module TP, per micro-batch: all-reduces of a (B, S, h) activation, 2 per layer
     forward (after the row projections) and 5 backward (one per column projection's input), 3 fewer
-    in layer 0 when nothing before it trains (LoRA); checkpointing repeats the forward ones.
-    `distft plan` counts with the same function."""
+    in the first layer when nothing before it trains (LoRA; a later pipeline stage's input always
+    needs its gradient, to send back); checkpointing repeats the forward ones. `distft plan` counts
+    with the same function."""
     recompute = layers if checkpointing else 0
-    return 2 * (layers + recompute) + 5 * layers - (3 if lora else 0)
+    return 2 * (layers + recompute) + 5 * layers - (3 if lora and not input_needs_grad else 0)
 
 
 def megatron_crossings(

@@ -4,7 +4,8 @@ The ranks form a ("pp", "dp") `DeviceMesh` (`distft.parallel.dims.ParallelDims`,
 with dp = pp = 2, ranks {0, 2} are pipeline replica 0 and {1, 3} replica 1; {0, 1} and {2, 3}
 are the data-parallel groups of pipeline ranks 0 and 1. Each replica is exactly the `pp`
 strategy (`PipelineParallel`: the same stages, schedules, loss and timeline) over its column of
-the mesh, and reads its own 1/dp of the global batch.
+the mesh, and reads its own 1/dp of the global batch; the mesh, its columns and the checks of
+the degrees are `pipeline/replicas.py`'s (`MeshPipeline`, shared with fsdp+pp and fsdp+tp+pp).
 
 What each rank holds: the stage(s) its pipeline rank holds under `pp` (decoder layers, the
 embedding on the first stage, norm + lm_head + loss on the last), their gradients and AdamW
@@ -31,64 +32,17 @@ cuts global_batch_size / dp sequences into the schedule's micro-batches.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-import torch.distributed as dist
 from torch import nn
 
-from distft.config import Config
-from distft.errors import ConfigError
-from distft.parallel.dims import MeshStrategy, ParallelDims
 from distft.parallel.grads import all_reduce_flat
-from distft.parallel.pipeline import Layout, PipelineParallel, layout
+from distft.parallel.pipeline.replicas import MeshPipeline
 
 
-class DDPPipelineParallel(MeshStrategy, PipelineParallel):
+class DDPPipelineParallel(MeshPipeline):
     name = "ddp+pp"
-    mesh_degrees: ClassVar[bool] = True
-
-    @classmethod
-    def pipeline_layout(cls, cfg: Config) -> Layout:
-        dims = ParallelDims.from_config(cfg)
-        return layout(cfg, ranks=dims.pp, replicas=dims.dp)
-
-    @classmethod
-    def validate_config(cls, cfg: Config) -> None:
-        dims = ParallelDims.from_config(cfg)  # dp x tp x pp = world size, else a ConfigError
-        if dims.tp != 1:
-            raise ConfigError(
-                f"--strategy ddp+pp takes parallel.dp and parallel.pp; parallel.tp must be 1 (got {dims.tp})."
-            )
-        if dims.pp < 2:
-            raise ConfigError(
-                f"--strategy ddp+pp needs parallel.pp of 2 or more (it is {dims.pp}); with one pipeline rank "
-                f"it is plain DDP: use --strategy ddp, or e.g. --nproc {cfg.world_size} parallel.pp=2."
-            )
-        if dims.dp < 2:
-            raise ConfigError(
-                f"--strategy ddp+pp with parallel.dp=1 is a single pipeline: use --strategy pp "
-                f"--nproc {cfg.world_size}, or raise --nproc to a multiple of parallel.pp={dims.pp}."
-            )
-        super().validate_config(cfg)
-
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        self.mesh = self.dims.build_mesh(self.env.device.type)  # ("pp", "dp")
-        self.dp_group = self.mesh["dp"].get_group()
-        view = super().parallelize(model)
-        assert dist.get_process_group_ranks(self.pp_group) == self.pp_ranks
-        return view
-
-    def pipelines(self) -> list[list[int]]:
-        """Column d of the (pp, dp) mesh: replica d's global ranks, by pipeline rank."""
-        ranks = self.mesh.mesh  # (pp, dp) tensor of global ranks
-        return [ranks[:, d].tolist() for d in range(self.dims.dp)]
-
-    def pipeline_group(self) -> dist.ProcessGroup:
-        return self.mesh["pp"].get_group()
+    without_pp = "ddp"
 
     def after_backward(self, model: nn.Module) -> None:
         super().after_backward(model)  # a tied embedding's two copies, inside the pipeline
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         all_reduce_flat(grads, group=self.dp_group)  # one SUM over dp: see the module docstring
-
-    # -- figures -------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The topology of a multi-dimensional run: degrees per dimension, validated, and one DeviceMesh.
 
-`ParallelDims` holds the data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`, taken by
-ddp+pp; 1 elsewhere) degrees. Their product must equal the world size; `dp=0` means "whatever
-is left" (world / (tp x pp)). Validation runs in `__post_init__`, so a `ParallelDims` that exists
-is consistent, and the CLI checks it before any process is launched.
+`ParallelDims` holds the data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`, taken
+by ddp+pp, fsdp+pp and fsdp+tp+pp; 1 elsewhere) degrees. Their product must equal the world size;
+`dp=0` means "whatever is left" (world / (tp x pp)). Validation runs in `__post_init__`, so a
+`ParallelDims` that exists is consistent, and the CLI checks it before any process is launched.
 
 Ranks are laid out row-major over (pp, dp, tp), tp fastest: with dp=2 x tp=2, ranks {0, 1} form
 the TP group of data shard 0 and {2, 3} that of shard 1, while {0, 2} and {1, 3} are the FSDP
@@ -32,7 +32,7 @@ class ParallelDims:
     tp: int
     """Tensor-parallel degree: ranks sharing each layer (and each batch)."""
     pp: int
-    """Pipeline degree: ranks a model is cut across in stages (ddp+pp; 1 for every other strategy)."""
+    """Pipeline degree: ranks a model is cut across in stages (the pipeline strategies; 1 for every other)."""
     world_size: int
 
     def __post_init__(self) -> None:

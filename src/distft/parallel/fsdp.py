@@ -64,28 +64,33 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_fo
     Shared by `fsdp`/`zero2` (mesh: every rank), `fsdp+tp` (mesh: the "dp" dimension of the 2D
     mesh, applied after tensor parallelism, so FSDP shards each rank's TP shard) and `hsdp` (a 2D
     ("replicate", "shard") mesh: FSDP2 shards over the inner dimension, replicates over the outer)."""
+    # parallel.fsdp_wrap=model: the root is the only unit, gathered whole before forward.
+    layers = list(causal_lm(model.lm).model.layers) if cfg.parallel.fsdp_wrap == "layer" else []
+    return shard_units(model, layers, mesh, cfg, reshard_after_forward)
+
+
+def shard_units(
+    root: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, cfg: Config, reshard_after_forward: bool
+) -> nn.Module:
+    """`fully_shard` each of `layers`, then `root` (what is left: embeddings, final norm, the (tied)
+    lm_head), over `mesh`; the pipelines call it once per stage, `root` being the stage."""
     p = cfg.parallel
-    policy = mixed_precision(cfg)
-    offload = CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy()
     shard = {
         "mesh": mesh,
-        "mp_policy": policy,
-        "offload_policy": offload,
+        "mp_policy": mixed_precision(cfg),
+        "offload_policy": CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy(),
         "reshard_after_forward": reshard_after_forward,
     }
-
-    # parallel.fsdp_wrap=model: the root is the only unit, gathered whole before forward.
-    layers = list(causal_lm(model.lm).model.layers) if p.fsdp_wrap == "layer" else []
     for layer in layers:
         fully_shard(layer, **shard)
-    fully_shard(model, **shard)  # root: embeddings, final norm, (tied) lm_head; or everything
+    fully_shard(root, **shard)
 
     # Issue the all-gathers of the next layers early, so they overlap this layer's compute.
     if p.fsdp_prefetch and layers:
         for i, layer in enumerate(layers):
             layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + p.fsdp_prefetch])
             layer.set_modules_to_backward_prefetch(layers[max(0, i - p.fsdp_prefetch) : i][::-1])
-    return model
+    return root
 
 
 class FSDP(Strategy):

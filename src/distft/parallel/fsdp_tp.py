@@ -75,7 +75,7 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         dims = ParallelDims.from_config(cfg)
         if dims.pp != 1:
             raise ConfigError(
-                "parallel.pp is reserved for pipeline strategies (ddp+pp, fsdp+pp); --strategy fsdp+tp "
+                "parallel.pp is reserved for pipeline strategies (ddp+pp, fsdp+pp, fsdp+tp+pp for 3D); --strategy fsdp+tp "
                 "takes parallel.dp and parallel.tp only."
             )
         if dims.tp < 2:

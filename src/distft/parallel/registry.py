@@ -10,7 +10,9 @@ from distft.parallel.base import Strategy
 from distft.parallel.ddp import DDP
 from distft.parallel.ddp_pp import DDPPipelineParallel
 from distft.parallel.fsdp import FSDP, ZeRO2
+from distft.parallel.fsdp_pp import FSDPPipelineParallel
 from distft.parallel.fsdp_tp import FSDPTensorParallel
+from distft.parallel.fsdp_tp_pp import FSDPTensorPipelineParallel
 from distft.parallel.hsdp import HSDP
 from distft.parallel.megatron import MegatronTPSP
 from distft.parallel.pipeline import PipelineParallel
@@ -32,5 +34,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         PipelineParallel,
         FSDPTensorParallel,
         DDPPipelineParallel,
+        FSDPPipelineParallel,
+        FSDPTensorPipelineParallel,
     )
 }

@@ -214,7 +214,7 @@ def _shard(walk: _Walk) -> Recommendation:
 
 
 def _pipelines(walk: _Walk) -> list[Estimate]:
-    return [walk.est[s] for s in ("fsdp+pp", "ddp+pp", "pp") if walk.est[s].applicable]
+    return [walk.est[s] for s in ("fsdp+tp+pp", "fsdp+pp", "ddp+pp", "pp") if walk.est[s].applicable]
 
 
 def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:
@@ -250,7 +250,7 @@ def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:
         )
     else:
         lay = pick.layout
-        inner = "FSDP" if lay.shard == "full" else "DDP"
+        inner = ("FSDP x TP" if lay.tp > 1 else "FSDP") if lay.shard == "full" else "DDP"
         reason = (
             f"Across nodes a pipeline needs only point-to-point sends at stage boundaries over {req.inter.label}, "
             f"while {inner} stays on {req.intra.label} inside each node: {fit_text(pick, req)}, {rate(pick)}. "

@@ -4,13 +4,13 @@
 rank 0 holds the largest chunk, pipeline stage 0 the most in-flight activations unless the last
 stage's loss outweighs it), whether it fits in the GPU's memory minus a fixed overhead (CUDA
 context, cuBLAS/NCCL workspaces, allocator slack: `Request.overhead`), bytes on the wire per
-step and the time they take, and a rough step time. Two-dimensional layouts (FSDP x TP, DDP or
-FSDP x PP) try every factorisation of the GPUs, TP inside a node and the pipeline across nodes,
-and keep the one that fits with the shortest estimated step.
+step and the time they take, and a rough step time. Multi-dimensional layouts (FSDP x TP, DDP
+or FSDP x PP, FSDP x TP x PP) try every factorisation of the GPUs, TP inside a node and the
+pipeline across nodes, and keep the one that fits with the shortest estimated step.
 
-The planner models more layouts than distft runs (FSDP x PP): which ones distft runs is
-read from the runtime's registry, `distft.parallel.STRATEGIES` (`runnable`); only those get a
-`run:` command (`commands.py`).
+Every layout the planner models, distft runs: whether it runs with the requested method is read
+from the runtime's registry, `distft.parallel.STRATEGIES` (`runnable`); only those get a `run:`
+command (`commands.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from distft.plan.traffic import (
 
 # Every layout the planner models, in the order the report lists them (a superset of the registry).
 MODELLED = (
-    "single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp-sp", "pp", "fsdp+tp", "ddp+pp", "fsdp+pp",
+    "single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp-sp", "pp",
+    "fsdp+tp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp",
 )  # fmt: skip
 LABELS = {
     "single": "one GPU",
@@ -49,6 +50,7 @@ LABELS = {
     "fsdp+tp": "FSDP x TP",
     "ddp+pp": "DDP x PP",
     "fsdp+pp": "FSDP x PP",
+    "fsdp+tp+pp": "FSDP x TP x PP",
 }
 
 
@@ -168,7 +170,12 @@ def layout_for(
         "zero2": {"dp": dp, "shard": "full", "reshard_after_forward": False},
         "fsdp": {"dp": dp, "shard": "full"},
         "hsdp": {"dp": dp, "shard": "full", "dp_shard": shard or req.gpus_per_node},  # a node shards
-        "fsdp+pp": {"dp": dp, "pp": pp, "shard": "full"},
+        # The runtime's pipelines keep a stage gathered for the whole step (parallel/fsdp_pp.py).
+        "fsdp+pp": {"dp": dp, "pp": pp, "shard": "full", "reshard_after_forward": False},
+        "fsdp+tp+pp": {
+            **{"dp": dp, "tp": tp, "pp": pp, "shard": "full", "reshard_after_forward": False},
+            "tp_impl": "dtensor",  # parallelize_module TP inside each stage, as fsdp+tp
+        },
         "tp": {"tp": tp, "tp_impl": "dtensor"},
         "tp-sp": {"tp": tp, "sp": True},
         # The runtime's fsdp+tp: parallelize_module TP inside (no sequence parallelism), FSDP2 over dp.
@@ -284,6 +291,13 @@ def candidate_layouts(req: Request, strategy: str) -> list[Parallelism]:
         return [layout_for(req, strategy, pp=n)]
     if strategy == "fsdp+tp":  # TP inside a node, FSDP over the rest
         return [layout_for(req, strategy, dp=n // tp, tp=tp) for tp in _divisors(g) if n // tp >= 2]
+    if strategy == "fsdp+tp+pp":  # TP inside a node, the pipeline outermost, FSDP (2+ ranks) between
+        return [
+            layout_for(req, strategy, dp=n // (tp * pp), tp=tp, pp=pp)
+            for tp in _divisors(g)
+            for pp in _divisors(n // tp)
+            if n // (tp * pp) >= 2
+        ]
     # the pipeline outermost (across nodes when there are several)
     return [layout_for(req, strategy, dp=n // pp, pp=pp) for pp in _divisors(n) if n // pp >= 2]
 
@@ -299,7 +313,7 @@ def evaluate(req: Request) -> dict[str, Estimate]:
                 Parallelism(strategy),
                 applicable=False,
                 runnable=runnable(strategy, req.training.method),
-                note="needs 4+ GPUs",
+                note=f"needs {2 ** (strategy.count('+') + 1)}+ GPUs",  # 2 per dimension
             )
             continue
         est = best([estimate(req, lay, strategy) for lay in layouts])

@@ -255,8 +255,9 @@ def _unsharded(
 def _fsdp_buffers(
     held: list[tuple[TensorSpec, bool]], training: Training, par: Parallelism
 ) -> dict[str, int]:
-    """FSDP2: gathered parameters (root unit, this layer and the prefetched ones; ZeRO-2 every layer)
-    and the unsharded gradients before their reduce-scatter."""
+    """FSDP2: gathered parameters (root unit, this layer and the prefetched ones; ZeRO-2 and the
+    pipelines every layer) and the unsharded gradients before their reduce-scatter (a pipeline's
+    stage accumulates every layer's until the step's end: torch's stage defers the reduction)."""
     by_layer: dict[int | None, list[tuple[TensorSpec, bool]]] = {}
     for t, trains in held:
         by_layer.setdefault(t.layer, []).append((t, trains))
@@ -270,9 +271,12 @@ def _fsdp_buffers(
         gathered += (1 + par.fsdp_prefetch) * biggest  # this layer and the prefetched ones
     else:
         gathered += sum(_unsharded(u, training, par.tp) for u in units)  # ZeRO-2: every layer until backward
+    grads = (
+        sum(_unsharded(u, training, par.tp, True, True) for u in units) if par.pp > 1 else 2 * biggest_grad
+    )
     return {
         "gathered parameters": gathered,
-        "unsharded gradients": 2 * biggest_grad + _unsharded(root, training, par.tp, True, True),
+        "unsharded gradients": grads + _unsharded(root, training, par.tp, True, True),
     }
 
 

@@ -11,6 +11,8 @@ convention; `hardware.wire_bytes` turns them into bytes on the wire):
   travel too: LoRA under FSDP moves the whole base model every micro-batch.
 - HSDP: FSDP2's traffic inside each shard group (a node), and once per step an all-reduce of each
   rank's gradient shard (1/shard of the padded gradients) across the replicas (the nodes).
+  Inside a pipeline (`fsdp+pp`, `fsdp+tp+pp`) once per step instead: torch's stage keeps the
+  stage gathered and defers the reduce-scatter to its last backward (`fsdp_pipeline_gathers`).
 - TP+SP (`tp-sp`): per layer and micro-batch 2 all-gathers and 2 reduce-scatters of a
   (batch, seq, hidden) activation forward and as many backward (one fewer when nothing before
   the first block trains); without SP the same bytes as all-reduces. Checkpointing repeats the
@@ -18,7 +20,8 @@ convention; `hardware.wire_bytes` turns them into bytes on the wire):
 - TP (`tp`, and the TP inside `fsdp+tp`: PyTorch's parallelize_module): all-reduces of (batch, seq, hidden): 2 per layer
   forward, 5 backward (one per column projection; 3 fewer in layer 0 with frozen embeddings)
   and, with LoRA, small (batch, seq, r) ones per adapter, as `parallel/tensor_parallel.py` counts.
-- PP: a (batch, seq, hidden) send forward and one backward per micro-batch and stage boundary.
+- PP: a (batch, seq, hidden) send forward and one backward per micro-batch and stage boundary;
+  full finetuning of a tied embedding adds an all-reduce of its gradient (its FSDP shard).
 
 Groups are laid out TP innermost, then data parallel (HSDP: its shard groups inside, its replicas
 across), then pipeline; a group longer than a node crosses the inter-node link. Compute per rank: 2 FLOPs per weight per token forward (plus
@@ -42,7 +45,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from distft.measure.expected import fsdp_gathers_per_microbatch, megatron_crossings, tp_activation_calls
+from distft.measure.expected import (
+    fsdp_gathers_per_microbatch,
+    fsdp_pipeline_gathers,
+    megatron_crossings,
+    tp_activation_calls,
+)
 from distft.plan.hardware import Link, comm_time, wire_bytes
 from distft.plan.memory import (
     layer_seq_len,
@@ -133,6 +141,13 @@ def dp_collectives(
             Collective("updated weights", "broadcast", weights, par.dp, par.dp, link, False),
         ]
     m, n = par.microbatches, par.shard_degree
+    if par.pp > 1:  # fsdp+pp, fsdp+tp+pp: torch's stage gathers once and reduces once per step
+        gathers = fsdp_pipeline_gathers(par.virtual_stages)
+        params = held_bytes(spec, training, par, False, False) * gathers
+        return [
+            Collective("parameters", "all_gather", params, (layers + 1) * gathers, par.dp, link, True),
+            Collective("gradients", "reduce_scatter", grads, layers + 1, par.dp, link, True),
+        ]
     gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
     params = held_bytes(spec, training, par, False, False) * gathers * m
     calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
@@ -193,7 +208,9 @@ def pp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
     m = par.microbatches
     out = [Collective("stage activations", "send", 2 * boundary * m, 2 * m, 2, link, True)]
     if spec.tie_word_embeddings and training.method == "full":
-        tied = spec.vocab_size * spec.hidden_size * training.precision.grad / par.tp
+        # Both copies are whole on every TP rank (TP replicates the embedding); FSDP shards them.
+        rows = math.ceil(spec.vocab_size / par.dp) if par.shard == "full" else spec.vocab_size
+        tied = rows * spec.hidden_size * training.precision.grad
         out.append(Collective("tied embedding gradient", "all_reduce", tied, 1, 2, link, False))
     return out
 
@@ -220,6 +237,13 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism) ->
     """Replicated trainable weights whose gradients each TP rank has only in part (summed once per step)."""
     g = training.precision.grad
     layers = rank_layers(spec.num_layers, par, 0)
+    if par.tp_impl == "dtensor":
+        # parallelize_module: only q_norm / k_norm's (full finetuning; DTensor completes LoRA's own
+        # gradients), sharded over dp under FSDP (`parallel/tensor_parallel.py`).
+        dp = par.dp if par.shard == "full" else 1
+        return (
+            0.0 if training.lora or not spec.qk_norm else 2 * math.ceil(spec.head_dim / dp) * len(layers) * g
+        )
     if training.lora:
         held = set(layers)
         lora = spec.lora_tensors(training.lora_rank, training.lora_targets)

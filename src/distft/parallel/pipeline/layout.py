@@ -52,7 +52,7 @@ def theoretical_idle_fraction(
 @dataclass(frozen=True)
 class Layout:
     schedule: str
-    ranks: int  # p: pipeline ranks (the whole world under pp; parallel.pp under ddp+pp)
+    ranks: int  # p: pipeline ranks (the whole world under pp; parallel.pp on a mesh)
     stages_per_rank: int  # V
     microbatches: int  # m
     micro_batch_size: int  # sequences per micro-batch
@@ -90,7 +90,7 @@ def layout(cfg: Config, ranks: int | None = None, replicas: int = 1) -> Layout:
     """The pipeline described by `cfg`, checked; raises ConfigError for one that cannot run.
 
     `ranks`: pipeline ranks (default: the world size); `replicas`: data-parallel copies of the
-    pipeline (ddp+pp), each running its share of the global batch through its own schedule.
+    pipeline (ddp+pp, fsdp+pp, fsdp+tp+pp), each running its share of the global batch through its own schedule.
     """
     par, train = cfg.parallel, cfg.train
     if par.schedule not in SCHEDULES:

@@ -85,7 +85,9 @@ class StageModule(nn.Module):
         if self.lm_head is None:
             return hidden
         # Shape (1,), not a scalar: torch's eval() concatenates the last stage's outputs.
-        return summed_loss(self.norm(hidden), self.lm_head, labels).reshape(1)
+        # A fresh tensor, not a view of the scalar: FSDP (fsdp+pp) warns that its backward hook on a
+        # view would be lost to an in-place op.
+        return summed_loss(self.norm(hidden), self.lm_head, labels).reshape(1).clone()
 
 
 class PipelineModel(nn.Module):
@@ -116,10 +118,20 @@ class PipelineModel(nn.Module):
 
 
 def build_stages(
-    model: nn.Module, lay: Layout, rank: int, device: torch.device, group: dist.ProcessGroup | None
+    model: nn.Module,
+    lay: Layout,
+    rank: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    wrap: Callable[[StageModule, int], None] | None = None,
 ) -> tuple[list[PipelineStage], PipelineModel]:
     """Pipeline rank `rank`'s stages (torch's `PipelineStage`s, which send and receive over `group`)
-    and the view of the `SummaryLM` that holds only their modules."""
+    and the view of the `SummaryLM` that holds only their modules.
+
+    `wrap(module, stage)` shards a stage's module in place before its `PipelineStage` is built
+    (fsdp+pp: FSDP2 on each layer and the stage; 3D: tensor parallelism first), as torchtitan
+    does: torch's stage then sees an FSDP module and defers its gradient reduction to the step's end.
+    """
     backbone, lm_head = model.backbone, model.lm_head
     last = lay.num_stages - 1
     stages, owned = [], []
@@ -127,6 +139,8 @@ def build_stages(
         layers = lay.layers_of(s, len(backbone.layers))
         module = StageModule(backbone, lm_head, layers, s == 0, s == last).to(device)
         owned += module.owned()
+        if wrap is not None:
+            wrap(module, s)
         stages.append(PipelineStage(module, s, lay.num_stages, device, group=group))
     return stages, PipelineModel(model, owned)
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from distft.config import Config
@@ -35,15 +36,19 @@ from distft.errors import ConfigError
 from distft.parallel.base import Batch, Strategy
 from distft.parallel.pipeline.layout import Layout, layout
 from distft.parallel.pipeline.stages import Action, build_schedule, build_stages, schedule_actions
+from distft.tensors import local
 
 
 class PipelineParallel(Strategy):
     name = "pp"
     fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
+    # What the loss is multiplied by before backward: FSDP's reduce-scatter averages over its dp
+    # ranks where the pipeline wants the sum (fsdp+pp sets dp; ddp+pp sums itself).
+    loss_scale: int = 1
 
     @classmethod
     def pipeline_layout(cls, cfg: Config) -> Layout:
-        """This strategy's pipeline: every rank is a pipeline rank (ddp+pp: parallel.pp of them)."""
+        """This strategy's pipeline: every rank is a pipeline rank (on a mesh: parallel.pp of them)."""
         return layout(cfg)
 
     @classmethod
@@ -64,6 +69,7 @@ class PipelineParallel(Strategy):
                 f"{lay.num_stages} stages of at least one decoder layer, but {cfg.model.name} has {layers}. "
                 "Use fewer processes or parallel.stages_per_rank."
             )
+        super().validate_model(cfg, model_config)  # NF4 blocks that shard (fsdp+pp's QLoRA)
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
@@ -88,31 +94,38 @@ class PipelineParallel(Strategy):
         self.pp_group = self.pipeline_group()
         self.stage_ids = lay.stages_of(rank)
         last = lay.num_stages - 1
-        self.stages, view = build_stages(model, lay, rank, self.env.device, self.pp_group)
+        # Read before `shard_stage`, which may replace the parameters (FSDP: by sharded DTensors).
+        tied = (
+            model.backbone.embed_tokens.weight is model.lm_head.weight and model.lm_head.weight.requires_grad
+        )
+        self.export_names = {n for n, p in model.lm.named_parameters() if p.requires_grad}  # tied: once
+        self.stages, view = build_stages(model, lay, rank, self.env.device, self.pp_group, self.shard_stage)
         for stage in self.stages:
             self._probe_first_forward(stage)
         self.holds_first, self.holds_last = 0 in self.stage_ids, last in self.stage_ids
         self.schedule = build_schedule(lay, self.stages, self._loss)
-        self._tie(model, pipelines)
+        self._tie(model, pipelines, tied)
         self._warm_up()
         return view
 
-    def _tie(self, model: nn.Module, pipelines: list[list[int]]) -> None:
+    def shard_stage(self, module: nn.Module, stage: int) -> None:
+        """Shard one stage's module in place before torch wraps it (`pp`: nothing; fsdp+pp: FSDP2)."""
+
+    def _tie(self, model: nn.Module, pipelines: list[list[int]], tied: bool) -> None:
         """Tied embedding / lm_head on two ranks (full finetuning): each copy gets its stage's part of
         the gradient; `after_backward` sums the two so both copies take the same step and stay equal."""
         lay = self.layout
         first_rank, last_rank = lay.rank_of(0), lay.rank_of(lay.num_stages - 1)
-        lm_head = model.lm_head
-        tied = model.backbone.embed_tokens.weight is lm_head.weight
         self.tied_weight: nn.Parameter | None = None
         self.tie_group = None
-        if tied and lm_head.weight.requires_grad and first_rank != last_rank:
+        if tied and first_rank != last_rank:
             for ranks in pipelines:  # one pair per pipeline; every rank takes part in creating each
                 group = dist.new_group([ranks[first_rank], ranks[last_rank]])
                 if self.env.rank in ranks:
                     self.tie_group = group
-            if self.pp_rank in (first_rank, last_rank):
-                self.tied_weight = lm_head.weight
+            if self.pp_rank in (first_rank, last_rank):  # this rank's copy, as its stage holds it
+                owner = model.backbone.embed_tokens if self.holds_first else model.lm_head
+                self.tied_weight = owner.weight
 
     def _probe_first_forward(self, stage: PipelineStage) -> None:
         """Run the first micro-batch's forward under the loop's activation probe, when it sets one."""
@@ -147,7 +160,7 @@ class PipelineParallel(Strategy):
     def _loss(self, loss_sum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Last stage, per micro-batch: the stage already summed the token losses; scale to the global mean."""
         self._loss_sums.append(loss_sum.detach())
-        return loss_sum.sum() / self._num_label_tokens
+        return loss_sum.sum() * self.loss_scale / self._num_label_tokens
 
     def _run(self, micro_batches: list[Batch], num_label_tokens: int) -> torch.Tensor:
         """One `schedule.step()` over the whole batch; the loss sum this rank's last stage computed."""
@@ -172,7 +185,7 @@ class PipelineParallel(Strategy):
 
     def after_backward(self, model: nn.Module) -> None:
         if self.tied_weight is not None and self.tied_weight.grad is not None:
-            dist.all_reduce(self.tied_weight.grad, group=self.tie_group)
+            dist.all_reduce(local(self.tied_weight.grad), group=self.tie_group)  # FSDP: shard by shard
 
     @torch.no_grad()
     def forward_only(self, model: nn.Module, micro_batches: list[Batch]) -> torch.Tensor:
@@ -221,9 +234,12 @@ class PipelineParallel(Strategy):
     def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
         """Every gradient of this rank's stages is its share of the pipeline's, summed over the
         pipeline group (data-parallel replicas hold equal gradients and are not counted twice). A
-        tied embedding split over two ranks is held, summed, by both: each counts half."""
+        tied embedding split over two ranks is held, summed, by both: each counts half. Sharded
+        gradients (fsdp+pp) count each shard once (`grad_copies`)."""
         return [
-            (p.grad, 2 if p is self.tied_weight else 1) for p in model.parameters() if p.grad is not None
+            (g, (self.grad_copies(g) if isinstance(g, DTensor) else 1) * (2 if p is self.tied_weight else 1))
+            for p in model.parameters()
+            if (g := p.grad) is not None
         ], []
 
     def norm_group(self) -> dist.ProcessGroup | None:
@@ -236,22 +252,33 @@ class PipelineParallel(Strategy):
         return local_sum
 
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Every rank's trained parameters, gathered on rank 0 under the single model's names."""
+        """Every rank's trained parameters, gathered on rank 0 under the single model's names.
+
+        Sharded ones (fsdp+pp) are gathered whole first, a collective over the ranks sharing the
+        stage; only one of them (`exports_stage`) sends the result on."""
         mine = {
-            name.removeprefix("lm."): p.detach().cpu().clone()
+            name.removeprefix("lm."): (p.full_tensor() if isinstance(p, DTensor) else p)
+            .detach()
+            .cpu()
+            .clone()
             for name, p in model.named_parameters()
             if p.requires_grad
         }
+        if not self.exports_stage():
+            mine = {}
         gathered: list[dict | None] | None = [None] * self.env.world_size if self.env.is_main else None
         dist.gather_object(mine, gathered, dst=0)
         if not self.env.is_main:
             return None
         # The single model lists a tied lm_head once, as the embedding: keep its names only.
-        names = {n for n, p in model.module.lm.named_parameters() if p.requires_grad}
         state = {}
         for part in gathered:
-            state.update({n: t for n, t in part.items() if n in names})
+            state.update({n: t for n, t in part.items() if n in self.export_names})
         return state
+
+    def exports_stage(self) -> bool:
+        """This rank sends its stages' weights to the export (`pp`: every rank holds its own)."""
+        return True
 
     def actions(self) -> list[list[Action]]:
         """Each pipeline rank's F/B/W passes in the order this schedule runs them."""
