@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distft.config import load_config
-from distft.measure import expected
+from distft.measure import counts, expected
 from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
 from distft.parallel.pipeline import Layout, StageModule
 from distft.plan.hardware import Link
@@ -81,7 +81,7 @@ def test_fsdp_gathers_and_scatters(method, reshard):
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_tp_activations(method):
     cfg, model = _built(method)
-    runtime = expected.tp_activation_bytes(cfg, causal_lm(model.lm), _batches())
+    runtime = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches())
     planned = _planned(method, Parallelism("tp", tp=WORLD, tp_impl="dtensor", microbatches=MICRO_BATCHES))
     assert planned == {"all_reduce": runtime}
 
@@ -135,14 +135,12 @@ def test_tp_inside_a_pipeline_stage(method):
     """fsdp+tp+pp, stage 0 of 2: TP's all-reduces for its own two layers (rank 0's; the planner models
     rank 0), the first of which skips q, k and v's backward one under LoRA."""
     cfg, model = _built(method)
-    runtime = expected.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=2)
+    runtime = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=2)
     layout = Parallelism(
         "fsdp+tp+pp", dp=2, tp=WORLD, pp=2, shard="full", tp_impl="dtensor", microbatches=MICRO_BATCHES
     )
     assert _planned(method, layout, dimension="tp") == {"all_reduce": runtime}
     # A later stage's input needs its gradient (it is sent back): 3 more per micro-batch with LoRA.
-    later = expected.tp_activation_bytes(
-        cfg, causal_lm(model.lm), _batches(), layers=2, input_needs_grad=True
-    )
+    later = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=2, input_needs_grad=True)
     hidden = model.backbone.config.hidden_size
     assert later - runtime == (3 * MICRO_BATCHES * SEQ * hidden * 4 if method == "lora" else 0)

@@ -122,7 +122,7 @@ class FSDPPipelineParallel(MeshPipeline):
         """All-gathers of each of `stage`'s FSDP units per step: one (gpipe, 1f1b: at its first
         forward); under the multi-stage schedules, one per UNSHARD action torch's schedule plans
         for it (it keeps up to 3 stages gathered, so with V <= 3 also one: what `distft plan`
-        counts, `measure.expected.fsdp_pipeline_gathers`)."""
+        counts, `measure.counts.fsdp_pipeline_gathers`)."""
         if self.layout.schedule in SINGLE_STAGE:
             return 1
         actions = self.schedule.pipeline_order_with_comms[self.pp_rank]

@@ -33,7 +33,7 @@ overlap compute and only the excess shows; a pipeline idles the runtime's theore
 the step (`distft.parallel.pipeline.Layout.theoretical_idle_fraction`, (p - 1) / (V m + p - 1)),
 so the step is compute / (1 - idle).
 
-The collective counts come from the runtime's own functions in `distft.measure.expected`
+The collective counts come from the runtime's own functions in `distft.measure.counts`
 (`tp_activation_calls`, `megatron_crossings`, `fsdp_gathers_per_microbatch`), the ones the parity
 tests check against the bytes counted on real gloo ranks. What differs is the input: the runtime
 sums the tensors a rank holds, the planner their shapes from a `ModelSpec` (no model is built), and
@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from distft.measure.expected import (
+from distft.measure.counts import (
     fsdp_gathers_per_microbatch,
     fsdp_pipeline_gathers,
     megatron_crossings,
