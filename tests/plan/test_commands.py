@@ -138,12 +138,15 @@ def test_recommended_command_in_json_matches_the_request():
     )
 
 
-def test_unrunnable_recommendation_has_no_command():
+def test_zero1_recommendation_prints_a_command_train_accepts():
+    """An optimizer-bound full finetune: the plan's ZeRO-1 comes with a `run:` line the runtime takes."""
     req = request("--model qwen3-1.7b --method full --gpus 2 --gpu rtx4090 --activation-checkpointing")
     estimates = evaluate(req)
     rec = decide(req, estimates)
-    assert rec.strategy == "zero1" and not estimates["zero1"].runnable
-    assert to_dict(req, estimates, rec)["recommendation"]["command"] is None
+    assert rec.strategy == "zero1" and estimates["zero1"].runnable
+    line = to_dict(req, estimates, rec)["recommendation"]["command"]
+    assert "--strategy zero1" in line
+    assert check_config(parse_run(line)).data_parallel_size == 2
 
 
 def test_recommended_pipelines_print_a_command_train_accepts():

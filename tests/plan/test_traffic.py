@@ -102,9 +102,10 @@ def test_hsdp_bytes_per_mesh_dimension(method):
     runtime = expected.hsdp_by_dim(SimpleNamespace(cfg=cfg, shard=WORLD), model, _batches())
     layout = Parallelism("hsdp", dp=2 * WORLD, shard="full", dp_shard=WORLD, microbatches=MICRO_BATCHES)
     assert _planned(method, layout) == runtime["shard"]
-    assert _planned(method, layout, replica_collectives) == runtime["replicate"]
+    assert _planned(method, layout, collectives=replica_collectives) == runtime["replicate"]
 
 
+@pytest.mark.parametrize("method", ["lora", "full"])
 def test_fsdp_pipeline_gathers_and_scatters_once_per_step(method):
     """fsdp+pp, stage 0 of 2 (the embedding, layers 0-1): its units gathered once per step and its
     trainable gradients reduce-scattered once, whatever the micro-batch count: torch's stage keeps
