@@ -16,6 +16,9 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
+from distft.cli import main
+from distft.train.metrics import START_ENV
+
 # Small enough for two CPU cores, big enough to exercise accumulation: global batch 4 = micro 1
 # x 2 accumulation steps x 2 ranks (and x 4 accumulation steps in the single-process reference).
 LEARNING_RATE = 1e-3
@@ -34,20 +37,67 @@ PARITY = [
 
 
 def distft(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the CLI in a fresh process, as a user would."""
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "distft.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=run_env,
-    )
+    """Run the CLI as a user would: `distft train` of a multi-process strategy in this process (its
+    checks before launch, then torchrun in a subprocess, as the CLI does), everything else in a
+    fresh process. A Python start with torch, transformers and peft costs ~5 s of CPU; the suite
+    launches well over a hundred runs on 2 cores."""
+    run_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    if _launches_ranks(args):
+        proc = _in_process(list(args), run_env)
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", "distft.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **run_env},
+        )
     if proc.returncode != 0:
         raise AssertionError(
             f"distft {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def _launches_ranks(args: tuple[str, ...]) -> bool:
+    """`distft train --strategy S` with S not single: the ranks run under torchrun anyway."""
+    if not args or args[0] != "train" or "--strategy" not in args:
+        return False
+    return args[args.index("--strategy") + 1] != "single"
+
+
+def _in_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`main(args)` with the environment set for it and restored after, and the output of this
+    process and of its children (torchrun's ranks write to the inherited descriptors 1 and 2)
+    captured in files, as `subprocess.run(capture_output=True)` would."""
+    saved_env = dict(os.environ)
+    os.environ.update(env)
+    os.environ.pop(START_ENV, None)  # the CLI stamps its start; each run has its own
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, name) for name in ("stdout", "stderr")]
+        files = [open(path, "a", buffering=1, encoding="utf-8") for path in paths]  # noqa: SIM115
+        sys.stdout.flush(), sys.stderr.flush()
+        saved_fds = [os.dup(1), os.dup(2)]
+        saved_streams = sys.stdout, sys.stderr
+        try:
+            os.dup2(files[0].fileno(), 1)
+            os.dup2(files[1].fileno(), 2)
+            sys.stdout, sys.stderr = files
+            try:
+                code = main(args)
+            except SystemExit as exit:  # argparse's usage errors
+                code = exit.code if isinstance(exit.code, int) else 1
+        finally:
+            sys.stdout, sys.stderr = saved_streams
+            for fd, saved in zip((1, 2), saved_fds, strict=True):
+                os.dup2(saved, fd)
+                os.close(saved)
+            for f in files:
+                f.close()
+            os.environ.clear()
+            os.environ.update(saved_env)
+        out, err = (Path(path).read_text(encoding="utf-8", errors="replace") for path in paths)
+    return subprocess.CompletedProcess(["distft", *args], code, out, err)
 
 
 def free_port() -> int:

@@ -32,6 +32,7 @@ LAYERS = {
     "distft.doctor": 8,  # the health check alone, with test-only faults (7) and plan's byte units (7)
     "distft.cli": 9,
     "distft.launch": 9,
+    "distft.launch_forked": 10,  # distft.launch with ranks forked from an imported distft.cli
     "distft.__main__": 10,
 }
 

@@ -185,15 +185,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not launched_by_torchrun():
         preflight(cfg, resuming=args.resume is not None)
         if STRATEGIES[cfg.parallel.strategy].distributed:
-            backend = "nccl" if pick_device(cfg.train.device).type == "cuda" else "gloo"
-            print_network_warnings(
-                backend, cfg.parallel.nproc, cfg.parallel.nnodes
-            )  # `distft.health.network`
+            on_cuda = pick_device(cfg.train.device).type == "cuda"
+            print_network_warnings("nccl" if on_cuda else "gloo", cfg.parallel.nproc, cfg.parallel.nnodes)
             with tempfile.TemporaryDirectory(prefix="distft-launch-") as tmp:
                 config_file = os.path.join(tmp, "config.toml")
                 with open(config_file, "w", encoding="utf-8") as f:
                     f.write(to_toml(cfg))
-                return subprocess.call(torchrun_command(cfg.parallel, ["train", "--config", config_file]))
+                # CPU ranks are forked from a launcher that imported distft once (`distft.launch_forked`).
+                argv = ["train", "--config", config_file]
+                return subprocess.call(torchrun_command(cfg.parallel, argv, fork=not on_cuda))
     train(cfg, hooks=faults.from_environment())  # test-only fault injection, off unless DISTFT_FAULT_*
     return 0
 

@@ -46,14 +46,18 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def torchrun_command(p: ParallelConfig, argv: list[str]) -> list[str]:
+FORKED_ENV = "DISTFT_FORKED_RANK"  # set in ranks forked by `distft.launch_forked`
+
+
+def torchrun_command(p: ParallelConfig, argv: list[str], fork: bool = False) -> list[str]:
     """`distft ARGV` once per rank under PyTorch's launcher: --nproc processes on this node, which
-    meet the other nodes' at --rdzv-endpoint (node 0's HOST:PORT) when --nnodes is above 1."""
+    meet the other nodes' at --rdzv-endpoint (node 0's HOST:PORT) when --nnodes is above 1. With
+    `fork` (CPU runs), the ranks are forked from a launcher that imported distft once."""
     # distft.launch is torchrun with a one-paragraph failure report instead of the agent's traceback.
     cmd = [
         sys.executable,
         "-m",
-        "distft.launch",
+        "distft.launch_forked" if fork else "distft.launch",
         f"--nproc-per-node={p.nproc}",
         f"--max-restarts={p.max_restarts}",
     ]
@@ -148,7 +152,9 @@ def exit_worker(exit_code: int) -> None:
     """
     sys.stdout.flush()
     sys.stderr.flush()
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun only (not by a group of one)
+    # Set by torchrun only (not by a group of one). A forked rank returns instead: its launcher
+    # waits for its return value, and multiprocessing ends it with `os._exit` right after.
+    if "TORCHELASTIC_RUN_ID" in os.environ and FORKED_ENV not in os.environ:
         os._exit(exit_code)
 
 

@@ -16,19 +16,35 @@ store (pytorch/pytorch#135712); with it, every killed-rank run here has restarte
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import uuid
+from collections.abc import Callable
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, entrypoint: Callable[[list[str]], None] | None = None) -> int:
+    """torchrun ARGV. With `entrypoint`, each rank is a process forked from this one that calls
+    `entrypoint(script_args)` instead of exec'ing the script (`distft.launch_forked`)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.max_restarts:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        run(args)
+        if entrypoint is None:
+            run(args)
+        else:
+            if args.standalone:  # what torch.distributed.run.run does before it launches
+                args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+            args.start_method = "fork"
+            # A failed forked rank is logged with the traceback of the launcher's own wait for it
+            # (an exec'd one without): the rank's message and the summary below say it all.
+            logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_traceback)
+            config, _, _ = config_from_args(args)
+            elastic_launch(config, entrypoint)(list(args.training_script_args))
     except ChildFailedError as err:
 
         def how(failure) -> str:
@@ -46,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 if __name__ == "__main__":
