@@ -38,6 +38,20 @@ LAYOUTS = [
     NodeLayout("fsdp+tp", 2, ("parallel.dp=2", "parallel.tp=2"), frozenset({"tp"})),
     # pp outermost: each node holds one stage of both replicas; the stage boundary crosses nodes.
     NodeLayout("ddp+pp", 2, ("parallel.dp=2", "parallel.pp=2"), frozenset({"dp"})),
+    # shard inner: FSDP's gathers and reduce-scatters stay in a node, the replicas' all-reduce crosses.
+    NodeLayout("hsdp", 2, ("parallel.shard=2",), frozenset({"shard"})),
+    # The pipelines as ddp+pp: one stage per node, FSDP (and TP) inside it. Slow: the suite's
+    # 10 minutes on 2 cores; their single-node parity runs in tests/parallel/test_fsdp_pp.py.
+    pytest.param(
+        NodeLayout("fsdp+pp", 2, ("parallel.dp=2", "parallel.pp=2"), frozenset({"dp"})),
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        NodeLayout(
+            "fsdp+tp+pp", 2, ("parallel.dp=1", "parallel.tp=2", "parallel.pp=2"), frozenset({"dp", "tp"})
+        ),
+        marks=pytest.mark.slow,
+    ),
 ]
 
 

@@ -209,9 +209,12 @@ class Strategy:
         )
 
     def mesh_groups(self) -> dict[str, list[int]]:
-        """The global ranks of this rank's group along each mesh dimension (`ranks.json`); a
-        one-dimensional strategy has no mesh."""
-        return {}
+        """The global ranks of this rank's group along each dimension of the mesh the strategy
+        built (`self.mesh`), as the process groups hold them: `ranks.json` shows which groups stay
+        inside a node. A one-dimensional strategy has no mesh."""
+        mesh = getattr(self, "mesh", None)
+        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+        return {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in names}
 
     def is_logging_rank(self) -> bool:
         return self.env.is_main

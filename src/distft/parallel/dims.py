@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distft.config import Config
@@ -90,9 +89,3 @@ class MeshStrategy:
         super().__init__(cfg, env)  # type: ignore[call-arg]
         self.dims = ParallelDims.from_config(cfg)
         self.dp_rank = self.dims.coordinates(env.rank)["dp"]
-
-    def mesh_groups(self) -> dict[str, list[int]]:
-        """This rank's group along each dimension of the mesh the strategy built (`self.mesh`), as
-        the process groups hold them: `ranks.json` shows which groups stay inside a node."""
-        names = self.mesh.mesh_dim_names or ()  # type: ignore[attr-defined]
-        return {n: dist.get_process_group_ranks(self.mesh.get_group(n)) for n in names}  # type: ignore[attr-defined]
