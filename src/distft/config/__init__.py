@@ -3,6 +3,7 @@
 This package is a leaf: it imports nothing of distft but `distft.errors`.
 """
 
+from distft.config.choices import check_choice, nearest
 from distft.config.io import apply_override, config_differences, load_config, to_dict, to_toml
 from distft.config.schema import (
     DTYPES,
@@ -15,9 +16,7 @@ from distft.config.schema import (
     OutputConfig,
     ParallelConfig,
     TrainConfig,
-    check_choice,
     check_fields,
-    nearest,
 )
 
 __all__ = [

@@ -17,7 +17,8 @@ from typing import Any
 
 import tomllib
 
-from distft.config.schema import Config, check_fields, nearest
+from distft.config.choices import nearest
+from distft.config.schema import Config, check_fields
 from distft.errors import ConfigError
 
 _SECTION_TYPES = typing.get_type_hints(Config)

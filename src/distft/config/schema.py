@@ -8,9 +8,9 @@ architecture run later, in `distft.parallel.checks`, before any process is launc
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 
+from distft.config.choices import check_choice
 from distft.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +79,16 @@ class DataConfig:
     """Pack each micro-batch's sequences into one row, with no padding: position ids restart at
     every document and attention never crosses one (docs/packing.md). Same loss as padded rows, up
     to float summation order; false: one right-padded row per sequence."""
+    cache: bool = True
+    """Tokenise a file or hub set once into a memory-mapped cache that every rank and later run opens
+    (docs/data.md, "Data at scale"); false: every rank tokenises every row in memory."""
+    cache_dir: str = ""
+    """Token caches' home (multi-node: a shared filesystem); empty: `$DISTFT_CACHE/tokens`, else
+    `~/.cache/distft/tokens`."""
+    streaming: bool = False
+    """Hub datasets: stream rows into the token cache instead of downloading the set first."""
+    revision: str = ""
+    """Hub datasets: branch, tag or commit (empty: the default branch); part of the cache key."""
 
 
 @dataclass
@@ -254,20 +264,6 @@ DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca")
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`
 
 
-def nearest(name: str, choices: list[str]) -> str:
-    """ " Did you mean `x`?" for a close match, else the valid choices."""
-    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-    return f" Did you mean `{match[0]}`?" if match else f" Valid: {', '.join(sorted(choices))}."
-
-
-def check_choice(value: str, choices: tuple[str, ...] | list[str], where: str) -> None:
-    if value not in choices:
-        # The choices are listed once; `nearest` would list them again when nothing is close.
-        match = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
-        hint = f" Did you mean `{match[0]}`?" if match else ""
-        raise ConfigError(f"`{where}` is {value!r}; choose one of {', '.join(choices)}.{hint}")
-
-
 def check_fields(cfg: Config) -> None:
     """Checks that need only the config itself; strategy and model checks: `distft.parallel.checks`."""
     check_choice(cfg.train.method, METHODS, "train.method")
@@ -310,6 +306,8 @@ def _check_counts(cfg: Config) -> None:
         raise ConfigError(
             "`optim.warmup_steps`, `optim.grad_clip` and `train.eval_every` cannot be negative."
         )
+    if cfg.data.streaming and not cfg.data.cache:  # a stream held in every rank's memory defeats it
+        raise ConfigError("data.streaming=true streams into the token cache: it needs data.cache=true.")
     if cfg.parallel.max_restarts < 0:
         raise ConfigError(f"`parallel.max_restarts` cannot be negative, got {cfg.parallel.max_restarts}.")
     if cfg.train.method == "qlora":
