@@ -115,6 +115,8 @@ def test_a_crash_mid_build_leaves_no_cache_that_is_trusted(tmp_path, tokenizer, 
     (final / "tokens.bin").write_bytes(b"\0" * 3)  # damaged after the fact: refused, not read
     with pytest.raises(DataError, match="damaged"):
         open_or_build(cfg, 0, tokenizer)
+    with pytest.raises(DataError, match="Cannot write the token cache"):  # a file where a directory goes
+        open_or_build(replace(cfg, cache_dir=str(tmp_path / "m.jsonl" / "c")), 0, tokenizer)
 
 
 def test_processes_that_race_for_a_missing_cache_build_it_once(tmp_path, tokenizer, monkeypatch):

@@ -18,6 +18,7 @@ A run with in-memory rows (`train(cfg, dataset=...)`) or `data.cache=false` toke
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -188,8 +189,16 @@ def build_store(
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock on `path` (created if missing), held for the block. Processes on one
     host exclude each other; across hosts it holds where the shared filesystem supports locks, and
-    where it does not, two builds race to one rename (below) and the loser's copy is dropped."""
-    with path.open("a+b") as f:
+    where it does not, two builds race to one rename (`_build_once`) and the loser's copy is dropped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("a+b")
+    except OSError as err:
+        raise DataError(
+            f"Cannot write the token cache in {path.parent} ({err.strerror}): set data.cache_dir to a "
+            "writable directory, or data.cache=false."
+        ) from None
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         yield
 
@@ -212,34 +221,48 @@ def _sweep(final: Path, host: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _build_once(
+    final: Path, cfg: DataConfig, seed: int, tokenizer: Any, key: dict, progress: Progress | None
+) -> bool:
+    """Build the store `final` unless another process has (or does, while this one waits for the
+    lock); True if this process built it."""
+    with _locked(final.parent / f".{final.name}.lock"):
+        if (final / META).is_file():
+            return False
+        host = socket.gethostname()
+        _sweep(final, host)
+        tmp = final.parent / f".{final.name}.tmp-{host}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            build_store(tmp, cfg, seed, tokenizer, key, progress)
+            with contextlib.suppress(OSError):  # another node's build won: ours is identical
+                tmp.rename(final)  # atomic: the key names a complete store or nothing
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DataError(
+                    f"The token cache filled {final.parent} ({err.strerror}): free space there, set "
+                    "data.cache_dir to a larger disk, or data.cache=false."
+                ) from None
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
 def open_or_build(cfg: DataConfig, seed: int, tokenizer: Any, progress: Progress | None = None) -> TokenCache:
     """The store of this key: opened if it exists, else built once (one process per node)."""
     start = time.perf_counter()
     key = cache_key(cfg, seed, tokenizer)
     final = cache_path(cfg, key)
-    state = "hit"
-    if not (final / META).is_file():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(final.parent / f".{final.name}.lock"):
-            if not (final / META).is_file():  # nobody built it while we waited for the lock
-                host = socket.gethostname()
-                _sweep(final, host)
-                tmp = final.parent / f".{final.name}.tmp-{host}-{os.getpid()}"
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir()
-                try:
-                    build_store(tmp, cfg, seed, tokenizer, key, progress)
-                    with contextlib.suppress(OSError):  # another node's build won: ours is identical
-                        tmp.rename(final)  # atomic: the key names a complete store or nothing
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                state = "built"
+    built = not (final / META).is_file() and _build_once(final, cfg, seed, tokenizer, key, progress)
     try:
         splits = open_store(final)
     except (ValueError, KeyError, OSError) as err:
         raise DataError(
             f"The token cache {final} is damaged ({err}); delete that directory and run again."
         ) from None
+    state = "built" if built else "hit"
     return TokenCache(final, state, time.perf_counter() - start, splits["train"], splits["validation"])
 
 

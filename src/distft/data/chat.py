@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from distft.config import DataConfig
@@ -242,10 +242,10 @@ def split_summary(lengths: list[int], truncated: list[int]) -> dict[str, float]:
 @dataclass
 class TokenizedSplit:
     """A split's examples in memory. Read by position like its memory-mapped twin
-    (`distft.data.cache.CachedSplit`), which the loop cannot tell from it."""
+    (`distft.data.store.CachedSplit`), which the loop cannot tell from it."""
 
     examples: list[Example]
-    reads: int = 0  # examples handed out by position (the loop's batches)
+    reads: int = field(default=0, compare=False)  # examples handed out by position (the loop's batches)
 
     def __len__(self) -> int:
         return len(self.examples)

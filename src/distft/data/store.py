@@ -33,7 +33,7 @@ META = "meta.json"
 _ARRAYS = {"tokens": np.uint32, "labelled": np.uint8, "offsets": np.int64, "truncated": np.int32}
 
 
-@dataclass
+@dataclass(eq=False)  # arrays: compare examples, not splits
 class CachedSplit:
     """One split of a store, read by position like `TokenizedSplit` (which the loop cannot tell
     from it). The arrays are memory maps, shared by the splits of a store."""
