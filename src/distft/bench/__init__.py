@@ -149,7 +149,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
 
 def cmd_startup(args: argparse.Namespace) -> int:
     try:
-        sizes = [int(n) for n in _names(args.rows)]
+        sizes = sorted({int(n) for n in _names(args.rows)})
     except ValueError:
         raise ConfigError(f"--rows takes comma-separated integers, got {args.rows!r}.") from None
     settings = StartupSettings(

@@ -30,6 +30,7 @@ from distft.bench.harness import environment
 from distft.train.metrics import START_ENV
 
 MODES = ("off", "cold", "warm")
+RANK_DATA_BOUND_S = 1.0  # a rank opening a warm cache, at any size (it maps files; measured: ~1 ms)
 
 
 @dataclass
@@ -38,7 +39,7 @@ class StartupSettings:
     strategy: str = "ddp"
     nproc: int = 2
     model: str = "micro"
-    repeats: int = 1  # warm runs per size (their median is compared with the bound)
+    repeats: int = 1  # runs per size and mode (medians are compared with the bound)
     bound_s: float = 5.0  # a warm start-up may exceed the smallest size's by this much
     modes: list[str] = field(default_factory=lambda: list(MODES))
     overrides: list[str] = field(default_factory=list)
@@ -89,7 +90,32 @@ def run_once(settings: StartupSettings, data: Path, cache: Path, out: Path, mode
         "rank_data_s": max(c["seconds"] for c in caches),
         "rank_states": sorted({c["state"] for c in caches}),
         "examples_read": max(c["examples_read"] for c in caches),
+        "load_1min": os.getloadavg()[0],  # runnable processes on the machine: others' work shows here
     }
+
+
+def run_size(settings: StartupSettings, n: int, out: Path) -> dict:
+    """One size: `repeats` runs of each mode, interleaved (off, cold, warm, off, ...) so a slow spell
+    of a shared machine falls on every mode; a cold run starts from an empty cache directory."""
+    data = write_synthetic_rows(out / f"rows-{n}.jsonl", n)
+    cache = out / f"cache-{n}"
+    runs: dict[str, list[dict]] = {m: [] for m in settings.modes}
+    for _ in range(settings.repeats):
+        for mode in settings.modes:
+            if mode == "cold":
+                shutil.rmtree(cache, ignore_errors=True)
+            runs[mode].append(run_once(settings, data, cache, out / f"run-{n}-{mode}", mode))
+            if mode == "cold":  # how long the first tokenisation itself took
+                store = next(p for p in cache.iterdir() if not p.name.startswith("."))
+                runs[mode][-1]["build_s"] = json.loads((store / "meta.json").read_text())["build_s"]
+    row: dict = {"rows": n}
+    for mode, measured in runs.items():
+        startup = [r["startup_s"] for r in measured]
+        row[mode] = {
+            "startup_s": statistics.median(startup), "startup_min_s": min(startup), "startup_max_s": max(startup),
+            "runs": measured,
+        }  # fmt: skip
+    return row
 
 
 def run_startup_bench(settings: StartupSettings, out: Path) -> dict:
@@ -97,21 +123,8 @@ def run_startup_bench(settings: StartupSettings, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for n in settings.sizes:
-        data = write_synthetic_rows(out / f"rows-{n}.jsonl", n)
-        cache = out / f"cache-{n}"
-        shutil.rmtree(cache, ignore_errors=True)  # cold means cold
-        row: dict = {"rows": n}
-        for mode in settings.modes:
-            repeats = settings.repeats if mode == "warm" else 1
-            runs = [run_once(settings, data, cache, out / f"run-{n}-{mode}", mode) for _ in range(repeats)]
-            row[mode] = runs[-1] | {"startup_s": statistics.median(r["startup_s"] for r in runs)}
-            if repeats > 1:
-                row[mode]["startup_runs_s"] = [r["startup_s"] for r in runs]
-        rows.append(row)
-        print(
-            f"{n:>9,} rows: " + ", ".join(f"{m} {row[m]['startup_s']:.1f} s" for m in settings.modes),
-            flush=True,
-        )
+        rows.append(run_size(settings, n, out))
+        print(f"{n:>9,} rows: " + ", ".join(f"{m} {rows[-1][m]['startup_s']:.1f} s" for m in settings.modes))
     return {
         "settings": asdict(settings),
         "environment": environment(),
@@ -121,45 +134,63 @@ def run_startup_bench(settings: StartupSettings, out: Path) -> dict:
 
 
 def check_bound(rows: list[dict], settings: StartupSettings) -> dict:
-    """Warm start-up at every size against the smallest size's, plus `bound_s`."""
-    warm = [(r["rows"], r["warm"]["startup_s"]) for r in rows if "warm" in r]
+    """With a warm cache, start-up at every size within `bound_s` of the smallest size's (medians),
+    and every rank's data set-up (opening the cache) under `RANK_DATA_BOUND_S` in every run."""
+    warm = [(r["rows"], r["warm"]) for r in rows if "warm" in r]
     if not warm:
         return {"checked": False, "holds": True}
-    base = min(warm)[1]
-    worst = max(s - base for _, s in warm)
+    base = warm[0][1]["startup_s"]  # the smallest size (sizes are given in increasing order)
+    worst = max(w["startup_s"] - base for _, w in warm)
+    rank_data = max(run["rank_data_s"] for _, w in warm for run in w["runs"])
     return {
-        "checked": True,
-        "bound_s": settings.bound_s,
-        "base_s": base,
-        "worst_excess_s": worst,
-        "holds": worst <= settings.bound_s,
-    }
+        "checked": True, "bound_s": settings.bound_s, "base_s": base, "worst_excess_s": worst,
+        "rank_data_bound_s": RANK_DATA_BOUND_S, "rank_data_max_s": rank_data,
+        "holds": worst <= settings.bound_s and rank_data <= RANK_DATA_BOUND_S,
+    }  # fmt: skip
+
+
+def _cell(row: dict, mode: str) -> str:
+    if mode not in row:
+        return "-"
+    m = row[mode]
+    spread = f" [{m['startup_min_s']:.1f}-{m['startup_max_s']:.1f}]" if len(m["runs"]) > 1 else ""
+    return f"{m['startup_s']:.1f}{spread}"
 
 
 def write_startup_report(summary: dict, out: Path) -> Path:
     """`startup.md`: one row per size, start-up per mode, and the bound."""
     s, env, bound = summary["settings"], summary["environment"], summary["bound"]
-    cell = {m: (lambda r, m=m: f"{r[m]['startup_s']:.1f}" if m in r else "-") for m in MODES}
     lines = [
         "# Start-up vs dataset size",
         "",
         f"`distft train --strategy {s['strategy']} --nproc {s['nproc']} --model {s['model']} --max-steps 1`, "
         f"short synthetic prompt/completion rows, data.max_length=128; {env['cpu_count']} CPU cores, {env['device']}, "
-        f"torch {env['torch']}. Seconds from the command to step 1 (`startup_s`).",
+        f"torch {env['torch']}. Seconds from the command to step 1 (`startup_s`), median [min-max] of "
+        f"{s['repeats']} run(s) per mode, interleaved; load: the machine's 1-minute load average after the runs.",
         "",
-        "| rows | cache off (before) | cold cache (first tokenisation) | warm cache | ranks' data set-up, warm | examples a rank read |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
+        "| rows | cache off (before) | cold cache | first tokenisation | warm cache | ranks' data set-up, warm | examples a rank read | load |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
     for r in summary["rows"]:
-        warm = r.get("warm", {})
+        runs = [run for m in MODES if m in r for run in r[m]["runs"]]
+        build = [run["build_s"] for run in r.get("cold", {}).get("runs", [])]
+        warm = r.get("warm", {}).get("runs", [])
+        first = f"{statistics.median(build):.2f}" if build else "-"
+        rank_data = f"{max(w['rank_data_s'] for w in warm) * 1000:.0f} ms" if warm else "-"
+        read = max((w["examples_read"] for w in warm), default="-")
+        load = statistics.median(run["load_1min"] for run in runs)
         lines.append(
-            f"| {r['rows']:,} | {cell['off'](r)} | {cell['cold'](r)} | {cell['warm'](r)} | "
-            f"{warm.get('rank_data_s', float('nan')) * 1000:.0f} ms | {warm.get('examples_read', '-')} |"
+            f"| {r['rows']:,} | {_cell(r, 'off')} | {_cell(r, 'cold')} | {first} | {_cell(r, 'warm')} | "
+            f"{rank_data} | {read} | {load:.1f} |"
         )
     if bound["checked"]:
         verdict = "holds" if bound["holds"] else "FAILS"
-        lines += ["", f"Bound: a warm start-up within {bound['bound_s']:.1f} s of the smallest size's "
-                  f"({bound['base_s']:.1f} s); worst excess {bound['worst_excess_s']:+.1f} s: **{verdict}**."]  # fmt: skip
+        lines += [
+            "",
+            f"Bound: with a warm cache, start-up within {bound['bound_s']:.1f} s of the smallest size's "
+            f"({bound['base_s']:.1f} s; worst excess {bound['worst_excess_s']:+.1f} s), and every rank's data set-up "
+            f"under {bound['rank_data_bound_s']:.1f} s (longest {bound['rank_data_max_s'] * 1000:.0f} ms): **{verdict}**.",
+        ]
     path = out / "startup.md"
     path.write_text("\n".join(lines) + "\n")
     (out / "startup.json").write_text(json.dumps(summary, indent=1))

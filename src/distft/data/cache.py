@@ -107,7 +107,7 @@ def cache_key(cfg: DataConfig, seed: int, tokenizer: Any) -> dict:
 def cache_path(cfg: DataConfig, key: dict) -> Path:
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_root() / "tokens"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    name = re.sub(r"[^A-Za-z0-9._]+", "_", Path(cfg.source).name)[:40]  # a reader's hint, not the key
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.source).name)[:40]  # a reader's hint, not the key
     return root / f"{name}-{digest[:20]}"
 
 
