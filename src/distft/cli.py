@@ -21,7 +21,7 @@ from typing import Any
 
 from distft import bench, faults, plan
 from distft.config import Config, load_config, to_toml
-from distft.data import ChatFormatter, load_rows, load_tokenizer, tokenize_rows
+from distft.data import load_tokenizer, tokenized_splits
 from distft.distributed import exit_worker, launched_by_torchrun, pick_device, torchrun_command
 from distft.doctor import add_doctor_parser, cmd_doctor
 from distft.errors import ConfigError, TrainingError
@@ -146,6 +146,8 @@ def resolve_local_paths(cfg: Config) -> None:
         cfg.data.source = str(Path(cfg.data.source).resolve())
     if not is_preset(cfg.model.name) and Path(cfg.model.name).is_dir():
         cfg.model.name = str(Path(cfg.model.name).resolve())
+    if cfg.data.cache_dir:  # every rank, and a resumed run, finds the same cache
+        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
 
 
 def preflight(cfg: Config, resuming: bool = False) -> None:
@@ -168,9 +170,31 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
     architecture = model_config(cfg.model.name)
     check_model(cfg, architecture)
     check_output_dir(cfg, architecture)
-    formatter = ChatFormatter(load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name), cfg.data)
-    for split in load_rows(cfg.data, seed=cfg.train.seed).values():
-        tokenize_rows(split, formatter)
+    prepare_data(cfg)
+
+
+def prepare_data(cfg: Config) -> None:
+    """Every row read and tokenised before launch, so a bad one is refused here; with `data.cache`
+    into the token cache, which the ranks then only open (docs/data.md, "Data at scale")."""
+    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
+    start = time.perf_counter()
+    next_line = start + 30
+
+    def progress(examples: int) -> None:  # a line every 30 s of a long first tokenisation
+        nonlocal next_line
+        if time.perf_counter() >= next_line:
+            next_line += 30
+            print(
+                f"tokenising {cfg.data.source}: {examples:,} examples, {next_line - 30 - start:.0f} s",
+                flush=True,
+            )
+
+    train, valid, info = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, progress=progress)
+    n = len(train) + len(valid)
+    if info["state"] == "built":
+        print(f"tokenised {n:,} examples into {info['path']} in {info['seconds']:.1f} s", flush=True)
+    elif info["state"] == "hit":
+        print(f"token cache: {info['path']} ({n:,} examples, tokenised before)", flush=True)
 
 
 def _cuda_count() -> int:

@@ -18,6 +18,7 @@ from distft.bench.harness import (
     sweep_losses,
 )
 from distft.bench.report import write_report
+from distft.bench.startup import StartupSettings, run_startup_bench, write_startup_report
 from distft.bench.study import STUDIES, run_study
 from distft.bench.study_report import write_study_report
 from distft.errors import ConfigError
@@ -86,6 +87,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "and min-max over the runs and names a winner only where the ranges do not overlap (default 1)",
     )
     p.add_argument(
+        "--startup",
+        action="store_true",
+        help="time from the command to step 1 against the dataset's size (--rows), token cache off, cold and "
+        "warm, on --nproc ranks of ddp; writes DIR/startup.md and fails if a warm start-up exceeds the smallest "
+        "size's by more than --startup-bound seconds (docs/data.md)",
+    )
+    p.add_argument(
+        "--rows", default="1000,10000,100000", help="--startup: dataset sizes (default 1000,10000,100000)"
+    )
+    p.add_argument(
+        "--startup-bound", type=float, default=5.0, help="--startup: the bound in seconds (default 5)"
+    )
+    p.add_argument(
         "--out", default=DEFAULT_OUT, help="output directory (default runs/bench; --gpu: runs/bench-gpu)"
     )
     p.add_argument(
@@ -137,9 +151,28 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     return 1 if summary["failures"] else 0
 
 
+def cmd_startup(args: argparse.Namespace) -> int:
+    try:
+        sizes = sorted({int(n) for n in _names(args.rows)})
+    except ValueError:
+        raise ConfigError(f"--rows takes comma-separated integers, got {args.rows!r}.") from None
+    settings = StartupSettings(
+        sizes=sizes, nproc=args.nproc, model=args.model or "micro", repeats=args.repeats,
+        bound_s=args.startup_bound, overrides=list(args.overrides),
+    )  # fmt: skip
+    out = Path(args.out if args.out != DEFAULT_OUT else "runs/bench-startup")
+    summary = run_startup_bench(settings, out)
+    report = write_startup_report(summary, out)
+    print(report.read_text())
+    print(f"wrote {report} and {out / 'startup.json'}")
+    return 0 if summary["bound"]["holds"] else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.gpu:
         return cmd_gpu(args)
+    if args.startup:
+        return cmd_startup(args)
     try:
         microbatches = [int(m) for m in _names(args.pp_microbatches)]
     except ValueError:

@@ -69,6 +69,8 @@ def _check_counts(cfg: Config) -> None:
         raise ConfigError(
             "`optim.warmup_steps`, `optim.grad_clip` and `train.eval_every` cannot be negative."
         )
+    if cfg.data.streaming and not cfg.data.cache:  # a stream held in every rank's memory defeats it
+        raise ConfigError("data.streaming=true streams into the token cache: it needs data.cache=true.")
     if cfg.parallel.max_restarts < 0:
         raise ConfigError(f"`parallel.max_restarts` cannot be negative, got {cfg.parallel.max_restarts}.")
     if cfg.train.method == "qlora":

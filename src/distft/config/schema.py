@@ -74,6 +74,16 @@ class DataConfig:
     """Pack each micro-batch's sequences into one row, with no padding: position ids restart at
     every document and attention never crosses one (docs/packing.md). Same loss as padded rows, up
     to float summation order; false: one right-padded row per sequence."""
+    cache: bool = True
+    """Tokenise a file or hub set once into a memory-mapped cache that every rank and later run opens
+    (docs/data.md, "Data at scale"); false: every rank tokenises every row in memory."""
+    cache_dir: str = ""
+    """Token caches' home (multi-node: a shared filesystem); empty: `$DISTFT_CACHE/tokens`, else
+    `~/.cache/distft/tokens`."""
+    streaming: bool = False
+    """Hub datasets: stream rows into the token cache instead of downloading the set first."""
+    revision: str = ""
+    """Hub datasets: branch, tag or commit (empty: the default branch); part of the cache key."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Training data: rows in four formats (`formats`: summary, chat, prompt/completion, alpaca), read
-from files, the hub or memory (`rows`); chat tokens with label masks (`chat`), the seeded global
-batches every strategy shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's
-chat template from `qwen3_template`) and the bundled synthetic meetings (`sample`)."""
+from files, the hub or memory (`rows`); chat tokens with label masks (`chat`), tokenised once into
+a memory-mapped store every rank opens (`cache`, `store`), the seeded global batches every strategy
+shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's chat template from
+`qwen3_template`) and the bundled synthetic meetings (`sample`)."""
 
 from distft.data.batches import (
     collate,
@@ -12,6 +13,7 @@ from distft.data.batches import (
     pack,
     rank_micro_batches,
 )
+from distft.data.cache import TokenCache, open_or_build, tokenized_splits
 from distft.data.chat import IGNORE, ChatFormatter, Example, TokenizedSplit, tokenize_rows
 from distft.data.formats import (
     KNOWN_SCHEMAS,
@@ -25,17 +27,20 @@ from distft.data.formats import (
     row_from_record,
 )
 from distft.data.rows import load_rows, read_file
+from distft.data.store import CachedSplit
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 
 __all__ = [
     "IGNORE",
     "KNOWN_SCHEMAS",
+    "CachedSplit",
     "ChatFormatter",
     "ChatRow",
     "Example",
     "MeetingRow",
     "Message",
     "Row",
+    "TokenCache",
     "TokenizedSplit",
     "collate",
     "count_label_tokens",
@@ -46,6 +51,7 @@ __all__ = [
     "load_tokenizer",
     "messages_of",
     "micro_batch",
+    "open_or_build",
     "pack",
     "prompt_and_reference",
     "qwen3_tokenizer",
@@ -53,4 +59,5 @@ __all__ = [
     "read_file",
     "row_from_record",
     "tokenize_rows",
+    "tokenized_splits",
 ]

@@ -13,6 +13,8 @@ micro-batch becomes tensors in one of two layouts (docs/packing.md):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distft.data.chat import IGNORE, Example
@@ -24,9 +26,14 @@ def global_batch_indices(step: int, n_rows: int, global_batch_size: int, seed: i
     indices: list[int] = []
     while len(indices) < global_batch_size:
         epoch, offset = divmod(start + len(indices), n_rows)
-        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        perm = _epoch_order(n_rows, seed, epoch)
         indices.extend(perm[offset : offset + global_batch_size - len(indices)].tolist())
     return indices
+
+
+@functools.lru_cache(maxsize=2)  # this epoch's and the next: one permutation per epoch, not per step
+def _epoch_order(n_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
 
 
 def collate(examples: list[Example], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:

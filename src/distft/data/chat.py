@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import re
 import statistics
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from distft.config import DataConfig
@@ -45,9 +46,10 @@ class Example:
 class _Piece:
     """A run of tokens from one source: template text, or one text of one message."""
 
-    ids: list[int]
+    ids: Sequence[int]
     target: bool = False  # carries loss
-    part: tuple[int, int] | None = None  # (message, part) of a prompt text truncation may cut
+    part: tuple[int, int] | None = None  # (message, part) of a prompt text truncation may cut (a
+    # text's piece is its own; a template piece, never cut, is shared by every chat of its shape)
 
 
 class ChatFormatter:
@@ -57,31 +59,53 @@ class ChatFormatter:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.end_id = tokenizer.convert_tokens_to_ids(_END)
+        # The template only ever sees markers, so what it renders is a function of the chat's shape
+        # (each message's role and part count): rendered, cut and tokenised once per shape.
+        self._plans: dict[tuple, list[_Piece | tuple[int, int]]] = {}
+        self._known: dict[str, Sequence[int]] = {}  # the texts of the rows `encode_many` is encoding
 
     # ---- rendering ----------------------------------------------------------------------------
 
-    def _ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+    def _ids(self, text: str) -> Sequence[int]:
+        if not text:
+            return ()
+        ids = self._known.get(text)
+        return ids if ids is not None else self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _plan(self, messages: list[Message], generation: bool) -> list[_Piece | tuple[int, int]]:
+        """The chat's template pieces, with (message, part) where each text goes."""
+        shape = (tuple((m.role, len(m.parts)) for m in messages), generation)
+        plan = self._plans.get(shape)
+        if plan is None:
+            slots = [
+                {"role": m.role, "content": "\n\n".join(f"\x00{i}:{j}\x00" for j in range(len(m.parts)))}
+                for i, m in enumerate(messages)
+            ]
+            text = self.tokenizer.apply_chat_template(
+                slots, tokenize=False, add_generation_prompt=generation, enable_thinking=self.cfg.enable_thinking
+            )  # fmt: skip
+            chunks = _SLOT.split(text)  # literal, i, j, literal, i, j, ..., literal
+            plan = []
+            for k in range(0, len(chunks), 3):
+                before = (int(chunks[k - 2]), int(chunks[k - 1])) if k else None
+                after = (int(chunks[k + 1]), int(chunks[k + 2])) if k + 1 < len(chunks) else None
+                plan += self._template_text(chunks[k], messages, before, after)
+                if after is not None:
+                    plan.append(after)
+            if len(self._plans) < 10_000:  # shapes are few; a bound all the same
+                self._plans[shape] = plan
+        return plan
 
     def _pieces(self, messages: list[Message], generation: bool) -> list[_Piece]:
         """The chat as pieces; a training chat (`generation=False`) ends at its last target token."""
-        slots = [
-            {"role": m.role, "content": "\n\n".join(f"\x00{i}:{j}\x00" for j in range(len(m.parts)))}
-            for i, m in enumerate(messages)
-        ]
-        text = self.tokenizer.apply_chat_template(
-            slots, tokenize=False, add_generation_prompt=generation, enable_thinking=self.cfg.enable_thinking
-        )
-        chunks = _SLOT.split(text)  # literal, i, j, literal, i, j, ..., literal
         pieces: list[_Piece] = []
-        for k in range(0, len(chunks), 3):
-            before = (int(chunks[k - 2]), int(chunks[k - 1])) if k else None
-            after = (int(chunks[k + 1]), int(chunks[k + 2])) if k + 1 < len(chunks) else None
-            pieces += self._template_text(chunks[k], messages, before, after)
-            if after is not None:
-                i, j = after
+        for item in self._plan(messages, generation):
+            if isinstance(item, _Piece):
+                pieces.append(item)  # a template piece, shared by every chat of this shape
+            else:
+                i, j = item
                 answer = messages[i].role == "assistant"
-                pieces.append(_Piece(self._ids(messages[i].parts[j]), answer, None if answer else after))
+                pieces.append(_Piece(self._ids(messages[i].parts[j]), answer, None if answer else item))
         while not generation and pieces and not pieces[-1].target:
             pieces.pop()  # the template's "\n" after the last <|im_end|> predicts nothing
         return pieces
@@ -151,6 +175,17 @@ class ChatFormatter:
         labels = [input_ids[t + 1] if target[t + 1] else IGNORE for t in range(len(input_ids) - 1)]
         return Example(input_ids, [*labels, IGNORE], full - len(input_ids))
 
+    def encode_many(self, rows: Sequence[Row]) -> list[Example]:
+        """`encode` for each row, the rows' texts tokenised first in one call: a call costs the
+        tokenizer far more than a short text does."""
+        texts = list({p for r in rows for m in messages_of(r, self.cfg) for p in m.parts if p})
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        self._known = dict(zip(texts, ids, strict=True))
+        try:
+            return [self.encode(r) for r in rows]
+        finally:
+            self._known = {}
+
     def generation_prompt(self, messages: list[Message], reserve: int = 0) -> tuple[list[int], int]:
         """The prompt that asks for the next assistant turn, leaving `reserve` of max_length free,
         cut as training cuts (earliest exchanges, then the longest prompt text); and how many
@@ -191,22 +226,45 @@ def _drop_earliest_exchange(messages: list[Message]) -> bool:
     return True
 
 
+def split_summary(lengths: list[int], truncated: list[int]) -> dict[str, float]:
+    """What the run's header says of a split: rows, token lengths, rows and tokens cut."""
+    cut = [t for t in truncated if t]
+    return {
+        "rows": len(lengths),
+        "tokens_median": statistics.median(lengths),
+        "tokens_max": max(lengths),
+        "truncated_rows": len(cut),
+        "truncated_tokens_mean": statistics.mean(cut) if cut else 0.0,
+        "truncated_tokens_max": max(cut, default=0),
+    }
+
+
 @dataclass
 class TokenizedSplit:
+    """A split's examples in memory. Read by position like its memory-mapped twin
+    (`distft.data.store.CachedSplit`), which the loop cannot tell from it."""
+
     examples: list[Example]
+    reads: int = field(default=0, compare=False)  # examples handed out by position (the loop's batches)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> Example:
+        self.reads += 1
+        return self.examples[i]
 
     def summary(self) -> dict[str, float]:
-        lengths = [len(e.input_ids) for e in self.examples]
-        truncated = [e.truncated_tokens for e in self.examples if e.truncated_tokens]
-        return {
-            "rows": len(self.examples),
-            "tokens_median": statistics.median(lengths),
-            "tokens_max": max(lengths),
-            "truncated_rows": len(truncated),
-            "truncated_tokens_mean": statistics.mean(truncated) if truncated else 0.0,
-            "truncated_tokens_max": max(truncated, default=0),
-        }
+        return split_summary(
+            [len(e.input_ids) for e in self.examples], [e.truncated_tokens for e in self.examples]
+        )
 
 
-def tokenize_rows(rows: list[Row], formatter: ChatFormatter) -> TokenizedSplit:
-    return TokenizedSplit([formatter.encode(r) for r in rows])
+ENCODE_CHUNK = 512  # rows whose texts are tokenised in one call
+
+
+def tokenize_rows(rows: Sequence[Row], formatter: ChatFormatter) -> TokenizedSplit:
+    examples = []
+    for i in range(0, len(rows), ENCODE_CHUNK):
+        examples += formatter.encode_many(rows[i : i + ENCODE_CHUNK])
+    return TokenizedSplit(examples)

@@ -5,12 +5,18 @@ dataset handed to `distft.train.train(cfg, dataset=...)` (a list of dicts, a `da
 or a mapping of split name to either). Each record is parsed by `distft.data.formats` (summary,
 chat, prompt/completion or alpaca, detected or set by `data.format`). A malformed row is a
 `DataError` naming its file and line (or its index) before anything is launched.
+
+Files and hub sets are read as streams (`row_source`): one row at a time, so the token cache
+(`distft.data.cache`) can tokenise a set that does not fit in memory. `load_rows` holds every row
+in memory: evaluation, inference, and training with `data.cache=false`. Both cut the splits the
+same way (`held_out`), so a cached run trains on exactly the rows an in-memory one would.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +27,10 @@ from distft.data.formats import Row, row_from_record
 from distft.data.sample import sample_path
 from distft.errors import DataError
 
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
-def _read_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> list[Row]:
-    rows = []
+
+def _iter_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
@@ -34,15 +41,21 @@ def _read_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> list[
                 raise DataError(
                     f"{path}:{line_no}: not valid JSON ({err.msg} at column {err.colno})."
                 ) from None
-            rows.append(row_from_record(record, cfg, f"{path}:{line_no}", need_summary))
-    return rows
+            yield row_from_record(record, cfg, f"{path}:{line_no}", need_summary)
 
 
-def _read_parquet(path: Path, cfg: DataConfig, need_summary: bool = True) -> list[Row]:
+def _iter_parquet(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path).to_pylist()
-    return [row_from_record(r, cfg, f"{path}[row {i}]", need_summary) for i, r in enumerate(table)]
+    i = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):  # one batch in memory at a time
+        for record in batch.to_pylist():
+            yield row_from_record(record, cfg, f"{path}[row {i}]", need_summary)
+            i += 1
+
+
+def _iter_file(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
+    return (_iter_parquet if path.suffix == ".parquet" else _iter_jsonl)(path, cfg, need_summary)
 
 
 def read_file(path: str | Path, cfg: DataConfig, need_summary: bool = True) -> list[Row]:
@@ -51,27 +64,94 @@ def read_file(path: str | Path, cfg: DataConfig, need_summary: bool = True) -> l
     path = Path(path)
     if not path.is_file():
         raise DataError(f"Dataset file {path} does not exist.")
-    reader = _read_parquet if path.suffix == ".parquet" else _read_jsonl
-    return reader(path, cfg, need_summary)
+    return list(_iter_file(path, cfg, need_summary))
 
 
-def _read_hub(dataset_id: str, split: str, cfg: DataConfig) -> list[Row]:
+def _open_hub(dataset_id: str, split: str, cfg: DataConfig) -> Iterable[dict]:
+    """A hub split: downloaded (memory-mapped by `datasets`), or a stream with `data.streaming`."""
     import datasets
 
     try:
-        ds = datasets.load_dataset(dataset_id, split=split)
+        return datasets.load_dataset(
+            dataset_id, split=split, streaming=cfg.streaming, revision=cfg.revision or None
+        )
     except Exception as err:
         raise DataError(
             f"Could not load dataset {dataset_id!r} split {split!r} ({str(err).splitlines()[0]}). "
             "Offline, or for a gated set, download it elsewhere and pass the .jsonl/.parquet file with --data."
         ) from None
-    return [row_from_record(r, cfg, f"{dataset_id}[{split}][{i}]") for i, r in enumerate(ds)]
+
+
+def _iter_hub(records: Iterable[dict], dataset_id: str, split: str, cfg: DataConfig) -> Iterator[Row]:
+    return (row_from_record(r, cfg, f"{dataset_id}[{split}][{i}]") for i, r in enumerate(records))
+
+
+# ---- where rows come from ---------------------------------------------------------------------
+
+
+@dataclass
+class RowSource:
+    """A dataset's rows, read lazily. `parts` maps "train" and "validation" to a function that
+    opens a fresh stream of that split's rows, or "all" to the one stream a validation split is
+    cut from (`held_out`). `too_few` is the refusal of an "all" stream of fewer than 2 rows."""
+
+    name: str
+    parts: dict[str, Callable[[], Iterator[Row]]]
+    too_few: str = ""
+
+
+def is_local(cfg: DataConfig) -> bool:
+    return cfg.source.endswith(LOCAL_SUFFIXES)
+
+
+def row_source(cfg: DataConfig) -> RowSource:
+    """Where `cfg.source`'s rows come from. A hub set is opened here (a download, unless
+    `data.streaming`), to learn whether it has a validation split."""
+    if cfg.source == "sample":
+        return RowSource(
+            "sample", {s: (lambda s=s: _iter_jsonl(sample_path(s), cfg)) for s in ("train", "validation")}
+        )
+    if is_local(cfg):
+        path = Path(cfg.source)
+        if not path.is_file():
+            raise DataError(f"Dataset file {path} does not exist.")
+        too_few = (
+            f"Dataset file {path} has {{n}} row(s); training needs at least 2 (one is held out "
+            "for validation), each a JSON object with a transcript and a summary."
+        )
+        return RowSource(str(path), {"all": lambda: _iter_file(path, cfg)}, too_few)
+    if Path(cfg.source).exists():
+        raise DataError(f"{cfg.source}: a local dataset must be a .jsonl or .parquet file.")
+    train = _open_hub(cfg.source, cfg.train_split, cfg)
+    parts = {"train": lambda: _iter_hub(train, cfg.source, cfg.train_split, cfg)}
+    try:
+        valid = _open_hub(cfg.source, cfg.validation_split, cfg)
+        parts["validation"] = lambda: _iter_hub(valid, cfg.source, cfg.validation_split, cfg)
+    except DataError:  # no validation split: one is cut from train
+        parts = {"all": parts["train"]}
+    return RowSource(cfg.source, parts)
+
+
+def held_out(n: int, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) positions of `n` rows: a seeded permutation, `fraction` held out."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, round(n * fraction))
+    return order[n_val:], order[:n_val]
+
+
+def check_splits(train: int, validation: int, name: str) -> None:
+    if not train:
+        raise DataError(f"Dataset {name} has no training rows.")
+    if not validation:
+        raise DataError(f"Dataset {name} has no validation rows.")
+
+
+# ---- every row in memory ---------------------------------------------------------------------
 
 
 def _split_off(rows: list[Row], fraction: float, seed: int) -> dict[str, list[Row]]:
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = max(1, round(len(rows) * fraction))
-    return {"validation": [rows[i] for i in order[:n_val]], "train": [rows[i] for i in order[n_val:]]}
+    train, valid = held_out(len(rows), fraction, seed)
+    return {"validation": [rows[i] for i in valid.tolist()], "train": [rows[i] for i in train.tolist()]}
 
 
 def _read_memory(records: Iterable[Any], cfg: DataConfig, name: str) -> list[Row]:
@@ -105,36 +185,16 @@ def load_rows(cfg: DataConfig, seed: int = 0, dataset: Any = None) -> dict[str, 
     """{"train": rows, "validation": rows} from `dataset` if given (in memory), else `cfg.source`."""
     if dataset is not None:
         splits = _memory_splits(dataset, cfg, seed)
-    elif cfg.source == "sample":
-        splits = {name: _read_jsonl(sample_path(name), cfg) for name in ("train", "validation")}
-    elif cfg.source.endswith((".jsonl", ".json", ".parquet")):
-        path = Path(cfg.source)
-        if not path.is_file():
-            raise DataError(f"Dataset file {path} does not exist.")
-        reader = _read_parquet if path.suffix == ".parquet" else _read_jsonl
-        rows = reader(path, cfg)
-        if len(rows) < 2:
-            raise DataError(
-                f"Dataset file {path} has {len(rows)} row(s); training needs at least 2 (one is held out "
-                "for validation), each a JSON object with a transcript and a summary."
-            )
-        splits = _split_off(rows, cfg.validation_fraction, seed)
-    elif Path(cfg.source).exists():
-        raise DataError(f"{cfg.source}: a local dataset must be a .jsonl or .parquet file.")
+        name = "(in memory)"
     else:
-        train = _read_hub(cfg.source, cfg.train_split, cfg)
-        try:
-            splits = {"train": train, "validation": _read_hub(cfg.source, cfg.validation_split, cfg)}
-        except DataError:
-            splits = _split_off(train, cfg.validation_fraction, seed)
+        source = row_source(cfg)
+        splits = {part: list(read()) for part, read in source.parts.items()}
+        if "all" in splits:
+            if source.too_few and len(splits["all"]) < 2:
+                raise DataError(source.too_few.format(n=len(splits["all"])))
+            splits = _split_off(splits.pop("all"), cfg.validation_fraction, seed)
+        name = cfg.source
     if cfg.max_rows:
         splits["train"] = splits["train"][: cfg.max_rows]
-    if not splits["train"]:
-        raise DataError(f"Dataset {_name(cfg, dataset)} has no training rows.")
-    if not splits["validation"]:
-        raise DataError(f"Dataset {_name(cfg, dataset)} has no validation rows.")
+    check_splits(len(splits["train"]), len(splits["validation"]), name)
     return splits
-
-
-def _name(cfg: DataConfig, dataset: Any) -> str:
-    return "(in memory)" if dataset is not None else cfg.source

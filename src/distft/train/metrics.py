@@ -123,6 +123,9 @@ def rank_summary(run: Run, saved_activation_bytes: int) -> dict:
             for v in state.values()
             if torch.is_tensor(v)
         ),
+        # How this rank had its examples (the token cache: hit, built; or in memory), and how many
+        # it read: the batches', not the dataset's.
+        "token_cache": {**(run.token_cache or {}), "examples_read": run.train_set.reads + run.val_set.reads},
     }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from distft.config import Config, to_toml
-from distft.data import ChatFormatter, TokenizedSplit, load_rows, tokenize_rows
+from distft.data import CachedSplit, TokenizedSplit, tokenized_splits
 from distft.data.tokenizer import load_tokenizer
 from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
 from distft.health import HealthHooks, HealthReport, check_health, failure_advice
@@ -45,8 +45,8 @@ class Run:
     strategy: Strategy
     out: Path
     tokenizer: object
-    train_set: TokenizedSplit
-    val_set: TokenizedSplit
+    train_set: TokenizedSplit | CachedSplit  # examples by position: in memory, or memory-mapped
+    val_set: TokenizedSplit | CachedSplit
     base_ref: str  # what the exported adapter names as its base model
     parameters: tuple[int, int]  # (trainable, total), before parallelizing
     model: torch.nn.Module  # the parallelized `SummaryLM`
@@ -64,6 +64,7 @@ class Run:
     peak_note: str = ""  # what MFU is measured against, or why it is null
     lineage: dict | None = None  # a preset descendant's chain of runs (`distft.io.lineage`); None: pretrained
     health: HealthReport | None = None  # the pre-flight health check's (`distft.health`); None: not run
+    token_cache: dict | None = None  # how this rank had its examples (`distft.data.cache.tokenized_splits`)
 
     @property
     def pad_id(self) -> int:
@@ -125,9 +126,8 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     out = Path(cfg.output.dir)
 
     tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
-    formatter = ChatFormatter(tokenizer, cfg.data)
-    rows = load_rows(cfg.data, seed=cfg.train.seed, dataset=dataset)
-    train_set, val_set = tokenize_rows(rows["train"], formatter), tokenize_rows(rows["validation"], formatter)
+    # The token cache, memory-mapped (built before launch by the CLI; else once per node, here).
+    train_set, val_set, token_cache = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, dataset)
 
     # Built where it will train, in its dtype, when the strategy takes a whole model on its device.
     base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None)
@@ -166,7 +166,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
               param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, compiled_nf4=compiled_nf4, flops=flops)  # fmt: skip
     run.peak_flops, run.peak_note = peak_flops(env.device)
-    run.lineage, run.health = lineage, health
+    run.lineage, run.health, run.token_cache = lineage, health, token_cache
     resume(run)
     return run
 

@@ -28,8 +28,8 @@ Batch = dict[str, torch.Tensor]
 def global_batch(run: Run, step: int) -> list[Example]:
     """The examples of 1-based step `step`: a function of the seed and the step alone."""
     cfg = run.cfg.train
-    idx = global_batch_indices(step - 1, len(run.train_set.examples), cfg.global_batch_size, cfg.seed)
-    return [run.train_set.examples[i] for i in idx]
+    idx = global_batch_indices(step - 1, len(run.train_set), cfg.global_batch_size, cfg.seed)
+    return [run.train_set[i] for i in idx]  # read now: a memory-mapped split holds no rows
 
 
 def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_id: int) -> list[Batch]:
@@ -87,13 +87,13 @@ def train_step(
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean token loss over the first `train.eval_batches` global batches of the validation split."""
-    model, strategy, examples = run.model, run.strategy, run.val_set.examples
+    model, strategy, examples = run.model, run.strategy, run.val_set
     model.eval()
     gb = run.cfg.train.global_batch_size
     n_batches = min(run.cfg.train.eval_batches, len(examples) // gb)
     loss_sum, n_tokens = torch.zeros((), device=run.env.device), 0
     for b in range(max(n_batches, 1)):
-        batch = examples[b * gb : (b + 1) * gb]
+        batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
         n_tokens += count_label_tokens(batch)
         with run.autocast:
             loss_sum += strategy.forward_only(model, rank_batches(batch, strategy, run.cfg, run.pad_id))

@@ -1,0 +1,282 @@
+"""Tokenise once: a dataset's examples in a memory-mapped store (`distft.data.store`) that every
+rank, and every later run with the same key, opens instead of tokenising.
+
+Key: a sha256 over everything that decides the tokens and the split: the tokenizer
+(`tokenizer_fingerprint`: vocabulary, merges, added tokens, chat template), the data (a file's
+path, size and modification time; a hub set's id, splits and `data.revision`), every `data.*`
+setting but those that change neither (packing, the cache's own settings), `train.seed` (which
+rows are held out), and the code that turns rows into tokens. The store lives in
+`<data.cache_dir>/<source>-<key>`; a change to any of these is a new key and a new store.
+
+Build: `distft train` builds it before launch, so ranks only open it. A process that finds none
+(the Python API, another node's disk) takes a file lock, so one process per node builds it while
+the others wait, into a temporary directory renamed into place once complete: a crash leaves a
+temporary directory (swept by the next build on that host), never a half store under the key.
+A run with in-memory rows (`train(cfg, dataset=...)`) or `data.cache=false` tokenises in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import transformers
+
+from distft.config import DataConfig
+from distft.data import chat, formats, rows, store
+from distft.data.chat import ENCODE_CHUNK, ChatFormatter, TokenizedSplit, tokenize_rows
+from distft.data.formats import Row
+from distft.data.rows import check_splits, held_out, is_local, load_rows, row_source
+from distft.data.sample import sample_path
+from distft.data.store import META, CachedSplit, StoreWriter, open_store
+from distft.data.tokenizer import cache_root, tokenizer_fingerprint
+from distft.errors import DataError
+
+# Settings that change neither the tokens nor the split: not in the key.
+NOT_IN_KEY = ("packing", "cache", "cache_dir", "streaming")
+Progress = Callable[[int], None]  # examples tokenised so far; called once per chunk while building
+
+
+@dataclass
+class TokenCache:
+    path: Path
+    state: str  # "hit": opened a store built before; "built": tokenised it now
+    seconds: float  # to open, or to build and open
+    train: CachedSplit
+    validation: CachedSplit
+
+
+# ---- the key ----------------------------------------------------------------------------------
+
+
+def _file_identity(path: Path) -> dict:
+    stat = path.stat()
+    return {"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def source_identity(cfg: DataConfig) -> dict:
+    """What the data is known by, read without opening it: a local file by path, size and
+    modification time; a hub set by id (its splits and `data.revision` are settings)."""
+    if cfg.source == "sample":
+        return {"files": [_file_identity(sample_path(s)) for s in ("train", "validation")]}
+    if is_local(cfg):
+        if not Path(cfg.source).is_file():
+            raise DataError(f"Dataset file {cfg.source} does not exist.")
+        return {"files": [_file_identity(Path(cfg.source))]}
+    return {"hub": cfg.source}
+
+
+def _code_fingerprint() -> str:
+    """The modules that turn records into rows, rows into tokens and tokens into a store, and the
+    libraries under them (transformers renders the chat template and calls the tokenizer)."""
+    h = hashlib.sha256(
+        f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode()
+    )
+    for module in (formats, chat, rows, store):
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(cfg: DataConfig, seed: int, tokenizer: Any) -> dict:
+    """Everything that decides a store's contents (its sha256 names the directory)."""
+    return {
+        "store": store.STORE_VERSION,
+        "code": _code_fingerprint(),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "source": source_identity(cfg),
+        "data": {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_KEY},
+        "seed": seed,
+    }
+
+
+def cache_path(cfg: DataConfig, key: dict) -> Path:
+    root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_root() / "tokens"
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.source).name)[:40]  # a reader's hint, not the key
+    return root / f"{name}-{digest[:20]}"
+
+
+# ---- the build --------------------------------------------------------------------------------
+
+
+def _tokenise(
+    rows_in: Iterator[Row], keep: Callable[[int], bool], formatter: ChatFormatter, writer: StoreWriter,
+    progress: Progress | None,
+) -> np.ndarray:  # fmt: skip
+    """Tokenise the rows `keep` selects into `writer`, in order; every row is still read (and a
+    malformed one refused). Returns each row's example number (-1: not kept)."""
+    numbers, chunk = array("q"), []
+    for i, row in enumerate(rows_in):
+        numbers.append(len(writer) + len(chunk) if keep(i) else -1)
+        if numbers[-1] >= 0:
+            chunk.append(row)
+        if len(chunk) == ENCODE_CHUNK:
+            writer.add(formatter.encode_many(chunk))
+            chunk = []
+            if progress:
+                progress(len(writer))
+    writer.add(formatter.encode_many(chunk))
+    return np.frombuffer(numbers, dtype=np.int64)
+
+
+def _keep(part: str, read: Callable[[], Iterator[Row]], cfg: DataConfig, seed: int) -> Callable[[int], bool]:
+    """Which rows of a part training uses: with `data.max_rows`, the first rows of a train split,
+    or (a part cut by `held_out`) the held-out rows and the first training ones, which takes a
+    first pass to count the rows. Without it, every row."""
+    if not cfg.max_rows or part == "validation":
+        return lambda i: True
+    if part == "train":
+        return lambda i: i < cfg.max_rows
+    n = sum(1 for _ in read())
+    train, valid = held_out(n, cfg.validation_fraction, seed)
+    wanted = np.zeros(n, dtype=bool)
+    wanted[train[: cfg.max_rows].numpy()] = True
+    wanted[valid.numpy()] = True
+    return lambda i: bool(wanted[i])
+
+
+def _splits(
+    numbers: dict[str, np.ndarray], cfg: DataConfig, seed: int, too_few: str
+) -> dict[str, np.ndarray]:
+    """Each split's example numbers, in the order `distft.data.rows.load_rows` gives its rows."""
+    if "all" in numbers:
+        n = len(numbers["all"])
+        if too_few and n < 2:
+            raise DataError(too_few.format(n=n))
+        train, valid = (numbers["all"][p.numpy()] for p in held_out(n, cfg.validation_fraction, seed))
+    else:
+        train, valid = numbers["train"], numbers["validation"]
+    if cfg.max_rows:
+        train = train[: cfg.max_rows]
+    check_splits(len(train), len(valid), cfg.source)
+    return {"train": train, "validation": valid}
+
+
+def build_store(
+    folder: Path, cfg: DataConfig, seed: int, tokenizer: Any, key: dict, progress: Progress | None
+) -> None:
+    """Tokenise `cfg.source` into a new store in `folder` (a temporary directory)."""
+    start = time.perf_counter()
+    source = row_source(cfg)
+    formatter, writer = ChatFormatter(tokenizer, cfg), StoreWriter(folder)
+    numbers = {
+        part: _tokenise(read(), _keep(part, read, cfg, seed), formatter, writer, progress)
+        for part, read in source.parts.items()
+    }
+    built = {"build_s": round(time.perf_counter() - start, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    writer.close(_splits(numbers, cfg, seed, source.too_few), {"key": key, **built})
+
+
+# ---- one build per key ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created if missing), held for the block. Processes on one
+    host exclude each other; across hosts it holds where the shared filesystem supports locks, and
+    where it does not, two builds race to one rename (`_build_once`) and the loser's copy is dropped."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("a+b")
+    except OSError as err:
+        raise DataError(
+            f"Cannot write the token cache in {path.parent} ({err.strerror}): set data.cache_dir to a "
+            "writable directory, or data.cache=false."
+        ) from None
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep(final: Path, host: str) -> None:
+    """Remove temporary directories that builds on this host left when they died."""
+    for tmp in final.parent.glob(f".{final.name}.tmp-{host}-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_once(
+    final: Path, cfg: DataConfig, seed: int, tokenizer: Any, key: dict, progress: Progress | None
+) -> bool:
+    """Build the store `final` unless another process has (or does, while this one waits for the
+    lock); True if this process built it."""
+    with _locked(final.parent / f".{final.name}.lock"):
+        if (final / META).is_file():
+            return False
+        host = socket.gethostname()
+        _sweep(final, host)
+        tmp = final.parent / f".{final.name}.tmp-{host}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            build_store(tmp, cfg, seed, tokenizer, key, progress)
+            with contextlib.suppress(OSError):  # another node's build won: ours is identical
+                tmp.rename(final)  # atomic: the key names a complete store or nothing
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DataError(
+                    f"The token cache filled {final.parent} ({err.strerror}): free space there, set "
+                    "data.cache_dir to a larger disk, or data.cache=false."
+                ) from None
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+def open_or_build(cfg: DataConfig, seed: int, tokenizer: Any, progress: Progress | None = None) -> TokenCache:
+    """The store of this key: opened if it exists, else built once (one process per node)."""
+    start = time.perf_counter()
+    key = cache_key(cfg, seed, tokenizer)
+    final = cache_path(cfg, key)
+    built = not (final / META).is_file() and _build_once(final, cfg, seed, tokenizer, key, progress)
+    try:
+        splits = open_store(final)
+    except (ValueError, KeyError, OSError) as err:
+        raise DataError(
+            f"The token cache {final} is damaged ({err}); delete that directory and run again."
+        ) from None
+    state = "built" if built else "hit"
+    return TokenCache(final, state, time.perf_counter() - start, splits["train"], splits["validation"])
+
+
+def tokenized_splits(
+    cfg: DataConfig, seed: int, tokenizer: Any, dataset: Any = None, progress: Progress | None = None
+) -> tuple[TokenizedSplit | CachedSplit, TokenizedSplit | CachedSplit, dict]:
+    """The train and validation examples of a run, and how they were had: {"state": hit | built
+    (the cache), memory (tokenised here: in-memory rows, or data.cache=false), "path", "seconds"}."""
+    if dataset is None and cfg.cache:
+        cache = open_or_build(cfg, seed, tokenizer, progress)
+        info = {"state": cache.state, "path": str(cache.path), "seconds": round(cache.seconds, 3)}
+        return cache.train, cache.validation, info
+    start = time.perf_counter()
+    formatter = ChatFormatter(tokenizer, cfg)
+    splits = load_rows(cfg, seed, dataset)
+    train, valid = tokenize_rows(splits["train"], formatter), tokenize_rows(splits["validation"], formatter)
+    return train, valid, {"state": "memory", "path": None, "seconds": round(time.perf_counter() - start, 3)}
