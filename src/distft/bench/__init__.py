@@ -86,6 +86,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="runs per strategy (or --study configuration), interleaved; the report gives each one's median "
         "and min-max over the runs and names a winner only where the ranges do not overlap (default 1)",
     )
+    _add_startup_arguments(p)
+    p.add_argument(
+        "--out", default=DEFAULT_OUT, help="output directory (default runs/bench; --gpu: runs/bench-gpu)"
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rewrite DIR/report.md, the plots and the projections from DIR/results.json "
+        "(with this command's --project profiles)",
+    )
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every `distft train`")
+
+
+def _add_startup_arguments(p: argparse.ArgumentParser) -> None:
+    """`distft bench --startup`: start-up time against the dataset's size (`bench.startup`)."""
     p.add_argument(
         "--startup",
         action="store_true",
@@ -99,16 +114,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--startup-bound", type=float, default=5.0, help="--startup: the bound in seconds (default 5)"
     )
-    p.add_argument(
-        "--out", default=DEFAULT_OUT, help="output directory (default runs/bench; --gpu: runs/bench-gpu)"
-    )
-    p.add_argument(
-        "--report-only",
-        action="store_true",
-        help="run nothing: rewrite DIR/report.md, the plots and the projections from DIR/results.json "
-        "(with this command's --project profiles)",
-    )
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every `distft train`")
 
 
 def _names(text: str) -> list[str]:
