@@ -7,7 +7,9 @@ and a plain tensor alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -21,3 +23,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes these tensors occupy on this rank (a DTensor counts its shard only)."""
     return sum(local(t).nbytes for t in tensors)
+
+
+@contextlib.contextmanager
+def quiet_redistribute() -> Iterator[None]:
+    """`full_tensor()` of a weight sharded over two mesh dimensions (TP and FSDP) logs that it takes
+    one all-gather per dimension. True, and at export only: quieted while it runs."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -38,7 +38,6 @@ torchtitan (2410.06511) for the 2D composition.
 
 from __future__ import annotations
 
-import logging
 from typing import ClassVar
 
 import torch
@@ -61,7 +60,7 @@ from distft.parallel.tensor_parallel import (
     layer_plan,
     partial_gradient_params,
 )
-from distft.tensors import local
+from distft.tensors import local, quiet_redistribute
 
 
 class FSDPTensorParallel(MeshStrategy, Strategy):
@@ -113,15 +112,8 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         return super().grad_copies(g) * (self.env.world_size // g.device_mesh.size())
 
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        # full_tensor() of a TP-and-FSDP-sharded weight (_StridedShard, Shard) logs that it takes
-        # one all-gather per mesh dimension. True, and at export only: quieted.
-        logger = logging.getLogger("torch.distributed.tensor._redistribute")
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
+        with quiet_redistribute():  # export only: gathering TP-and-FSDP shards logs per dimension
             return super().trainable_state_dict(model)
-        finally:
-            logger.setLevel(level)
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         local_sum = local_sum.clone()  # each TP group computed the loss of its data shard once

@@ -38,7 +38,6 @@ torchtitan (2410.06511).
 
 from __future__ import annotations
 
-import logging
 from typing import ClassVar
 
 import torch
@@ -53,7 +52,7 @@ from distft.parallel.dims import ParallelDims
 from distft.parallel.fsdp_pp import FSDPPipelineParallel
 from distft.parallel.pipeline.stages import StageModule
 from distft.parallel.tensor_parallel import check_tp_degree, head_norms, layer_plan, partial_gradient_params
-from distft.tensors import local
+from distft.tensors import local, quiet_redistribute
 
 
 class FSDPTensorPipelineParallel(FSDPPipelineParallel):
@@ -97,12 +96,5 @@ class FSDPTensorPipelineParallel(FSDPPipelineParallel):
         return super().reduce_loss(local_sum)
 
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        # full_tensor() of a TP-and-FSDP-sharded weight logs that it takes one all-gather per mesh
-        # dimension. True, and at export only: quieted (as fsdp+tp does).
-        logger = logging.getLogger("torch.distributed.tensor._redistribute")
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
+        with quiet_redistribute():  # export only: gathering TP-and-FSDP shards logs per dimension
             return super().trainable_state_dict(model)
-        finally:
-            logger.setLevel(level)
