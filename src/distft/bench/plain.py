@@ -26,7 +26,15 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from distft.config import load_config
-from distft.data import IGNORE, ChatFormatter, collate, global_batch_indices, load_rows, tokenize_rows
+from distft.data import (
+    IGNORE,
+    ChatFormatter,
+    Example,
+    collate,
+    global_batch_indices,
+    load_rows,
+    tokenize_rows,
+)
 from distft.data.tokenizer import load_tokenizer
 from distft.measure.flops import ModelFlops, peak_flops
 from distft.model.presets import DTYPES, PRESETS
@@ -60,6 +68,14 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int, 
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
 
 
+def plain_loss(model: torch.nn.Module, micro: list[Example], pad_id: int, device) -> torch.Tensor:
+    """One micro-batch as a user would run it: right-padded rows, `model(...).loss` over every
+    position. transformers shifts the labels itself, so it is given them unshifted."""
+    batch = {k: v.to(device) for k, v in collate(micro, pad_id).items()}
+    labels = torch.cat([torch.full_like(batch["labels"][:, :1], IGNORE), batch["labels"][:, :-1]], 1)
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
+
+
 def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -90,12 +106,7 @@ def run(a: argparse.Namespace) -> dict:
         start, total = time.perf_counter(), 0.0
         for i in range(accumulation):
             micro = rows[i * a.micro_batch : (i + 1) * a.micro_batch]
-            batch = {k: v.to(device) for k, v in collate(micro, tokenizer.pad_token_id).items()}
-            # transformers shifts labels itself: give it unshifted ones.
-            labels = torch.cat([torch.full_like(batch["labels"][:, :1], IGNORE), batch["labels"][:, :-1]], 1)
-            loss = model(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels
-            ).loss
+            loss = plain_loss(model, micro, tokenizer.pad_token_id, device)
             (loss / accumulation).backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

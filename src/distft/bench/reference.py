@@ -14,8 +14,9 @@ import time
 import torch
 from peft import LoraConfig, get_peft_model
 
+from distft.bench.plain import plain_loss
 from distft.config import load_config
-from distft.data import IGNORE, ChatFormatter, collate, global_batch_indices, load_rows, tokenize_rows
+from distft.data import IGNORE, ChatFormatter, global_batch_indices, load_rows, tokenize_rows
 from distft.data.tokenizer import qwen3_tokenizer
 from distft.model import load_base_model, peft_quietly
 
@@ -41,12 +42,7 @@ def time_plain_loop(settings) -> dict:  # settings: BenchSettings
         start = time.perf_counter()
         for i in range(accumulation):
             micro = rows[i * settings.micro_batch_size : (i + 1) * settings.micro_batch_size]
-            batch = {k: v.to(device) for k, v in collate(micro, tokenizer.pad_token_id).items()}
-            # transformers shifts labels itself: give it unshifted ones.
-            labels = torch.cat([torch.full_like(batch["labels"][:, :1], IGNORE), batch["labels"][:, :-1]], 1)
-            loss = model(
-                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels
-            ).loss
+            loss = plain_loss(model, micro, tokenizer.pad_token_id, device)
             (loss / accumulation).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -12,6 +12,7 @@ installed is a one-paragraph `ConfigError` naming the pip command before any pro
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import importlib
 import importlib.util
@@ -49,7 +50,7 @@ def flat_params(cfg: Config) -> dict[str, str | int | float | bool]:
     return params
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One experiment tracker. Subclasses name the module they need and the package that has it."""
 
     module = ""  # what `start` imports
@@ -61,14 +62,14 @@ class Tracker:
         self.run_name = cfg.output.run_name or self.out.resolve().name
         self.start_step = start_step  # a resumed run's first step is start_step + 1
 
-    def start(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def start(self) -> None: ...
 
-    def log(self, record: dict) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def log(self, record: dict) -> None: ...
 
-    def finish(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def finish(self) -> None: ...
 
 
 class TensorBoard(Tracker):
