@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import subprocess
@@ -36,22 +38,9 @@ PARITY = [
 ]  # fmt: skip
 
 
-def distft(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the CLI as a user would: `distft train` of a multi-process strategy in this process (its
-    checks before launch, then torchrun in a subprocess, as the CLI does), everything else in a
-    fresh process. A Python start with torch, transformers and peft costs ~5 s of CPU; the suite
-    launches well over a hundred runs on 2 cores."""
-    run_env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    if _launches_ranks(args):
-        proc = _in_process(list(args), run_env)
-    else:
-        proc = subprocess.run(
-            [sys.executable, "-m", "distft.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env={**os.environ, **run_env},
-        )
+def distft(*args: str, timeout: int = 300, env: dict | None = None, fresh: bool = False):
+    """`run_cli`, failing the test on a non-zero exit code."""
+    proc = run_cli(*args, timeout=timeout, env=env, fresh=fresh)
     if proc.returncode != 0:
         raise AssertionError(
             f"distft {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -59,45 +48,67 @@ def distft(*args: str, timeout: int = 300, env: dict | None = None) -> subproces
     return proc
 
 
-def _launches_ranks(args: tuple[str, ...]) -> bool:
-    """`distft train --strategy S` with S not single: the ranks run under torchrun anyway."""
-    if not args or args[0] != "train" or "--strategy" not in args:
-        return False
-    return args[args.index("--strategy") + 1] != "single"
+def run_cli(
+    *args: str, timeout: int = 300, env: dict | None = None, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """`distft ARGS` as a user runs it, in a process of its own, its output captured: forked from a
+    server that imported distft once, or with `fresh`, a new interpreter (for what a user sees from
+    start to end). A Python start with torch, transformers and peft costs ~5 s of CPU, and the suite
+    runs hundreds of commands on 2 cores. A multi-process `distft train` forks its ranks from that
+    process, as it does on any CPU (`distft.launch`)."""
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    run_env.pop(START_ENV, None)  # the CLI stamps its start; each run has its own
+    if fresh:
+        cmd = [sys.executable, "-m", "distft.cli", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+    with tempfile.TemporaryDirectory(prefix="distft-run-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = _fork(list(args), run_env, out, err)
+        proc.join(timeout)
+        if proc.exitcode is None:
+            _kill_tree(proc.pid)
+            proc.join()
+            raise subprocess.TimeoutExpired(["distft", *args], timeout, out.read_text(), err.read_text())
+        # A negative exit code: killed by that signal, as subprocess reports it.
+        return subprocess.CompletedProcess(["distft", *args], proc.exitcode, out.read_text(), err.read_text())
 
 
-def _in_process(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`main(args)` with the environment set for it and restored after, and the output of this
-    process and of its children (torchrun's ranks write to the inherited descriptors 1 and 2)
-    captured in files, as `subprocess.run(capture_output=True)` would."""
-    saved_env = dict(os.environ)
+# The server the runs fork from: a fresh interpreter that imported the CLI (through this module)
+# and nothing else. A process that has trained or joined a process group is no safe parent for a
+# fork, which is why the test process itself is not one.
+_SERVER = multiprocessing.get_context("forkserver")
+_SERVER.set_forkserver_preload(["tests.helpers"])
+
+
+def start_server() -> None:
+    """Start the fork server (once per test process), with torch's thread count set before it loads."""
+    saved = dict(os.environ)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _fork(args: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> multiprocessing.Process:
+    start_server()
+    proc = _SERVER.Process(target=_run_cli, args=(args, env, str(stdout), str(stderr)))
+    proc.start()
+    return proc
+
+
+def _run_cli(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+    """In the forked process: the environment, descriptors 1 and 2 on the files, then the CLI."""
+    os.environ.clear()
     os.environ.update(env)
-    os.environ.pop(START_ENV, None)  # the CLI stamps its start; each run has its own
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = [os.path.join(tmp, name) for name in ("stdout", "stderr")]
-        files = [open(path, "a", buffering=1, encoding="utf-8") for path in paths]  # noqa: SIM115
-        sys.stdout.flush(), sys.stderr.flush()
-        saved_fds = [os.dup(1), os.dup(2)]
-        saved_streams = sys.stdout, sys.stderr
-        try:
-            os.dup2(files[0].fileno(), 1)
-            os.dup2(files[1].fileno(), 2)
-            sys.stdout, sys.stderr = files
-            try:
-                code = main(args)
-            except SystemExit as exit:  # argparse's usage errors
-                code = exit.code if isinstance(exit.code, int) else 1
-        finally:
-            sys.stdout, sys.stderr = saved_streams
-            for fd, saved in zip((1, 2), saved_fds, strict=True):
-                os.dup2(saved, fd)
-                os.close(saved)
-            for f in files:
-                f.close()
-            os.environ.clear()
-            os.environ.update(saved_env)
-        out, err = (Path(path).read_text(encoding="utf-8", errors="replace") for path in paths)
-    return subprocess.CompletedProcess(["distft", *args], code, out, err)
+    for fd, path in ((1, stdout), (2, stderr)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.exit(main(args))
 
 
 def free_port() -> int:
@@ -116,42 +127,34 @@ def agents(
     for parallel.timeout_s): a hang fails the test instead of blocking the suite."""
     endpoint = f"127.0.0.1:{free_port()}"
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with tempfile.TemporaryDirectory(prefix="distft-agents-") as tmp, contextlib.ExitStack() as files:
-        logs = [files.enter_context(open(Path(tmp) / f"node-{n}.log", "w+")) for n in range(nnodes)]
+    run_env.pop(START_ENV, None)
+    with tempfile.TemporaryDirectory(prefix="distft-agents-") as tmp:
+        logs = [Path(tmp, f"node-{n}.log") for n in range(nnodes)]
         placement = ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]
         nodes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "distft.cli", *args, *placement, "--node-rank", str(node)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=run_env,
-            )
+            _fork([*args, *placement, "--node-rank", str(node)], run_env, log, log)
             for node, log in enumerate(logs)
         ]
         try:
             _wait(nodes, timeout, grace)
         finally:
             for p in nodes:
-                if p.poll() is None:
+                if p.exitcode is None:
                     _kill_tree(p.pid)
-                    p.wait()
-        outputs = []
-        for log in logs:
-            log.seek(0)
-            outputs.append(log.read())
-    return [(p.returncode if p.returncode >= 0 else None, out) for p, out in zip(nodes, outputs, strict=True)]
+                    p.join()
+        outputs = [log.read_text() for log in logs]
+    return [(p.exitcode if p.exitcode >= 0 else None, out) for p, out in zip(nodes, outputs, strict=True)]
 
 
-def _wait(nodes: list[subprocess.Popen], timeout: float, grace: float) -> None:
-    """Until every agent has exited, `timeout` has passed, or `grace` since the first failure."""
+def _wait(procs: list[multiprocessing.Process], timeout: float, grace: float) -> None:
+    """Until every process has exited, `timeout` has passed, or `grace` since the first failure."""
     deadline, failed_at = time.monotonic() + timeout, None
-    while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
-        if failed_at is None and any(p.returncode for p in nodes):
+    while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.exitcode for p in procs):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() > failed_at + grace:
             return
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def _kill_tree(pid: int) -> None:

@@ -21,6 +21,7 @@ LAYERS = {
     "distft.distributed": 2,
     "distft.io": 3,
     "distft.health": 3,  # pre-flight checks: the environment, a roll call, all-reduce timings
+    "distft.launch": 3,  # torchrun: ranks exec'd (CUDA) or forked from the caller (CPU)
     "distft.parallel": 4,
     "distft.measure": 5,
     "distft.train": 6,
@@ -31,8 +32,6 @@ LAYERS = {
     "distft.export": 8,  # on top of distft.infer (7), whose load_trained it reuses
     "distft.doctor": 8,  # the health check alone, with test-only faults (7) and plan's byte units (7)
     "distft.cli": 9,
-    "distft.launch": 9,
-    "distft.launch_forked": 10,  # distft.launch with ranks forked from an imported distft.cli
     "distft.__main__": 10,
 }
 

@@ -10,17 +10,15 @@ line in every multi-node run.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import subprocess
-import sys
 
 import pytest
 
 from distft.cli import main
 from distft.health import HealthReport, RankPlace, failure_advice, network_warnings
-from tests.helpers import agents
+from tests.helpers import agents, run_cli
 
 HOST = socket.gethostname()
 
@@ -87,13 +85,7 @@ def test_lateness_compares_no_clocks():
 
 def doctor(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """`distft doctor ARGS` with fault variables set; a failure is expected, so not raised."""
-    return subprocess.run(
-        [sys.executable, "-m", "distft.cli", "doctor", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-    )
+    return run_cli("doctor", *args, env=env)
 
 
 def test_doctor_passes_two_healthy_nodes_and_reports_bandwidth():

@@ -31,7 +31,7 @@ MEETING = "Anna: we ship the remote on Friday.\nBen: the budget is fixed at ten 
 def run(tmp_path_factory):
     """A finished micro run, trained as users train: `distft train` in its own process."""
     out = tmp_path_factory.mktemp("infer") / "run"
-    proc = distft("train", *TRAIN, "--checkpoint-every", "1", "--out", str(out))
+    proc = distft("train", *TRAIN, "--checkpoint-every", "1", "--out", str(out), fresh=True)
     return out, proc.stdout + proc.stderr
 
 
@@ -55,9 +55,10 @@ NOISE = [
 
 def test_train_infer_eval_export_print_no_library_noise(run, tmp_path):
     out, train_output = run
-    infer = distft("infer", "--run", str(out), "--max-new-tokens", "4")
-    evaluate = distft("eval", "--run", str(out), "--rows", "1", "--max-new-tokens", "2")
-    export = distft("export", "--run", str(out), "--out", str(tmp_path / "export"))
+    # Fresh interpreters: a library's warning at import time is part of what the user would see.
+    infer = distft("infer", "--run", str(out), "--max-new-tokens", "4", fresh=True)
+    evaluate = distft("eval", "--run", str(out), "--rows", "1", "--max-new-tokens", "2", fresh=True)
+    export = distft("export", "--run", str(out), "--out", str(tmp_path / "export"), fresh=True)
     for output in (train_output, *(p.stdout + p.stderr for p in (infer, evaluate, export))):
         for noise in NOISE:
             assert noise not in output, f"{noise!r} in:\n{output}"

@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from distft.cli import main
 from distft.config import load_config, to_toml
 from distft.io.checkpoint import latest_checkpoint
 from distft.train.metrics import truncate_metrics
-from tests.helpers import adapter, assert_same_training, distft, metrics
+from tests.helpers import adapter, assert_same_training, distft, metrics, run_cli
 
 WORLD = 2
 STRATEGIES = ["ddp", "zero1", "fsdp", "zero2", "tp", "tp-sp"]
@@ -160,17 +159,11 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(runs, tmp_p
 
 
 def test_hung_rank_fails_within_the_timeout_naming_rank_and_operation(tmp_path):
-    cmd = [
-        sys.executable, "-m", "distft.cli", "train", "--strategy", "ddp", "--nproc", "2", *RUN,
-        "train.max_steps=3", "output.checkpoint_every=0", "parallel.timeout_s=3", "--out", str(tmp_path / "hung"),
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "DISTFT_FAULT_HANG_AT_STEP": "2",
-        "DISTFT_FAULT_HANG_S": "300",
-    }
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = run_cli(
+        "train", "--strategy", "ddp", "--nproc", "2", *RUN, "train.max_steps=3", "output.checkpoint_every=0",
+        "parallel.timeout_s=3", "--out", str(tmp_path / "hung"),
+        env={"DISTFT_FAULT_HANG_AT_STEP": "2", "DISTFT_FAULT_HANG_S": "300"}, timeout=240,
+    )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert (
         "Rank 0 of 2 waited more than parallel.timeout_s=3 s in the all-reduce of gradients (ddp) "
@@ -438,7 +431,8 @@ def test_bad_input_is_refused_before_launch(argv, setup, phrase, tmp_path, monke
 
     monkeypatch.setattr(subprocess, "call", launched)
     monkeypatch.setattr(subprocess, "Popen", launched)
-    monkeypatch.setattr("distft.cli.train", launched)  # the name the CLI calls
+    monkeypatch.setattr("distft.cli.train", launched)  # the names the CLI calls
+    monkeypatch.setattr("distft.cli.launch_ranks", launched)  # CPU ranks are forked, not Popen'd
     if setup:
         setup(monkeypatch)
     args = argv(tmp_path) if callable(argv) else argv

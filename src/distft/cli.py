@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from typing import Any
 from distft import bench, faults, plan
 from distft.config import Config, load_config, to_toml
 from distft.data import load_tokenizer, tokenized_splits
-from distft.distributed import exit_worker, launched_by_torchrun, pick_device, torchrun_command
+from distft.distributed import exit_worker, launched_by_torchrun, pick_device
 from distft.doctor import add_doctor_parser, cmd_doctor
 from distft.errors import ConfigError, TrainingError
 from distft.export import EXPORT_DTYPES, export_run
@@ -30,6 +29,7 @@ from distft.health import print_network_warnings
 from distft.infer import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer  # the infer/eval commands
 from distft.io.checkpoint import check_resume
 from distft.io.preflight import check_finished_run, check_output_dir
+from distft.launch import launch_ranks
 from distft.model import is_preset, model_config
 from distft.parallel import STRATEGIES, check_config, check_model
 from distft.train import train
@@ -215,9 +215,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 config_file = os.path.join(tmp, "config.toml")
                 with open(config_file, "w", encoding="utf-8") as f:
                     f.write(to_toml(cfg))
-                # CPU ranks are forked from a launcher that imported distft once (`distft.launch_forked`).
-                argv = ["train", "--config", config_file]
-                return subprocess.call(torchrun_command(cfg.parallel, argv, fork=not on_cuda))
+                # CPU ranks are forked from this process, which has imported distft (`distft.launch`).
+                return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
     train(cfg, hooks=faults.from_environment())  # test-only fault injection, off unless DISTFT_FAULT_*
     return 0
 

@@ -1,6 +1,6 @@
 """Process-group set-up: device and backend come from the machine, ranks from torchrun.
 
-`torchrun_command` launches a multi-process run; under torchrun every process then finds RANK,
+`distft.launch` starts a multi-process run; under torchrun every process then finds RANK,
 WORLD_SIZE, LOCAL_RANK, GROUP_RANK (its node) and LOCAL_WORLD_SIZE in its environment. With CUDA
 present each process takes GPU `LOCAL_RANK` and talks NCCL; without it, the CPU and gloo. The same
 code runs both ways unchanged. A single process (no torchrun) needs no process group at all.
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distft.config import ParallelConfig
 from distft.errors import CollectiveError
 
 
@@ -46,32 +45,7 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-FORKED_ENV = "DISTFT_FORKED_RANK"  # set in ranks forked by `distft.launch_forked`
-
-
-def torchrun_command(p: ParallelConfig, argv: list[str], fork: bool = False) -> list[str]:
-    """`distft ARGV` once per rank under PyTorch's launcher: --nproc processes on this node, which
-    meet the other nodes' at --rdzv-endpoint (node 0's HOST:PORT) when --nnodes is above 1. With
-    `fork` (CPU runs), the ranks are forked from a launcher that imported distft once."""
-    # distft.launch is torchrun with a one-paragraph failure report instead of the agent's traceback.
-    cmd = [
-        sys.executable,
-        "-m",
-        "distft.launch_forked" if fork else "distft.launch",
-        f"--nproc-per-node={p.nproc}",
-        f"--max-restarts={p.max_restarts}",
-    ]
-    if p.nnodes == 1:
-        cmd.append("--standalone")  # picks a free port on this machine
-    else:
-        host, _, port = p.rdzv_endpoint.rpartition(":")
-        cmd += [
-            f"--nnodes={p.nnodes}",
-            f"--node-rank={p.node_rank}",
-            f"--master-addr={host}",
-            f"--master-port={port}",
-        ]
-    return [*cmd, "-m", "distft.cli", *argv]
+FORKED_ENV = "DISTFT_FORKED_RANK"  # set in ranks forked by `distft.launch` (CPU runs)
 
 
 def restart_count() -> int:

@@ -14,7 +14,6 @@ failed; 2: bad arguments. The checks are `distft.health`'s; docs/multi-node.md s
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 import torch
@@ -29,7 +28,6 @@ from distft.distributed import (
     launched_by_torchrun,
     pick_device,
     shutdown,
-    torchrun_command,
 )
 from distft.errors import ConfigError, HealthError
 from distft.health import (
@@ -40,6 +38,7 @@ from distft.health import (
     print_network_warnings,
 )
 from distft.health.bandwidth import DEFAULT_SIZES
+from distft.launch import launch_ranks
 from distft.plan.hardware import format_bytes, parse_bytes
 
 MAX_ROWS = 32  # ranks listed one by one; a larger job lists its latest-joining ones
@@ -77,9 +76,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
     if launched_by_torchrun():
         return run_checks(args, parallel, sizes)
-    backend = "nccl" if pick_device(args.device).type == "cuda" else "gloo"
-    print_network_warnings(backend, parallel.nproc, parallel.nnodes)
-    return subprocess.call(torchrun_command(parallel, _rank_argv(args)))
+    on_cuda = pick_device(args.device).type == "cuda"
+    print_network_warnings("nccl" if on_cuda else "gloo", parallel.nproc, parallel.nnodes)
+    return launch_ranks(parallel, _rank_argv(args), fork=not on_cuda)
 
 
 def run_checks(args: argparse.Namespace, parallel: ParallelConfig, sizes: list[int]) -> int:

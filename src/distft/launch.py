@@ -1,31 +1,73 @@
-"""torchrun, reporting a failed run in one paragraph instead of the agent's traceback.
+"""torchrun for distft: the ranks of a multi-process run, and a failure reported in one paragraph.
 
-`python -m distft.launch ARGS` takes exactly torchrun's arguments and runs its elastic agent in
-this process. When ranks fail for good (after `--max-restarts` restarts), torchrun itself raises
-`ChildFailedError` out of its `main`, printing a Python traceback of the agent under the ranks'
-own messages; here the failure is summarised instead (which rank, its exit code or signal) and
-the exit code is 1. The ranks' own output, including their error paragraphs, is untouched.
+`launch_ranks` starts `distft ARGV` once per rank under torchrun's elastic agent: --nproc processes
+on this node, which meet the other nodes' at --rdzv-endpoint (node 0's HOST:PORT) when --nnodes is
+above 1. Every rank then finds RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK and LOCAL_WORLD_SIZE in its
+environment (`distributed.init_distributed`).
 
-Restarts (`--max-restarts`) need the rendezvous store unshared. By default torchrun's agent keeps
-one TCPStore for all attempts and the ranks build their process group in it without a per-attempt
-prefix, so a restarted rank can read a key its dead predecessor wrote (gloo: "connectFullMesh
-failed ... Connection refused" to the dead rank's old port; NCCL: a stale unique id): one of the
-first two killed-rank runs here. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a fresh
-store (pytorch/pytorch#135712); with it, every killed-rank run here has restarted cleanly.
+Two ways to start a rank:
+- exec (CUDA): `python -m distft.launch ARGS` is torchrun itself (same arguments) and each rank a
+  fresh `python -m distft.cli`. A process must not fork once it has touched CUDA, and importing the
+  stack may (torchao probes the device's capability).
+- fork (CPU): the agent runs in the calling process, which has imported torch, transformers and
+  peft already, and each rank is forked from it and runs `distft.cli` as `-m` would. A fresh
+  Python spends ~5 s of CPU on those imports, and N ranks pay it N times on the same cores.
+  A restart (`--max-restarts`) forks again from the same process, which never trains.
+
+When ranks fail for good (after `--max-restarts` restarts), torchrun itself raises
+`ChildFailedError`, printing a Python traceback of the agent under the ranks' own messages; here
+the failure is summarised instead (which rank, its exit code or signal) and the exit code is 1.
+The ranks' own output, including their error paragraphs, is untouched.
+
+Restarts need the rendezvous store unshared. By default torchrun's agent keeps one TCPStore for
+all attempts and the ranks build their process group in it without a per-attempt prefix, so a
+restarted rank can read a key its dead predecessor wrote (gloo: "connectFullMesh failed ...
+Connection refused" to the dead rank's old port; NCCL: a stale unique id): one of the first two
+killed-rank runs here. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a fresh store
+(pytorch/pytorch#135712); with it, every killed-rank run here has restarted cleanly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
+import runpy
+import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
+
+from distft.config import ParallelConfig
+from distft.distributed import FORKED_ENV
 
 
-def main(argv: list[str] | None = None, entrypoint: Callable[[list[str]], None] | None = None) -> int:
-    """torchrun ARGV. With `entrypoint`, each rank is a process forked from this one that calls
-    `entrypoint(script_args)` instead of exec'ing the script (`distft.launch_forked`)."""
+def launch_ranks(p: ParallelConfig, argv: list[str], fork: bool) -> int:
+    """`distft ARGV` once per rank; the exit code of the whole run. `fork`: CPU runs (see above)."""
+    args = [*torchrun_args(p), "-m", "distft.cli", *argv]
+    if fork:
+        return main(args, fork=True)
+    return subprocess.call([sys.executable, "-m", "distft.launch", *args])
+
+
+def torchrun_args(p: ParallelConfig) -> list[str]:
+    """torchrun's placement flags for a run laid out by `p`."""
+    args = [f"--nproc-per-node={p.nproc}", f"--max-restarts={p.max_restarts}"]
+    if p.nnodes == 1:
+        return [*args, "--standalone"]  # a free port on this machine
+    host, _, port = p.rdzv_endpoint.rpartition(":")
+    return [
+        *args,
+        f"--nnodes={p.nnodes}",
+        f"--node-rank={p.node_rank}",
+        f"--master-addr={host}",
+        f"--master-port={port}",
+    ]
+
+
+def main(argv: list[str] | None = None, fork: bool = False) -> int:
+    """torchrun ARGV in this process; with `fork`, each rank is forked from it (`-m` scripts only)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args, run
@@ -34,34 +76,68 @@ def main(argv: list[str] | None = None, entrypoint: Callable[[list[str]], None] 
     if args.max_restarts:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        if entrypoint is None:
+        if not fork:
             run(args)
-        else:
-            if args.standalone:  # what torch.distributed.run.run does before it launches
-                args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-            args.start_method = "fork"
-            # A failed forked rank is logged with the traceback of the launcher's own wait for it
-            # (an exec'd one without): the rank's message and the summary below say it all.
-            logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_traceback)
-            config, _, _ = config_from_args(args)
-            elastic_launch(config, entrypoint)(list(args.training_script_args))
+            return 0
+        if args.standalone:  # what torch.distributed.run.run does before it launches
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        args.start_method = "fork"
+        config, _, _ = config_from_args(args)
+        with _forking():
+            elastic_launch(config, run_module)(args.training_script, list(args.training_script_args))
     except ChildFailedError as err:
-
-        def how(failure) -> str:
-            return (
-                f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-            )
-
-        rank, first = err.get_first_failure()
-        others = "; ".join(f"rank {r}: {how(f)}" for r, f in sorted(err.failures.items()) if r != rank)
-        print(
-            f"distft: the run failed. Rank {rank} ended first ({how(first)})"
-            + (f", then the others ({others})" if others else "")
-            + ". The ranks' own messages, if they left any, are above.",
-            file=sys.stderr,
-        )
+        print(_summary(err), file=sys.stderr)
         return 1
     return 0
+
+
+def run_module(module: str, argv: list[str]) -> None:
+    """One forked rank: `python -m MODULE ARGV`, with MODULE's imports already done. It returns on
+    success: the agent waits for each rank's return value, which a `SystemExit(0)` would skip."""
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exit:
+        if exit.code:
+            raise
+
+
+@contextlib.contextmanager
+def _forking() -> Iterator[None]:
+    """What the ranks forked from this process need, undone after them."""
+    saved = dict(os.environ)
+    os.environ[FORKED_ENV] = "1"  # `exit_worker` returns instead of `os._exit`: multiprocessing exits
+    # The checks before launch tokenised on the tokenizers library's threads, which a fork does not
+    # copy: it would warn in every rank that touches a tokenizer, then go on single-threaded anyway.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Objects frozen out of the collector are never traversed in the ranks, so their pages (the
+    # rows read before launch) stay shared instead of being copied into every rank.
+    gc.collect()
+    gc.freeze()
+    # A failed forked rank is logged with the traceback of the agent's own wait for it (an exec'd
+    # one without): the rank's message and the summary say it all.
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    log.addFilter(_without_traceback)
+    try:
+        yield
+    finally:
+        log.removeFilter(_without_traceback)
+        gc.unfreeze()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _summary(err) -> str:
+    def how(failure) -> str:
+        return f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+
+    rank, first = err.get_first_failure()
+    others = "; ".join(f"rank {r}: {how(f)}" for r, f in sorted(err.failures.items()) if r != rank)
+    return (
+        f"distft: the run failed. Rank {rank} ended first ({how(first)})"
+        + (f", then the others ({others})" if others else "")
+        + ". The ranks' own messages, if they left any, are above."
+    )
 
 
 def _without_traceback(record: logging.LogRecord) -> bool:
