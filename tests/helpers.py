@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from distft.cli import main
+from distft.data import qwen3_tokenizer
 from distft.train.metrics import START_ENV
 
 # Small enough for two CPU cores, big enough to exercise accumulation: global batch 4 = micro 1
@@ -78,6 +79,7 @@ def run_cli(
 # fork, which is why the test process itself is not one.
 _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(["tests.helpers"])
+qwen3_tokenizer()  # loaded once here (~1 s), inherited by every run forked from the server
 
 
 def start_server() -> None:

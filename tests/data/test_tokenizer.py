@@ -94,7 +94,8 @@ def test_cache_is_identical_and_atomic(tmp_path, monkeypatch):
     monkeypatch.setenv("DISTFT_CACHE", str(tmp_path))
     built = build_qwen3_tokenizer()
     first = qwen3_tokenizer()  # builds into the cache
-    second = qwen3_tokenizer()  # loads from it
+    assert qwen3_tokenizer() is first  # loaded once per process
+    second = load_tokenizer(str(tmp_path / "qwen3-tokenizer-v1"))  # the cache, read from disk again
     text = "The team agreed on 25 euros. <|im_end|>"
     assert built.encode(text) == first.encode(text) == second.encode(text)
     assert [p.name for p in tmp_path.iterdir()] == ["qwen3-tokenizer-v1"]  # no temporary left

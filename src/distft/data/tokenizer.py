@@ -12,6 +12,7 @@ The result is a `PreTrainedTokenizerFast` that encodes exactly like the released
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -132,7 +133,9 @@ def _vocabulary_hash(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def qwen3_tokenizer() -> PreTrainedTokenizerFast:
-    """The offline Qwen3 tokenizer, built once and then loaded from the on-disk cache."""
+    """The offline Qwen3 tokenizer, built once into the on-disk cache and loaded from it once per
+    process (~1 s: its 151k-entry vocabulary is JSON); ranks forked after the checks before launch
+    inherit it. Callers share the object, and none changes it."""
     final = cache_dir()
     if not (final / "tokenizer.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -142,9 +145,14 @@ def qwen3_tokenizer() -> PreTrainedTokenizerFast:
             tmp.rename(final)  # atomic; under torchrun several ranks may race here
         except OSError:  # another process won: its copy is identical
             shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(final))
+    return _load_qwen3_cache(str(final))
+
+
+@functools.cache
+def _load_qwen3_cache(final: str) -> PreTrainedTokenizerFast:
+    tokenizer = AutoTokenizer.from_pretrained(final)
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE  # the template of this release, whatever the cache holds
-    memo = final / "vocabulary.sha256"  # the cache never changes once in place: hashed once
+    memo = Path(final) / "vocabulary.sha256"  # the cache never changes once in place: hashed once
     if not memo.is_file():
         tmp = memo.with_name(f".{memo.name}.tmp-{os.getpid()}")
         tmp.write_text(_vocabulary_hash(tokenizer))
