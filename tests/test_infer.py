@@ -146,6 +146,28 @@ def test_batch_input_gives_one_summary_per_row(run, tmp_path, capsys):
     assert "reference" not in records[0] and records[1]["reference"] == "Ship Friday."
 
 
+def test_a_batch_that_fails_midway_leaves_no_output_file(loaded, tmp_path, monkeypatch):
+    rows = tmp_path / "meetings.jsonl"
+    rows.write_text("".join(json.dumps({"transcript": f"{MEETING} {i}"}) + "\n" for i in range(3)))
+    done = []
+
+    def generate_twice(loaded, row, sampling):
+        if len(done) == 2:
+            raise RuntimeError("out of memory")
+        done.append(row.origin)  # rows arrive one at a time, as the file is read
+        return generate(loaded, row, sampling)
+
+    monkeypatch.setattr("distft.infer.commands.load_trained", lambda **kw: loaded)
+    monkeypatch.setattr("distft.infer.commands.generate", generate_twice)
+    out = tmp_path / "summaries.jsonl"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main(
+            ["infer", "--run", "unused", "--input", str(rows), "--output", str(out), "--max-new-tokens", "2"]
+        )
+    assert done == [f"{rows}:1", f"{rows}:2"]
+    assert list(tmp_path.iterdir()) == [rows]  # neither a half file nor its temporary
+
+
 # ---- eval -------------------------------------------------------------------------------------
 
 

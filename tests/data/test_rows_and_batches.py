@@ -1,4 +1,5 @@
 import json
+import tracemalloc
 
 import pytest
 
@@ -13,6 +14,7 @@ from distft.data import (
     load_rows,
     rank_micro_batches,
     row_from_record,
+    validation_rows,
 )
 from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import DataError
@@ -87,6 +89,33 @@ def test_local_file_is_split_deterministically(tmp_path):
     a, b = load_rows(DataConfig(source=str(path)), seed=1), load_rows(DataConfig(source=str(path)), seed=1)
     assert a == b
     assert len(a["validation"]) == 2 and len(a["train"]) == 18
+
+
+def _meetings(path, n: int) -> str:
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"transcript": f"A: item {i} is agreed.", "summary": f"S{i}"}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("limit", [1, 3, 100])
+def test_validation_rows_are_the_first_rows_of_the_split(tmp_path, limit):
+    split_off = DataConfig(source=_meetings(tmp_path / "m.jsonl", 40), validation_fraction=0.25)
+    for cfg in (split_off, DataConfig(source="sample")):
+        want = load_rows(cfg, seed=3)["validation"][:limit]
+        assert validation_rows(cfg, seed=3, limit=limit) == want and want
+
+
+def test_validation_rows_hold_only_what_they_return(tmp_path):
+    cfg = DataConfig(source=_meetings(tmp_path / "big.jsonl", 20_000))
+    peaks = []
+    for read in (lambda: validation_rows(cfg, limit=4), lambda: load_rows(cfg)):
+        tracemalloc.start()
+        read()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    streamed, in_memory = peaks
+    assert streamed * 20 < in_memory, peaks
 
 
 def test_labels_cover_exactly_the_summary(tokenizer):

@@ -26,7 +26,7 @@ from distft.data.formats import (
     prompt_and_reference,
     row_from_record,
 )
-from distft.data.rows import load_rows, read_file
+from distft.data.rows import iter_file, load_rows, validation_rows
 from distft.data.store import CachedSplit
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 
@@ -47,6 +47,7 @@ __all__ = [
     "detect_format",
     "document_ids",
     "global_batch_indices",
+    "iter_file",
     "load_rows",
     "load_tokenizer",
     "messages_of",
@@ -56,8 +57,8 @@ __all__ = [
     "prompt_and_reference",
     "qwen3_tokenizer",
     "rank_micro_batches",
-    "read_file",
     "row_from_record",
     "tokenize_rows",
     "tokenized_splits",
+    "validation_rows",
 ]

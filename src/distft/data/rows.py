@@ -7,13 +7,15 @@ chat, prompt/completion or alpaca, detected or set by `data.format`). A malforme
 `DataError` naming its file and line (or its index) before anything is launched.
 
 Files and hub sets are read as streams (`row_source`): one row at a time, so the token cache
-(`distft.data.cache`) can tokenise a set that does not fit in memory. `load_rows` holds every row
-in memory: evaluation, inference, and training with `data.cache=false`. Both cut the splits the
-same way (`held_out`), so a cached run trains on exactly the rows an in-memory one would.
+(`distft.data.cache`) can tokenise a set that does not fit in memory, and `validation_rows` gives
+evaluation and inference their few rows without the rest. `load_rows` holds every row in memory:
+training with `data.cache=false`, the bench's plain loop. All cut the splits the same way
+(`held_out`), so a cached run trains on exactly the rows an in-memory one would.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -58,13 +60,13 @@ def _iter_file(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterat
     return (_iter_parquet if path.suffix == ".parquet" else _iter_jsonl)(path, cfg, need_summary)
 
 
-def read_file(path: str | Path, cfg: DataConfig, need_summary: bool = True) -> list[Row]:
-    """Every row of a local .jsonl/.parquet file, unsplit (`distft eval --data`, `distft infer
-    --input`); with `need_summary=False` a meeting row may lack its summary (it is then "")."""
+def iter_file(path: str | Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
+    """The rows of a local .jsonl/.parquet file, unsplit, one at a time (`distft eval --data`,
+    `distft infer --input`); with `need_summary=False` a meeting row may lack its summary ("")."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"Dataset file {path} does not exist.")
-    return list(_iter_file(path, cfg, need_summary))
+    return _iter_file(path, cfg, need_summary)
 
 
 def _open_hub(dataset_id: str, split: str, cfg: DataConfig) -> Iterable[dict]:
@@ -144,6 +146,32 @@ def check_splits(train: int, validation: int, name: str) -> None:
         raise DataError(f"Dataset {name} has no training rows.")
     if not validation:
         raise DataError(f"Dataset {name} has no validation rows.")
+
+
+def validation_rows(cfg: DataConfig, seed: int = 0, limit: int = 1) -> list[Row]:
+    """The first `limit` rows of the validation split, the same rows as `load_rows(cfg,
+    seed)["validation"][:limit]`, read as a stream that holds only those: `distft eval` and
+    `distft infer` on a set of millions. A source without a validation split is read twice, once
+    to count its rows (its split is a seeded permutation of them) and once to pick them."""
+    source = row_source(cfg)
+    if "all" not in source.parts:
+        rows = list(itertools.islice(source.parts["validation"](), limit))
+        if not rows:
+            raise DataError(f"Dataset {cfg.source} has no validation rows.")
+        return rows
+    read = source.parts["all"]
+    n = sum(1 for _ in read())
+    if source.too_few and n < 2:
+        raise DataError(source.too_few.format(n=n))
+    _, valid = held_out(n, cfg.validation_fraction, seed)
+    slot = {position: k for k, position in enumerate(valid[:limit].tolist())}
+    rows: list[Row | None] = [None] * len(slot)
+    for i, row in enumerate(read()):
+        if i in slot:
+            rows[slot.pop(i)] = row
+            if not slot:
+                break
+    return rows  # type: ignore[return-value]  # every slot filled: the positions are below n
 
 
 # ---- every row in memory ---------------------------------------------------------------------

@@ -8,9 +8,12 @@ transcript) go to standard error, so standard output holds only what was asked f
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -19,10 +22,10 @@ from rich.table import Table
 
 from distft.config import DataConfig
 from distft.config.schema import DATA_FORMATS
-from distft.data import ChatRow, MeetingRow, Message, Row, load_rows, prompt_and_reference, read_file
+from distft.data import ChatRow, MeetingRow, Message, Row, iter_file, prompt_and_reference, validation_rows
 from distft.errors import ConfigError
 from distft.infer.evaluate import LOCAL_FORMATS, compare, eval_rows
-from distft.infer.generate import Generated, Sampling, generate, truncation_notice, write_results
+from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
 from distft.io.lineage import origin_text, stage_text
@@ -118,20 +121,22 @@ def cmd_infer(args: argparse.Namespace) -> int:
     loaded = _with_format(load_trained(run=args.run, adapter=args.adapter, model=args.model), args.format)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)
-    rows = _input_rows(loaded, args.input, batch)
-    results = []
-    for row in rows:
-        result = generate(loaded, row, sampling)
-        if notice := truncation_notice(loaded, row, result, sampling):
-            print(notice, file=sys.stderr)
-        results.append(result)
-        if not args.output:
-            _print_result(row, result, batch)
+    n, meetings = 0, True
+    output = results_file(Path(args.output), loaded.cfg.data) if args.output else contextlib.nullcontext()
+    with output as write:
+        # A file is read a row at a time, and each result written as it comes: constant memory.
+        for row in _input_rows(loaded, args.input, batch):
+            result = generate(loaded, row, sampling)
+            if notice := truncation_notice(loaded, row, result, sampling):
+                print(notice, file=sys.stderr)
+            if write:
+                write(row, result)
+            else:
+                _print_result(row, result, batch)
+            n, meetings = n + 1, meetings and isinstance(row, MeetingRow)
     if args.output:
-        write_results(Path(args.output), rows, results, loaded.cfg.data)
-        meetings = all(isinstance(r, MeetingRow) for r in rows)
         noun = ("summary", "summaries") if meetings else ("response", "responses")
-        print(f"wrote {len(rows)} {noun[len(rows) != 1]} to {args.output}")
+        print(f"wrote {n} {noun[n != 1]} to {args.output}")
     return 0
 
 
@@ -142,17 +147,18 @@ def _text_row(text: str, origin: str, cfg: DataConfig) -> Row:
     return ChatRow((Message("user", (text.strip(),)),), origin)
 
 
-def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> list[Row]:
+def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterator[Row]:
     if batch:
-        rows = read_file(source, loaded.cfg.data, need_summary=False)
-        if not rows:
+        rows = iter_file(source, loaded.cfg.data, need_summary=False)
+        first = next(rows, None)
+        if first is None:
             raise ConfigError(f"--input {source} has no rows to generate for.")
-        return rows
+        return itertools.chain([first], rows)
     if source == "-":
-        return [_text_row(sys.stdin.read(), "stdin", loaded.cfg.data)]
+        return iter([_text_row(sys.stdin.read(), "stdin", loaded.cfg.data)])
     if source:
-        return [_text_row(Path(source).read_text(encoding="utf-8"), source, loaded.cfg.data)]
-    row = load_rows(loaded.cfg.data, seed=loaded.cfg.train.seed)["validation"][0]
+        return iter([_text_row(Path(source).read_text(encoding="utf-8"), source, loaded.cfg.data)])
+    (row,) = validation_rows(loaded.cfg.data, seed=loaded.cfg.train.seed, limit=1)
     if isinstance(row, MeetingRow):
         print("--- held-out meeting (first lines) ---")
         print("\n".join(row.transcript.splitlines()[:6]) + "\n...")
@@ -160,7 +166,7 @@ def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> list[Row]:
         prompt, _ = prompt_and_reference(row, loaded.cfg.data)
         print(f"--- held-out row {row.origin}: its last prompt turn (first lines) ---")
         print("\n".join(prompt[-1].content.splitlines()[:6] if prompt else []) + "\n...")
-    return [row]
+    return iter([row])
 
 
 def _print_result(row: Row, result: Generated, batch: bool) -> None:

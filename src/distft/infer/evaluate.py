@@ -1,8 +1,9 @@
 """Scoring a trained run: validation loss and ROUGE-L, the base model against the finetuned one.
 
 The rows come from the run's own validation split (never trained on), or from any source distft
-reads (`--data`), in any of its formats: a local .jsonl/.parquet file is scored whole, a hub
-dataset or `sample` by its validation split. Loss is the mean over the answer tokens of the whole
+reads (`--data`), in any of its formats: a local .jsonl/.parquet file from its first row, a hub
+dataset or `sample` by its validation split. Either way only the rows scored are held in memory
+(`distft.data.validation_rows`): scoring 16 rows of a set of millions reads, not keeps, the rest. Loss is the mean over the answer tokens of the whole
 row, tokenised as in training (`ChatFormatter.encode`: every assistant turn of a chat); ROUGE-L
 compares the greedy answer to a row's prompt (its turns before the last assistant turn) with that
 last turn (a meeting's summary).
@@ -10,6 +11,7 @@ last turn (a meeting's summary).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,10 +24,10 @@ from distft.data import (
     Row,
     collate,
     count_label_tokens,
-    load_rows,
+    iter_file,
     prompt_and_reference,
-    read_file,
     tokenize_rows,
+    validation_rows,
 )
 from distft.errors import ConfigError
 from distft.infer.generate import Sampling, generate
@@ -38,7 +40,7 @@ LOCAL_FORMATS = (".jsonl", ".json", ".parquet")
 
 def held_out_meeting(cfg: Config) -> str:
     """The first validation meeting of the run's dataset (never seen in training)."""
-    return load_rows(cfg.data, seed=cfg.train.seed)["validation"][0].transcript
+    return validation_rows(cfg.data, seed=cfg.train.seed, limit=1)[0].transcript
 
 
 def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> list[Row]:
@@ -47,13 +49,13 @@ def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> li
         raise ConfigError(f"--rows must be at least 1, got {max_rows}: it is how many meetings to score.")
     cfg = loaded.cfg
     if data is not None and data.endswith(LOCAL_FORMATS):
-        rows = read_file(data, cfg.data)  # a user's own file: every row, no split
+        rows = list(itertools.islice(iter_file(data, cfg.data), max_rows))  # a user's own file: no split
     else:
         source = replace(cfg.data, source=data or cfg.data.source, max_rows=0)
-        rows = load_rows(source, seed=cfg.train.seed)["validation"]
+        rows = validation_rows(source, seed=cfg.train.seed, limit=max_rows)
     if not rows:
         raise ConfigError(f"--data {data}: no rows to score; each needs a prompt and its answer.")
-    return rows[:max_rows]
+    return rows
 
 
 @torch.no_grad()

@@ -11,7 +11,9 @@ tokens were dropped.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from distft.config import DataConfig
 from distft.data import ChatFormatter, MeetingRow, Row, prompt_and_reference
 from distft.errors import ConfigError
 from distft.infer.load import Loaded
-from distft.io.files import atomic_write_text
+from distft.io.files import atomic_text_file
 
 
 @dataclass
@@ -125,15 +127,19 @@ def truncation_notice(loaded: Loaded, row: Row, generated: Generated, sampling: 
     )
 
 
-def write_results(path: Path, rows: list[Row], results: list[Generated], cfg: DataConfig) -> None:
-    """`path` as JSON lines, one per input row: where it came from, the generated text (`summary`
-    for a meeting, `response` for the other formats), what was cut, and the row's own answer."""
-    lines = []
-    for row, result in zip(rows, results, strict=True):
-        generated = asdict(result)
-        text = "summary" if isinstance(row, MeetingRow) else "response"
-        record = {"origin": row.origin, text: generated.pop("summary"), **generated}
-        if reference := prompt_and_reference(row, cfg)[1]:
-            record["reference"] = reference
-        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-    atomic_write_text(path, "".join(lines))
+@contextlib.contextmanager
+def results_file(path: Path, cfg: DataConfig) -> Iterator[Callable[[Row, Generated], None]]:
+    """A writer of `path` as JSON lines, one per input row as it is generated: where it came from,
+    the generated text (`summary` for a meeting, `response` for the other formats), what was cut,
+    and the row's own answer. The file appears whole, at the end (`atomic_text_file`)."""
+    with atomic_text_file(path) as f:
+
+        def write(row: Row, result: Generated) -> None:
+            generated = asdict(result)
+            text = "summary" if isinstance(row, MeetingRow) else "response"
+            record = {"origin": row.origin, text: generated.pop("summary"), **generated}
+            if reference := prompt_and_reference(row, cfg)[1]:
+                record["reference"] = reference
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+        yield write
