@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint format clean reports
+.PHONY: install demo test lint format clean reports
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,8 +32,6 @@ test: install  ## lint, then the whole suite (CPU, gloo; GPU tests skip without 
 
 reports: install  ## regenerate the committed CPU reports under docs/reports/cpu/ (about an hour: docs/reports/README.md)
 	DISTFT=$(VENV)/bin/distft docs/reports/regenerate-cpu.sh
-test-slow: install  ## the slow-marked runs the default suite leaves out (8-process 3D, fsdp+pp full/QLoRA)
-	$(PY) -m pytest -q -m slow
 
 format: install
 	$(VENV)/bin/ruff check --fix src tests

@@ -4,11 +4,10 @@ Each run is the command `distft plan` prints for that layout (parsed from its `r
 suite's step count, data size and learning rate) on gloo processes: losses, gradient norms and the
 exported adapter against the single-process `reference`; every byte of the first step against the
 runtime's formula (`measure.expected.fsdp_pipeline`), against the planner's bytes per mesh
-dimension, and against counts made here from the saved weights. In the default suite (each run
-~60 s on 2 shared cores): fsdp+pp at dp = 2 x pp = 2, a resume from its DCP checkpoint, and 3D at
-dp = 1 x tp = 2 x pp = 2 (a real 3D mesh whose dp dimension has one rank: every code path runs,
-FSDP moves no bytes). Marked `slow` (`pytest -m slow`): 3D at dp = tp = pp = 2 on 8 processes, and
-fsdp+pp with full finetuning (the tied embedding's shards summed across stages) and with QLoRA.
+dimension, and against counts made here from the saved weights: fsdp+pp at dp = 2 x pp = 2, a
+resume from its DCP checkpoint, 3D at dp = 1 x tp = 2 x pp = 2 (a real 3D mesh whose dp dimension
+has one rank: every code path runs, FSDP moves no bytes) and at dp = tp = pp = 2 on 8 processes,
+and fsdp+pp with full finetuning (the tied embedding's shards summed across stages) and with QLoRA.
 """
 
 import json
@@ -152,7 +151,6 @@ def test_3d_on_a_mesh_with_one_fsdp_rank(reference, tmp_path):
     assert tp == 4 * 4 * SEQ * (HIDDEN * (4 + 10 - 3) + 16 * 2 * 7)
 
 
-@pytest.mark.slow
 def test_3d_on_eight_processes(reference, tmp_path):
     """dp = tp = pp = 2, the layout the planner picks for 3D on 8 GPUs of one node."""
     req = request(f"{PLAN} --gpus 8 --pp-microbatches 2")
@@ -173,7 +171,6 @@ def test_3d_on_eight_processes(reference, tmp_path):
     }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "qlora"])
 def test_fsdp_pp_full_finetuning_and_qlora(method, tmp_path):
     """Full: micro ties embedding and lm_head, split over stage 0 and 1; each stage's FSDP shards

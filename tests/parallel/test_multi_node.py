@@ -5,8 +5,8 @@ Each case is one `NodeLayout`: the strategy, processes per node, its mesh degree
 dimensions whose groups must stay inside a node (tensor parallelism all-reduces activations in
 every layer: that traffic belongs on NVLink, not on the network between nodes). Every run records
 each rank's node and its process groups per mesh dimension in `ranks.json`, which the test reads
-back. Adding a strategy is one entry. With 2 agents x 2 processes a case takes 1-2 min on 2 shared
-cores (the 4 ranks, the 2 agents and the imports of each).
+back. Adding a strategy is one entry. With 2 agents x 2 processes a case takes 4-15 s on 2 cores
+(each agent forked from the test's server with distft imported, its ranks forked from the agent).
 """
 
 from __future__ import annotations
@@ -40,18 +40,9 @@ LAYOUTS = [
     NodeLayout("ddp+pp", 2, ("parallel.dp=2", "parallel.pp=2"), frozenset({"dp"})),
     # shard inner: FSDP's gathers and reduce-scatters stay in a node, the replicas' all-reduce crosses.
     NodeLayout("hsdp", 2, ("parallel.shard=2",), frozenset({"shard"})),
-    # The pipelines as ddp+pp: one stage per node, FSDP (and TP) inside it. Slow: the suite's
-    # 10 minutes on 2 cores; their single-node parity runs in tests/parallel/test_fsdp_pp.py.
-    pytest.param(
-        NodeLayout("fsdp+pp", 2, ("parallel.dp=2", "parallel.pp=2"), frozenset({"dp"})),
-        marks=pytest.mark.slow,
-    ),
-    pytest.param(
-        NodeLayout(
-            "fsdp+tp+pp", 2, ("parallel.dp=1", "parallel.tp=2", "parallel.pp=2"), frozenset({"dp", "tp"})
-        ),
-        marks=pytest.mark.slow,
-    ),
+    # The pipelines as ddp+pp: one stage per node, FSDP (and TP) inside it.
+    NodeLayout("fsdp+pp", 2, ("parallel.dp=2", "parallel.pp=2"), frozenset({"dp"})),
+    NodeLayout("fsdp+tp+pp", 2, ("parallel.dp=1", "parallel.tp=2", "parallel.pp=2"), frozenset({"dp", "tp"})),
 ]
 
 
