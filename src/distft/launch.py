@@ -97,8 +97,8 @@ def run_module(module: str, argv: list[str]) -> None:
     sys.argv = [module, *argv]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exit:
-        if exit.code:
+    except SystemExit as stop:
+        if stop.code:
             raise
 
 
