@@ -57,8 +57,7 @@ def run_cli(
     start to end). A Python start with torch, transformers and peft costs ~5 s of CPU, and the suite
     runs hundreds of commands on 2 cores. A multi-process `distft train` forks its ranks from that
     process, as it does on any CPU (`distft.launch`)."""
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    run_env.pop(START_ENV, None)  # the CLI stamps its start; each run has its own
+    run_env = _environment(env)
     if fresh:
         cmd = [sys.executable, "-m", "distft.cli", *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
@@ -74,6 +73,14 @@ def run_cli(
         return subprocess.CompletedProcess(["distft", *args], proc.exitcode, out.read_text(), err.read_text())
 
 
+def _environment(extra: dict | None) -> dict[str, str]:
+    """This process's environment for a run: one thread, `extra` on top, no start stamp (the CLI
+    stamps its own start; each run has its own)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+    env.pop(START_ENV, None)
+    return env
+
+
 # The server the runs fork from: a fresh interpreter that imported the CLI (through this module)
 # and nothing else. A process that has trained or joined a process group is no safe parent for a
 # fork, which is why the test process itself is not one.
@@ -82,7 +89,7 @@ _SERVER.set_forkserver_preload(["tests.helpers"])
 qwen3_tokenizer()  # loaded once here (~1 s), inherited by every run forked from the server
 
 
-def start_server() -> None:
+def _start_server() -> None:
     """Start the fork server (once per test process), with torch's thread count set before it loads."""
     saved = dict(os.environ)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -94,7 +101,7 @@ def start_server() -> None:
 
 
 def _fork(args: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> multiprocessing.Process:
-    start_server()
+    _start_server()
     proc = _SERVER.Process(target=_run_cli, args=(args, env, str(stdout), str(stderr)))
     proc.start()
     return proc
@@ -128,8 +135,7 @@ def agents(
     `timeout` passes, or `grace` seconds after one agent failed (its peers may wait in a collective
     for parallel.timeout_s): a hang fails the test instead of blocking the suite."""
     endpoint = f"127.0.0.1:{free_port()}"
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    run_env.pop(START_ENV, None)
+    run_env = _environment(env)
     with tempfile.TemporaryDirectory(prefix="distft-agents-") as tmp:
         logs = [Path(tmp, f"node-{n}.log") for n in range(nnodes)]
         placement = ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]

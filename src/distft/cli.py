@@ -185,7 +185,7 @@ def prepare_data(cfg: Config) -> None:
         if time.perf_counter() >= next_line:
             next_line += 30
             print(
-                f"tokenising {cfg.data.source}: {examples:,} examples, {next_line - 30 - start:.0f} s",
+                f"tokenising {cfg.data.source}: {examples:,} examples, {time.perf_counter() - start:.0f} s",
                 flush=True,
             )
 

@@ -56,7 +56,9 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=1, help="processes per node, as for distft train")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (run the same command on each)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1")
-    p.add_argument("--rdzv-endpoint", default="127.0.0.1:29500", help="HOST:PORT of node 0 (multi-node)")
+    p.add_argument(
+        "--rdzv-endpoint", default=ParallelConfig.rdzv_endpoint, help="HOST:PORT of node 0 (multi-node)"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="as train.device")
     sizes = ",".join(format_bytes(s).replace(" ", "") for s in DEFAULT_SIZES)
     p.add_argument(
@@ -65,9 +67,17 @@ def add_doctor_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--iterations", type=int, default=0, help="timed all-reduces per size (default: ~512 MiB each, 3-20)"
     )
-    p.add_argument("--timeout-s", type=int, default=60, help="seconds for every rank to answer the roll call")
     p.add_argument(
-        "--slow-s", type=float, default=5.0, help="a rank joining this many seconds after the first is slow"
+        "--timeout-s",
+        type=int,
+        default=ParallelConfig.health_timeout_s,
+        help="seconds for every rank to answer the roll call",
+    )
+    p.add_argument(
+        "--slow-s",
+        type=float,
+        default=ParallelConfig.health_slow_s,
+        help="a rank joining this many seconds after the first is slow",
     )
 
 

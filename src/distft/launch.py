@@ -111,7 +111,7 @@ def _forking() -> Iterator[None]:
     # copy: it would warn in every rank that touches a tokenizer, then go on single-threaded anyway.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Objects frozen out of the collector are never traversed in the ranks, so their pages (the
-    # rows read before launch) stay shared instead of being copied into every rank.
+    # imported modules, the tokenizer loaded for the checks) stay shared instead of being copied.
     gc.collect()
     gc.freeze()
     # A failed forked rank is logged with the traceback of the agent's own wait for it (an exec'd

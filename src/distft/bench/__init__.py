@@ -40,7 +40,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated (default {DEFAULT_STRATEGIES})"
     )
     p.add_argument("--nproc", type=int, default=2, help="processes for the multi-process strategies")
-    p.add_argument("--model", help="preset, local directory or hub id (default tiny; --gpu: qwen3-4b)")
+    p.add_argument(
+        "--model", help="preset, local directory or hub id (default tiny; --gpu: qwen3-4b; --startup: micro)"
+    )
     p.add_argument("--steps", type=int, help="measured optimizer steps per run (default 10; --gpu: 6)")
     p.add_argument("--warmup", type=int, help="steps run before measuring (default 3; --gpu: 2)")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
@@ -88,7 +90,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_startup_arguments(p)
     p.add_argument(
-        "--out", default=DEFAULT_OUT, help="output directory (default runs/bench; --gpu: runs/bench-gpu)"
+        "--out",
+        default=DEFAULT_OUT,
+        help="output directory (default runs/bench; --gpu: runs/bench-gpu; --startup: runs/bench-startup)",
     )
     p.add_argument(
         "--report-only",

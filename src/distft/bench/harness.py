@@ -113,22 +113,28 @@ def combine_repeats(runs: list[StrategyResult]) -> StrategyResult:
     )
 
 
-def run_strategy(
-    settings: BenchSettings, strategy: str, out: Path, extra: tuple[str, ...] = ()
-) -> StrategyResult:
-    # Each run measures its own start-up: not from the bench command's stamp (`START_ENV`).
+def run_train(argv: list[str], out: Path) -> float:
+    """`distft ARGV` (a `train` writing to `out`) in a fresh process, as a user runs it, its output
+    in `out`.log; the wall seconds it took. It measures its own start-up, not from the bench
+    command's stamp (`START_ENV`)."""
     env = {k: v for k, v in os.environ.items() if k != START_ENV} | {"PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "distft.cli", *settings.train_args(strategy, out, extra)],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
+        [sys.executable, "-m", "distft.cli", *argv], capture_output=True, text=True, env=env
+    )
     wall = time.perf_counter() - start
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"{out.name} failed (exit {proc.returncode}): {' | '.join(tail)}")
+    return wall
+
+
+def run_strategy(
+    settings: BenchSettings, strategy: str, out: Path, extra: tuple[str, ...] = ()
+) -> StrategyResult:
+    wall = run_train(settings.train_args(strategy, out, extra), out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     measured = records[settings.warmup :] or records
     first = records[0]

@@ -20,28 +20,23 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from distft.bench.harness import environment
-from distft.train.metrics import START_ENV
+from distft.bench.harness import environment, run_train
 
 MODES = ("off", "cold", "warm")
+STRATEGY = "ddp"  # its ranks all open the one store; any multi-process strategy would do
 RANK_DATA_BOUND_S = 1.0  # a rank opening a warm cache, at any size (it maps files; measured: ~1 ms)
 
 
 @dataclass
 class StartupSettings:
     sizes: list[int] = field(default_factory=lambda: [1_000, 10_000, 100_000])
-    strategy: str = "ddp"
     nproc: int = 2
     model: str = "micro"
     repeats: int = 1  # runs per size and mode (medians are compared with the bound)
     bound_s: float = 5.0  # a warm start-up may exceed the smallest size's by this much
-    modes: list[str] = field(default_factory=lambda: list(MODES))
     overrides: list[str] = field(default_factory=list)
 
 
@@ -58,9 +53,8 @@ def write_synthetic_rows(path: Path, n: int) -> Path:
 
 
 def train_args(settings: StartupSettings, data: Path, cache: Path, out: Path, mode: str) -> list[str]:
-    nproc = "1" if settings.strategy == "single" else str(settings.nproc)
     return [
-        "train", "--strategy", settings.strategy, "--nproc", nproc, "--model", settings.model,
+        "train", "--strategy", STRATEGY, "--nproc", str(settings.nproc), "--model", settings.model,
         "--data", str(data), "--max-steps", "1", "--out", str(out), "--overwrite",
         "train.global_batch_size=4", "train.micro_batch_size=1", "train.eval_batches=1",
         "data.max_length=128", f"data.cache={'false' if mode == 'off' else 'true'}", f"data.cache_dir={cache}",
@@ -70,17 +64,7 @@ def train_args(settings: StartupSettings, data: Path, cache: Path, out: Path, mo
 
 def run_once(settings: StartupSettings, data: Path, cache: Path, out: Path, mode: str) -> dict:
     """One `distft train` to step 1: its start-up, its wall time, and each rank's data set-up."""
-    env = {k: v for k, v in os.environ.items() if k != START_ENV} | {"PYTHONUNBUFFERED": "1"}
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "distft.cli", *train_args(settings, data, cache, out, mode)],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
-    wall = time.perf_counter() - start
-    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{out.name} failed (exit {proc.returncode}): {' | '.join(tail)}")
+    wall = run_train(train_args(settings, data, cache, out, mode), out)
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     ranks = json.loads((out / "ranks.json").read_text())
     caches = [r["token_cache"] for r in ranks]
@@ -99,9 +83,9 @@ def run_size(settings: StartupSettings, n: int, out: Path) -> dict:
     of a shared machine falls on every mode; a cold run starts from an empty cache directory."""
     data = write_synthetic_rows(out / f"rows-{n}.jsonl", n)
     cache = out / f"cache-{n}"
-    runs: dict[str, list[dict]] = {m: [] for m in settings.modes}
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for _ in range(settings.repeats):
-        for mode in settings.modes:
+        for mode in MODES:
             if mode == "cold":
                 shutil.rmtree(cache, ignore_errors=True)
             runs[mode].append(run_once(settings, data, cache, out / f"run-{n}-{mode}", mode))
@@ -124,7 +108,7 @@ def run_startup_bench(settings: StartupSettings, out: Path) -> dict:
     rows = []
     for n in settings.sizes:
         rows.append(run_size(settings, n, out))
-        print(f"{n:>9,} rows: " + ", ".join(f"{m} {rows[-1][m]['startup_s']:.1f} s" for m in settings.modes))
+        print(f"{n:>9,} rows: " + ", ".join(f"{m} {rows[-1][m]['startup_s']:.1f} s" for m in MODES))
     return {
         "settings": asdict(settings),
         "environment": environment(),
@@ -136,22 +120,18 @@ def run_startup_bench(settings: StartupSettings, out: Path) -> dict:
 def check_bound(rows: list[dict], settings: StartupSettings) -> dict:
     """With a warm cache, start-up at every size within `bound_s` of the smallest size's (medians),
     and every rank's data set-up (opening the cache) under `RANK_DATA_BOUND_S` in every run."""
-    warm = [(r["rows"], r["warm"]) for r in rows if "warm" in r]
-    if not warm:
-        return {"checked": False, "holds": True}
-    base = warm[0][1]["startup_s"]  # the smallest size (sizes are given in increasing order)
-    worst = max(w["startup_s"] - base for _, w in warm)
-    rank_data = max(run["rank_data_s"] for _, w in warm for run in w["runs"])
+    warm = [r["warm"] for r in rows]
+    base = warm[0]["startup_s"]  # the smallest size (sizes are given in increasing order)
+    worst = max(w["startup_s"] - base for w in warm)
+    rank_data = max(run["rank_data_s"] for w in warm for run in w["runs"])
     return {
-        "checked": True, "bound_s": settings.bound_s, "base_s": base, "worst_excess_s": worst,
+        "bound_s": settings.bound_s, "base_s": base, "worst_excess_s": worst,
         "rank_data_bound_s": RANK_DATA_BOUND_S, "rank_data_max_s": rank_data,
         "holds": worst <= settings.bound_s and rank_data <= RANK_DATA_BOUND_S,
     }  # fmt: skip
 
 
 def _cell(row: dict, mode: str) -> str:
-    if mode not in row:
-        return "-"
     m = row[mode]
     spread = f" [{m['startup_min_s']:.1f}-{m['startup_max_s']:.1f}]" if len(m["runs"]) > 1 else ""
     return f"{m['startup_s']:.1f}{spread}"
@@ -163,7 +143,7 @@ def write_startup_report(summary: dict, out: Path) -> Path:
     lines = [
         "# Start-up vs dataset size",
         "",
-        f"`distft train --strategy {s['strategy']} --nproc {s['nproc']} --model {s['model']} --max-steps 1`, "
+        f"`distft train --strategy {STRATEGY} --nproc {s['nproc']} --model {s['model']} --max-steps 1`, "
         f"short synthetic prompt/completion rows, data.max_length=128; {env['cpu_count']} CPU cores, {env['device']}, "
         f"torch {env['torch']}. Seconds from the command to step 1 (`startup_s`), median [min-max] of "
         f"{s['repeats']} run(s) per mode, interleaved; load: the machine's 1-minute load average after the runs.",
@@ -172,25 +152,23 @@ def write_startup_report(summary: dict, out: Path) -> Path:
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for r in summary["rows"]:
-        runs = [run for m in MODES if m in r for run in r[m]["runs"]]
-        build = [run["build_s"] for run in r.get("cold", {}).get("runs", [])]
-        warm = r.get("warm", {}).get("runs", [])
-        first = f"{statistics.median(build):.2f}" if build else "-"
-        rank_data = f"{max(w['rank_data_s'] for w in warm) * 1000:.0f} ms" if warm else "-"
-        read = max((w["examples_read"] for w in warm), default="-")
+        runs = [run for m in MODES for run in r[m]["runs"]]
+        first = statistics.median(run["build_s"] for run in r["cold"]["runs"])
+        warm = r["warm"]["runs"]
+        rank_data = max(w["rank_data_s"] for w in warm) * 1000
+        read = max(w["examples_read"] for w in warm)
         load = statistics.median(run["load_1min"] for run in runs)
         lines.append(
-            f"| {r['rows']:,} | {_cell(r, 'off')} | {_cell(r, 'cold')} | {first} | {_cell(r, 'warm')} | "
-            f"{rank_data} | {read} | {load:.1f} |"
+            f"| {r['rows']:,} | {_cell(r, 'off')} | {_cell(r, 'cold')} | {first:.2f} | {_cell(r, 'warm')} | "
+            f"{rank_data:.0f} ms | {read} | {load:.1f} |"
         )
-    if bound["checked"]:
-        verdict = "holds" if bound["holds"] else "FAILS"
-        lines += [
-            "",
-            f"Bound: with a warm cache, start-up within {bound['bound_s']:.1f} s of the smallest size's "
-            f"({bound['base_s']:.1f} s; worst excess {bound['worst_excess_s']:+.1f} s), and every rank's data set-up "
-            f"under {bound['rank_data_bound_s']:.1f} s (longest {bound['rank_data_max_s'] * 1000:.0f} ms): **{verdict}**.",
-        ]
+    verdict = "holds" if bound["holds"] else "FAILS"
+    lines += [
+        "",
+        f"Bound: with a warm cache, start-up within {bound['bound_s']:.1f} s of the smallest size's "
+        f"({bound['base_s']:.1f} s; worst excess {bound['worst_excess_s']:+.1f} s), and every rank's data set-up "
+        f"under {bound['rank_data_bound_s']:.1f} s (longest {bound['rank_data_max_s'] * 1000:.0f} ms): **{verdict}**.",
+    ]
     path = out / "startup.md"
     path.write_text("\n".join(lines) + "\n")
     (out / "startup.json").write_text(json.dumps(summary, indent=1))

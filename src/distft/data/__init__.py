@@ -26,13 +26,14 @@ from distft.data.formats import (
     prompt_and_reference,
     row_from_record,
 )
-from distft.data.rows import iter_file, load_rows, validation_rows
+from distft.data.rows import LOCAL_SUFFIXES, iter_file, load_rows, validation_rows
 from distft.data.store import CachedSplit
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 
 __all__ = [
     "IGNORE",
     "KNOWN_SCHEMAS",
+    "LOCAL_SUFFIXES",
     "CachedSplit",
     "ChatFormatter",
     "ChatRow",

@@ -5,7 +5,7 @@ Key: a sha256 over everything that decides the tokens and the split: the tokeniz
 (`tokenizer_fingerprint`: vocabulary, merges, added tokens, chat template), the data (a file's
 path, size and modification time; a hub set's id, splits and `data.revision`), every `data.*`
 setting but those that change neither (packing, the cache's own settings), `train.seed` (which
-rows are held out), and the code that turns rows into tokens. The store lives in
+rows are held out), and the code that turns rows into a store (this module too). The store lives in
 `<data.cache_dir>/<source>-<key>`; a change to any of these is a new key and a new store.
 
 Build: `distft train` builds it before launch, so ranks only open it. A process that finds none
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import tokenizers
 import transformers
 
@@ -89,6 +90,7 @@ def _code_fingerprint() -> str:
     )
     for module in (formats, chat, rows, store):
         h.update(Path(module.__file__).read_bytes())
+    h.update(Path(__file__).read_bytes())  # this module: which rows are kept, the splits' order
     return h.hexdigest()
 
 
@@ -203,21 +205,11 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sweep(final: Path, host: str) -> None:
     """Remove temporary directories that builds on this host left when they died."""
     for tmp in final.parent.glob(f".{final.name}.tmp-{host}-*"):
         pid = tmp.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -132,8 +132,8 @@ def check_health(env: DistEnv, p: ParallelConfig, hooks: HealthHooks | None = No
         wait_s = _timed_all_reduce(env)
         gathered: list[tuple[dict, float] | None] = [None] * env.world_size
         dist.all_gather_object(gathered, (asdict(place), wait_s))
-    places = [RankPlace(**g[0]) for g in gathered if g]
-    return HealthReport(places, roll_call_s, [g[1] for g in gathered if g], p.health_slow_s)
+    places = [RankPlace(**place) for place, _ in gathered]  # all_gather_object fills every slot
+    return HealthReport(places, roll_call_s, [wait for _, wait in gathered], p.health_slow_s)
 
 
 # ---- 1. the roll call ---------------------------------------------------------------------------

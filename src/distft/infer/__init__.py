@@ -6,7 +6,7 @@ the `distft infer` and `distft eval` command lines. docs/serving.md serves the s
 """
 
 from distft.infer.commands import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer
-from distft.infer.evaluate import evaluate_run, held_out_meeting, validation_loss
+from distft.infer.evaluate import evaluate_run, validation_loss
 from distft.infer.generate import Generated, Sampling, generate, summarize
 from distft.infer.load import Loaded, load_trained, preset_notice
 
@@ -20,7 +20,6 @@ __all__ = [
     "cmd_infer",
     "evaluate_run",
     "generate",
-    "held_out_meeting",
     "load_trained",
     "preset_notice",
     "summarize",

@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -22,9 +22,18 @@ from rich.table import Table
 
 from distft.config import DataConfig
 from distft.config.schema import DATA_FORMATS
-from distft.data import ChatRow, MeetingRow, Message, Row, iter_file, prompt_and_reference, validation_rows
+from distft.data import (
+    LOCAL_SUFFIXES,
+    ChatRow,
+    MeetingRow,
+    Message,
+    Row,
+    iter_file,
+    prompt_and_reference,
+    validation_rows,
+)
 from distft.errors import ConfigError
-from distft.infer.evaluate import LOCAL_FORMATS, compare, eval_rows
+from distft.infer.evaluate import compare, eval_rows
 from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
@@ -115,7 +124,7 @@ def sampling_from_args(args: argparse.Namespace) -> Sampling:
 
 def cmd_infer(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
-    batch = bool(args.input) and args.input.endswith(LOCAL_FORMATS)
+    batch = bool(args.input) and args.input.endswith(LOCAL_SUFFIXES)
     if args.input and args.input != "-" and not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input} does not exist.")
     loaded = _with_format(load_trained(run=args.run, adapter=args.adapter, model=args.model), args.format)
@@ -147,7 +156,7 @@ def _text_row(text: str, origin: str, cfg: DataConfig) -> Row:
     return ChatRow((Message("user", (text.strip(),)),), origin)
 
 
-def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterator[Row]:
+def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterable[Row]:
     if batch:
         rows = iter_file(source, loaded.cfg.data, need_summary=False)
         first = next(rows, None)
@@ -155,9 +164,9 @@ def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterator[Row
             raise ConfigError(f"--input {source} has no rows to generate for.")
         return itertools.chain([first], rows)
     if source == "-":
-        return iter([_text_row(sys.stdin.read(), "stdin", loaded.cfg.data)])
+        return [_text_row(sys.stdin.read(), "stdin", loaded.cfg.data)]
     if source:
-        return iter([_text_row(Path(source).read_text(encoding="utf-8"), source, loaded.cfg.data)])
+        return [_text_row(Path(source).read_text(encoding="utf-8"), source, loaded.cfg.data)]
     (row,) = validation_rows(loaded.cfg.data, seed=loaded.cfg.train.seed, limit=1)
     if isinstance(row, MeetingRow):
         print("--- held-out meeting (first lines) ---")
@@ -166,7 +175,7 @@ def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterator[Row
         prompt, _ = prompt_and_reference(row, loaded.cfg.data)
         print(f"--- held-out row {row.origin}: its last prompt turn (first lines) ---")
         print("\n".join(prompt[-1].content.splitlines()[:6] if prompt else []) + "\n...")
-    return iter([row])
+    return [row]
 
 
 def _print_result(row: Row, result: Generated, batch: bool) -> None:

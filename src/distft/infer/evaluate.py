@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from distft.config import Config
 from distft.data import (
+    LOCAL_SUFFIXES,
     ChatFormatter,
     Row,
     collate,
@@ -35,20 +35,13 @@ from distft.infer.load import Loaded, _load_base, load_trained
 from distft.model import SummaryLM
 from distft.model.build import rebuild_base
 
-LOCAL_FORMATS = (".jsonl", ".json", ".parquet")
-
-
-def held_out_meeting(cfg: Config) -> str:
-    """The first validation meeting of the run's dataset (never seen in training)."""
-    return validation_rows(cfg.data, seed=cfg.train.seed, limit=1)[0].transcript
-
 
 def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> list[Row]:
     """The first `max_rows` rows to score: the run's validation split, or those of `data`."""
     if max_rows < 1:
         raise ConfigError(f"--rows must be at least 1, got {max_rows}: it is how many meetings to score.")
     cfg = loaded.cfg
-    if data is not None and data.endswith(LOCAL_FORMATS):
+    if data is not None and data.endswith(LOCAL_SUFFIXES):
         rows = list(itertools.islice(iter_file(data, cfg.data), max_rows))  # a user's own file: no split
     else:
         source = replace(cfg.data, source=data or cfg.data.source, max_rows=0)

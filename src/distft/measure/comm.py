@@ -111,7 +111,7 @@ class CommStats:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     by_dim: dict[str, dict[str, int]] = field(default_factory=dict)  # dimension -> kind -> bytes
 
-    def add(self, kind: str, nbytes: int, dim: str = "world") -> None:
+    def add(self, kind: str, nbytes: int, dim: str) -> None:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
         per_kind = self.by_dim.setdefault(dim, {})

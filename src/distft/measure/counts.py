@@ -1,6 +1,7 @@
-"""Counts `distft plan` shares with the runtime (`plan/traffic.py`, `measure/expected.py`), so the
-planner and the bytes a run measures cannot disagree: FSDP's units and gathers, TP's activation
-all-reduces, tp-sp's crossings of the sequence-parallel boundary.
+"""Counts behind the expected bytes: FSDP's units and gathers, TP's activation all-reduces,
+tp-sp's crossings of the sequence-parallel boundary. `measure/expected.py` builds its formulas on
+them, and `distft plan` (`plan/traffic.py`) shares those it can make without a model (FSDP's
+gathers, TP's all-reduce calls, the crossings), so the planner and the bytes a run measures cannot disagree.
 """
 
 from __future__ import annotations

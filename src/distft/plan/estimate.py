@@ -154,10 +154,8 @@ class Estimate:
 # ---------------------------------------------------------------------------------------------
 
 
-def layout_for(
-    req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1, shard: int = 0
-) -> Parallelism:
-    """How `strategy` splits the work at these degrees (`shard`: HSDP's), as the runtime builds it."""
+def layout_for(req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1) -> Parallelism:
+    """How `strategy` splits the work at these degrees (HSDP shards inside a node), as the runtime builds it."""
     m = req.grad_accum
     if pp > 1:
         m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
@@ -169,7 +167,7 @@ def layout_for(
         "zero1": {"dp": dp, "shard": "optimizer"},
         "zero2": {"dp": dp, "shard": "full", "reshard_after_forward": False},
         "fsdp": {"dp": dp, "shard": "full"},
-        "hsdp": {"dp": dp, "shard": "full", "dp_shard": shard or req.gpus_per_node},  # a node shards
+        "hsdp": {"dp": dp, "shard": "full", "dp_shard": req.gpus_per_node},
         # The runtime's pipelines keep a stage gathered for the whole step (parallel/fsdp_pp.py).
         "fsdp+pp": {"dp": dp, "pp": pp, "shard": "full", "reshard_after_forward": False},
         "fsdp+tp+pp": {

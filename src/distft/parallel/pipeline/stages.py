@@ -123,7 +123,7 @@ def build_stages(
     rank: int,
     device: torch.device,
     group: dist.ProcessGroup | None,
-    wrap: Callable[[StageModule, int], None] | None = None,
+    wrap: Callable[[StageModule, int], None],
 ) -> tuple[list[PipelineStage], PipelineModel]:
     """Pipeline rank `rank`'s stages (torch's `PipelineStage`s, which send and receive over `group`)
     and the view of the `SummaryLM` that holds only their modules.
@@ -139,8 +139,7 @@ def build_stages(
         layers = lay.layers_of(s, len(backbone.layers))
         module = StageModule(backbone, lm_head, layers, s == 0, s == last).to(device)
         owned += module.owned()
-        if wrap is not None:
-            wrap(module, s)
+        wrap(module, s)
         stages.append(PipelineStage(module, s, lay.num_stages, device, group=group))
     return stages, PipelineModel(model, owned)
 

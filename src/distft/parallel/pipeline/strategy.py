@@ -255,17 +255,13 @@ class PipelineParallel(Strategy):
         """Every rank's trained parameters, gathered on rank 0 under the single model's names.
 
         Sharded ones (fsdp+pp) are gathered whole first, a collective over the ranks sharing the
-        stage; only one of them (`exports_stage`) sends the result on."""
-        mine = {
-            name.removeprefix("lm."): (p.full_tensor() if isinstance(p, DTensor) else p)
-            .detach()
-            .cpu()
-            .clone()
-            for name, p in model.named_parameters()
-            if p.requires_grad
-        }
-        if not self.exports_stage():
-            mine = {}
+        stage; only one of them (`exports_stage`) copies the result to the host and sends it on."""
+        exports, mine = self.exports_stage(), {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                whole = p.full_tensor() if isinstance(p, DTensor) else p  # every rank joins the gather
+                if exports:
+                    mine[name.removeprefix("lm.")] = whole.detach().cpu().clone()
         gathered: list[dict | None] | None = [None] * self.env.world_size if self.env.is_main else None
         dist.gather_object(mine, gathered, dst=0)
         if not self.env.is_main:
