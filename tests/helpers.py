@@ -12,7 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -59,16 +62,19 @@ def run_cli(
     process, as it does on any CPU (`distft.launch`)."""
     run_env = _environment(env)
     if fresh:
-        cmd = [sys.executable, "-m", "distft.cli", *args]
+        cmd = [str(Path(sys.executable).parent / "distft"), *args]  # the console script users run
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
     with tempfile.TemporaryDirectory(prefix="distft-run-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         proc = _fork(list(args), run_env, out, err)
         proc.join(timeout)
         if proc.exitcode is None:
+            stacks = stacks_of_tree(proc.pid)
             _kill_tree(proc.pid)
             proc.join()
-            raise subprocess.TimeoutExpired(["distft", *args], timeout, out.read_text(), err.read_text())
+            raise subprocess.TimeoutExpired(
+                ["distft", *args], timeout, out.read_text(), err.read_text() + "\n" + stacks
+            )
         # A negative exit code: killed by that signal, as subprocess reports it.
         return subprocess.CompletedProcess(["distft", *args], proc.exitcode, out.read_text(), err.read_text())
 
@@ -105,6 +111,35 @@ def _fork(args: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> m
     proc = _SERVER.Process(target=_run_cli, args=(args, env, str(stdout), str(stderr)))
     proc.start()
     return proc
+
+
+def in_forked_process(fn: Callable[..., Any], *args: Any, timeout: int = 300) -> Any:
+    """`fn(*args)` in a process forked from the server (imports done, no process group), for a
+    test that must join a group or train in-process; its return value comes back."""
+    _start_server()
+    receive, send = _SERVER.Pipe(duplex=False)
+    proc = _SERVER.Process(target=_call, args=(fn, args, send))
+    proc.start()
+    send.close()
+    try:
+        if not receive.poll(timeout):
+            raise TimeoutError(f"{fn.__name__} ran past {timeout} s\n{stacks_of_tree(proc.pid)}")
+        ok, value = receive.recv()
+    except EOFError:
+        ok, value = False, f"the process ended without an answer (exit code {proc.exitcode})"
+    finally:
+        _kill_tree(proc.pid)
+        proc.join()
+    if not ok:
+        raise AssertionError(f"{fn.__name__} failed in its process:\n{value}")
+    return value
+
+
+def _call(fn: Callable[..., Any], args: tuple, send) -> None:
+    try:
+        send.send((True, fn(*args)))
+    except BaseException:  # everything goes back to the test, its traceback included
+        send.send((False, traceback.format_exc()))
 
 
 def _run_cli(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
@@ -145,6 +180,8 @@ def agents(
         ]
         try:
             _wait(nodes, timeout, grace)
+            if all(p.exitcode is None for p in nodes):  # a hang, not a failed peer: say where
+                logs[0].write_text(logs[0].read_text() + "\n" + stacks_of_tree(nodes[0].pid))
         finally:
             for p in nodes:
                 if p.exitcode is None:
@@ -163,6 +200,23 @@ def _wait(procs: list[multiprocessing.Process], timeout: float, grace: float) ->
         if failed_at is not None and time.monotonic() > failed_at + grace:
             return
         time.sleep(0.1)
+
+
+def stacks_of_tree(pid: int) -> str:
+    """Every thread's Python and native stack in process `pid` and all under it (py-spy), so a run
+    that hung in CI says where."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        dumps = []
+        for proc in [root, *root.children(recursive=True)]:
+            cmd = [str(Path(sys.executable).parent / "py-spy"), "dump", "--native", "--pid", str(proc.pid)]
+            try:
+                run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+                dumps.append(run.stdout + run.stderr)
+            except (OSError, subprocess.TimeoutExpired) as err:
+                dumps.append(f"pid {proc.pid}: no stack ({err})")
+        return "stacks of the hung processes:\n" + "\n".join(dumps)
+    return "the hung process ended before its stacks were taken"
 
 
 def _kill_tree(pid: int) -> None:

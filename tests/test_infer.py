@@ -59,7 +59,9 @@ def test_train_infer_eval_export_print_no_library_noise(run, tmp_path):
     infer = distft("infer", "--run", str(out), "--max-new-tokens", "4", fresh=True)
     evaluate = distft("eval", "--run", str(out), "--rows", "1", "--max-new-tokens", "2", fresh=True)
     export = distft("export", "--run", str(out), "--out", str(tmp_path / "export"), fresh=True)
-    for output in (train_output, *(p.stdout + p.stderr for p in (infer, evaluate, export))):
+    ddp = ["--strategy", "ddp", "--nproc", "2", "train.micro_batch_size=1"]
+    ranks = distft("train", *TRAIN, *ddp, "--out", str(tmp_path / "ddp"), fresh=True)  # forked ranks
+    for output in (train_output, *(p.stdout + p.stderr for p in (infer, evaluate, export, ranks))):
         for noise in NOISE:
             assert noise not in output, f"{noise!r} in:\n{output}"
     assert "generated summary" in infer.stdout and "ROUGE-L" in evaluate.stdout

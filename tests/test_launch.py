@@ -1,11 +1,15 @@
 """`distft.launch`: the torchrun arguments of a layout, and which way the ranks start (the forked
 CPU way runs in every multi-process test; the exec'd CUDA way is checked here by its command)."""
 
+import json
+import os
 import subprocess
 import sys
 
 from distft import launch
 from distft.config import ParallelConfig
+from distft.distributed import FORKED_ENV
+from tests.helpers import in_forked_process
 
 
 def test_one_node_is_standalone():
@@ -34,3 +38,22 @@ def test_cuda_ranks_are_execd_through_distft_launch(monkeypatch):
         [sys.executable, "-m", "distft.launch", "--nproc-per-node=2", "--max-restarts=0", "--standalone",
          "-m", "distft.cli", "train", "--config", "c.toml"],
     ]  # fmt: skip
+
+
+def _launch_probes(out: str) -> tuple[int, int, dict[str, str]]:
+    code = launch.main(["--nproc-per-node=2", "--standalone", "-m", "tests.rank_probe", out], fork=True)
+    return code, os.getpid(), dict(os.environ)
+
+
+def test_forked_ranks_keep_off_the_agents_store(tmp_path):
+    """Ranks forked from the agent, each with a store of its group's own: the agent's store thread
+    serving a rank while the next is forked can hand that next rank a lock held forever."""
+    code, agent, env_after = in_forked_process(_launch_probes, str(tmp_path))
+    assert code == 0
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
+    assert [r["RANK"] for r in ranks] == ["0", "1"]
+    for r in ranks:
+        assert r["parent"] == agent  # forked, not exec'd
+        assert r["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert (r[FORKED_ENV], r["TOKENIZERS_PARALLELISM"]) == ("1", "false")
+    assert FORKED_ENV not in env_after and launch.UNSHARED_STORE not in env_after  # undone after

@@ -13,6 +13,9 @@ Two ways to start a rank:
   peft already, and each rank is forked from it and runs `distft.cli` as `-m` would. A fresh
   Python spends ~5 s of CPU on those imports, and N ranks pay it N times on the same cores.
   A restart (`--max-restarts`) forks again from the same process, which never trains.
+  Forking a process with threads is safe only while no other thread holds a lock the child
+  will need. The agent's threads are its store's server and the rendezvous keep-alive; the
+  ranks get a store of their own (below), so those threads have nothing to do with them.
 
 When ranks fail for good (after `--max-restarts` restarts), torchrun itself raises
 `ChildFailedError`, printing a Python traceback of the agent under the ranks' own messages; here
@@ -24,7 +27,10 @@ all attempts and the ranks build their process group in it without a per-attempt
 restarted rank can read a key its dead predecessor wrote (gloo: "connectFullMesh failed ...
 Connection refused" to the dead rank's old port; NCCL: a stale unique id): one of the first two
 killed-rank runs here. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a fresh store
-(pytorch/pytorch#135712); with it, every killed-rank run here has restarted cleanly.
+(pytorch/pytorch#135712); with it, every killed-rank run here has restarted cleanly. Forked
+ranks always have it: with the agent's store shared, its thread served rank 0 while rank 7 was
+forked and left rank 7 a glibc resolver lock held forever (it hung in getaddrinfo; 1 run in 3 of
+8 ranks under load, none in 25 since).
 """
 
 from __future__ import annotations
@@ -37,10 +43,13 @@ import runpy
 import subprocess
 import sys
 import uuid
+import warnings
 from collections.abc import Iterator
 
 from distft.config import ParallelConfig
 from distft.distributed import FORKED_ENV
+
+UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # the ranks' store is rank 0's, not the agent's
 
 
 def launch_ranks(p: ParallelConfig, argv: list[str], fork: bool) -> int:
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None, fork: bool = False) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.max_restarts:
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        os.environ.setdefault(UNSHARED_STORE, "1")
     try:
         if not fork:
             run(args)
@@ -95,6 +104,9 @@ def run_module(module: str, argv: list[str]) -> None:
     """One forked rank: `python -m MODULE ARGV`, with MODULE's imports already done. It returns on
     success: the agent waits for each rank's return value, which a `SystemExit(0)` would skip."""
     sys.argv = [module, *argv]
+    # The module ran its imports in the agent (`distft` itself imports `distft.cli`); running it
+    # again as __main__ is the point, and runpy's warning that it is already imported is noise.
+    warnings.filterwarnings("ignore", f"'{module}' found in sys.modules", RuntimeWarning)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
@@ -110,6 +122,8 @@ def _forking() -> Iterator[None]:
     # The checks before launch tokenised on the tokenizers library's threads, which a fork does not
     # copy: it would warn in every rank that touches a tokenizer, then go on single-threaded anyway.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The ranks' store is rank 0's, so the agent's store thread never works while a rank is forked.
+    os.environ.setdefault(UNSHARED_STORE, "1")
     # Objects frozen out of the collector are never traversed in the ranks, so their pages (the
     # imported modules, the tokenizer loaded for the checks) stay shared instead of being copied.
     gc.collect()

@@ -158,7 +158,7 @@ def test_3d_on_eight_processes(reference, tmp_path):
     assert (lay.dp, lay.tp, lay.pp) == (2, 2, 2)
     argv = shlex.split(run_command(req, "fsdp+tp+pp", "lora", False, lay))
     out = tmp_path / "3d8"
-    distft(*argv[1:], *SUITE, "--out", str(out), timeout=600)
+    distft(*argv[1:], *SUITE, "--out", str(out), timeout=400)
     assert_same_training(out, reference)
     first = metrics(out)[0]
     assert first["comm_bytes"] == first["comm_bytes_expected"]

@@ -8,6 +8,7 @@ evaluating, logging and checkpointing), and export. Everything strategy-specific
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import dataclass, field
@@ -106,7 +107,14 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
         trackers.finish()
         progress.done(run.out)
     result.model = unwrap(run.model)
-    shutdown(run.env)
+    env = run.env
+    # The parallel model goes before the process group. DDP's C++ reducer holds a reference to
+    # the group; were it the last, dropping the model would destroy gloo's threads with the GIL
+    # held while one of them waits for the GIL to free a tensor: a hang (seen in 1 forked run of
+    # ~10 under load). Left to `destroy_process_group`, the last reference goes without the GIL.
+    del run, measure, batches
+    gc.collect()  # the wrappers sit in reference cycles
+    shutdown(env)
     return result
 
 
