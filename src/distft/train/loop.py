@@ -1,9 +1,10 @@
 """The one training loop, shared by every strategy.
 
 Read `train` top to bottom: set-up (`distft.train.setup`: process group, tokenizer, data, model,
-strategy, optimizer, resume), the loop (`distft.train.step` for the step itself, then measuring,
-evaluating, logging and checkpointing), and export. Everything strategy-specific hides behind
-`Strategy`; everything a test wants to inject hides behind `TrainHooks`.
+strategy, optimizer, resume), `steps_and_export` (the loop: `distft.train.step` for the step
+itself, then measuring, evaluating, logging and checkpointing; then export), and the teardown.
+Everything strategy-specific hides behind `Strategy`; everything a test wants to inject hides
+behind `TrainHooks`.
 """
 
 from __future__ import annotations
@@ -55,9 +56,23 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     """Train as `cfg` says; `hooks` run at fixed points of every step (none by default); `dataset`
     (a list of dicts, a `datasets.Dataset`, or a dict of splits) replaces `cfg.data.source`."""
     hooks = hooks or TrainHooks()
-    # ---- set-up ---------------------------------------------------------------------------
     run = setup(cfg, dataset, hooks.health)
-    env, tc = run.env, cfg.train
+    result = steps_and_export(run, hooks)
+    env = run.env
+    # The parallel model goes before the process group. DDP's C++ reducer holds a reference to
+    # the group; were it the last, dropping the model would destroy gloo's threads with the GIL
+    # held while one of them waits for the GIL to free a tensor: a hang (seen in 1 forked run of
+    # ~10 under load). Left to `destroy_process_group`, the last reference goes without the GIL.
+    del run
+    gc.collect()  # the wrappers sit in reference cycles
+    shutdown(env)
+    return result
+
+
+def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
+    """The loop over steps (measuring, evaluating, logging, checkpointing), then the export."""
+    # ---- outputs --------------------------------------------------------------------------
+    cfg, env, tc = run.cfg, run.env, run.cfg.train
     progress = TrainingProgress(enabled=run.strategy.is_logging_rank(), total_steps=tc.max_steps)
     metrics = start_outputs(run, progress)
     trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
@@ -107,14 +122,6 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
         trackers.finish()
         progress.done(run.out)
     result.model = unwrap(run.model)
-    env = run.env
-    # The parallel model goes before the process group. DDP's C++ reducer holds a reference to
-    # the group; were it the last, dropping the model would destroy gloo's threads with the GIL
-    # held while one of them waits for the GIL to free a tensor: a hang (seen in 1 forked run of
-    # ~10 under load). Left to `destroy_process_group`, the last reference goes without the GIL.
-    del run, measure, batches
-    gc.collect()  # the wrappers sit in reference cycles
-    shutdown(env)
     return result
 
 
