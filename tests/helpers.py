@@ -66,12 +66,10 @@ def run_cli(
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
     with tempfile.TemporaryDirectory(prefix="distft-run-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = _fork(list(args), run_env, out, err)
+        proc = _fork(_run_cli, list(args), run_env, str(out), str(err))
         proc.join(timeout)
         if proc.exitcode is None:
-            stacks = stacks_of_tree(proc.pid)
-            _kill_tree(proc.pid)
-            proc.join()
+            stacks = _stop_hung(proc)
             raise subprocess.TimeoutExpired(
                 ["distft", *args], timeout, out.read_text(), err.read_text() + "\n" + stacks
             )
@@ -106,9 +104,10 @@ def _start_server() -> None:
         os.environ.update(saved)
 
 
-def _fork(args: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> multiprocessing.Process:
+def _fork(target: Callable[..., None], *args: Any) -> multiprocessing.Process:
+    """`target(*args)` in a process forked from the server, started."""
     _start_server()
-    proc = _SERVER.Process(target=_run_cli, args=(args, env, str(stdout), str(stderr)))
+    proc = _SERVER.Process(target=target, args=args)
     proc.start()
     return proc
 
@@ -116,20 +115,17 @@ def _fork(args: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> m
 def in_forked_process(fn: Callable[..., Any], *args: Any, timeout: int = 300) -> Any:
     """`fn(*args)` in a process forked from the server (imports done, no process group), for a
     test that must join a group or train in-process; its return value comes back."""
-    _start_server()
     receive, send = _SERVER.Pipe(duplex=False)
-    proc = _SERVER.Process(target=_call, args=(fn, args, send))
-    proc.start()
+    proc = _fork(_call, fn, args, send)
     send.close()
+    if not receive.poll(timeout):
+        raise TimeoutError(f"{fn.__name__} ran past {timeout} s\n{_stop_hung(proc)}")
     try:
-        if not receive.poll(timeout):
-            raise TimeoutError(f"{fn.__name__} ran past {timeout} s\n{stacks_of_tree(proc.pid)}")
         ok, value = receive.recv()
     except EOFError:
-        ok, value = False, f"the process ended without an answer (exit code {proc.exitcode})"
-    finally:
-        _kill_tree(proc.pid)
         proc.join()
+        ok, value = False, f"the process ended without an answer (exit code {proc.exitcode})"
+    proc.join()
     if not ok:
         raise AssertionError(f"{fn.__name__} failed in its process:\n{value}")
     return value
@@ -175,13 +171,13 @@ def agents(
         logs = [Path(tmp, f"node-{n}.log") for n in range(nnodes)]
         placement = ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]
         nodes = [
-            _fork([*args, *placement, "--node-rank", str(node)], run_env, log, log)
+            _fork(_run_cli, [*args, *placement, "--node-rank", str(node)], run_env, str(log), str(log))
             for node, log in enumerate(logs)
         ]
         try:
             _wait(nodes, timeout, grace)
             if all(p.exitcode is None for p in nodes):  # a hang, not a failed peer: say where
-                logs[0].write_text(logs[0].read_text() + "\n" + stacks_of_tree(nodes[0].pid))
+                logs[0].write_text(logs[0].read_text() + "\n" + _stacks_of_tree(nodes[0].pid))
         finally:
             for p in nodes:
                 if p.exitcode is None:
@@ -202,7 +198,15 @@ def _wait(procs: list[multiprocessing.Process], timeout: float, grace: float) ->
         time.sleep(0.1)
 
 
-def stacks_of_tree(pid: int) -> str:
+def _stop_hung(proc: multiprocessing.Process) -> str:
+    """Kill a hung process and everything under it; their stacks, taken first."""
+    stacks = _stacks_of_tree(proc.pid)
+    _kill_tree(proc.pid)
+    proc.join()
+    return stacks
+
+
+def _stacks_of_tree(pid: int) -> str:
     """Every thread's Python and native stack in process `pid` and all under it (py-spy), so a run
     that hung in CI says where."""
     with contextlib.suppress(psutil.NoSuchProcess):

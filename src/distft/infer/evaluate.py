@@ -3,10 +3,10 @@
 The rows come from the run's own validation split (never trained on), or from any source distft
 reads (`--data`), in any of its formats: a local .jsonl/.parquet file from its first row, a hub
 dataset or `sample` by its validation split. Either way only the rows scored are held in memory
-(`distft.data.validation_rows`): scoring 16 rows of a set of millions reads, not keeps, the rest. Loss is the mean over the answer tokens of the whole
-row, tokenised as in training (`ChatFormatter.encode`: every assistant turn of a chat); ROUGE-L
-compares the greedy answer to a row's prompt (its turns before the last assistant turn) with that
-last turn (a meeting's summary).
+(`distft.data.validation_rows`): scoring 16 rows of a set of millions keeps none of the rest.
+Loss is the mean over the answer tokens of the whole row, tokenised as in training
+(`ChatFormatter.encode`: every assistant turn of a chat); ROUGE-L compares the greedy answer to a
+row's prompt (its turns before the last assistant turn) with that last turn (a meeting's summary).
 """
 
 from __future__ import annotations
