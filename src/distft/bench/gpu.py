@@ -6,7 +6,8 @@ method and the plain transformers + peft loop (`distft.bench.plain`) on the same
 own process (so peak memory and start-up are each run's own), and writes `report.md` and
 `results.json`: tokens/s, MFU, peak memory, start-up and first step per run, the ratios
 (QLoRA/LoRA, distft/plain) and the issue's targets, each marked met or not. Targets are checked
-here, in the benchmark, never in a timed test.
+here, in the benchmark, never in a timed test. On CUDA it also writes the run record,
+`docs/reports/gpu/<device>/RECORD.md` (`gpu_report.write_record`), to be committed.
 
 Every row is as long as the sequence: the bundled meetings (~500 tokens) are joined end to end
 and cut to `--seq-len` by `data.max_length`, so packing and padding do the same work and tokens/s
@@ -18,11 +19,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
+import psutil
 import torch
 
 from distft.bench.harness import BenchSettings, environment, run_strategy
@@ -49,6 +54,25 @@ class GpuSuiteSettings:
 
     def at_target_shape(self) -> bool:
         return all(getattr(self, k) == v for k, v in TARGET_SHAPE.items())
+
+    def argv(self, out: Path) -> list[str]:
+        """`distft` arguments that run this suite again, every setting spelled out."""
+        return [
+            "bench", "--gpu", "--model", self.model, "--seq-len", str(self.seq_len),
+            "--micro-batch", str(self.micro_batch_size), "--global-batch", str(self.global_batch_size),
+            "--steps", str(self.steps), "--warmup", str(self.warmup), "--methods", ",".join(self.methods),
+            "--out", str(out), *self.overrides,
+        ]  # fmt: skip
+
+
+def device_slug(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3': the record's folder name."""
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+
+
+def default_record_dir(device: str) -> Path | None:
+    """Where a GPU run's record goes by default; a CPU run (a check of the suite) writes none."""
+    return None if device == "cpu" else Path("docs/reports/gpu") / device_slug(device)
 
 
 def check_device(settings: GpuSuiteSettings, cuda: bool) -> None:
@@ -86,6 +110,17 @@ def _bench_settings(s: GpuSuiteSettings, overrides: list[str]) -> BenchSettings:
     )  # fmt: skip
 
 
+def compile_and_attention(run_dir: Path) -> dict:
+    """`compiled_graphs` and `attention` from a run's metrics.jsonl, each the last record's that
+    has it (the graph count only grows); None where no record has it (older runs)."""
+    path = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {
+        key: next((r[key] for r in reversed(records) if r.get(key) is not None), None)
+        for key in ("compiled_graphs", "attention")
+    }
+
+
 def run_distft(s: GpuSuiteSettings, method: str, data: Path, dtype: str, out: Path) -> dict:
     overrides = [f"train.method={method}", f"data.source={data}", f"model.dtype={dtype}", *s.overrides]
     r = run_strategy(_bench_settings(s, overrides), "single", out / "runs" / method)
@@ -98,6 +133,7 @@ def run_distft(s: GpuSuiteSettings, method: str, data: Path, dtype: str, out: Pa
         "peak_mem_bytes": max(rank["peak_mem_bytes"] for rank in r.ranks),
         "startup_s": r.extra.get("startup_s"),
         "first_step_s": r.extra.get("first_step_s"),
+        **compile_and_attention(out / "runs" / method),
         "losses": r.losses,
     }
 
@@ -162,7 +198,24 @@ def targets(rows: dict[str, dict], r: dict, s: GpuSuiteSettings, device: str) ->
     return out
 
 
+def suite_environment() -> dict:
+    """The bench's environment, plus what the record needs: CUDA, torchao and the device's memory
+    (the host's on a CPU). torchao's version is read without importing it (slow, and noisy on a CPU)."""
+    try:
+        torchao = metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        torchao = None
+    cuda = torch.cuda.is_available()
+    memory = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
+    return environment() | {"cuda": torch.version.cuda, "torchao": torchao, "device_memory_bytes": memory}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 def run_gpu_suite(s: GpuSuiteSettings, out: Path) -> dict:
+    started = _now()
     cuda = torch.cuda.is_available()
     check_device(s, cuda)
     if s.warmup < 1 or s.steps < 1:
@@ -182,11 +235,12 @@ def run_gpu_suite(s: GpuSuiteSettings, out: Path) -> dict:
         except RuntimeError as err:
             failures[method] = str(err)
             print(f"bench --gpu: {err}", flush=True)
-    env = environment()
+    env = suite_environment()
     r = ratios(rows)
     summary = {
         "settings": asdict(s), "dtype": dtype, "environment": env, "rows": rows, "ratios": r,
         "targets": targets(rows, r, s, env["device"]), "failures": failures,
+        "started_utc": started, "finished_utc": _now(),
     }  # fmt: skip
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     return summary

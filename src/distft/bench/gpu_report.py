@@ -1,7 +1,9 @@
-"""`distft bench --gpu`'s report.md: the measured runs, the ratios, the targets."""
+"""`distft bench --gpu`'s report.md (the measured runs, the ratios, the targets) and its run record,
+RECORD.md (when, the command, the versions, the device, then the same figures)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 GIB = 2**30
@@ -43,16 +45,20 @@ def render(summary: dict) -> str:
         "",
         "Medians over the measured steps. MFU: model FLOPs (`distft.measure.flops`, the same count for "
         "distft and the plain loop) / step time / the GPU's dense bf16 peak; n/a off a known GPU. Start-up: "
-        "process start to step 1; first step: step 1 itself (torch.compile runs there).",
+        "process start to step 1; first step: step 1 itself (torch.compile runs there). Compiled graphs "
+        "and attention: the graphs torch.compile built and the attention kernel that ran, from the run's "
+        "metrics.jsonl (n/a where it does not record them, as the plain loop).",
         "",
-        "| run | tokens/s | step time (s) | MFU | peak memory (GiB) | start-up (s) | first step (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| run | tokens/s | step time (s) | MFU | peak memory (GiB) | start-up (s) | first step (s) "
+        "| compiled graphs | attention |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["rows"].values():
         lines.append(
             f"| {row['run']} | {row['tokens_per_s']:,.0f} | {row['step_time_s']:.3f} | "
             f"{_num(row['mfu'] and 100 * row['mfu'], '.1f')}{'%' if row['mfu'] else ''} | "
-            f"{row['peak_mem_bytes'] / GIB:.2f} | {_num(row['startup_s'], '.1f')} | {_num(row['first_step_s'], '.2f')} |"
+            f"{row['peak_mem_bytes'] / GIB:.2f} | {_num(row['startup_s'], '.1f')} | {_num(row['first_step_s'], '.2f')} | "
+            f"{_num(row.get('compiled_graphs'), 'd')} | {row.get('attention') or 'n/a'} |"
         )
     r = summary["ratios"]
     lines += [
@@ -67,7 +73,7 @@ def render(summary: dict) -> str:
         f"| distft LoRA / plain loop, peak memory | {_num(r['distft_vs_plain_peak_memory'], '.2f')} |",
         f"| distft LoRA / plain loop, start-up | {_num(r['distft_vs_plain_startup'], '.2f')} |",
         "",
-        "## Targets (issue 13)",
+        "## Targets",
         "",
         "The absolute figures are for Qwen3-4B at these shapes on one H100, the ratios for any GPU; "
         "elsewhere the verdict is indicative only.",
@@ -85,4 +91,52 @@ def render(summary: dict) -> str:
 def write_gpu_report(summary: dict, out: Path) -> Path:
     path = out / "report.md"
     path.write_text(render(summary))
+    return path
+
+
+def _when(summary: dict) -> str:
+    start, end = (datetime.fromisoformat(summary[k]) for k in ("started_utc", "finished_utc"))
+    minutes, seconds = divmod(round((end - start).total_seconds()), 60)
+    return f"{start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S} UTC ({minutes} min {seconds} s)"
+
+
+def render_record(summary: dict, command: str, spelled_out: str) -> str:
+    """RECORD.md: what a committed report needs beside its figures (docs/reports/README.md), then
+    the figures themselves, report.md's sections one heading level down."""
+    env = summary["environment"]
+    memory = f"{env['device_memory_bytes'] / GIB:.1f} GiB" + (" (host RAM)" if env["device"] == "cpu" else "")
+    lines = [
+        f"# Run record: `distft bench --gpu` on {env['device']}",
+        "",
+        f"**Date.** {_when(summary)}.",
+        "",
+        "**Command** (the exact one):",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Every setting spelled out: `{spelled_out}`.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| device | {env['device']}, {memory} |",
+        f"| Python | {env['python']} |",
+        f"| torch | {env['torch']} |",
+        f"| CUDA | {env.get('cuda') or 'n/a'} |",
+        f"| transformers | {env['transformers']} |",
+        f"| peft | {env['peft']} |",
+        f"| torchao | {env.get('torchao') or 'not installed'} |",
+        f"| platform | {env['platform']} |",
+        "",
+    ]
+    report = render(summary).splitlines()
+    lines += ["#" + line if line.startswith("#") else line for line in report]
+    return "\n".join(lines) + "\n"
+
+
+def write_record(summary: dict, folder: Path, command: str, spelled_out: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "RECORD.md"
+    path.write_text(render_record(summary, command, spelled_out))
     return path
