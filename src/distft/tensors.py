@@ -36,3 +36,10 @@ def quiet_redistribute() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) index of the document each position of a packed row belongs to: a new one
+    wherever the position does not continue the previous one by 1 (transformers' rule)."""
+    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
+    return (position_ids != previous + 1).cumsum(dim=1)

@@ -11,6 +11,7 @@ from distft.errors import ConfigError
 from distft.infer import load_trained
 from distft.model import PRESETS, load_base_model
 from distft.model.build import base_recipe, rebuild_base
+from distft.model.compile import compile_blocks
 from distft.train import train
 
 RUN = [
@@ -80,7 +81,7 @@ def test_a_run_without_base_weights_records_the_recipe(recipe_run):
         "preset": "micro",
         "seed": 7,
         "dtype": "float32",
-        "attn_implementation": "sdpa",
+        "attn_implementation": "auto",
         "device": "cpu",
     }
 
@@ -94,3 +95,17 @@ def test_infer_rebuilds_the_trained_base_bitwise(recipe_run):
     assert base_keys
     for key in base_keys:
         assert torch.equal(trained.state_dict()[key], rebuilt.state_dict()[key]), key
+
+
+def test_qwen3_4b_preset_builds_on_the_meta_device_with_the_gpu_settings():
+    """What a GPU run builds before its weights exist: Qwen3-4B in bf16, the flex kernel, every
+    decoder layer set to compile (nothing compiles until a forward)."""
+    model = load_base_model(ModelConfig(name="qwen3-4b", dtype="bfloat16"), "meta")
+    assert model.config._attn_implementation == "distft_flex"
+    assert 4.0e9 < sum(p.numel() for p in model.parameters()) < 4.1e9  # tied embeddings: 4.02B
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    stats = compile_blocks(model)
+    layers = model.model.layers
+    assert len(layers) == 36 and all(layer._compiled_call_impl is not None for layer in layers)
+    assert stats.graphs == 0 and stats.describe() == "no graph compiled (eager)"

@@ -78,6 +78,7 @@ def _training(method: str, b: int = 1, s: int = 32, labels: int = 4, pad: int = 
         label_tokens=labels,
         padded=pad > 0,
         autocast=False,  # distft autocasts on CUDA only
+        attention="sdpa",  # what a padded batch runs on the CPU (FlexAttention cannot train there)
     )
 
 
@@ -96,6 +97,7 @@ def _count_and_measure(rank: int, world: int) -> None:
                     f"lora.rank={LORA_RANK}",
                     f"parallel.strategy={name}",
                     f"parallel.nproc={nproc}",
+                    "model.attn_implementation=sdpa",
                 ],
             )
             torch.manual_seed(0)

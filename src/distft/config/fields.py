@@ -6,8 +6,21 @@ Checks that depend on a strategy or a model architecture run later, in `distft.p
 from __future__ import annotations
 
 import difflib
+import importlib.util
 
-from distft.config.schema import DATA_FORMATS, DTYPES, METHODS, TRACKERS, TRUNCATIONS, Config
+from distft.config.schema import (
+    ATTENTION_CHOICES,
+    COMPILE_BACKENDS,
+    COMPILE_CHOICES,
+    DATA_FORMATS,
+    DTYPES,
+    FUSED_CHOICES,
+    MEASURE_COMM,
+    METHODS,
+    TRACKERS,
+    TRUNCATIONS,
+    Config,
+)
 from distft.errors import ConfigError
 
 
@@ -29,15 +42,23 @@ def check_fields(cfg: Config) -> None:
     """Checks that need only the config itself; strategy and model checks: `distft.parallel.checks`."""
     check_choice(cfg.train.method, METHODS, "train.method")
     check_choice(cfg.model.dtype, DTYPES, "model.dtype")
-    check_choice(cfg.model.attn_implementation, ("sdpa", "eager"), "model.attn_implementation")
+    check_choice(cfg.model.attn_implementation, ATTENTION_CHOICES, "model.attn_implementation")
     check_choice(cfg.data.truncation, TRUNCATIONS, "data.truncation")
     check_choice(cfg.data.format, DATA_FORMATS, "data.format")
     check_choice(cfg.train.device, ("auto", "cpu", "cuda"), "train.device")
     check_choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
-    check_choice(cfg.train.measure_comm, ("auto", "every", "first"), "train.measure_comm")
+    check_choice(cfg.train.measure_comm, MEASURE_COMM, "train.measure_comm")
     for tracker in cfg.output.report_to:
         check_choice(tracker, TRACKERS, "output.report_to")
-    check_choice(cfg.model.compile, ("auto", "true", "false"), "model.compile")
+    check_choice(cfg.model.compile, COMPILE_CHOICES, "model.compile")
+    check_choice(cfg.model.compile_backend, COMPILE_BACKENDS, "model.compile_backend")
+    check_choice(cfg.optim.fused, FUSED_CHOICES, "optim.fused")
+    if cfg.model.attn_implementation == "flash" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            "model.attn_implementation=flash needs the flash-attn package (CUDA only: `pip install "
+            "flash-attn --no-build-isolation`); model.attn_implementation=auto picks it where it is "
+            "installed and runs FlexAttention elsewhere."
+        )
     check_choice(cfg.parallel.fsdp_wrap, ("layer", "model"), "parallel.fsdp_wrap")
     _check_counts(cfg)
     _check_ranges(cfg)

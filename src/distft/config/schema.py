@@ -18,13 +18,16 @@ class ModelConfig:
     name: str = "tiny"
     """A preset name (`distft.model.PRESETS`), a local directory (config.json + safetensors) or a hub id."""
     dtype: str = "float32"
-    """Weight dtype: float32 or bfloat16. Adapters are trained in this dtype too."""
+    """Weight dtype of the base: float32 or bfloat16. LoRA adapters stay in float32 either way (peft
+    upcasts them, `autocast_adapter_dtype`): a bf16 base trains fp32 adapters and optimizer state."""
     autocast: bool = True
     """bf16 autocast for forward/backward where the device supports it (CUDA only; a no-op on CPU)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of storing its activations."""
-    attn_implementation: str = "sdpa"
-    """Attention kernel passed to transformers: sdpa or eager."""
+    attn_implementation: str = "auto"
+    """Attention kernel (`distft.model.attention`): auto (flash where flash-attn runs, else flex),
+    flex (FlexAttention with a document block mask for packed rows, causal SDPA for one document),
+    flash (flash-attn's varlen kernel, CUDA), sdpa (a dense block-diagonal mask) or eager."""
     seed: int = 0
     """Seed of the random initialisation of preset models."""
     quant_block_size: int = 64
@@ -36,7 +39,11 @@ class ModelConfig:
     """QLoRA: store the block absmaxes in 8 bits (double quantization); false: in the model dtype."""
     compile: str = "auto"
     """torch.compile each decoder layer (`distft.model.compile`): auto (on CUDA where the strategy
-    takes compiled blocks: single, ddp, fsdp, zero2), true or false."""
+    takes compiled blocks: single, ddp, zero1, fsdp, zero2, hsdp; eager with one line that says why
+    if compiling fails), true (a compile failure stops the run) or false."""
+    compile_backend: str = "inductor"
+    """The torch.compile backend: inductor, or aot_eager (traces and runs AOT autograd without
+    generating code: fast to compile, for tests on the CPU) or eager."""
 
 
 @dataclass
@@ -116,6 +123,9 @@ class OptimConfig:
     """Cosine decay ends at lr * min_lr_ratio on the last step."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
+    fused: str = "auto"
+    """Fused AdamW (one kernel for every tensor, no host sync): auto (on CUDA), true (the CPU too:
+    torch has a fused CPU AdamW) or false (the per-tensor loop)."""
 
 
 @dataclass
@@ -143,8 +153,8 @@ class TrainConfig:
     """A step whose loss or gradient norm is NaN/inf: `stop` (before the optimizer step, so the
     weights and the last checkpoint stay good) or `skip` (no update; the run goes on)."""
     measure_comm: str = "auto"
-    """Collectives' bytes and overlap: `every` step, the `first` only, or auto: every step on CPU,
-    the first on CUDA (a host hook on every op would slow the steps it measures)."""
+    """Collectives' bytes and overlap: `every` step, the `first` only, `off`, or auto: every step on
+    CPU, the first on CUDA (a host hook on every op would slow the steps it measures)."""
 
 
 @dataclass
@@ -263,6 +273,11 @@ class Config:
 
 METHODS = ("lora", "qlora", "full")
 DTYPES = ("float32", "bfloat16")
+ATTENTION_CHOICES = ("auto", "flex", "flash", "sdpa", "eager")  # `distft.model.attention`
+COMPILE_CHOICES = ("auto", "true", "false")  # `distft.model.compile`
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
+FUSED_CHOICES = ("auto", "true", "false")  # optim.fused
 TRUNCATIONS = ("head", "tail", "middle")
 DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca")
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`

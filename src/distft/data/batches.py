@@ -18,6 +18,7 @@ import functools
 import torch
 
 from distft.data.chat import IGNORE, Example
+from distft.tensors import document_ids  # noqa: F401 - re-exported: packed rows' documents
 
 
 def global_batch_indices(step: int, n_rows: int, global_batch_size: int, seed: int) -> list[int]:
@@ -50,38 +51,48 @@ def collate(examples: list[Example], pad_id: int, pad_to: int | None = None) -> 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def pack(examples: list[Example], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+def pack(
+    examples: list[Example], pad_id: int, pad_to: int | None = None, multiple: int = 1
+) -> dict[str, torch.Tensor]:
     """The examples end to end in one (1, total) row, with per-document position ids.
 
     Labels are already shifted within each example (its last position predicts nothing), so no
     position predicts the next document's first token. `pad_to` (fixed-shape strategies: the
-    pipeline) appends a fill that is a document of its own: positions from 0, no loss.
+    pipeline) or `multiple` (a length bucket, so compiled code sees few shapes) appends a fill that
+    is a document of its own: positions from 0, no loss. A row of one document and no fill carries
+    no position ids: plain causal attention, exactly what it needs, with nothing to detect.
     """
     input_ids = [t for e in examples for t in e.input_ids]
     labels = [t for e in examples for t in e.labels]
     position_ids = [p for e in examples for p in range(len(e.input_ids))]
-    fill = (pad_to or len(input_ids)) - len(input_ids)
+    length = pad_to or -(-len(input_ids) // multiple) * multiple
+    if multiple > 1 and not pad_to:  # at least two buckets: a dimension of size 1 is a graph of its own
+        length = max(length, 2 * multiple)
+    fill = length - len(input_ids)
     if fill < 0:
         raise ValueError(f"{len(input_ids)} tokens do not fit a packed row of {pad_to}")
     input_ids += [pad_id] * fill
     labels += [IGNORE] * fill
     position_ids += range(fill)
     row = {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
+    if len(examples) == 1 and not fill and pad_to is None:
+        del row["position_ids"]
     return {k: torch.tensor([v], dtype=torch.long) for k, v in row.items()}
 
 
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, seq) index of the document each position belongs to: a new one wherever the
-    position does not continue the previous one by 1 (transformers' rule for packed rows)."""
-    previous = torch.cat([position_ids[:, :1] - 1, position_ids[:, :-1]], dim=1)
-    return (position_ids != previous + 1).cumsum(dim=1)
+def label_positions(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the labelled positions of a host batch (`SummaryLM`'s `label_positions`),
+    read on the host where the batch is built, so the device never has to report a count."""
+    flat = labels.flatten().tolist()
+    return torch.tensor([i for i, t in enumerate(flat) if t != IGNORE], dtype=torch.long)
 
 
 def micro_batch(
-    examples: list[Example], pad_id: int, packed: bool, pad_to: int | None = None
+    examples: list[Example], pad_id: int, packed: bool, pad_to: int | None = None, multiple: int = 1
 ) -> dict[str, torch.Tensor]:
-    """One micro-batch's tensors: packed into one row (`pad_to` long, if given) or padded rows."""
-    return pack(examples, pad_id, pad_to) if packed else collate(examples, pad_id, pad_to)
+    """One micro-batch's tensors: packed into one row (`pad_to` long, if given, else a multiple of
+    `multiple`) or padded rows."""
+    return pack(examples, pad_id, pad_to, multiple) if packed else collate(examples, pad_id, pad_to)
 
 
 def count_label_tokens(examples: list[Example]) -> int:

@@ -32,7 +32,10 @@ def _data_ptrs(t: torch.Tensor) -> list[int]:
     if hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
         return [ptr for name in names for ptr in _data_ptrs(getattr(t, name))]
-    return [t.untyped_storage().data_ptr()]
+    try:
+        return [t.untyped_storage().data_ptr()]
+    except RuntimeError:  # a storage dynamo swapped out while tracing a compiled block: none to skip
+        return []
 
 
 class SavedActivations:

@@ -131,6 +131,14 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.stats = CommStats()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this, dynamo refuses to trace while the mode is active and marks the compiled
+        # blocks skipped for the rest of the process: compile silently off under every measured
+        # strategy. Collectives never run inside a compiled block (FSDP's hooks and DDP's reducer
+        # stay eager), so the counts are unchanged; the ops inside the compiled graphs are not seen.
+        return True
+
     def reset(self) -> CommStats:
         stats, self.stats = self.stats, CommStats()
         return stats

@@ -41,8 +41,8 @@ class StepMeasurements:
         self.to_batches = to_batches
         self.timeline = PipelineTimeline(strategy, out) if isinstance(strategy, PipelineParallel) else None
         self.saved_activation_bytes = 0  # of the first step measured, for ranks.json
-        self._counter = CommTimeline() if strategy.env.distributed else None
         every = strategy.cfg.train.measure_comm
+        self._counter = CommTimeline() if strategy.env.distributed and every != "off" else None
         self._every_step = every == "every" or (every == "auto" and strategy.env.device.type == "cpu")
         self._first = False
         self._measured = False

@@ -25,6 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from distft.config import Config, ModelConfig
 from distft.errors import ConfigError
 from distft.hub import hub_offline
+from distft.model.attention import resolve_attention, transformers_name
 from distft.model.lm import causal_lm
 from distft.model.nf4 import NF4Spec, quantize_base
 from distft.model.presets import DTYPES, PRESETS
@@ -60,20 +61,24 @@ def _unreachable_model_message(name: str, err: Exception) -> str:
     )
 
 
-def load_base_model(cfg: ModelConfig, device: torch.device | str | None = None) -> nn.Module:
+def load_base_model(
+    cfg: ModelConfig, device: torch.device | str | None = None, attention: str | None = None
+) -> nn.Module:
     """The causal LM named by `cfg.name`, in `cfg.dtype`, built or loaded straight onto `device`.
 
     `device=None` means the CPU, for strategies that place or shard the model themselves (FSDP, TP,
     pipelines); single and DDP pass their own device, so a real-size base never exists in fp32 on
-    the host. A preset is a recipe, (name, seed, dtype, device type): the same recipe gives the same
+    the host. `attention`: the kernel (`distft.model.attention.resolve_attention`; by default what
+    `cfg.attn_implementation` resolves to on `device`). A preset is a recipe, (name, seed, dtype, device type): the same recipe gives the same
     weights bit for bit, on every rank and in `distft infer`. On the CPU in float32 the weights are
     the ones a plain `Qwen3ForCausalLM(config)` under `torch.manual_seed(seed)` makes.
     """
     dtype, device = DTYPES[cfg.dtype], torch.device(device or "cpu")
+    kernel = transformers_name(attention or resolve_attention(cfg.attn_implementation, device, dtype))
     if cfg.name in PRESETS:
-        model = _init_preset(cfg, dtype, device)
+        model = _init_preset(cfg, dtype, device, kernel)
     else:
-        kwargs = {"dtype": dtype, "attn_implementation": cfg.attn_implementation, "device_map": device}
+        kwargs = {"dtype": dtype, "attn_implementation": kernel, "device_map": device}
         if not Path(cfg.name).is_dir():
             kwargs["local_files_only"] = hub_offline()
         try:
@@ -84,10 +89,10 @@ def load_base_model(cfg: ModelConfig, device: torch.device | str | None = None) 
     return model
 
 
-def _init_preset(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _init_preset(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kernel: str) -> nn.Module:
     """A preset's random weights, initialised where they will live and in their final dtype."""
     config = PRESETS[cfg.name].to_config()
-    config._attn_implementation = cfg.attn_implementation
+    config._attn_implementation = kernel
     # Seeded init so every rank (and every strategy) starts from the same random weights; the
     # generator state of the caller is restored afterwards (CUDA's too, when it is the device).
     forked = [device] if device.type == "cuda" else []

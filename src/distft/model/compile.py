@@ -4,26 +4,70 @@ Compiling each block rather than the whole model keeps compile time to one block
 layer has the same shapes, so the compiled code is reused), leaves the embeddings, the loss head
 and the optimizer eager, and lets FSDP wrap each compiled block as its own sharding unit: blocks
 are compiled *before* the strategy wraps them. The LoRA adapters (peft's `lora_A`/`lora_B`) sit
-inside the blocks and are compiled with them.
+inside the blocks and are compiled with them. `Module.compile()` compiles in place: parameter
+names, state dicts and the exported adapter stay exactly those of the eager model.
 
-`Module.compile()` compiles in place: the module tree, parameter names, state dicts and the
-exported adapter stay exactly those of the eager model (`torch.compile(module)` would add an
-`_orig_mod.` level to every name).
+What is seen (`CompileStats`, per rank, in `metrics.jsonl`, `ranks.json` and the printed lines):
+every graph the backend is handed is counted (`compiled_graphs`), and so is every one compiled for
+a frame that already had one (`recompiles`: a guard failed, e.g. a new shape, grad mode or a
+one-document batch); dynamo's graph breaks too (`graph_breaks`). A run never says "compiled" when
+no graph compiled.
 
-`model.compile`: `auto` (on for CUDA where the strategy takes compiled blocks, off on the CPU, where
-inductor's C++ code buys little and costs minutes of compile time), `true`, `false`. Strategies
-that rewrite the blocks themselves (TP's DTensor plans, tp-sp's hand-written layers, pipeline
-stages) say so with `supports_compile = False`; `true` is refused for them before launch.
+Bounded recompiles. All layers share one code object, so their variants share dynamo's recompile
+limit (8); past it they silently run eagerly. Blocks compile with `dynamic=True` (the sequence
+length is symbolic from the first graph, no static-then-dynamic pair), and packed rows are padded
+to a multiple of `SEQUENCE_BUCKET` tokens, at least two (`distft.data.batches.pack`): guards on
+the length's alignment hold for every row, and the block mask never has a tile dimension of size
+1, which dynamo would specialise. What remains is an enumerable set of variants: train and
+evaluation (grad mode) x several documents or one (a block mask or none) x the first layer or the
+rest (the first one's input needs no grad under LoRA): 6. On the CPU, where FlexAttention has no
+backward, training attention runs eagerly between graphs; the frames resumed after it repeat the
+same variants once more. The limit is raised to `RECOMPILE_LIMIT` to hold that with room; the
+tests drive every variant under `fail_on_recompile_limit_hit` and check new lengths compile nothing.
+
+A fallback (`model.compile`): `auto` (on CUDA where the strategy takes compiled blocks; off on the
+CPU, where inductor's C++ code buys little and costs minutes) falls back to eager when the backend
+cannot build a graph (no Triton, no C compiler, an inductor bug), with one line that says why,
+recorded as `compile_fallback`; `true` fails loudly instead. `model.compile_backend` names the
+backend (`inductor`; `aot_eager` traces and runs AOT autograd without code generation: the tests'
+choice on the CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
+from torch._dynamo.exc import RestartAnalysis, SkipFrame
+from torch._dynamo.utils import counters
+from torch._guards import CompileContext
 
+from distft.errors import TrainingError
 from distft.model.lm import causal_lm
 
-COMPILE_CHOICES = ("auto", "true", "false")
+SEQUENCE_BUCKET = 128  # packed rows are padded to a multiple of this (one flex tile) when blocks compile
+RECOMPILE_LIMIT = 16  # per code object: the variants below, twice over (see the module docstring)
+
+
+class CompileError(TrainingError):
+    """`model.compile=true` and the backend could not build a graph."""
+
+    every_rank = False  # every rank compiles the same graph and fails the same way
+
+
+@contextlib.contextmanager
+def compile_errors_unwrapped() -> Iterator[None]:
+    """Around a step: dynamo wraps what a backend raises; a `CompileError` reaches the user bare."""
+    try:
+        yield
+    except torch._dynamo.exc.BackendCompilerFailed as err:
+        inner = getattr(err, "inner_exception", None)
+        if isinstance(inner, CompileError):
+            raise inner from None
+        raise
 
 
 def compile_wanted(setting: str, device: torch.device, strategy_supports: bool) -> bool:
@@ -33,10 +77,85 @@ def compile_wanted(setting: str, device: torch.device, strategy_supports: bool) 
     return setting == "auto" and device.type == "cuda" and strategy_supports
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """Compile every decoder layer of `model` (a causal LM, PEFT-wrapped or not) in place;
-    returns how many. Compilation itself happens on each block's first forward."""
-    layers = causal_lm(model).model.layers
-    for layer in layers:
-        layer.compile()
-    return len(layers)
+@dataclass
+class CompileStats:
+    """What compiled in this process: counted by `FallbackBackend` (and dynamo's graph breaks)."""
+
+    graphs: int = 0
+    recompiles: int = 0
+    fallback: str | None = None  # why the blocks run eagerly after a failed compile (`auto`)
+    _frames: set = field(default_factory=set)
+    _breaks_at_start: int = field(default_factory=lambda: _graph_breaks())
+
+    @property
+    def graph_breaks(self) -> int:
+        return _graph_breaks() - self._breaks_at_start
+
+    def record(self) -> dict:
+        """The figures `metrics.jsonl` and `ranks.json` carry."""
+        out = {
+            "compiled_graphs": self.graphs,
+            "recompiles": self.recompiles,
+            "graph_breaks": self.graph_breaks,
+        }
+        if self.fallback:
+            out["compile_fallback"] = self.fallback
+        return out
+
+    def describe(self) -> str:
+        """One line: what compiled, or that nothing did."""
+        if self.fallback:
+            return f"compile fell back to eager ({self.fallback})"
+        if not self.graphs:
+            return "no graph compiled (eager)"
+        return (
+            f"compiled decoder layers: {self.graphs} graph(s), {self.recompiles} recompile(s), "
+            f"{self.graph_breaks} graph break(s)"
+        )
+
+
+def _graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+class FallbackBackend:
+    """A torch.compile backend that counts what it compiles and, unless `strict`, hands back the
+    graph to run eagerly when the real backend fails (dynamo then runs that frame's ops as traced)."""
+
+    def __init__(self, backend: str, strict: bool, stats: CompileStats):
+        self.backend, self.strict, self.stats = backend, strict, stats
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        if self.stats.fallback:  # one failure is enough: every later graph runs eagerly too
+            return gm.forward
+        try:
+            compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        except (RestartAnalysis, SkipFrame):  # dynamo's own control flow, not a failure
+            raise
+        except Exception as err:
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".strip()
+            if self.strict:
+                raise CompileError(
+                    f"model.compile=true, and the {self.backend} backend could not compile a decoder "
+                    f"layer ({reason}). Set model.compile=auto to fall back to eager, or false."
+                ) from err
+            # Said once, by the logging rank: the line after step 1 and the end-of-run line.
+            self.stats.fallback = f"{self.backend} failed: {reason}"
+            return gm.forward
+        compile_id = CompileContext.current_compile_id()
+        if compile_id is not None:
+            self.stats.recompiles += compile_id.frame_id in self.stats._frames
+            self.stats._frames.add(compile_id.frame_id)
+        self.stats.graphs += 1
+        return compiled
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor", strict: bool = False) -> CompileStats:
+    """Compile every decoder layer of `model` (a causal LM, PEFT-wrapped or not) in place; the
+    returned stats fill as graphs compile (on each block's first forward)."""
+    stats = CompileStats()
+    fallback = FallbackBackend(backend, strict, stats)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    for layer in causal_lm(model).model.layers:
+        layer.compile(backend=fallback, dynamic=True)
+    return stats

@@ -39,6 +39,9 @@ class Strategy:
     name: ClassVar[str]
     distributed: ClassVar[bool] = True  # needs a process group (launched through torchrun)
     fixed_sequence_length: ClassVar[bool] = False  # pad every batch to data.max_length (pipelines)
+    # The model's forward takes `label_positions` (`SummaryLM`): the loss head gathers the labelled
+    # positions without a host sync. Pipelines and tp-sp compute their loss on their own pieces.
+    takes_label_positions: ClassVar[bool] = True
     # --method qlora (NF4 base weights, `distft.model.nf4`) runs only where a strategy opts in; the
     # reason is shown to users of the others.
     supports_qlora: ClassVar[bool] = False
@@ -48,8 +51,8 @@ class Strategy:
     # Takes the whole model on this rank's device (single, DDP): the base is built there directly,
     # in its dtype. The others receive it on the CPU and place or shard it themselves.
     builds_on_device: ClassVar[bool] = False
-    # Takes decoder layers compiled with torch.compile (`distft.model.compile`); TP's DTensor plans,
-    # tp-sp's hand-written layers and pipeline stages do not.
+    # Takes decoder layers compiled with torch.compile (`distft.model.compile`); TP's DTensor plans
+    # and tp-sp's hand-written layers rewrite them, so those strategies do not.
     supports_compile: ClassVar[bool] = False
     # What forward_backward communicates, for error messages ("timed out in ...").
     collectives: ClassVar[str] = "collectives"

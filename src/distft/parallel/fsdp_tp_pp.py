@@ -61,6 +61,7 @@ class FSDPTensorPipelineParallel(FSDPPipelineParallel):
     without_pp = "fsdp+tp"
     without_dp: ClassVar[str | None] = None  # dp = 1: TP x PP, a real 3D mesh with one FSDP rank
     supports_qlora: ClassVar[bool] = False
+    supports_compile: ClassVar[bool] = False  # TP's DTensor plans rewrite the blocks
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     collectives = (
         "TP's all-reduces (tp), FSDP's all-gathers / reduce-scatters (dp) or the pipeline's send/recv (pp)"

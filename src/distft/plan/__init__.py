@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from distft.config.schema import ATTENTION_CHOICES
 from distft.errors import ConfigError
 from distft.plan.activations import activation_bytes
 from distft.plan.commands import run_command, run_overrides
@@ -99,7 +100,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--label-tokens", type=int, default=256, help="loss positions per sequence (default 256: a summary)"
     )
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="attention implementation")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=list(ATTENTION_CHOICES),
+        help="attention kernel (model.attn_implementation)",
+    )
     p.add_argument(
         "--precision", default="mixed", choices=list(PRECISIONS), help="bytes per weight/grad/state"
     )

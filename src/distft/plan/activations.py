@@ -129,7 +129,9 @@ class _Layer:
         return total
 
     def attention(self, o_input: bool) -> int:
-        """What attention itself keeps when its inputs need gradients (sdpa or eager)."""
+        """What attention itself keeps when its inputs need gradients. flex and flash (and `auto`)
+        keep q, k, v, the output and the log-sum-exp, whatever the padding; sdpa also keeps a
+        padded batch's dense mask; eager the scores."""
         t, spec, tp = self.training, self.spec, self.par.tp
         c, B, S, T, d = (
             t.precision.activation,
@@ -143,8 +145,9 @@ class _Layer:
             total = 3 * c * T * d * nq  # q (rotated); k and v repeated to every query head
             total += 4 * B * nq * S * S + (c * B * nq * S * S if c != 4 else 0)  # softmax fp32 (+ copy)
             return total + (c * T * nq * d if o_input else 0)  # the output made contiguous for o_proj
-        # transformers' attention sees the padding mask; distft's Megatron layer is causal only
-        masked = t.has_padding_mask and not self.megatron
+        # transformers' SDPA sees a dense padding mask; distft's Megatron layer is causal only, and
+        # flex/flash take a block mask or none
+        masked = t.has_padding_mask and not self.megatron and t.attention == "sdpa"
         # With a mask transformers repeats k and v to every head: a copy, unless this rank has a
         # single KV head (then the repeat is a stride-0 view of it).
         kv = nq if masked and nkv > 1 else nkv

@@ -64,7 +64,7 @@ class Training:
     micro_batch: int = 1
     label_tokens: int = 256  # positions per sequence that carry the loss (distft: the summary)
     activation_checkpointing: bool = False
-    attention: str = "sdpa"  # sdpa | eager
+    attention: str = "auto"  # auto | flex | flash (no dense mask) | sdpa (dense mask when padded) | eager
     padded: bool | None = None  # a padding mask reaches attention; None: micro_batch > 1
     quant: NF4Spec = field(default_factory=NF4Spec)  # the runtime's NF4 storage settings
 

@@ -31,6 +31,7 @@ from distft.parallel.base import unwrap
 from distft.train.hooks import TrainHooks
 from distft.train.metrics import (
     MetricsWriter,
+    compile_line,
     gather_rank_summaries,
     rank_summary,
     speed_line,
@@ -93,6 +94,8 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
             t0 = time.perf_counter()
             with measure.watch(step):
                 loss, grad_norm, updated = train_step(run, examples, step, hooks.after_backward)
+            if env.device.type == "cuda":  # the step's time includes the optimizer's kernels
+                torch.cuda.synchronize()
             record = step_record(run, step, examples, loss, grad_norm, time.perf_counter() - t0)
             record.update(measure.report(step, examples))
             if step == run.start_step + 1:  # the header's last line: start-up time and MFU
@@ -116,11 +119,11 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
                 checkpoint(run, step)
 
     # ---- export ---------------------------------------------------------------------------
-    export(run, rank_summary(run, measure.saved_activation_bytes))
+    ranks = export(run, rank_summary(run, measure.saved_activation_bytes))
     if env.is_main:
         metrics.close()
         trackers.finish()
-        progress.done(run.out)
+        progress.done(run.out, compile_line(ranks))
     result.model = unwrap(run.model)
     return result
 
@@ -140,6 +143,7 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
         batch=(run.shape.micro_batch_size, run.shape.accumulation_steps, run.shape.data_parallel_size),
         data={"train": run.train_set.summary(), "validation": run.val_set.summary()},
         lineage=run.lineage,
+        kernels=kernels_line(run),
     )
     if run.health is not None and progress.enabled:
         progress.console.print(run.health.summary(), soft_wrap=True)
@@ -153,6 +157,14 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
     return MetricsWriter(run.out / "metrics.jsonl", append=run.start_step > 0) if env.is_main else None
 
 
+def kernels_line(run: Run) -> str:
+    """The header's promise, before anything compiled: the attention kernel, and whether the
+    decoder layers will compile (the line after step 1 says what did)."""
+    cfg = run.cfg.model
+    compiling = f"decoder layers to compile with {cfg.compile_backend} at step 1" if run.compiled else "eager"
+    return f"attention {run.attention} (model.attn_implementation={cfg.attn_implementation}); {compiling}"
+
+
 def checkpoint(run: Run, step: int) -> None:
     """Write the training state after step `step` (`distft.io.checkpoint`), every rank its shards."""
     with run.collective(f"writing the checkpoint of step {step}"):
@@ -162,16 +174,18 @@ def checkpoint(run: Run, step: int) -> None:
         )
 
 
-def export(run: Run, summary: dict) -> None:
-    """Gather the trained weights and every rank's summary; the main rank writes them."""
+def export(run: Run, summary: dict) -> list[dict]:
+    """Gather the trained weights and every rank's summary; the main rank writes them. Returns
+    every rank's summary."""
     with run.collective("gathering the trained weights for export"):
         ranks = gather_rank_summaries(run.env, summary)
         state = run.strategy.trainable_state_dict(run.model)
     if not run.env.is_main:
-        return
+        return ranks
     lm = unwrap(run.model).lm
     if run.cfg.train.method in ("lora", "qlora"):
         save_adapter(lm, state, run.out / "adapter", run.base_ref, quantization(run.cfg))
     else:
         save_full_model(causal_lm(lm), state, run.out / "model", run.tokenizer, run.lineage)
     atomic_write_text(run.out / "ranks.json", json.dumps(ranks, indent=1))
+    return ranks

@@ -89,13 +89,23 @@ def step_record(
         "mfu": flops / step_time / peak if peak else None,
         "step_time_s": step_time,
         "peak_mem_bytes": peak_memory_bytes(run.env),
+        **compile_record(run),
     }
+
+
+def compile_record(run: Run) -> dict:
+    """This rank's attention kernel and what torch.compile built so far (`distft.model.compile`)."""
+    stats = (
+        run.compiled.record() if run.compiled else {"compiled_graphs": 0, "recompiles": 0, "graph_breaks": 0}
+    )
+    return {"attention": run.attention, **stats}
 
 
 def speed_line(run: Run, record: dict) -> str:
     """The header's line after the first step: start-up time and MFU (or why there is none)."""
     mfu = f"MFU {record['mfu']:.1%}" if record["mfu"] is not None else "MFU n/a"
-    compiled = "compiled decoder layers" if run.compiled else "eager"
+    compiled = run.compiled.describe() if run.compiled else f"eager (model.compile={run.cfg.model.compile})"
+    compiled += f"; attention {run.attention}"
     if run.compiled_nf4:
         compiled += f", {run.compiled_nf4} NF4 projections dequantized by compiled kernels"
     return (
@@ -114,6 +124,7 @@ def rank_summary(run: Run, saved_activation_bytes: int) -> dict:
         "local_rank": run.env.local_rank,
         "mesh": run.strategy.mesh_groups(),
         "peak_mem_bytes": peak_memory_bytes(run.env),
+        **compile_record(run),
         "saved_activation_bytes": saved_activation_bytes,
         "param_bytes": run.param_bytes,
         "grad_bytes": run.grad_bytes,
@@ -127,6 +138,21 @@ def rank_summary(run: Run, saved_activation_bytes: int) -> dict:
         # it read: the batches', not the dataset's.
         "token_cache": {**(run.token_cache or {}), "examples_read": run.train_set.reads + run.val_set.reads},
     }
+
+
+def compile_line(ranks: list[dict]) -> str:
+    """The end-of-run line: the attention kernel, and what compiled on each rank (or that nothing did)."""
+    line = f"attention {ranks[0]['attention']}; "
+    if not any(r["compiled_graphs"] for r in ranks):
+        line += "no graph compiled (eager)"
+    else:
+        line += ", ".join(
+            f"rank {r['rank']}: {r['compiled_graphs']} graph(s), {r['recompiles']} recompile(s), "
+            f"{r['graph_breaks']} graph break(s)"
+            for r in ranks
+        )
+    fallbacks = {r["compile_fallback"] for r in ranks if r.get("compile_fallback")}
+    return line + "".join(f"; compile fell back to eager: {f}" for f in sorted(fallbacks))
 
 
 def gather_rank_summaries(env: DistEnv, summary: dict) -> list[dict]:

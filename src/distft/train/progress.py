@@ -38,6 +38,7 @@ class TrainingProgress:
         batch: tuple[int, int, int],
         data: dict[str, dict[str, float]],
         lineage: dict | None = None,
+        kernels: str = "",
     ) -> None:
         if not self.enabled:
             return
@@ -49,6 +50,8 @@ class TrainingProgress:
             f"({total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable, {cfg.model.dtype})"
         )
         c.print(f"strategy {cfg.parallel.strategy}: {world_size} process(es) on {device}, backend {backend}")
+        if kernels:
+            c.print(kernels, soft_wrap=True)
         tokens = cfg.train.global_batch_size * cfg.data.max_length
         c.print(
             f"global batch {cfg.train.global_batch_size} = micro-batch {micro} x accumulation {accum} "
@@ -121,6 +124,8 @@ class TrainingProgress:
         if self._progress:
             self._progress.__exit__(*exc)
 
-    def done(self, out: Path) -> None:
+    def done(self, out: Path, compiled: str = "") -> None:
         if self.enabled:
+            if compiled:
+                self.console.print(compiled, soft_wrap=True)
             self.console.print(f"wrote {out}/ (adapter or model, metrics.jsonl, config.toml)")

@@ -27,10 +27,12 @@ from distft.io.files import atomic_write_text
 from distft.io.lineage import run_lineage, write_lineage
 from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
+from distft.model.attention import resolve_attention
 from distft.model.build import base_recipe
-from distft.model.compile import compile_blocks, compile_wanted
+from distft.model.compile import CompileStats, compile_blocks, compile_wanted
 from distft.model.nf4 import storage_layout
 from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
+from distft.model.presets import DTYPES
 from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model
 from distft.tensors import local_bytes
 
@@ -57,7 +59,8 @@ class Run:
     autocast: contextlib.AbstractContextManager
     start_step: int = 0  # the step of the checkpoint resumed from; 0 for a new run
     checkpoint: Path | None = None
-    compiled: bool = False  # decoder layers run torch.compile'd (`distft.model.compile`)
+    compiled: CompileStats | None = None  # what torch.compile built, per rank (`distft.model.compile`)
+    attention: str = "sdpa"  # the attention kernel that runs (`distft.model.attention`)
     compiled_nf4: int = 0  # NF4 projections whose dequantisation runs compiled (`distft.model.nf4_linear`)
     flops: ModelFlops | None = None  # the step's model FLOPs (`distft.measure.flops`)
     peak_flops: float | None = None  # one device's peak dense bf16 FLOP/s; None off a known GPU
@@ -99,6 +102,7 @@ def adamw(model: torch.nn.Module, cfg: Config, strategy: Strategy) -> torch.opti
     several kernels per parameter."""
     params = [p for p in model.parameters() if p.requires_grad]
     on_cuda = all(p.device.type == "cuda" for p in params)
+    fused = cfg.optim.fused == "true" or (cfg.optim.fused == "auto" and on_cuda)
     return strategy.build_optimizer(
         params,
         torch.optim.AdamW,
@@ -106,7 +110,7 @@ def adamw(model: torch.nn.Module, cfg: Config, strategy: Strategy) -> torch.opti
         betas=(cfg.optim.beta1, cfg.optim.beta2),
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
-        fused=True if on_cuda else None,  # None: torch's default (the for-loop) on the CPU
+        fused=True if fused else None,  # None: torch's default (the for-loop; foreach on CUDA)
     )
 
 
@@ -130,7 +134,8 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     train_set, val_set, token_cache = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, dataset)
 
     # Built where it will train, in its dtype, when the strategy takes a whole model on its device.
-    base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None)
+    attention = resolve_attention(cfg.model.attn_implementation, env.device, DTYPES[cfg.model.dtype])
+    base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None, attention)
     check_model(cfg, base.config)
     recipe = base_recipe(cfg.model, base.device) if is_preset(cfg.model.name) else None
     lineage = run_lineage(cfg, recipe)  # random preset -> earlier runs -> this one
@@ -147,9 +152,10 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
         causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     parameters = count_parameters(lm)
     flops = ModelFlops.from_model(lm)  # whole, before a strategy shards it
-    compiled = compile_wanted(cfg.model.compile, env.device, strategy.supports_compile)
-    if compiled:  # per decoder layer, before the strategy wraps them (`distft.model.compile`)
-        compile_blocks(lm)
+    compiled = None
+    if compile_wanted(cfg.model.compile, env.device, strategy.supports_compile):
+        # Per decoder layer, before the strategy wraps them (`distft.model.compile`).
+        compiled = compile_blocks(lm, cfg.model.compile_backend, strict=cfg.model.compile == "true")
     nf4_compiled = dequantize_compiled_wanted(cfg.model.compile, env.device)  # QLoRA: one kernel per weight
     compiled_nf4 = use_compiled_dequantize(lm, nf4_compiled) if nf4_compiled else 0
     model = strategy.parallelize(SummaryLM(lm))
@@ -164,7 +170,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
 
     run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
-              param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, compiled_nf4=compiled_nf4, flops=flops)  # fmt: skip
+              param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, attention=attention, compiled_nf4=compiled_nf4, flops=flops)  # fmt: skip
     run.peak_flops, run.peak_note = peak_flops(env.device)
     run.lineage, run.health, run.token_cache = lineage, health, token_cache
     resume(run)

@@ -16,9 +16,17 @@ import torch
 from torch import nn
 
 from distft.config import Config
-from distft.data import Example, count_label_tokens, global_batch_indices, micro_batch, rank_micro_batches
+from distft.data import (
+    Example,
+    count_label_tokens,
+    global_batch_indices,
+    label_positions,
+    micro_batch,
+    rank_micro_batches,
+)
 from distft.errors import NonFiniteError
 from distft.io.checkpoint import resume_hint
+from distft.model.compile import SEQUENCE_BUCKET, compile_errors_unwrapped, compile_wanted
 from distft.parallel import Strategy
 from distft.train.setup import Run
 
@@ -37,8 +45,16 @@ def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_i
     size, packed = strategy.micro_batch_size(cfg), cfg.data.packing
     # One shape every step (pipelines): a sequence of max_length, or a packed row of `size` of them.
     pad_to = cfg.data.max_length * (size if packed else 1) if strategy.fixed_sequence_length else None
-    micro = rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size)
-    return [to_device(micro_batch(mb, pad_id, packed, pad_to), strategy.env.device) for mb in micro]
+    # Compiled blocks: packed rows in length buckets, so guards on the length hold (`model.compile`).
+    compiled = compile_wanted(cfg.model.compile, strategy.env.device, strategy.supports_compile)
+    multiple = SEQUENCE_BUCKET if compiled else 1
+    batches = []
+    for mb in rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size):
+        batch = micro_batch(mb, pad_id, packed, pad_to, multiple)
+        if strategy.takes_label_positions:
+            batch["label_positions"] = label_positions(batch["labels"])
+        batches.append(to_device(batch, strategy.env.device))
+    return batches
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -59,7 +75,8 @@ def train_step(
     cfg, strategy, model = run.cfg, run.strategy, run.model
     n_tokens = count_label_tokens(examples)
     batches = rank_batches(examples, strategy, cfg, run.pad_id)
-    with run.autocast, run.collective(f"{strategy.collectives} in step {step}'s forward/backward"):
+    what = f"{strategy.collectives} in step {step}'s forward/backward"
+    with run.autocast, run.collective(what), compile_errors_unwrapped():
         loss_sum = strategy.forward_backward(model, batches, n_tokens)
     after_backward(model, step)
     with run.collective(f"the all-reduces of the gradient norm and the loss in step {step}"):

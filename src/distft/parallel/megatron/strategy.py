@@ -65,6 +65,7 @@ class MegatronTPSP(Strategy):
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     collectives = "the all-gathers / reduce-scatters of activations (tp-sp)"
     mesh: DeviceMesh | None = None  # only checkpoints use one (DTensor views of the shards)
+    takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:

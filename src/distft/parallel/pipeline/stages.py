@@ -6,8 +6,9 @@ Qwen3Model.forward computes once: the mask, position ids and rotary cos/sin (a n
 buffer, so each stage holds a copy). A padded batch carries a 2-D attention mask, a packed one
 (docs/packing.md) per-document position ids and no mask; either is a keyword argument of the
 step, which torch splits per micro-batch and hands to every stage. From the attention mask come
-positions 0..T-1 and the causal + padding mask; from packed position ids, transformers'
-block-diagonal causal mask (one block per document, the fill of the fixed-length row included). Layers keep
+positions 0..T-1 and the causal + padding mask; from packed position ids, the document block mask
+of the `flex` kernel (`distft.model.attention`; transformers' dense block-diagonal mask under
+sdpa/eager), one block per document, the fill of the fixed-length row included. Layers keep
 their global index (`layers.2.self_attn.q_proj.lora_A`), so checkpoints and the exported adapter
 need no renaming. Nothing is sent by this module: torch's `PipelineStage` moves the hidden states
 (and their gradients) between stages on different ranks.
@@ -24,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from distft.model import summed_loss
+from distft.model.attention import FLEX, packed_attention_masks
 from distft.parallel.pipeline.layout import SCHEDULES, SINGLE_STAGE, Layout
 
 Action = tuple[str, int, int]  # (kind F|B|W, stage, micro-batch)
@@ -64,16 +66,10 @@ class StageModule(nn.Module):
         # padding), the mask, and rotary cos/sin (a decoder layer without them fails).
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask_args = {
-            "config": self.config,
-            "inputs_embeds": hidden,
-            "attention_mask": attention_mask,  # None: packed, read from the position ids
-            "past_key_values": None,
-            "position_ids": position_ids,
-        }
-        masks = {"full_attention": create_causal_mask(**mask_args)}
-        if "sliding_attention" in self.config.layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
+        if attention_mask is None and self.config._attn_implementation == FLEX:  # packed, flex
+            masks = packed_attention_masks(self.config, position_ids)
+        else:
+            masks = self.transformers_masks(hidden, attention_mask, position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for index, layer in self.layers.items():
             hidden = layer(
@@ -88,6 +84,21 @@ class StageModule(nn.Module):
         # A fresh tensor, not a view of the scalar: FSDP (fsdp+pp) warns that its backward hook on a
         # view would be lost to an in-place op.
         return summed_loss(self.norm(hidden), self.lm_head, labels).reshape(1).clone()
+
+    def transformers_masks(self, hidden, attention_mask, position_ids) -> dict:
+        """What Qwen3Model builds: causal + padding, or (packed, no mask) block-diagonal from the
+        position ids' restarts."""
+        mask_args = {
+            "config": self.config,
+            "inputs_embeds": hidden,
+            "attention_mask": attention_mask,  # None: packed, read from the position ids
+            "cache": None,
+            "position_ids": position_ids,
+        }
+        masks = {"full_attention": create_causal_mask(**mask_args)}
+        if "sliding_attention" in self.config.layer_types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
+        return masks
 
 
 class PipelineModel(nn.Module):

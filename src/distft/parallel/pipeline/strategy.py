@@ -42,6 +42,8 @@ from distft.tensors import local
 class PipelineParallel(Strategy):
     name = "pp"
     fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
+    takes_label_positions: ClassVar[bool] = False
+    supports_compile: ClassVar[bool] = True  # stages hold the compiled decoder layers as they are
     # What the loss is multiplied by before backward: FSDP's reduce-scatter averages over its dp
     # ranks where the pipeline wants the sum (fsdp+pp sets dp; ddp+pp sums itself).
     loss_scale: int = 1
