@@ -1,13 +1,19 @@
 """Training-state checkpoints: exact resume, atomic writes, pruning, and refusing a foreign run dir."""
 
+import json
+import os
+import pickle
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from distft.cli import main
 from distft.io.checkpoint import latest_checkpoint
 from distft.io.files import atomic_directory
-from tests.helpers import adapter, metrics
+from tests.helpers import adapter, metrics, run_cli
 
 RUN = [
     "--model", "micro",
@@ -65,3 +71,68 @@ def test_refuses_to_resume_into_a_different_run(uninterrupted, tmp_path, capsys)
     assert main(["train", *RUN, "optim.lr=5e-3", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "different config" in err and "optim.lr: 0.01 -> 0.005" in err
+
+
+# ---- a checkpoint is data, never code ------------------------------------------------------------
+
+
+class Planted:
+    """What an attacker pickles: unpickling it runs a shell command (here, touching a marker)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """A run stopped after its step-3 checkpoint (its adapter removed), copied fresh for each test."""
+    out = tmp_path_factory.mktemp("ckpt")
+    assert main(["train", *RUN, "--checkpoint-every", "3", "--out", str(out)]) == 0
+    shutil.rmtree(out / "adapter")
+    return out
+
+
+def fresh_copy(run: Path, tmp_path: Path) -> tuple[Path, Path]:
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out, out / "checkpoints" / "step-000003"
+
+
+def as_earlier_version(step: Path) -> None:
+    """Rewrite a checkpoint's trainer and RNG files in the pickle format earlier versions wrote."""
+    trainer = json.loads((step / "trainer.json").read_text())
+    torch.save(trainer, step / "trainer.pt")
+    (step / "trainer.json").unlink()
+    rng = load_file(step / "rng-0.safetensors")
+    torch.save({"torch": rng["torch"], "cuda": []}, step / "rng-0.pt")
+    (step / "rng-0.safetensors").unlink()
+
+
+@pytest.mark.parametrize("planted", ["trainer.pt", "rng-0.pt", ".metadata"])
+def test_a_planted_pickle_never_runs_on_resume(planted, checkpointed, tmp_path):
+    out, step = fresh_copy(checkpointed, tmp_path)
+    if planted != ".metadata":
+        as_earlier_version(step)  # the pickle files an earlier version wrote, then replaced
+    marker = tmp_path / "pwned"
+    with (step / planted).open("wb") as f:
+        pickle.dump({"step": Planted(marker), "torch": Planted(marker)}, f)
+    proc = run_cli("train", "--resume", str(out))  # its own process: every line a user would see
+    assert proc.returncode == 1
+    assert not marker.exists(), "the planted pickle ran"
+    assert f"{step} cannot be resumed" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (out / "adapter").exists()  # nothing trained from a refused checkpoint
+
+
+def test_checkpoints_hold_no_pickle_and_earlier_ones_still_resume(checkpointed, uninterrupted, tmp_path):
+    out, step = fresh_copy(checkpointed, tmp_path)
+    assert sorted(p.name for p in step.iterdir() if not p.name.endswith(".distcp")) == [
+        ".metadata",  # DCP's own: read by an unpickler that builds its metadata classes only
+        "rng-0.safetensors",
+        "trainer.json",
+    ]
+    as_earlier_version(step)
+    assert main(["train", "--resume", str(out)]) == 0
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]

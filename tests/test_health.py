@@ -18,6 +18,7 @@ import pytest
 
 from distft.cli import main
 from distft.health import HealthReport, RankPlace, failure_advice, network_warnings
+from distft.health.network import endpoint_warning
 from tests.helpers import agents, run_cli
 
 HOST = socket.gethostname()

@@ -8,6 +8,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 import distft.model.attention as attention
 from distft.config import ModelConfig
+from distft.measure.overlap import CommTimeline
 from distft.model import load_base_model
 from distft.model.attention import document_block_mask, packed_attention_masks, resolve_attention
 
@@ -120,3 +121,16 @@ def test_auto_takes_flash_where_it_runs_else_flex(monkeypatch):
     assert resolve_attention("auto", "cuda", torch.bfloat16) == "flash"
     assert resolve_attention("auto", "cuda", torch.float32) == "flex"  # flash-attn takes bf16/fp16 only
     assert resolve_attention("sdpa", "cuda", torch.bfloat16) == "sdpa"
+
+
+def test_flex_attention_runs_under_the_byte_counter():
+    """FlexAttention is a higher-order operator: run eagerly while a step is measured (the CPU's
+    evaluation, or blocks left eager by a compile fallback) it must pass through the counter."""
+    ids, positions = packed_row()
+    model = micro("flex")
+    with torch.no_grad():
+        want = packed(model, ids, positions)
+        with CommTimeline() as counter:
+            got = packed(model, ids, positions)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not counter.stats.bytes and counter.compute  # computed, no collective

@@ -2,7 +2,7 @@
 
 The CUDA path compiles the blocks (`model.compile=auto` on CUDA); here `model.compile=true` walks the
 same code on the CPU with the `aot_eager` backend (dynamo and AOT autograd, no code generation, so
-a run takes seconds, not minutes). Every rank must report compiled graphs in `ranks.json`, the
+a run takes seconds, not minutes; the pipeline with dynamo alone, `eager`). Every rank must report compiled graphs in `ranks.json`, the
 step records and the printed lines, while the byte counter (a dispatch mode) measures every step.
 """
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.helpers import PARITY, assert_same_training, distft, metrics
+from tests.helpers import PARITY, distft, metrics
 
 COMPILED = ["model.compile=true", "model.compile_backend=aot_eager", "train.measure_comm=every"]
 QLORA = ["--method", "qlora", "model.quant_scaler_block_size=4"]
@@ -19,9 +19,18 @@ QLORA = ["--method", "qlora", "model.quant_scaler_block_size=4"]
 @pytest.mark.parametrize(
     ("strategy", "extra"),
     [
-        ("ddp", []),  # LoRA, against the eager single-process reference
-        ("fsdp", QLORA),  # QLoRA: NF4 dequantisation traced into the compiled blocks
-        ("pp", ["parallel.schedule=1f1b", "parallel.microbatches=2"]),
+        ("ddp", ["train.max_steps=2"]),  # LoRA, against the eager single-process reference
+        ("fsdp", [*QLORA, "train.max_steps=1"]),  # QLoRA: NF4 dequantisation traced into the blocks
+        # dynamo alone (`eager` backend): the stages' compiled layers, without AOT autograd's cost
+        (
+            "pp",
+            [
+                "parallel.schedule=1f1b",
+                "parallel.microbatches=2",
+                "train.max_steps=1",
+                "model.compile_backend=eager",
+            ],
+        ),
     ],
 )
 def test_compiled_layers_run_on_every_rank(strategy, extra, reference, tmp_path):
@@ -38,11 +47,13 @@ def test_compiled_layers_run_on_every_rank(strategy, extra, reference, tmp_path)
     records = metrics(out)
     assert all(m["compiled_graphs"] > 0 and m["attention"] == "flex" for m in records)
     assert all(m["comm_bytes"] for m in records)  # measured while compiled
-    assert "decoder layers to compile with aot_eager at step 1" in proc.stdout  # the header's promise
+    assert "decoder layers to compile with " in proc.stdout  # the header's promise
     assert "compiled decoder layers:" in proc.stdout  # what step 1 compiled
     assert "rank 1: " in proc.stdout and "no graph compiled" not in proc.stdout
-    if strategy == "ddp":
-        assert_same_training(out, reference)  # bucketed rows, per-document attention: the same run
+    if strategy == "ddp":  # bucketed rows, per-document attention: the reference's first two steps
+        for got, want in zip(records, metrics(reference)[:2], strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
 def test_an_eager_run_never_says_compiled(tmp_path):

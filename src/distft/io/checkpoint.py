@@ -2,8 +2,14 @@
 
 DIR/checkpoints/step-000040/ holds the trainable weights and optimizer state as DCP shards (each
 rank writes its own; DCP reshards on load, so a data-parallel run can resume at another world
-size), `trainer.pt` (the step and the LR scheduler) and `rng-R.pt` (rank R's RNG states). The
-data position needs no state: the rows of step s are a function of (seed, s) alone.
+size), `trainer.json` (the step and the LR scheduler) and `rng-R.safetensors` (rank R's RNG
+states). The data position needs no state: the rows of step s are a function of (seed, s) alone.
+
+A checkpoint is data, never code: resuming one from anyone (a colleague's run, a shared
+filesystem) must not run what a planted pickle asks for. DCP itself pickles two things: its
+`.metadata` (read here by an unpickler that builds only DCP's own metadata classes, torch sizes and
+dtypes, and paths) and non-tensor optimizer values (read with `torch.load(weights_only=True)`).
+Checkpoints of earlier versions (`trainer.pt`, `rng-R.pt`) still resume, through `weights_only=True`.
 
 All ranks write into `.step-000040.tmp`; rank 0 renames it once every rank is done, so a directory
 named step-* is always complete and a crash mid-write leaves only a temporary.
@@ -12,7 +18,11 @@ docs/reliability.md describes the layout and what a resume restores.
 
 from __future__ import annotations
 
+import importlib
+import io
+import json
 import os
+import pickle
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -22,6 +32,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from distft.config import Config, config_differences, load_config
 from distft.errors import CheckpointError, ConfigError
@@ -94,14 +109,13 @@ def save_training_state(
     try:
         with _single_process_quietly():
             dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
-        rng = {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
-        torch.save(rng, tmp / f"rng-{rank}.pt")
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        save_file(rng, tmp / f"rng-{rank}.safetensors")
         if rank == 0:
             trainer = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size}
-            torch.save(trainer, tmp / "trainer.pt")
+            (tmp / "trainer.json").write_text(json.dumps(trainer))
     except Exception as err:
         # DCP gathers every rank's write result, so a failed write fails on every rank alike.
         if rank == 0:
@@ -134,20 +148,113 @@ def load_training_state(checkpoint: Path, state: dict, scheduler: object, rank: 
     """Load `state` in place from `checkpoint`, restore the scheduler and this rank's RNG.
 
     Returns the step to resume after. The caller hands the loaded `state` back to its strategy
-    (`Strategy.load_checkpoint_state`).
+    (`Strategy.load_checkpoint_state`). Nothing read here can run code (the module docstring).
     """
     distributed = dist.is_available() and dist.is_initialized()
-    with _single_process_quietly():
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not distributed)
-    trainer = torch.load(checkpoint / "trainer.pt", weights_only=False)
+    try:
+        read_metadata(checkpoint)  # refused here, before DCP would log its own tracebacks about it
+        with _single_process_quietly():
+            dcp.load(
+                state,
+                storage_reader=SafeReader(checkpoint),
+                planner=SafeLoadPlanner(),
+                no_dist=not distributed,
+            )
+        trainer = _read_trainer(checkpoint)
+        rng = _read_rng(checkpoint, rank)
+    except (CheckpointException, pickle.UnpicklingError, RuntimeError, ValueError, OSError, KeyError) as err:
+        raise CheckpointError(
+            f"{checkpoint} cannot be resumed: {_first_line(_cause(err))}. A checkpoint is read as data only "
+            "(no pickled code runs); if this one came from elsewhere, it is damaged or not a distft "
+            "checkpoint. Resume from another run, or start over with output.resume=false."
+        ) from None
     scheduler.load_state_dict(trainer["scheduler"])
-    rng_file = checkpoint / f"rng-{rank}.pt"
-    if rng_file.is_file():  # absent when resuming at a larger world size: that rank starts fresh
-        rng = torch.load(rng_file, weights_only=False)
+    if rng is not None:  # absent when resuming at a larger world size: that rank starts fresh
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return int(trainer["step"])
+
+
+def _cause(err: BaseException) -> BaseException:
+    """What failed inside DCP's per-rank wrapper (a `CheckpointException`), else `err` itself."""
+    failures = getattr(err, "failures", None) if isinstance(err, CheckpointException) else None
+    return next(iter(failures.values()))[0] if failures else err
+
+
+def _read_trainer(checkpoint: Path) -> dict:
+    if (checkpoint / "trainer.json").is_file():
+        return json.loads((checkpoint / "trainer.json").read_text())
+    return torch.load(checkpoint / "trainer.pt", weights_only=True)  # an earlier version's
+
+
+def _read_rng(checkpoint: Path, rank: int) -> dict | None:
+    new, old = checkpoint / f"rng-{rank}.safetensors", checkpoint / f"rng-{rank}.pt"
+    if new.is_file():
+        tensors = load_file(new)
+        cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=_index)]
+        return {"torch": tensors["torch"], "cuda": cuda}
+    return torch.load(old, weights_only=True) if old.is_file() else None  # an earlier version's
+
+
+def _index(key: str) -> int:
+    return int(key.split(".")[1])
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and nothing else: a planted `.metadata` asking for any other callable
+    (`os.system`, ...) fails to load instead of running it."""
+
+    def find_class(self, module: str, name: str) -> object:
+        found = super().find_class(module, name) if _allowed(module, name) else None
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"its .metadata asks for {module}.{name}, which is not checkpoint metadata"
+            )
+        return found
+
+
+def _allowed(module: str, name: str) -> bool:
+    if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
+        return isinstance(getattr(importlib.import_module(module), name, None), type)  # classes only
+    if module == "torch":
+        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+    return (module, name) in {
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
+
+
+def read_metadata(checkpoint: Path) -> Metadata:
+    """A checkpoint's DCP `.metadata`, read by `_MetadataUnpickler`."""
+    with (checkpoint / ".metadata").open("rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError("its .metadata holds no checkpoint metadata")
+    return metadata
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata read by `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: object) -> Metadata:  # no **kwargs: no per-rank fallback file
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor values (optimizer settings) read by `weights_only=True`."""
+
+    def load_bytes(self, read_item: object, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 # Settings a resumed run may change: where and how it runs, how often it reports, how long.

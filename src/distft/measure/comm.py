@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._ops import HigherOrderOperator
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -139,6 +140,10 @@ class CommCounter(TorchDispatchMode):
         # stay eager), so the counts are unchanged; the ops inside the compiled graphs are not seen.
         return True
 
+    # FlexAttention is a higher-order operator: run eagerly under the mode (the CPU's evaluation,
+    # a compile fallback) it reaches `__torch_dispatch__` as one op, computed, never a collective.
+    supports_higher_order_operators = True
+
     def reset(self) -> CommStats:
         stats, self.stats = self.stats, CommStats()
         return stats
@@ -154,7 +159,8 @@ class CommCounter(TorchDispatchMode):
         end = time.perf_counter()
         entry = _ENTRIES.get(func, _UNSEEN)
         if entry is _UNSEEN:
-            entry = _ENTRIES[func] = _OPS.get(f"{func.namespace}.{func._opname}")
+            hop = isinstance(func, HigherOrderOperator)
+            entry = _ENTRIES[func] = None if hop else _OPS.get(f"{func.namespace}.{func._opname}")
         if entry is None:
             self.on_op(func, args, start, end)
         else:

@@ -85,7 +85,8 @@ def document_block_mask(position_ids: torch.Tensor, tile: int = TILE) -> BlockMa
     batch, seq = position_ids.shape
     docs = document_ids(position_ids)  # (batch, seq)
     n = -(-seq // tile)
-    tiles = F.pad(docs, (0, n * tile - seq), mode="replicate").view(batch, n, tile)
+    # The last tile's tail continues the last document (an integer pad, valid on every device).
+    tiles = torch.cat([docs, docs[:, -1:].expand(batch, n * tile - seq)], dim=1).view(batch, n, tile)
     first, last = tiles[..., 0], tiles[..., -1]  # (batch, n)
     q, kv = torch.arange(n, device=docs.device)[:, None], torch.arange(n, device=docs.device)[None, :]
     shares = (kv <= q) & (last[:, None, :] >= first[:, :, None])  # (batch, n_q, n_kv)
@@ -97,8 +98,10 @@ def document_block_mask(position_ids: torch.Tensor, tile: int = TILE) -> BlockMa
         indices = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
         return keep.sum(-1, dtype=torch.int32)[:, None], indices[:, None]  # (batch, 1, n), (batch, 1, n, n)
 
+    padded = tiles.view(batch, n * tile)  # indices in a partial last tile stay in range
+
     def document_causal(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor):
-        return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
+        return (padded[b, q_idx] == padded[b, kv_idx]) & (q_idx >= kv_idx)
 
     return BlockMask.from_kv_blocks(
         *kv_blocks(partial),
@@ -134,7 +137,9 @@ def packed_attention_masks(config, position_ids: torch.Tensor | None) -> dict:
 @functools.cache
 def _compiled_flex() -> Callable:
     # FlexAttention is fast only compiled; inside a compiled block dynamo traces the plain one.
-    return torch.compile(flex_attention, dynamic=False)
+    # Eager blocks on CUDA (TP strategies, a compile fallback) call this one: rows come in length
+    # buckets there too, and the second length makes the length dynamic (one graph after it).
+    return torch.compile(flex_attention)
 
 
 def _flex(query, key, value, block_mask: BlockMask, scale: float | None) -> torch.Tensor:

@@ -45,8 +45,10 @@ def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_i
     size, packed = strategy.micro_batch_size(cfg), cfg.data.packing
     # One shape every step (pipelines): a sequence of max_length, or a packed row of `size` of them.
     pad_to = cfg.data.max_length * (size if packed else 1) if strategy.fixed_sequence_length else None
-    # Compiled blocks: packed rows in length buckets, so guards on the length hold (`model.compile`).
-    compiled = compile_wanted(cfg.model.compile, strategy.env.device, strategy.supports_compile)
+    # Compiled code (the blocks, or FlexAttention on CUDA): packed rows in length buckets, so its
+    # guards on the length hold (`distft.model.compile`).
+    device = strategy.env.device
+    compiled = compile_wanted(cfg.model.compile, device, strategy.supports_compile) or device.type == "cuda"
     multiple = SEQUENCE_BUCKET if compiled else 1
     batches = []
     for mb in rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size):
