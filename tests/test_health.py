@@ -63,6 +63,24 @@ def test_network_warnings(environ, backend, nproc, nnodes, interfaces, expected)
     assert all(phrase in warnings[0] for phrase in expected), warnings
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "nnodes", "warned"),
+    [
+        ("8.8.8.8:29500", 2, True),  # a public address: anyone reaching it can join
+        ("[2606:4700::1111]:29500", 2, True),
+        ("10.0.0.1:29500", 2, False),  # private networks
+        ("192.168.1.5:29500", 2, False),
+        ("127.0.0.1:29500", 2, False),
+        ("8.8.8.8:29500", 1, False),  # one node: nothing crosses the network
+        ("node0.cluster:29500", 2, False),  # a host name is not resolved before launch
+    ],
+)
+def test_a_public_rendezvous_endpoint_is_named(endpoint, nnodes, warned):
+    warning = endpoint_warning(endpoint, nnodes)
+    assert (warning is not None) == warned
+    assert not warned or ("no authentication" in warning and "docs/security.md" in warning)
+
+
 def test_failure_advice_suggests_nccl_debug_until_it_is_on():
     assert "NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET" in failure_advice({}, "nccl")
     assert failure_advice({"NCCL_DEBUG": "info"}, "nccl") == ""

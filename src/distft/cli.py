@@ -210,7 +210,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         preflight(cfg, resuming=args.resume is not None)
         if STRATEGIES[cfg.parallel.strategy].distributed:
             on_cuda = pick_device(cfg.train.device).type == "cuda"
-            print_network_warnings("nccl" if on_cuda else "gloo", cfg.parallel.nproc, cfg.parallel.nnodes)
+            parallel = cfg.parallel
+            print_network_warnings(
+                "nccl" if on_cuda else "gloo", parallel.nproc, parallel.nnodes, parallel.rdzv_endpoint
+            )
             with tempfile.TemporaryDirectory(prefix="distft-launch-") as tmp:
                 config_file = os.path.join(tmp, "config.toml")
                 with open(config_file, "w", encoding="utf-8") as f:

@@ -87,7 +87,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         return run_checks(args, parallel, sizes)
     on_cuda = pick_device(args.device).type == "cuda"
-    print_network_warnings("nccl" if on_cuda else "gloo", parallel.nproc, parallel.nnodes)
+    print_network_warnings(
+        "nccl" if on_cuda else "gloo", parallel.nproc, parallel.nnodes, parallel.rdzv_endpoint
+    )
     return launch_ranks(parallel, _rank_argv(args), fork=not on_cuda)
 
 

@@ -16,10 +16,12 @@ and the interface names as a list, so they are tested without a network (tests/t
 | NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1 | GPUs of one node talk through the host or the network     |
 | CUDA_VISIBLE_DEVICES     | fewer devices than --nproc (ranks without a GPU) or more (idle GPUs)    |
 | GLOO_SOCKET_IFNAME unset | gloo (CPU runs, and any gloo group) has the same interface problem      |
+| --rdzv-endpoint public   | the store and the collectives have no authentication: anyone reaching the address can join (docs/security.md) |
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import sys
@@ -99,6 +101,23 @@ def network_warnings(
     return [w for w in warnings if w]
 
 
+def endpoint_warning(endpoint: str, nnodes: int) -> str | None:
+    """A multi-node rendezvous on a public address: torch's store and the gloo/NCCL sockets accept
+    any connection that reaches them, with no authentication. Host names are not resolved here."""
+    host = endpoint.rsplit(":", 1)[0].strip("[]")
+    try:
+        public = nnodes > 1 and ipaddress.ip_address(host).is_global
+    except ValueError:  # a host name
+        return None
+    if not public:
+        return None
+    return (
+        f"--rdzv-endpoint {endpoint} is a public address. The rendezvous store and the collectives' "
+        "sockets have no authentication: any host that reaches them can join or disturb the job. Use "
+        "node 0's address on the cluster's private network, and firewall the ports (docs/security.md)."
+    )
+
+
 def _visible_devices_warning(environ: Mapping[str, str], nproc: int) -> str | None:
     if "CUDA_VISIBLE_DEVICES" not in environ:
         return None
@@ -135,7 +154,9 @@ def network_interfaces() -> list[str]:
     )
 
 
-def print_network_warnings(backend: str, nproc: int, nnodes: int) -> None:
-    """`network_warnings` for this node, on standard error, before a launch."""
-    for warning in network_warnings(os.environ, backend, nproc, nnodes, network_interfaces()):
-        print(f"distft: warning: {warning}", file=sys.stderr)
+def print_network_warnings(backend: str, nproc: int, nnodes: int, endpoint: str = "") -> None:
+    """`network_warnings` for this node (and `endpoint_warning`), on standard error, before a launch."""
+    warnings = network_warnings(os.environ, backend, nproc, nnodes, network_interfaces())
+    for warning in [*warnings, endpoint_warning(endpoint, nnodes)]:
+        if warning:
+            print(f"distft: warning: {warning}", file=sys.stderr)
