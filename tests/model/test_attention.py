@@ -55,7 +55,7 @@ def test_document_block_mask_skips_other_documents_tiles():
 
 
 @pytest.mark.parametrize("kernel", ["flex", "sdpa", "eager"])
-def test_packed_equals_each_document_alone_logits_and_gradients(kernel):
+def test_packed_equals_each_document_alone_logits_and_gradients(kernel):  # flex: the CPU's path
     ids, positions = packed_row()
     model, reference = micro(kernel), micro("sdpa")
     got, want = packed(model, ids, positions), each_document_alone(reference, ids)
@@ -69,18 +69,16 @@ def test_packed_equals_each_document_alone_logits_and_gradients(kernel):
         assert error < 1e-5, f"{name}: relative error {error:.2e}"
 
 
-def test_flex_kernel_with_the_document_block_mask_equals_each_document_alone():
-    """FlexAttention itself (no CPU backward in torch 2.13: a forward, as evaluation runs)."""
+def test_flex_kernel_with_the_document_block_mask_equals_each_document_alone(monkeypatch):
+    """FlexAttention itself, the CUDA path (on the CPU: a forward; it has no CPU backward)."""
+    monkeypatch.setattr(attention, "flex_runs_on", lambda device: True)
     ids, positions = packed_row()
     model, reference = micro("flex"), micro("sdpa")
     calls = []
     real = attention._flex
-    attention._flex = lambda *a: calls.append(a[3]) or real(*a)
-    try:
-        with torch.no_grad():
-            got, want = packed(model, ids, positions), each_document_alone(reference, ids)
-    finally:
-        attention._flex = real
+    monkeypatch.setattr(attention, "_flex", lambda *a: calls.append(a[3]) or real(*a))
+    with torch.no_grad():
+        got, want = packed(model, ids, positions), each_document_alone(reference, ids)
     assert len(calls) == 4 and all(isinstance(m, BlockMask) for m in calls)  # one per layer
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
 
@@ -104,12 +102,14 @@ def test_the_default_packed_path_never_hands_a_kernel_a_dense_mask(monkeypatch):
     kernel = resolve_attention(ModelConfig().attn_implementation, "cpu", torch.float32)
     model = micro(kernel)
     ids, positions = packed_row()
-    packed(model, ids, positions).sum().backward()  # training: one causal SDPA per document
+    packed(model, ids, positions).sum().backward()  # the CPU: one causal SDPA per document
     with torch.no_grad():
-        packed(model, ids, positions)  # evaluation: FlexAttention, block mask
+        packed(model, ids, positions)
         model.model(input_ids=ids[:, :70])  # one document: causal SDPA, no mask
-    kinds = {kind for kind, _, _ in masks}
-    assert kinds == {"sdpa", "flex"}
+        monkeypatch.setattr(attention, "flex_runs_on", lambda device: True)
+        packed(model, ids, positions)  # the CUDA path: FlexAttention with the block mask
+    kinds = [kind for kind, _, _ in masks]
+    assert kinds.count("flex") == 4 and kinds.count("sdpa") == 4 * (len(LENGTHS) * 2 + 1)
     for kind, mask, causal in masks:
         assert mask is None or isinstance(mask, BlockMask), f"{kind} got a {type(mask).__name__} mask"
         assert kind == "flex" or causal
@@ -123,9 +123,10 @@ def test_auto_takes_flash_where_it_runs_else_flex(monkeypatch):
     assert resolve_attention("sdpa", "cuda", torch.bfloat16) == "sdpa"
 
 
-def test_flex_attention_runs_under_the_byte_counter():
-    """FlexAttention is a higher-order operator: run eagerly while a step is measured (the CPU's
-    evaluation, or blocks left eager by a compile fallback) it must pass through the counter."""
+def test_flex_attention_runs_under_the_byte_counter(monkeypatch):
+    """FlexAttention is a higher-order operator: run eagerly while a step is measured (blocks left
+    eager by a compile fallback) it must pass through the counter."""
+    monkeypatch.setattr(attention, "flex_runs_on", lambda device: True)
     ids, positions = packed_row()
     model = micro("flex")
     with torch.no_grad():

@@ -1,8 +1,8 @@
 """One optimizer step waits for the device once: the loss and the gradient norm, read together.
 
 A `TorchDispatchMode` counts every op that makes the host wait for the device (a scalar read, an
-index whose size is data) while a whole training step runs. On the CPU, FlexAttention has no
-backward, so the step would take the CPU's per-document attention; here a reference FlexAttention
+index whose size is data) while a whole training step runs. On the CPU the step would take the
+CPU's per-document attention (FlexAttention has no CPU backward); here a reference FlexAttention
 with a backward stands in for the CUDA kernel, so the step walks the CUDA code path: document block
 mask, label positions gathered by index, foreach clip, and fused AdamW (forced on the CPU).
 """
@@ -57,7 +57,7 @@ def reference_flex(query, key, value, block_mask=None, scale=None, enable_gqa=Fa
 
 
 def test_a_step_syncs_the_host_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(attention, "flex_has_backward", lambda device: True)
+    monkeypatch.setattr(attention, "flex_runs_on", lambda device: True)
     monkeypatch.setattr(attention, "flex_attention", reference_flex)
     flex_calls = []
     real = attention._flex

@@ -13,7 +13,8 @@ masked anyway. The choices:
   no host sync and no T x T tensor. A row of one document runs plain causal SDPA with
   `enable_gqa` (flash or cuDNN on CUDA; K/V heads are never repeated). Inside compiled blocks
   (`distft.model.compile`) flex is compiled with the block; eager on CUDA it runs compiled on its
-  own; on the CPU it runs eagerly (exact, for tests; it materialises scores tile by tile).
+  own. On the CPU, where FlexAttention has no backward and runs unfused, the same document-causal
+  attention runs as one causal SDPA per document (`_per_document_sdpa`).
 - `flash`: transformers' `flash_attention_2` (the `flash-attn` package, CUDA, bf16/fp16), whose
   varlen kernel reads document boundaries from the position ids.
 - `sdpa`: transformers' SDPA, a dense block-diagonal mask for packed rows (kept for comparison).
@@ -147,19 +148,21 @@ def _flex(query, key, value, block_mask: BlockMask, scale: float | None) -> torc
         return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
     if torch.compiler.is_compiling():
         return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
-    with warnings.catch_warnings():  # eager on the CPU (evaluation): unfused, and it says so; we know
+    with warnings.catch_warnings():  # eager off CUDA (a test of the kernel itself): unfused, we know
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def flex_has_backward(device: torch.device) -> bool:
-    return device.type != "cpu"  # torch 2.13: "FlexAttention does not support backward on CPU"
+def flex_runs_on(device: torch.device) -> bool:
+    """FlexAttention is the CUDA kernel. On the CPU it has no backward (torch 2.13) and runs unfused
+    (every score of the row materialised), so the CPU takes one causal SDPA per document instead."""
+    return device.type != "cpu"
 
 
 @torch.compiler.disable  # document lengths are data: one graph for every packing, eager here
 def _per_document_sdpa(query, key, value, documents: torch.Tensor, scale: float | None) -> torch.Tensor:
     """The document-causal attention of one packed row (batch 1) as one causal SDPA per document:
-    the CPU's training path, since FlexAttention has no CPU backward (torch 2.13)."""
+    the CPU's path (`flex_runs_on`)."""
     lengths = torch.unique_consecutive(documents[0], return_counts=True)[1].tolist()  # host tensor
     parts = zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
     outs = [
@@ -181,11 +184,10 @@ def flex_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; returns (batch, seq, q_heads, head_dim)."""
     if isinstance(attention_mask, DocumentMask):
-        needs_grad = torch.is_grad_enabled() and query.requires_grad
-        if needs_grad and not flex_has_backward(query.device):
-            out = _per_document_sdpa(query, key, value, attention_mask.documents, scaling)
-        else:
+        if flex_runs_on(query.device):
             out = _flex(query, key, value, attention_mask.block_mask, scaling)
+        else:
+            out = _per_document_sdpa(query, key, value, attention_mask.documents, scaling)
     elif isinstance(attention_mask, BlockMask):
         out = _flex(query, key, value, attention_mask, scaling)
     elif attention_mask is None:  # one document per row (training) or a decode step (q_len 1)
