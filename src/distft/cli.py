@@ -31,6 +31,7 @@ from distft.io.checkpoint import check_resume
 from distft.io.preflight import check_finished_run, check_output_dir
 from distft.launch import launch_ranks
 from distft.model import is_preset, model_config
+from distft.model.build import check_weight_files
 from distft.parallel import STRATEGIES, check_config, check_model
 from distft.train import train
 from distft.train.metrics import START_ENV
@@ -167,7 +168,8 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
     check_resume(cfg)
     check_trackers(cfg)  # output.report_to: each tracker's library is installed
     check_finished_run(cfg, resuming)  # after check_resume: a foreign config is named first
-    architecture = model_config(cfg.model.name)
+    check_weight_files(cfg.model)
+    architecture = model_config(cfg.model.name, cfg.model.trust_remote_code)
     check_model(cfg, architecture)
     check_output_dir(cfg, architecture)
     prepare_data(cfg)

@@ -6,11 +6,12 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
+from distft.cli import main
 from distft.config import ModelConfig, load_config
 from distft.errors import ConfigError
 from distft.infer import load_trained
 from distft.model import PRESETS, load_base_model
-from distft.model.build import base_recipe, rebuild_base
+from distft.model.build import base_recipe, check_weight_files, rebuild_base
 from distft.model.compile import compile_blocks
 from distft.train import train
 
@@ -109,3 +110,25 @@ def test_qwen3_4b_preset_builds_on_the_meta_device_with_the_gpu_settings():
     layers = model.model.layers
     assert len(layers) == 36 and all(layer._compiled_call_impl is not None for layer in layers)
     assert stats.graphs == 0 and stats.describe() == "no graph compiled (eager)"
+
+
+def test_a_model_directory_of_pickles_is_refused_unless_allowed(tmp_path, capsys):
+    """Loading a pickle runs what it asks for: a directory with `*.bin` weights only is refused
+    before launch, and loads once `model.allow_pickle_weights=true` says the user trusts it."""
+    model = load_base_model(ModelConfig(name="micro"))
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=r"pickles only \(pytorch_model\.bin\).*allow_pickle_weights=true"):
+        check_weight_files(ModelConfig(name=str(tmp_path)))
+    assert main(["train", "--model", str(tmp_path), "train.max_steps=1", "--out", str(tmp_path / "run")]) == 2
+    assert "pickles only" in capsys.readouterr().err
+    allowed = ModelConfig(name=str(tmp_path), allow_pickle_weights=True)
+    check_weight_files(allowed)
+    assert same_weights(load_base_model(allowed), model)
+
+
+def test_trust_remote_code_is_off_unless_set_and_said_when_on(tmp_path, capsys):
+    assert ModelConfig().trust_remote_code is False
+    run = ["train", "--model", "micro", "train.max_steps=1", "data.max_rows=8", "train.global_batch_size=4"]
+    assert main([*run, "model.trust_remote_code=true", "--out", str(tmp_path)]) == 0
+    assert "model.trust_remote_code=true: micro's own Python code runs" in capsys.readouterr().out

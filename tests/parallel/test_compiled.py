@@ -2,7 +2,7 @@
 
 The CUDA path compiles the blocks (`model.compile=auto` on CUDA); here `model.compile=true` walks the
 same code on the CPU with the `aot_eager` backend (dynamo and AOT autograd, no code generation, so
-a run takes seconds, not minutes; the pipeline with dynamo alone, `eager`). Every rank must report compiled graphs in `ranks.json`, the
+a run takes seconds, not minutes; fsdp and the pipeline with dynamo alone, `eager`). Every rank must report compiled graphs in `ranks.json`, the
 step records and the printed lines, while the byte counter (a dispatch mode) measures every step.
 """
 
@@ -20,8 +20,9 @@ QLORA = ["--method", "qlora", "model.quant_scaler_block_size=4"]
     ("strategy", "extra"),
     [
         ("ddp", ["train.max_steps=2"]),  # LoRA, against the eager single-process reference
-        ("fsdp", [*QLORA, "train.max_steps=1"]),  # QLoRA: NF4 dequantisation traced into the blocks
-        # dynamo alone (`eager` backend): the stages' compiled layers, without AOT autograd's cost
+        # QLoRA's NF4 projections and the pipeline's stages, with dynamo alone (the `eager` backend),
+        # without AOT autograd's cost (tests/model/test_compile.py takes QLoRA blocks through it)
+        ("fsdp", [*QLORA, "train.max_steps=1", "model.compile_backend=eager"]),
         (
             "pp",
             [

@@ -30,6 +30,12 @@ class ModelConfig:
     flash (flash-attn's varlen kernel, CUDA), sdpa (a dense block-diagonal mask) or eager."""
     seed: int = 0
     """Seed of the random initialisation of preset models."""
+    trust_remote_code: bool = False
+    """Run the Python code a hub model or model directory ships (transformers' `trust_remote_code`).
+    Off, distft never runs a model's own code; on, the header says so (docs/security.md)."""
+    allow_pickle_weights: bool = False
+    """Load a model's `*.bin` (pickle) weights when it has no safetensors. Off, only safetensors
+    are read, and a directory holding pickles only is refused before launch."""
     quant_block_size: int = 64
     """QLoRA: weights per NF4 block; each block is scaled by its absmax."""
     quant_scaler_block_size: int = 256

@@ -31,18 +31,41 @@ from distft.model.nf4 import NF4Spec, quantize_base
 from distft.model.presets import DTYPES, PRESETS
 
 
-def model_config(name: str) -> PretrainedConfig:
+def model_config(name: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """The architecture of `name` without loading weights (preset, local dir, or hub id)."""
     if name in PRESETS:
         return PRESETS[name].to_config()
     if Path(name).is_dir():
         if not (Path(name) / "config.json").is_file():
             raise ConfigError(f"Model directory {name} has no config.json.")
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     try:
-        return AutoConfig.from_pretrained(name, local_files_only=hub_offline())
+        return AutoConfig.from_pretrained(
+            name, local_files_only=hub_offline(), trust_remote_code=trust_remote_code
+        )
     except OSError as err:
         raise ConfigError(_unreachable_model_message(name, err)) from None
+
+
+def check_weight_files(cfg: ModelConfig) -> None:
+    """Refuse, before launch, a model directory whose weights are pickles only (`*.bin`, `*.pt`):
+    unpickling runs whatever the file asks for, so it needs `model.allow_pickle_weights=true`."""
+    folder = Path(cfg.name)
+    if (
+        cfg.allow_pickle_weights
+        or cfg.name in PRESETS
+        or not folder.is_dir()
+        or any(folder.glob("*.safetensors"))
+    ):
+        return
+    pickles = sorted(p.name for p in [*folder.glob("*.bin"), *folder.glob("*.pt")])
+    if pickles:
+        raise ConfigError(
+            f"Model directory {folder} holds its weights as pickles only ({', '.join(pickles)}), and loading a "
+            "pickle runs whatever code it asks for. If you trust where it came from, set "
+            "model.allow_pickle_weights=true; better, convert it once to safetensors (`model.save_pretrained(DIR)` "
+            "in transformers writes them) and point --model at that."
+        )
 
 
 def _unreachable_model_message(name: str, err: Exception) -> str:
@@ -78,7 +101,13 @@ def load_base_model(
     if cfg.name in PRESETS:
         model = _init_preset(cfg, dtype, device, kernel)
     else:
-        kwargs = {"dtype": dtype, "attn_implementation": kernel, "device_map": device}
+        kwargs = {
+            "dtype": dtype,
+            "attn_implementation": kernel,
+            "device_map": device,
+            "trust_remote_code": cfg.trust_remote_code,
+            "use_safetensors": None if cfg.allow_pickle_weights else True,  # None: safetensors, else .bin
+        }
         if not Path(cfg.name).is_dir():
             kwargs["local_files_only"] = hub_offline()
         try:

@@ -52,6 +52,12 @@ class TrainingProgress:
         c.print(f"strategy {cfg.parallel.strategy}: {world_size} process(es) on {device}, backend {backend}")
         if kernels:
             c.print(kernels, soft_wrap=True)
+        if cfg.model.trust_remote_code:
+            c.print(
+                f"[yellow]model.trust_remote_code=true:[/yellow] {cfg.model.name}'s own Python code runs in "
+                "this process (docs/security.md)",
+                soft_wrap=True,
+            )
         tokens = cfg.train.global_batch_size * cfg.data.max_length
         c.print(
             f"global batch {cfg.train.global_batch_size} = micro-batch {micro} x accumulation {accum} "
