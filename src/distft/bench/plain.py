@@ -3,7 +3,7 @@
 `python -m distft.bench.plain --model qwen3-4b --seq-len 2048 --data long.jsonl --out plain.json`
 
 `AutoModelForCausalLM` built on the device in the given dtype, peft LoRA on every projection,
-AdamW (fused on CUDA, as /work/shared/gpu/plain_loop.py), `model(...).loss` over right-padded
+AdamW (fused on CUDA, as the reference plain loop), `model(...).loss` over right-padded
 rows (logits for every position), no compile, no packing. It trains on the very rows distft's
 runs train on (distft's tokenization of the same file and the same seeded global batches), so
 the two are compared on the same work. Writes one JSON object: step times, tokens/s, MFU in
