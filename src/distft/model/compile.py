@@ -84,7 +84,7 @@ class CompileStats:
     graphs: int = 0
     recompiles: int = 0
     fallback: str | None = None  # why the blocks run eagerly after a failed compile (`auto`)
-    _frames: set = field(default_factory=set)
+    _compiles: set = field(default_factory=set)  # (frame id, its compile number) seen
     _breaks_at_start: int = field(default_factory=lambda: _graph_breaks())
 
     @property
@@ -143,9 +143,11 @@ class FallbackBackend:
             self.stats.fallback = f"{self.backend} failed: {reason}"
             return gm.forward
         compile_id = CompileContext.current_compile_id()
-        if compile_id is not None:
-            self.stats.recompiles += compile_id.frame_id in self.stats._frames
-            self.stats._frames.add(compile_id.frame_id)
+        if compile_id is not None:  # a new compile of a frame already compiled: a recompile
+            frame, attempt = compile_id.frame_id, compile_id.frame_compile_id
+            seen = {f for f, _ in self.stats._compiles}
+            self.stats.recompiles += frame in seen and (frame, attempt) not in self.stats._compiles
+            self.stats._compiles.add((frame, attempt))
         self.stats.graphs += 1
         return compiled
 
