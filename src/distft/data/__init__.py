@@ -7,7 +7,6 @@ shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's chat 
 from distft.data.batches import (
     collate,
     count_label_tokens,
-    document_ids,
     global_batch_indices,
     label_positions,
     micro_batch,
@@ -30,6 +29,7 @@ from distft.data.formats import (
 from distft.data.rows import LOCAL_SUFFIXES, iter_file, load_rows, validation_rows
 from distft.data.store import CachedSplit
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
+from distft.tensors import document_ids  # packed rows' documents (the model layer needs it too)
 
 __all__ = [
     "IGNORE",

@@ -18,7 +18,6 @@ import functools
 import torch
 
 from distft.data.chat import IGNORE, Example
-from distft.tensors import document_ids  # noqa: F401 - re-exported: packed rows' documents
 
 
 def global_batch_indices(step: int, n_rows: int, global_batch_size: int, seed: int) -> list[int]:

@@ -83,8 +83,12 @@ def document_block_mask(position_ids: torch.Tensor, tile: int = TILE) -> BlockMa
     tile is *full* (every pair allowed, no element-wise check) iff j < i and both tiles lie inside
     one document (first document of j == last document of i).
     """
-    batch, seq = position_ids.shape
-    docs = document_ids(position_ids)  # (batch, seq)
+    return _block_mask(document_ids(position_ids), tile)
+
+
+def _block_mask(docs: torch.Tensor, tile: int = TILE) -> BlockMask:
+    """`document_block_mask` from the document index of every position (`docs`: (batch, seq))."""
+    batch, seq = docs.shape
     n = -(-seq // tile)
     # The last tile's tail continues the last document (an integer pad, valid on every device).
     tiles = torch.cat([docs, docs[:, -1:].expand(batch, n * tile - seq)], dim=1).view(batch, n, tile)
@@ -115,11 +119,12 @@ def document_block_mask(position_ids: torch.Tensor, tile: int = TILE) -> BlockMa
 
 @dataclass(frozen=True)
 class DocumentMask:
-    """A packed row's mask under `flex`: the block mask, and the document index of every position
-    (the CPU's training path splits by it: `_per_document_sdpa`)."""
+    """A packed row's mask under `flex`: the document index of every position, and where
+    FlexAttention runs (`flex_runs_on`) the block mask built from it; the CPU splits by the
+    documents instead (`_per_document_sdpa`) and builds none."""
 
-    block_mask: BlockMask
     documents: torch.Tensor  # (batch, seq)
+    block_mask: BlockMask | None
 
 
 def packed_attention_masks(config, position_ids: torch.Tensor | None) -> dict:
@@ -128,7 +133,8 @@ def packed_attention_masks(config, position_ids: torch.Tensor | None) -> dict:
     ids (a row of one document): None, plain causal attention."""
     mask = None
     if position_ids is not None:
-        mask = DocumentMask(document_block_mask(position_ids), document_ids(position_ids))
+        docs = document_ids(position_ids)
+        mask = DocumentMask(docs, _block_mask(docs) if flex_runs_on(docs.device) else None)
     return {kind: mask for kind in set(config.layer_types)}
 
 
@@ -144,13 +150,19 @@ def _compiled_flex() -> Callable:
 
 
 def _flex(query, key, value, block_mask: BlockMask, scale: float | None) -> torch.Tensor:
-    if query.device.type == "cuda" and not torch.compiler.is_compiling():
-        return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
-    if torch.compiler.is_compiling():
-        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
-    with warnings.catch_warnings():  # eager off CUDA (a test of the kernel itself): unfused, we know
+    if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph
+        fn = flex_attention
+    elif query.device.type == "cuda":
+        fn = _compiled_flex()
+    else:  # eager off CUDA (a test of the kernel itself): unfused, and it would say so
+        fn = _eager_flex_quietly
+    return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def _eager_flex_quietly(*args, **kwargs) -> torch.Tensor:
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return flex_attention(*args, **kwargs)
 
 
 def flex_runs_on(device: torch.device) -> bool:
