@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from distft.cli import main
 from distft.io.checkpoint import latest_checkpoint
-from distft.io.files import atomic_directory
+from distft.io.files import MANIFEST, atomic_directory, write_manifest
 from tests.helpers import adapter, metrics, run_cli
 
 RUN = [
@@ -45,6 +45,36 @@ def test_resume_is_exact(uninterrupted, tmp_path):
     assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]
     a, b = adapter(out), adapter(uninterrupted)
     assert all((a[k] == b[k]).all() for k in b), "bitwise equal in fp32 on CPU"
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_newest_intact_one(uninterrupted, tmp_path, capsys):
+    """What a copy cut short leaves: half of step 4's shard file. The resume says it skips step 4,
+    resumes from step 2, and still ends bitwise equal to the uninterrupted run."""
+    out = tmp_path / "run"
+    assert main(["train", *RUN, "--checkpoint-every", "2", "--out", str(out)]) == 0
+    shutil.rmtree(out / "adapter")
+    shard = out / "checkpoints" / "step-000004" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "skipped the damaged checkpoint step-000004 (__0_0.distcp has" in said
+    assert "resuming from " in said and "step-000002 (step 2)" in said
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]
+    a, b = adapter(out), adapter(uninterrupted)
+    assert all((a[k] == b[k]).all() for k in b)
+
+
+def test_every_checkpoint_damaged_is_refused_and_nothing_deleted(checkpointed, tmp_path, capsys):
+    out, step = fresh_copy(checkpointed, tmp_path)
+    (step / "trainer.json").write_text("")  # an empty trainer state
+    assert main(["train", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "every one is damaged: skipped the damaged checkpoint step-000003 (trainer.json has 0 bytes" in err
+    assert step.is_dir() and not (out / "adapter").exists()
+    (step / MANIFEST).unlink()  # a checkpoint from before manifests: its unreadable trainer state is found
+    assert main(["train", "--resume", str(out)]) == 2
+    assert "step-000003 (JSONDecodeError: Expecting value" in capsys.readouterr().err
 
 
 def test_partial_checkpoint_is_never_loaded(tmp_path):
@@ -109,6 +139,7 @@ def as_earlier_version(step: Path) -> None:
     rng = load_file(step / "rng-0.safetensors")
     torch.save({"torch": rng["torch"], "cuda": []}, step / "rng-0.pt")
     (step / "rng-0.safetensors").unlink()
+    (step / MANIFEST).unlink()  # earlier versions wrote none
 
 
 @pytest.mark.parametrize("planted", ["trainer.pt", "rng-0.pt", ".metadata"])
@@ -119,6 +150,8 @@ def test_a_planted_pickle_never_runs_on_resume(planted, checkpointed, tmp_path):
     marker = tmp_path / "pwned"
     with (step / planted).open("wb") as f:
         pickle.dump({"step": Planted(marker), "torch": Planted(marker)}, f)
+    if (step / MANIFEST).is_file():
+        write_manifest(step)  # whoever plants a file can rewrite the manifest too
     proc = run_cli("train", "--resume", str(out))  # its own process: every line a user would see
     assert proc.returncode == 1
     assert not marker.exists(), "the planted pickle ran"
@@ -130,6 +163,7 @@ def test_checkpoints_hold_no_pickle_and_earlier_ones_still_resume(checkpointed, 
     out, step = fresh_copy(checkpointed, tmp_path)
     assert sorted(p.name for p in step.iterdir() if not p.name.endswith(".distcp")) == [
         ".metadata",  # DCP's own: read by an unpickler that builds its metadata classes only
+        "manifest.json",  # every file's size and SHA-256
         "rng-0.safetensors",
         "trainer.json",
     ]

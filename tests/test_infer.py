@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 from distft.cli import main
 from distft.config import load_config
 from distft.infer import Sampling, generate, load_trained, summarize
+from distft.io.files import MANIFEST
 from tests.helpers import distft
 
 TRAIN = [
@@ -148,7 +150,7 @@ def test_batch_input_gives_one_summary_per_row(run, tmp_path, capsys):
     assert "reference" not in records[0] and records[1]["reference"] == "Ship Friday."
 
 
-def test_a_batch_that_fails_midway_leaves_no_output_file(loaded, tmp_path, monkeypatch):
+def test_a_batch_that_fails_midway_leaves_no_output_file(loaded, tmp_path, monkeypatch, capsys):
     rows = tmp_path / "meetings.jsonl"
     rows.write_text("".join(json.dumps({"transcript": f"{MEETING} {i}"}) + "\n" for i in range(3)))
     done = []
@@ -162,10 +164,11 @@ def test_a_batch_that_fails_midway_leaves_no_output_file(loaded, tmp_path, monke
     monkeypatch.setattr("distft.infer.commands.load_trained", lambda **kw: loaded)
     monkeypatch.setattr("distft.infer.commands.generate", generate_twice)
     out = tmp_path / "summaries.jsonl"
-    with pytest.raises(RuntimeError, match="out of memory"):
-        main(
-            ["infer", "--run", "unused", "--input", str(rows), "--output", str(out), "--max-new-tokens", "2"]
-        )
+    code = main(
+        ["infer", "--run", "unused", "--input", str(rows), "--output", str(out), "--max-new-tokens", "2"]
+    )
+    assert code == 1  # one line, no traceback (`distft.errors.run_command`)
+    assert "error: RuntimeError: out of memory" in capsys.readouterr().err
     assert done == [f"{rows}:1", f"{rows}:2"]
     assert list(tmp_path.iterdir()) == [rows]  # neither a half file nor its temporary
 
@@ -321,3 +324,69 @@ def test_a_relative_data_path_is_stored_absolute(tmp_path, run):
     infer = [sys.executable, "-m", "distft.cli", "infer", "--run", "../r", "--max-new-tokens", "2"]
     proc = subprocess.run(infer, cwd=elsewhere, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "generated summary" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---- finished work: a damaged file is named, and nothing a run wrote is written over -------------
+
+
+def damaged_copy(run, tmp_path, cut: int | None, manifest: bool = True):
+    """A copy of the run whose adapter file is cut to `cut` bytes (half when None)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run[0], copy, ignore=shutil.ignore_patterns("checkpoints"))
+    weights = copy / "adapter" / "adapter_model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size // 2 if cut is None else cut])
+    if not manifest:
+        (copy / "adapter" / MANIFEST).unlink()
+    return copy, size
+
+
+@pytest.mark.parametrize("cut", [None, 0], ids=["half", "empty"])
+@pytest.mark.parametrize("command", ["infer", "eval", "export"])
+def test_a_damaged_adapter_is_named_by_every_reader(command, cut, run, tmp_path, capsys):
+    copy, size = damaged_copy(run, tmp_path, cut)
+    extra = ["--out", str(tmp_path / "export")] if command == "export" else []
+    assert main([command, "--run", str(copy), *extra]) == 2
+    err = capsys.readouterr().err
+    kept = size // 2 if cut is None else 0
+    assert (
+        f"error: The directory {copy / 'adapter'} is damaged: adapter_model.safetensors has {kept:,} bytes, {size:,} when written"
+        in err
+    )
+    assert "Traceback" not in err and not (tmp_path / "export").exists()
+
+
+def test_a_damaged_adapter_without_a_manifest_is_named_when_it_fails_to_load(run, tmp_path, capsys):
+    copy, _ = damaged_copy(run, tmp_path, None, manifest=False)
+    assert main(["infer", "--run", str(copy), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {copy} cannot be loaded (SafetensorError: " in err and "A file in it is damaged" in err
+
+
+OVER_THE_RUN = [
+    (["infer", "--output", "{run}/adapter/out.jsonl"], "--output {run}/adapter/out.jsonl would write over its adapter of the run"),
+    (["eval", "--output", "{run}/metrics.jsonl"], "would write over its metrics.jsonl of the run"),
+    (["export", "--out", "{run}/base"], "--out {run}/base would write over its base of the run"),
+    (["export", "--out", "{run}/.."], "holds the run"),
+    (["infer", "--output", "/proc/distft/out.jsonl"], "Output directory /proc/distft is not writable"),
+    (["train", "--resume", "{run}", "--max-steps", "1"], "finished at step 2, and train.max_steps=1 would train nothing more"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "phrase"), OVER_THE_RUN, ids=[" ".join(a[:2]) + a[2][-12:] for a, _ in OVER_THE_RUN]
+)
+def test_nothing_a_run_wrote_is_written_over_and_outputs_are_checked_first(
+    argv, phrase, run, monkeypatch, capsys
+):
+    def loaded(**kwargs):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    for where in ("distft.infer.commands.load_trained", "distft.export.load_trained"):
+        monkeypatch.setattr(where, loaded)
+    before = {p: p.read_bytes() for p in run[0].rglob("*") if p.is_file()}
+    argv = [a.replace("{run}", str(run[0])) for a in argv]
+    assert main([argv[0], *(["--run", str(run[0])] if argv[0] != "train" else []), *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert phrase.replace("{run}", str(run[0])) in err and "Traceback" not in err, err
+    assert {p: p.read_bytes() for p in run[0].rglob("*") if p.is_file()} == before

@@ -11,6 +11,7 @@ exit code 1. A multi-process run re-launches this same command under torchrun, o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -23,12 +24,13 @@ from distft.config import Config, load_config, to_toml
 from distft.data import load_tokenizer, tokenized_splits
 from distft.distributed import exit_worker, launched_by_torchrun, pick_device
 from distft.doctor import add_doctor_parser, cmd_doctor
-from distft.errors import ConfigError, TrainingError
+from distft.errors import ConfigError, run_command
 from distft.export import EXPORT_DTYPES, export_run
 from distft.health import print_network_warnings
 from distft.infer import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer  # the infer/eval commands
 from distft.io.checkpoint import check_resume
-from distft.io.preflight import check_finished_run, check_output_dir
+from distft.io.lock import run_lock
+from distft.io.preflight import check_finished_run, check_output_dir, check_writable
 from distft.launch import launch_ranks
 from distft.model import is_preset, model_config
 from distft.model.build import check_weight_files
@@ -36,10 +38,6 @@ from distft.parallel import STRATEGIES, check_config, check_model
 from distft.train import train
 from distft.train.metrics import START_ENV
 from distft.train.tracking import check_trackers
-
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-
 
 # ---------------------------------------------------------------------------------------------
 # train
@@ -208,22 +206,29 @@ def _cuda_count() -> int:
 def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
-    if not launched_by_torchrun():
+    if launched_by_torchrun():  # a rank: the command that launched it checked everything
+        train(cfg, hooks=faults.from_environment())
+        return 0
+    check_writable(Path(cfg.output.dir))
+    # One writer per run directory, checks included; node 0 takes it for a multi-node run (the
+    # others may share its filesystem).
+    lock = run_lock(Path(cfg.output.dir)) if cfg.parallel.node_rank == 0 else contextlib.nullcontext()
+    with lock:
         preflight(cfg, resuming=args.resume is not None)
-        if STRATEGIES[cfg.parallel.strategy].distributed:
-            on_cuda = pick_device(cfg.train.device).type == "cuda"
-            parallel = cfg.parallel
-            print_network_warnings(
-                "nccl" if on_cuda else "gloo", parallel.nproc, parallel.nnodes, parallel.rdzv_endpoint
-            )
-            with tempfile.TemporaryDirectory(prefix="distft-launch-") as tmp:
-                config_file = os.path.join(tmp, "config.toml")
-                with open(config_file, "w", encoding="utf-8") as f:
-                    f.write(to_toml(cfg))
-                # CPU ranks are forked from this process, which has imported distft (`distft.launch`).
-                return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
-    train(cfg, hooks=faults.from_environment())  # test-only fault injection, off unless DISTFT_FAULT_*
-    return 0
+        if not STRATEGIES[cfg.parallel.strategy].distributed:
+            train(cfg, hooks=faults.from_environment())  # test-only faults, off unless DISTFT_FAULT_*
+            return 0
+        on_cuda = pick_device(cfg.train.device).type == "cuda"
+        parallel = cfg.parallel
+        print_network_warnings(
+            "nccl" if on_cuda else "gloo", parallel.nproc, parallel.nnodes, parallel.rdzv_endpoint
+        )
+        with tempfile.TemporaryDirectory(prefix="distft-launch-") as tmp:
+            config_file = os.path.join(tmp, "config.toml")
+            with open(config_file, "w", encoding="utf-8") as f:
+                f.write(to_toml(cfg))
+            # CPU ranks are forked from this process, which has imported distft (`distft.launch`).
+            return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,15 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": lambda: plan.cmd_plan(args),
         "doctor": lambda: cmd_doctor(args),
     }
-    try:
-        code = handlers[args.command]()
-    except ConfigError as err:
-        print(f"distft {args.command}: error: {err}", file=sys.stderr)
-        code = EXIT_USAGE
-    except TrainingError as err:
-        if err.every_rank or os.environ.get("RANK", "0") == "0":
-            print(f"distft {args.command}: error: {err}", file=sys.stderr)
-        code = EXIT_FAILURE
+    code = run_command(args.command, handlers[args.command])
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun ends here, hard
         exit_worker(code)
     return code

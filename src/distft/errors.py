@@ -6,7 +6,19 @@ Two families, told apart by when they happen and how the CLI exits:
   fix it, in one paragraph.
 - `TrainingError` (exit 1): a failure during training (a collective that timed out, a checkpoint
   that could not be written, a diverged step), reported as one paragraph, never a traceback.
+
+`run_command` is where every command of the CLI ends: each of these, and anything else that
+escapes (a disk error, a bug), becomes one line on stderr and an exit code.
 """
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+DEBUG_ENV = "DISTFT_DEBUG"  # set to 1: a failure prints its traceback as well
 
 
 class ConfigError(ValueError):
@@ -15,6 +27,15 @@ class ConfigError(ValueError):
 
 class DataError(ConfigError):
     """A dataset problem, reported with the file and line (or row) it comes from."""
+
+
+class DamagedFileError(ConfigError):
+    """A file a run wrote (an adapter, a model, a checkpoint) is cut short, altered or unreadable;
+    the message names the file and what to do instead."""
+
+
+class RunLockedError(ConfigError):
+    """Another process is writing the run directory (its lock names the process and host)."""
 
 
 class TrainingError(RuntimeError):
@@ -39,3 +60,34 @@ class NonFiniteError(TrainingError):
     """A step's loss or gradient norm is NaN or infinite (train.on_nonfinite=stop)."""
 
     every_rank = False  # the loss and the norm are global: every rank stops at the same step
+
+
+def run_command(command: str, handler: Callable[[], int]) -> int:
+    """Run a command; whatever goes wrong ends in one paragraph on stderr and an exit code, never a
+    traceback (`DISTFT_DEBUG=1` prints the traceback too)."""
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        return handler()
+    except ConfigError as err:  # the user's to fix: found before anything ran
+        if debug:
+            traceback.print_exc()
+        print(f"distft {command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except TrainingError as err:
+        if debug:
+            traceback.print_exc()
+        if err.every_rank or os.environ.get("RANK", "0") == "0":
+            print(f"distft {command}: error: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as err:  # a fault no check foresaw (a disk error, a bug): said plainly
+        if debug:
+            raise
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        hint = (
+            f"Rerun with {DEBUG_ENV}=1 for the traceback."
+            if isinstance(err, OSError)  # the disk, a permission: the message says what
+            else f"This is unexpected (a bug in distft, or a fault it does not know): rerun with "
+            f"{DEBUG_ENV}=1 for the traceback, and report it."
+        )
+        print(f"distft {command}: error: {type(err).__name__}: {text}. {hint}", file=sys.stderr)
+        return EXIT_FAILURE

@@ -28,6 +28,7 @@ from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
 from distft.io.export import save_merged_model
 from distft.io.lineage import describe
+from distft.io.preflight import check_output_path
 from distft.model import DTYPES, is_preset
 
 EXPORT_DTYPES = ("bfloat16", "float32")
@@ -54,11 +55,15 @@ def check_run(run_dir: Path) -> Config:
 
 
 def check_out(out: Path, run_dir: Path) -> None:
-    """`out` is new, empty, or an earlier export (replaced whole); never the run or a stranger's files."""
+    """`out` is new, empty, or an earlier export (replaced whole); never the run, a part of any run,
+    a directory holding the run, or a stranger's files; and writable, before anything is loaded."""
     if out.resolve() == run_dir.resolve():
         raise ConfigError(f"--out {out} is the run directory itself; export into a directory of its own.")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a directory.")
+    if out.resolve() in run_dir.resolve().parents:
+        raise ConfigError(
+            f"--out {out} holds the run {run_dir}, which the export would replace; give a new directory."
+        )
+    check_output_path(out, "--out", directory=True)
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
         raise ConfigError(
             f"--out {out} already holds files and is not an earlier export (no config.json); an export "

@@ -38,6 +38,7 @@ from distft.infer.generate import Generated, Sampling, generate, results_file, t
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
 from distft.io.lineage import origin_text, stage_text
+from distft.io.preflight import check_output_path
 
 # ---- infer --------------------------------------------------------------------------------------
 
@@ -127,6 +128,8 @@ def cmd_infer(args: argparse.Namespace) -> int:
     batch = bool(args.input) and args.input.endswith(LOCAL_SUFFIXES)
     if args.input and args.input != "-" and not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input} does not exist.")
+    if args.output:  # before minutes of generation
+        check_output_path(Path(args.output), "--output")
     loaded = _with_format(load_trained(run=args.run, adapter=args.adapter, model=args.model), args.format)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)
@@ -214,6 +217,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.rows < 1:
         raise ConfigError(f"--rows must be at least 1, got {args.rows}: it is how many meetings to score.")
     Sampling(max_new_tokens=args.max_new_tokens).check()
+    if args.output:
+        check_output_path(Path(args.output), "--output")
     loaded = _with_format(load_trained(run=args.run), args.format)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)

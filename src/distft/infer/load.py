@@ -5,6 +5,11 @@ Loading knows nothing about how the run was trained: every strategy exports the 
 `PeftModel.from_pretrained` path a user would write by hand. A QLoRA adapter says so in its
 `quantization.json`: its base is quantized to NF4 and dequantized the same way first
 (`distft.model.nf4.dequantize_base`), so the adapter sits on the weights it was trained against.
+
+Every directory a run wrote is checked against its manifest before a byte of it is loaded
+(`distft.io.files.verify_directory`), so a file cut short or altered is named, and a file that
+fails to load anyway (a directory from before manifests, or not from distft) is named as well:
+never a traceback from inside safetensors.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from distft.config import Config, load_config
 from distft.data.tokenizer import load_tokenizer
-from distft.errors import ConfigError
+from distft.errors import ConfigError, DamagedFileError
+from distft.io.files import verify_directory
 from distft.io.lineage import describe, read_lineage
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
 from distft.model.build import RECIPE_FILE, rebuild_base
@@ -63,7 +69,33 @@ def _load_base(name: str, cfg: Config) -> nn.Module:
 
 
 def load_trained(run: str | None = None, adapter: str | None = None, model: str | None = None) -> Loaded:
-    """A run directory, or an adapter directory (+ optional base model override)."""
+    """A run directory, or an adapter directory (+ optional base model override), verified first."""
+    from safetensors import SafetensorError
+
+    written = [Path(run) / d for d in ("adapter", "model", "base")] if run else []
+    for directory in [*written, *(Path(p) for p in (adapter, model) if p)]:
+        if directory.is_dir():
+            verify_directory(directory, "The directory", "Restore it from a copy, or train the run again.")
+    try:
+        return _load_trained(run, adapter, model)
+    except ConfigError:
+        raise
+    except (SafetensorError, OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        damaged = (
+            ""
+            if type(err) is OSError
+            else (
+                " A file in it is damaged, or was not written by distft. Restore it from a copy, or train "
+                "the run again."
+            )
+        )
+        raise DamagedFileError(
+            f"{run or adapter} cannot be loaded ({type(err).__name__}: {text}).{damaged}"
+        ) from None
+
+
+def _load_trained(run: str | None, adapter: str | None, model: str | None) -> Loaded:
     from peft import PeftModel
 
     from_run = False  # an adapter whose base is a run's saved preset base (RUN/base)

@@ -11,8 +11,10 @@ filesystem) must not run what a planted pickle asks for. DCP itself pickles two 
 dtypes, and paths) and non-tensor optimizer values (read with `torch.load(weights_only=True)`).
 Checkpoints of earlier versions (`trainer.pt`, `rng-R.pt`) still resume, through `weights_only=True`.
 
-All ranks write into `.step-000040.tmp`; rank 0 renames it once every rank is done, so a directory
-named step-* is always complete and a crash mid-write leaves only a temporary.
+All ranks write into `.step-000040.tmp`; rank 0 writes its `manifest.json` (every file's size and
+SHA-256) and renames it once every rank is done, so a directory named step-* is always complete and
+a crash mid-write leaves only a temporary. A checkpoint damaged later (a file cut short by a copy,
+a disk error) fails its manifest: a resume skips it, saying so, for the newest intact one.
 docs/reliability.md describes the layout and what a resume restores.
 """
 
@@ -39,7 +41,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from distft.config import Config, config_differences, load_config
-from distft.errors import CheckpointError, ConfigError
+from distft.errors import CheckpointError, ConfigError, DamagedFileError
+from distft.io.files import damage, write_manifest
 
 CHECKPOINTS = "checkpoints"
 
@@ -57,10 +60,59 @@ def _single_process_quietly() -> Iterator[None]:
         yield
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints, oldest first."""
     root = Path(run_dir) / CHECKPOINTS
-    steps = sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+    return sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    steps = checkpoints(run_dir)
     return steps[-1] if steps else None
+
+
+def checkpoint_damage(checkpoint: Path) -> str | None:
+    """What makes `checkpoint` unusable (a file its manifest does not vouch for, an unreadable
+    trainer state or metadata), or None. A planted pickle is not damage: it raises
+    `ForbiddenPickle`, and the resume is refused rather than quietly skipped."""
+    problem = damage(checkpoint)
+    if problem is not None:
+        return problem
+    try:
+        read_metadata(checkpoint)
+        trainer = _read_trainer(checkpoint)
+        if (
+            not isinstance(trainer, dict)
+            or not isinstance(trainer.get("step"), int)
+            or "scheduler" not in trainer
+        ):
+            return "its trainer state holds no step and scheduler"
+    except ForbiddenPickle as err:
+        raise CheckpointError(_refusal(checkpoint, err)) from None
+    except (OSError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError, RuntimeError) as err:
+        return _first_line(err)
+    return None
+
+
+def set_aside_newer(run_dir: Path, checkpoint: Path) -> None:
+    """Rename the checkpoints newer than `checkpoint` (the damaged ones a resume skipped) to
+    `.damaged-step-NNNNNN`: kept for a look, never resumed, pruned or written over."""
+    for newer in checkpoints(run_dir):
+        if newer.name > checkpoint.name:
+            newer.rename(newer.with_name(f".damaged-{newer.name}"))
+
+
+def intact_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that is not damaged, and a note for each newer one skipped."""
+    skipped = []
+    for checkpoint in reversed(checkpoints(run_dir)):
+        problem = checkpoint_damage(checkpoint)
+        if problem is None:
+            return checkpoint, skipped
+        skipped.append(
+            f"skipped the damaged checkpoint {checkpoint.name} ({problem}; set aside as .damaged-{checkpoint.name})"
+        )
+    return None, skipped
 
 
 def resume_hint(run_dir: Path) -> str:
@@ -127,6 +179,7 @@ def save_training_state(
     if distributed:
         dist.barrier()
     if rank == 0:
+        write_manifest(tmp)  # every rank's files are there (the barrier): sizes and checksums
         for f in tmp.iterdir():
             with f.open("rb") as fh:
                 os.fsync(fh.fileno())
@@ -163,17 +216,21 @@ def load_training_state(checkpoint: Path, state: dict, scheduler: object, rank: 
         trainer = _read_trainer(checkpoint)
         rng = _read_rng(checkpoint, rank)
     except (CheckpointException, pickle.UnpicklingError, RuntimeError, ValueError, OSError, KeyError) as err:
-        raise CheckpointError(
-            f"{checkpoint} cannot be resumed: {_first_line(_cause(err))}. A checkpoint is read as data only "
-            "(no pickled code runs); if this one came from elsewhere, it is damaged or not a distft "
-            "checkpoint. Resume from another run, or start over with output.resume=false."
-        ) from None
+        raise CheckpointError(_refusal(checkpoint, _cause(err))) from None
     scheduler.load_state_dict(trainer["scheduler"])
     if rng is not None:  # absent when resuming at a larger world size: that rank starts fresh
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return int(trainer["step"])
+
+
+def _refusal(checkpoint: Path, err: BaseException) -> str:
+    return (
+        f"{checkpoint} cannot be resumed: {_first_line(err)}. A checkpoint is read as data only (no "
+        "pickled code runs); if this one came from elsewhere, it is damaged or not a distft checkpoint. "
+        "Resume from another run, or start over with output.resume=false."
+    )
 
 
 def _cause(err: BaseException) -> BaseException:
@@ -185,7 +242,7 @@ def _cause(err: BaseException) -> BaseException:
 def _read_trainer(checkpoint: Path) -> dict:
     if (checkpoint / "trainer.json").is_file():
         return json.loads((checkpoint / "trainer.json").read_text())
-    return torch.load(checkpoint / "trainer.pt", weights_only=True)  # an earlier version's
+    return _load_weights_only(checkpoint / "trainer.pt")  # an earlier version's
 
 
 def _read_rng(checkpoint: Path, rank: int) -> dict | None:
@@ -194,11 +251,26 @@ def _read_rng(checkpoint: Path, rank: int) -> dict | None:
         tensors = load_file(new)
         cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=_index)]
         return {"torch": tensors["torch"], "cuda": cuda}
-    return torch.load(old, weights_only=True) if old.is_file() else None  # an earlier version's
+    return _load_weights_only(old) if old.is_file() else None  # an earlier version's
+
+
+def _load_weights_only(path: Path) -> object:
+    """An earlier version's pickle, read by `torch.load(weights_only=True)`: a pickle asking for
+    anything but tensors and plain containers is refused (`ForbiddenPickle`), not run."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" in str(err):
+            raise ForbiddenPickle(f"{path.name} asks to build objects that are not checkpoint data") from None
+        raise
 
 
 def _index(key: str) -> int:
     return int(key.split(".")[1])
+
+
+class ForbiddenPickle(pickle.UnpicklingError):
+    """A checkpoint's pickle asks to build something that is not checkpoint data."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -208,9 +280,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
         found = super().find_class(module, name) if _allowed(module, name) else None
         if found is None:
-            raise pickle.UnpicklingError(
-                f"its .metadata asks for {module}.{name}, which is not checkpoint metadata"
-            )
+            raise ForbiddenPickle(f"its .metadata asks for {module}.{name}, which is not checkpoint metadata")
         return found
 
 
@@ -264,15 +334,23 @@ RESUMABLE_CHANGES = (
 )  # fmt: skip
 
 
-def check_resume(cfg: Config, force: bool = False) -> Path | None:
-    """The checkpoint this run will resume from, or None; refuses a run dir of another config.
+def check_resume(cfg: Config, force: bool = False, skipped: list[str] | None = None) -> Path | None:
+    """The checkpoint this run will resume from, or None; refuses a run dir of another config, and
+    one whose every checkpoint is damaged (starting over would delete them).
 
     `force`: resume even with output.resume=false or output.overwrite=true (an elastic restart
-    continues its own run).
+    continues its own run). `skipped` collects a note for each damaged checkpoint passed over.
     """
     out = Path(cfg.output.dir)
     wanted = cfg.output.resume and not cfg.output.overwrite
-    checkpoint = latest_checkpoint(out) if wanted or force else None
+    checkpoint, passed_over = intact_checkpoint(out) if wanted or force else (None, [])
+    if checkpoint is None and passed_over:
+        raise DamagedFileError(
+            f"{out} holds checkpoints, and every one is damaged: {'; '.join(passed_over)}. Nothing was "
+            "changed. Restore the files, or start over with output.resume=false (which deletes them)."
+        )
+    if skipped is not None:
+        skipped.extend(passed_over)
     if checkpoint is None or not (out / "config.toml").is_file():
         return checkpoint
     saved = load_config(out / "config.toml")

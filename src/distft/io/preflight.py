@@ -83,6 +83,12 @@ def check_finished_run(cfg: Config, resuming: bool = False) -> None:
         return
     checkpoint = latest_checkpoint(out)
     if resuming and checkpoint is not None:
+        if cfg.train.max_steps <= step:  # nothing to train: it would only re-export, and cut metrics
+            raise ConfigError(
+                f"--resume {out}: that run finished at step {step}, and train.max_steps={cfg.train.max_steps} "
+                f"would train nothing more but rewrite its {_exported(out)} and cut its metrics. Give "
+                f"--max-steps above {step} to continue it, or --overwrite to train it again from the start."
+            )
         return
     if resuming:
         raise ConfigError(
@@ -90,10 +96,7 @@ def check_finished_run(cfg: Config, resuming: bool = False) -> None:
             "(checkpoints are written with --checkpoint-every N). Use --overwrite to train it again from "
             "the start, or another --out."
         )
-    exported = "model" if (out / "model").is_dir() else "adapter"
-    what = (
-        f"{out} holds a finished run (step {step}, its {exported} exported); this command would replace it."
-    )
+    what = f"{out} holds a finished run (step {step}, its {_exported(out)} exported); this command would replace it."
     if checkpoint is None:
         raise ConfigError(
             f"{what} Choose another --out for a new run, or --overwrite to replace it (--resume continues "
@@ -105,19 +108,55 @@ def check_finished_run(cfg: Config, resuming: bool = False) -> None:
     )
 
 
+def _exported(run_dir: Path) -> str:
+    return "model" if (run_dir / "model").is_dir() else "adapter"
+
+
+# What a run writes in its directory; nothing but the run itself (or --overwrite) may replace them.
+RUN_FILES = ("config.toml", "metrics.jsonl", "ranks.json", "lineage.json", "manifest.json", ".lock")
+RUN_DIRS = ("adapter", "model", "base", "checkpoints", "events")
+
+
+def run_part(path: Path) -> tuple[Path, str] | None:
+    """(run directory, what of it) when writing `path` would replace something a run wrote: the run
+    directory itself, one of its files, or anything inside its adapter/, model/, base/ or
+    checkpoints/. A new file beside them (an eval report in the run directory) is not."""
+    path = Path(path).resolve()
+    for candidate in (path, *path.parents):
+        if not (candidate / "config.toml").is_file() or not (candidate / "metrics.jsonl").is_file():
+            continue
+        parts = path.relative_to(candidate).parts
+        if not parts:
+            return candidate, "the run directory itself"
+        if parts[0] in RUN_DIRS or (len(parts) == 1 and parts[0] in RUN_FILES):
+            return candidate, f"its {parts[0]}"
+        return None
+    return None
+
+
+def check_output_path(path: Path, flag: str, directory: bool = False) -> None:
+    """Before any work: `path` (a file, or with `directory` a directory, to be written) replaces
+    nothing a run wrote, is of the right kind, and can be written."""
+    path = Path(path)
+    if (owner := run_part(path)) is not None:
+        run_dir, part = owner
+        raise ConfigError(
+            f"{flag} {path} would write over {part} of the run {run_dir}; nothing a run wrote is replaced. "
+            "Choose a path outside it."
+        )
+    if not directory and path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file name.")
+    if directory and path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file; give a directory.")
+    check_writable(path if directory else path.resolve().parent, flag)
+
+
 def check_output_dir(cfg: Config, model_config: PretrainedConfig) -> None:
     """Refuse, before anything is launched, an output directory that cannot be written or lacks
     the space for the run's outputs (`output_bytes`)."""
     out = Path(cfg.output.dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".distft-write-test-"):
-            pass
-    except OSError as err:
-        raise ConfigError(
-            f"Output directory {out} is not writable ({err.strerror or err}). Point --out at a directory "
-            "you can write to."
-        ) from None
+    check_writable(out)
+    out.mkdir(parents=True, exist_ok=True)
     sizes = output_bytes(cfg, model_config)
     free = shutil.disk_usage(out).free
     if sum(sizes.values()) > free:
@@ -127,6 +166,23 @@ def check_output_dir(cfg: Config, model_config: PretrainedConfig) -> None:
             f"{_gb(sum(sizes.values()))} ({parts}). Free some space, point --out at another disk, or "
             "lower output.keep_last."
         )
+
+
+def check_writable(out: Path, flag: str = "--out") -> None:
+    """Write a probe file in `out`, or in its nearest existing parent when it does not exist yet
+    (nothing is created), or refuse naming the reason (a read-only disk, a file in the way, no
+    permission): found before any work, whoever runs it, root included."""
+    existing = Path(out).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".distft-write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"Output directory {out} is not writable ({err.strerror or err}). Point {flag} at a directory "
+            "you can write to."
+        ) from None
 
 
 def _gb(n: int) -> str:

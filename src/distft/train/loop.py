@@ -9,8 +9,10 @@ behind `TrainHooks`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -24,6 +26,7 @@ from distft.distributed import shutdown
 from distft.io.checkpoint import save_training_state
 from distft.io.export import save_adapter, save_full_model
 from distft.io.files import atomic_write_text
+from distft.io.lock import run_lock
 from distft.measure.step import StepMeasurements
 from distft.model import causal_lm
 from distft.model.nf4 import quantization
@@ -57,16 +60,19 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     """Train as `cfg` says; `hooks` run at fixed points of every step (none by default); `dataset`
     (a list of dicts, a `datasets.Dataset`, or a dict of splits) replaces `cfg.data.source`."""
     hooks = hooks or TrainHooks()
-    run = setup(cfg, dataset, hooks.health)
-    result = steps_and_export(run, hooks)
-    env = run.env
-    # The parallel model goes before the process group. DDP's C++ reducer holds a reference to
-    # the group; were it the last, dropping the model would destroy gloo's threads with the GIL
-    # held while one of them waits for the GIL to free a tensor: a hang (seen in 1 forked run of
-    # ~10 under load). Left to `destroy_process_group`, the last reference goes without the GIL.
-    del run
-    gc.collect()  # the wrappers sit in reference cycles
-    shutdown(env)
+    # Rank 0 holds the run directory's lock (`distft.io.lock`), unless the command that launched it does.
+    lock = run_lock(Path(cfg.output.dir)) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
+    with lock:
+        run = setup(cfg, dataset, hooks.health)
+        result = steps_and_export(run, hooks)
+        env = run.env
+        # The parallel model goes before the process group. DDP's C++ reducer holds a reference to
+        # the group; were it the last, dropping the model would destroy gloo's threads with the GIL
+        # held while one of them waits for the GIL to free a tensor: a hang (seen in 1 forked run of
+        # ~10 under load). Left to `destroy_process_group`, the last reference goes without the GIL.
+        del run
+        gc.collect()  # the wrappers sit in reference cycles
+        shutdown(env)
     return result
 
 
@@ -151,8 +157,9 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
             progress.console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
     if env.is_main and run.start_step:
         truncate_metrics(run.out / "metrics.jsonl", run.start_step)
+        skipped = "".join(f"{note}, set aside as .damaged-*; " for note in run.skipped_checkpoints)
         progress.console.print(
-            f"resuming from {run.checkpoint} (step {run.start_step})", soft_wrap=True
+            f"{skipped}resuming from {run.checkpoint} (step {run.start_step})", soft_wrap=True, markup=False
         )  # a path stays whole
     return MetricsWriter(run.out / "metrics.jsonl", append=run.start_step > 0) if env.is_main else None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,13 @@ from distft.data import CachedSplit, TokenizedSplit, tokenized_splits
 from distft.data.tokenizer import load_tokenizer
 from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
 from distft.health import HealthHooks, HealthReport, check_health, failure_advice
-from distft.io.checkpoint import check_resume, clear_checkpoints, load_training_state, resume_hint
+from distft.io.checkpoint import (
+    check_resume,
+    clear_checkpoints,
+    load_training_state,
+    resume_hint,
+    set_aside_newer,
+)
 from distft.io.export import base_weights_written, save_base
 from distft.io.files import atomic_write_text
 from distft.io.lineage import run_lineage, write_lineage
@@ -59,6 +65,7 @@ class Run:
     autocast: contextlib.AbstractContextManager
     start_step: int = 0  # the step of the checkpoint resumed from; 0 for a new run
     checkpoint: Path | None = None
+    skipped_checkpoints: list[str] = field(default_factory=list)  # damaged ones passed over on resume
     compiled: CompileStats | None = None  # what torch.compile built, per rank (`distft.model.compile`)
     attention: str = "sdpa"  # the attention kernel that runs (`distft.model.attention`)
     compiled_nf4: int = 0  # NF4 projections whose dequantisation runs compiled (`distft.model.nf4_linear`)
@@ -180,10 +187,12 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
 def resume(run: Run) -> None:
     """Load the latest checkpoint into `run`, if this run resumes; a new run clears old ones."""
     # An elastic restart (torchrun --max-restarts) resumes its own run even with output.resume=false.
-    run.checkpoint = check_resume(run.cfg, force=restart_count() > 0)
+    run.checkpoint = check_resume(run.cfg, force=restart_count() > 0, skipped=run.skipped_checkpoints)
     if run.checkpoint is None and run.env.is_main and restart_count() == 0:
         clear_checkpoints(run.out)  # starting over: the old run's checkpoints would outrank ours
     if run.checkpoint is not None:
+        if run.skipped_checkpoints and run.env.is_main:
+            set_aside_newer(run.out, run.checkpoint)
         with run.collective(f"loading {run.checkpoint}"):
             state = run.strategy.checkpoint_state(run.model, run.optimizer)
             run.start_step = load_training_state(run.checkpoint, state, run.scheduler, run.env.rank)
