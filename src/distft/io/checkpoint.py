@@ -5,11 +5,8 @@ rank writes its own; DCP reshards on load, so a data-parallel run can resume at 
 size), `trainer.json` (the step and the LR scheduler) and `rng-R.safetensors` (rank R's RNG
 states). The data position needs no state: the rows of step s are a function of (seed, s) alone.
 
-A checkpoint is data, never code: resuming one from anyone (a colleague's run, a shared
-filesystem) must not run what a planted pickle asks for. DCP itself pickles two things: its
-`.metadata` (read here by an unpickler that builds only DCP's own metadata classes, torch sizes and
-dtypes, and paths) and non-tensor optimizer values (read with `torch.load(weights_only=True)`).
-Checkpoints of earlier versions (`trainer.pt`, `rng-R.pt`) still resume, through `weights_only=True`.
+A checkpoint is data, never code: DCP's own pickles and earlier versions' `trainer.pt`/`rng-R.pt`
+are read by `distft.io.safe_load`, which builds nothing but checkpoint data.
 
 All ranks write into `.step-000040.tmp`; rank 0 writes its `manifest.json` (every file's size and
 SHA-256) and renames it once every rank is done, so a directory named step-* is always complete and
@@ -20,8 +17,6 @@ docs/reliability.md describes the layout and what a resume restores.
 
 from __future__ import annotations
 
-import importlib
-import io
 import json
 import os
 import pickle
@@ -35,14 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from distft.config import Config, config_differences, load_config
 from distft.errors import CheckpointError, ConfigError, DamagedFileError
 from distft.io.files import damage, write_manifest
+from distft.io.safe_load import ForbiddenPickle, SafeLoadPlanner, SafeReader, load_weights_only, read_metadata
 
 CHECKPOINTS = "checkpoints"
 
@@ -242,7 +235,7 @@ def _cause(err: BaseException) -> BaseException:
 def _read_trainer(checkpoint: Path) -> dict:
     if (checkpoint / "trainer.json").is_file():
         return json.loads((checkpoint / "trainer.json").read_text())
-    return _load_weights_only(checkpoint / "trainer.pt")  # an earlier version's
+    return load_weights_only(checkpoint / "trainer.pt")  # an earlier version's
 
 
 def _read_rng(checkpoint: Path, rank: int) -> dict | None:
@@ -251,80 +244,11 @@ def _read_rng(checkpoint: Path, rank: int) -> dict | None:
         tensors = load_file(new)
         cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=_index)]
         return {"torch": tensors["torch"], "cuda": cuda}
-    return _load_weights_only(old) if old.is_file() else None  # an earlier version's
-
-
-def _load_weights_only(path: Path) -> object:
-    """An earlier version's pickle, read by `torch.load(weights_only=True)`: a pickle asking for
-    anything but tensors and plain containers is refused (`ForbiddenPickle`), not run."""
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "Weights only load failed" in str(err):
-            raise ForbiddenPickle(f"{path.name} asks to build objects that are not checkpoint data") from None
-        raise
+    return load_weights_only(old) if old.is_file() else None  # an earlier version's
 
 
 def _index(key: str) -> int:
     return int(key.split(".")[1])
-
-
-class ForbiddenPickle(pickle.UnpicklingError):
-    """A checkpoint's pickle asks to build something that is not checkpoint data."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata and nothing else: a planted `.metadata` asking for any other callable
-    (`os.system`, ...) fails to load instead of running it."""
-
-    def find_class(self, module: str, name: str) -> object:
-        found = super().find_class(module, name) if _allowed(module, name) else None
-        if found is None:
-            raise ForbiddenPickle(f"its .metadata asks for {module}.{name}, which is not checkpoint metadata")
-        return found
-
-
-def _allowed(module: str, name: str) -> bool:
-    if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
-        return isinstance(getattr(importlib.import_module(module), name, None), type)  # classes only
-    if module == "torch":
-        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
-    return (module, name) in {
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-    }
-
-
-def read_metadata(checkpoint: Path) -> Metadata:
-    """A checkpoint's DCP `.metadata`, read by `_MetadataUnpickler`."""
-    with (checkpoint / ".metadata").open("rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError("its .metadata holds no checkpoint metadata")
-    return metadata
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata read by `_MetadataUnpickler`."""
-
-    def read_metadata(self, *args: object) -> Metadata:  # no **kwargs: no per-rank fallback file
-        metadata = read_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner with non-tensor values (optimizer settings) read by `weights_only=True`."""
-
-    def load_bytes(self, read_item: object, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 # Settings a resumed run may change: where and how it runs, how often it reports, how long.
