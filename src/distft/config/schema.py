@@ -183,6 +183,9 @@ class ParallelConfig:
     """Health check: seconds every rank has to answer the roll call before the missing ones are named."""
     health_slow_s: float = 5.0
     """Health check: a rank joining the all-reduce this many seconds after the first rank is slow."""
+    allow_mixed: bool = False
+    """Health check: ranks whose device (model, memory, compute capability) or software (torch,
+    transformers, peft, Python, distft) differ are a warning instead of an error (--allow-mixed)."""
     max_restarts: int = 0
     """torchrun's elastic agent restarts every rank this many times after one fails (a killed
     rank, a lost peer); each restart resumes from the latest checkpoint."""

@@ -147,7 +147,7 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
     )
     if run.health is not None and progress.enabled:
         progress.console.print(run.health.summary(), soft_wrap=True)
-        for warning in run.health.slow_messages():
+        for warning in run.health.warnings():
             progress.console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
     if env.is_main and run.start_step:
         truncate_metrics(run.out / "metrics.jsonl", run.start_step)
