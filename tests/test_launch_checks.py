@@ -4,6 +4,8 @@ patched, so they run on any CPU; tests/test_health.py runs the gathered comparis
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 from unittest import mock
 
@@ -13,9 +15,17 @@ import torch.distributed as dist
 
 from distft.cli import preflight
 from distft.config import load_config
-from distft.distributed import agree_on_devices, check_local_gpu, init_distributed
+from distft.distributed import DistEnv, agree_on_devices, check_local_gpu, init_distributed
 from distft.errors import ConfigError, HealthError
 from distft.health.facts import device_facts, differences, mixed_facts, rank_ranges
+from distft.health.stragglers import StepArrivals, StragglerWindow
+from tests.helpers import distft
+
+SHORT = [  # the micro model, 3 steps of one sequence per rank
+    "--model", "micro", "train.max_steps=3", "train.global_batch_size=2", "train.micro_batch_size=1",
+    "train.eval_every=0", "train.eval_batches=1", "data.max_length=256", "data.max_rows=16",
+    "output.save_base=false",
+]  # fmt: skip
 
 # ---- same hardware and software ------------------------------------------------------------------
 
@@ -191,3 +201,70 @@ def test_ranks_that_agree_pass_the_device_roll_call():
         t.start()
     for t in threads:
         t.join()
+
+
+# ---- stragglers -----------------------------------------------------------------------------------
+
+
+def test_a_rank_arriving_late_is_named_once_a_window_completes():
+    window = StragglerWindow(4, 1.5, names=[f"rank {r} (host h{r})" for r in range(4)])
+    times = {
+        2: [0.1, 0.11, 0.1, 0.3],
+        3: [0.1, 0.1, 0.1, 0.35],
+        4: [0.12, 0.1, 0.1, 0.3],
+        5: [0.1, 0.1, 0.1, 0.25],  # rank 3: median 0.3 s
+    }
+    assert [window.add(step, t) for step, t in list(times.items())[:3]] == [[], [], []]
+    (found,) = window.add(5, times[5])  # rank 3's median 0.3 s against the others' 0.1 s
+    assert (found.rank, found.first_step, found.last_step) == (3, 2, 5)
+    assert found.ratio == pytest.approx(3.0)
+    assert window.message(found).startswith(
+        "rank 3 (host h3) is a straggler: over steps 2-5 it took 3.0x the other ranks' median to reach each "
+        "step (0.3 s against 0.1 s)"
+    )
+    # One slow step in a window is no straggler (the median); two windows in a row are one span.
+    assert window.add(6, [0.1, 0.9, 0.1, 0.1]) == [] and window.rows == [(6, [0.1, 0.9, 0.1, 0.1])]
+    for step in (7, 8, 9):
+        window.add(step, [0.1, 0.1, 0.1, 0.1])
+    for step in (10, 11, 12, 13):
+        assert [f.rank for f in window.add(step, [0.1, 0.1, 0.1, 0.2])] == ([3] if step == 13 else [])
+    for step in (14, 15, 16, 17):
+        window.add(step, [0.1, 0.1, 0.1, 0.4])
+    assert window.found == {3: {"ratio": 4.0, "steps": [[2, 5], [10, 17]]}}
+
+
+def test_two_ranks_the_slow_one_alone_is_named():
+    """Against the other ranks' median, not everyone's: with two ranks the mean would halve the ratio."""
+    window = StragglerWindow(2, 1.5)
+    window.add(1, [0.05, 0.35])
+    (found,) = window.add(2, [0.05, 0.35])
+    assert found.rank == 1 and found.ratio == pytest.approx(7.0)
+    assert window.message(found).startswith("rank 1 is a straggler")
+
+
+def test_the_monitor_is_off_for_one_process_and_window_zero():
+    cpu = torch.device("cpu")
+    assert StepArrivals.start(DistEnv(0, 1, 0, cpu, None), 8, 1.5) is None
+    assert StepArrivals.start(DistEnv(0, 2, 0, cpu, "gloo"), 0, 1.5) is None
+
+
+def test_a_slow_rank_is_named_in_the_log_and_ranks_json_and_mixed_ranks_allowed(tmp_path):
+    """Rank 1 sleeps 0.5 s before each step. Both ranks spend the step itself in lockstep, so rank 1
+    arrives 0.5 s after rank 0 however loaded the machine is, but the ratio shrinks as steps slow
+    down (a step takes 0.1-4 s on 2 shared cores): a ratio of 1.05 keeps the test off the load."""
+    out = tmp_path / "run"
+    proc = distft(
+        "train", "--strategy", "ddp", "--nproc", "2", "--allow-mixed", *SHORT, "train.straggler_window=2",
+        "train.straggler_ratio=1.05", "--out", str(out),
+        env={"DISTFT_FAULT_SLOW_RANK_S": "0.5", "DISTFT_FAULT_DEVICE_FACTS": '{"peft": "0.20.0"}'},
+    )  # fmt: skip
+    host = socket.gethostname()
+    assert f"rank 1 (host {host}) has peft 0.20.0, rank 0 peft" in proc.stdout, proc.stdout
+    assert "Going on: parallel.allow_mixed=true." in proc.stdout
+    # Step 1 has no arrival time (no step before it): steps 2-3 are the first window.
+    assert (
+        f"warning: rank 1 (node 0, host {host}, local rank 1) is a straggler: over steps 2-3" in proc.stdout
+    )
+    ranks = json.loads((out / "ranks.json").read_text())
+    assert ranks[0]["straggler"] is None
+    assert ranks[1]["straggler"]["steps"] == [[2, 3]] and ranks[1]["straggler"]["ratio"] > 1.05, ranks[1]
