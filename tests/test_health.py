@@ -15,6 +15,7 @@ import socket
 import subprocess
 
 import pytest
+import torch
 
 from distft.cli import main
 from distft.health import HealthReport, RankPlace, failure_advice, network_warnings
@@ -136,9 +137,18 @@ def test_doctor_names_a_rank_that_never_joins():
     assert "Traceback" not in proc.stderr
 
 
-def test_doctor_names_a_slow_rank():
-    proc = doctor("--nproc", "2", "--sizes", "4KiB", "--slow-s", "2", env={"DISTFT_FAULT_HEALTH_LATE_S": "5"})
+def test_doctor_names_a_slow_rank_and_one_unlike_the_others():
+    faults = {"DISTFT_FAULT_HEALTH_LATE_S": "5", "DISTFT_FAULT_DEVICE_FACTS": '{"torch": "2.12.0"}'}
+    proc = doctor("--nproc", "2", "--sizes", "4KiB", "--slow-s", "2", env=faults)
     assert proc.returncode == 1, proc.stderr[-3000:]
+    # Two ranks, one each way: rank 0's is the majority. Every rank gathered the same table; one prints.
+    mixed = (
+        f"The ranks do not run on the same hardware and software: rank 1 (host {HOST}) has torch 2.12.0, "
+        f"rank 0 torch {torch.__version__}."
+    )
+    assert proc.stderr.count(mixed) == 1 and "--allow-mixed (parallel.allow_mixed=true)" in proc.stderr, (
+        proc.stderr
+    )
     late = re.search(
         rf"rank 1 \(node 0, host {HOST}, local rank 1\) joined the health check's all-reduce ([0-9.]+) s after "
         r"the first rank \(the limit is 2 s\)",

@@ -27,6 +27,7 @@ from distft.doctor import add_doctor_parser, cmd_doctor
 from distft.errors import ConfigError, run_command
 from distft.export import EXPORT_DTYPES, export_run
 from distft.health import print_network_warnings
+from distft.health.cuda import check_bf16
 from distft.infer import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer  # the infer/eval commands
 from distft.io.checkpoint import check_resume
 from distft.io.lock import run_lock
@@ -56,6 +57,7 @@ TRAIN_FLAGS = {  # flag -> config field it sets
     "rdzv_endpoint": "parallel.rdzv_endpoint",
     "checkpoint_every": "output.checkpoint_every",
     "max_restarts": "parallel.max_restarts",
+    "allow_mixed": "parallel.allow_mixed",
 }
 
 
@@ -99,6 +101,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="restart every rank up to R times after one fails (torchrun's elastic agent); each restart "
         "resumes from the latest checkpoint",
+    )
+    p.add_argument(
+        "--allow-mixed",
+        action="store_const",
+        const="true",
+        help="run even if ranks differ in device or software versions (a warning instead of an error)",
     )
     p.add_argument(
         "--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, with its config"
@@ -163,6 +171,8 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
             f"--nproc {cfg.parallel.nproc} asks for more processes than the {_cuda_count()} GPU(s) on this "
             "node; each process needs its own GPU."
         )
+    if on_cuda:
+        check_bf16(cfg.model, cfg.parallel.nproc)  # bfloat16 needs compute capability 8.0
     check_resume(cfg)
     check_trackers(cfg)  # output.report_to: each tracker's library is installed
     check_finished_run(cfg, resuming)  # after check_resume: a foreign config is named first

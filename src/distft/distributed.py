@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import re
+import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from distft.errors import CollectiveError
+from distft.errors import CollectiveError, ConfigError, HealthError
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,22 @@ def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: boo
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = pick_device(device, local_rank)
     if dev.type == "cuda":
+        check_local_gpu(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        # Before the group: a rank on the CPU among ranks on GPUs would wait in gloo's set-up for
+        # peers that set up NCCL, until the timeout, with a message that names no one.
+        agree_on_devices(store, rank, world_size, dev.type == "cuda", timeout_s)
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            store=dist.PrefixStore("default_pg", store),  # what init_process_group's own rendezvous makes
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
     # Outside torchrun (a spawned test, a group of one) every rank counts as node 0.
@@ -90,9 +103,65 @@ def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: boo
     return DistEnv(rank, world_size, local_rank, dev, backend, node, local_world_size)
 
 
-def _free_port() -> int:
-    import socket
+def check_local_gpu(local_rank: int, gpus: int, visible: str | None) -> None:
+    """A rank takes GPU LOCAL_RANK: one this process cannot see is named here, not left to CUDA's
+    "invalid device ordinal" (or a hang in its peers)."""
+    if local_rank < gpus:
+        return
+    shown = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
+    raise ConfigError(
+        f"Rank {os.environ.get('RANK', '?')} (host {socket.gethostname()}, local rank {local_rank}) takes GPU "
+        f"{local_rank}, but this process sees {gpus} GPU(s) ({shown}): --nproc is larger than the GPUs "
+        "this node shows its processes. Lower --nproc to the GPU count, or make CUDA_VISIBLE_DEVICES list "
+        "one GPU per process."
+    )
 
+
+def agree_on_devices(store: dist.Store, rank: int, world_size: int, on_cuda: bool, timeout_s: float) -> None:
+    """Every rank counts itself in on the rendezvous store, saying whether it took a GPU; ranks
+    without one among ranks with one are named in a `HealthError` (all ranks raise it, rank 0
+    prints it). O(1) store operations per rank; each rank's place is read only to name them."""
+    store = dist.PrefixStore(f"distft/devices/{restart_count()}", store)
+    place = {
+        "host": socket.gethostname(),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "cuda": on_cuda,
+    }
+    store.set(f"rank/{rank}", json.dumps(place))
+    store.add("cuda", int(on_cuda))
+    if store.add("joined", 1) == world_size:
+        store.set("all", "1")
+    start, pause = time.perf_counter(), 0.001
+    while not store.check(["all"]):
+        if time.perf_counter() - start > timeout_s:
+            return  # a rank missing: init_process_group waits for it too, and times out naming it
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+    gpus = store.add("cuda", 0)
+    if gpus in (0, world_size):
+        return
+    places = [json.loads(store.get(f"rank/{r}")) for r in range(world_size)]
+    error = HealthError(mixed_devices(places))
+    error.every_rank = False
+    raise error
+
+
+def mixed_devices(places: list[dict]) -> str:
+    """The paragraph naming the ranks without a GPU (`places[r]`: rank r's host, local rank, cuda)."""
+    cpu = [r for r, p in enumerate(places) if not p["cuda"]]
+    named = "; ".join(
+        f"rank {r} (host {places[r]['host']}, local rank {places[r]['local_rank']})" for r in cpu[:8]
+    )
+    more = f" and {len(cpu) - 8} more" if len(cpu) > 8 else ""
+    return (
+        f"{named}{more} found no GPU and would run on the CPU (gloo), while the other "
+        f"{len(places) - len(cpu)} of {len(places)} ranks run on GPUs (NCCL): the two cannot form one process "
+        "group. On those hosts, check `nvidia-smi`, the driver and CUDA_VISIBLE_DEVICES (empty or -1 hides "
+        "every GPU); or run every rank on the CPU with train.device=cpu."
+    )
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

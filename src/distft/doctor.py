@@ -7,14 +7,16 @@ reaches per message size on the backend the job will use (NCCL on GPUs, gloo on 
 `distft train`, it launches itself through torchrun, once per rank, after printing the warnings
 of `distft.health.network` about this node's environment.
 
-Exit code 0: every rank answered, none late; 1: a rank missing or late (named), or a collective
-failed; 2: bad arguments. The checks are `distft.health`'s; docs/multi-node.md shows real output.
+Exit code 0: every rank answered, none late, all on the same device and software; 1: a rank
+missing, late or unlike the others (named), or a collective failed; 2: bad arguments. The checks
+are `distft.health`'s; docs/multi-node.md shows real output.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 from rich.console import Console
@@ -38,6 +40,7 @@ from distft.health import (
     print_network_warnings,
 )
 from distft.health.bandwidth import DEFAULT_SIZES
+from distft.health.facts import REMEDY
 from distft.launch import launch_ranks
 from distft.plan.hardware import format_bytes, parse_bytes
 
@@ -97,13 +100,16 @@ def run_checks(args: argparse.Namespace, parallel: ParallelConfig, sizes: list[i
     """In every rank: the health check, the bandwidth per size, and rank 0's tables."""
     env = init_distributed(args.device, parallel.timeout_s, need_group=True)
     hooks = faults.from_environment()  # test-only: a rank that misses the check, or joins late
-    report = check_health(env, parallel, hooks.health if hooks else None)  # HealthError: a rank missing
+    # HealthError: a rank missing. Mixed ranks are named after the tables, as slow ones are.
+    report = check_health(env, replace(parallel, allow_mixed=True), hooks.health if hooks else None)
     bandwidth = measure_all_reduce(env, sizes, args.iterations)
     if env.is_main:
         print_tables(env, report, bandwidth)
     shutdown(env)
-    if report.slow:
-        error = HealthError(" ".join(report.slow_messages()))
+    if report.slow or report.mixed:
+        error = HealthError(
+            " ".join([*report.slow_messages(), *([f"{report.mixed} {REMEDY}"] if report.mixed else [])])
+        )
         error.every_rank = False  # every rank saw the same timings; rank 0 reports
         raise error
     return 0

@@ -17,15 +17,20 @@ their health-check points), and returns None when none is set, so a normal run c
 |                              | the health check's roll call: a rank that never joins it           |
 | DISTFT_FAULT_HEALTH_LATE_S=S | rank DISTFT_FAULT_RANK sleeps S seconds before the health check's  |
 |                              | all-reduce: a slow rank                                            |
+| DISTFT_FAULT_DEVICE_FACTS=J  | rank DISTFT_FAULT_RANK reports the JSON object J over its device   |
+|                              | facts to the health check, e.g. '{"torch": "2.12.0"}': a mixed job |
+| DISTFT_FAULT_SLOW_RANK_S=S   | rank DISTFT_FAULT_RANK sleeps S seconds as every step begins: a    |
+|                              | straggler (`train.straggler_window` names it)                      |
 | DISTFT_FAULT_RANK=R          | the rank that dies, hangs or is late (default 1)                   |
 
-Kill, hang and the health faults strike on the first attempt only: torchrun's elastic agent sets
+Kill, hang, slow and the health faults strike on the first attempt only: torchrun's elastic agent sets
 TORCHELASTIC_RESTART_COUNT to 1, 2, ... on restarts, and a restarted run must then finish, as it
 would after a real, one-off fault. NaN strikes on every attempt (a diverging run diverges again).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -44,6 +49,8 @@ VARIABLES = (
     "DISTFT_FAULT_NAN_AT_STEP",
     "DISTFT_FAULT_HEALTH_MISS",
     "DISTFT_FAULT_HEALTH_LATE_S",
+    "DISTFT_FAULT_DEVICE_FACTS",
+    "DISTFT_FAULT_SLOW_RANK_S",
 )
 
 
@@ -51,7 +58,9 @@ def from_environment() -> TrainHooks | None:
     """The hooks the DISTFT_FAULT_* variables ask for, or None when none is set."""
     if not any(v in os.environ for v in VARIABLES):
         return None
-    health = HealthHooks(before_roll_call=miss_roll_call, before_all_reduce=join_late)
+    health = HealthHooks(
+        before_roll_call=miss_roll_call, before_all_reduce=join_late, device_facts=other_facts
+    )
     return TrainHooks(before_step=before_step, after_backward=poison_gradients, health=health)
 
 
@@ -65,13 +74,15 @@ def _strikes(rank: int) -> bool:
 
 
 def before_step(step: int, rank: int) -> None:
-    """Kill or stall this rank as 1-based step `step` begins, if asked to."""
+    """Kill, stall or slow this rank as 1-based step `step` begins, if asked to."""
     if not _strikes(rank):
         return
     if _at("DISTFT_FAULT_KILL_AT_STEP", step):
         os.kill(os.getpid(), signal.SIGKILL)
     if _at("DISTFT_FAULT_HANG_AT_STEP", step):
         time.sleep(float(os.environ.get("DISTFT_FAULT_HANG_S", "3600")))
+    if os.environ.get("DISTFT_FAULT_SLOW_RANK_S"):
+        time.sleep(float(os.environ["DISTFT_FAULT_SLOW_RANK_S"]))
 
 
 def miss_roll_call(rank: int) -> None:
@@ -84,6 +95,13 @@ def join_late(rank: int) -> None:
     """Delay this rank before the health check's all-reduce, if asked to: a slow rank."""
     if _strikes(rank) and os.environ.get("DISTFT_FAULT_HEALTH_LATE_S"):
         time.sleep(float(os.environ["DISTFT_FAULT_HEALTH_LATE_S"]))
+
+
+def other_facts(rank: int, facts: dict) -> dict:
+    """This rank's device facts with some replaced, if asked to: a rank unlike the others."""
+    if _strikes(rank) and os.environ.get("DISTFT_FAULT_DEVICE_FACTS"):
+        return {**facts, **json.loads(os.environ["DISTFT_FAULT_DEVICE_FACTS"])}
+    return facts
 
 
 def poison_gradients(model: nn.Module, step: int) -> None:

@@ -90,6 +90,12 @@ def _check_counts(cfg: Config) -> None:
         raise ConfigError(
             "`optim.warmup_steps`, `optim.grad_clip` and `train.eval_every` cannot be negative."
         )
+    if cfg.train.straggler_ratio <= 1:
+        raise ConfigError(f"`train.straggler_ratio` must be above 1, got {cfg.train.straggler_ratio}.")
+    if cfg.train.straggler_window < 0:
+        raise ConfigError(
+            f"`train.straggler_window` cannot be negative (0: off), got {cfg.train.straggler_window}."
+        )
     if cfg.data.streaming and not cfg.data.cache:  # a stream held in every rank's memory defeats it
         raise ConfigError("data.streaming=true streams into the token cache: it needs data.cache=true.")
     if cfg.parallel.max_restarts < 0:

@@ -161,6 +161,12 @@ class TrainConfig:
     measure_comm: str = "auto"
     """Collectives' bytes and overlap: `every` step, the `first` only, `off`, or auto: every step on
     CPU, the first on CUDA (a host hook on every op would slow the steps it measures)."""
+    straggler_window: int = 8
+    """Multi-process runs: each rank's arrival at every step is gathered (4 bytes a rank), and a rank
+    whose median over this many steps is over `straggler_ratio` x the others' is named
+    (`distft.health.stragglers`): a warning, and `straggler` in ranks.json. 0: off (no gather)."""
+    straggler_ratio: float = 1.5
+    """A rank taking more than this many times the other ranks' median to reach each step is a straggler."""
 
 
 @dataclass
@@ -183,6 +189,9 @@ class ParallelConfig:
     """Health check: seconds every rank has to answer the roll call before the missing ones are named."""
     health_slow_s: float = 5.0
     """Health check: a rank joining the all-reduce this many seconds after the first rank is slow."""
+    allow_mixed: bool = False
+    """Health check: ranks whose device (model, memory, compute capability) or software (torch,
+    transformers, peft, Python, distft) differ are a warning instead of an error (--allow-mixed)."""
     max_restarts: int = 0
     """torchrun's elastic agent restarts every rank this many times after one fails (a killed
     rank, a lost peer); each restart resumes from the latest checkpoint."""

@@ -20,6 +20,9 @@ in `distft doctor`), and names the rank instead:
    compared. A rank later than the first by more than `parallel.health_slow_s` is named: a
    warning in `distft train` (every collective of the run would wait for it), an error in
    `distft doctor`.
+3. Device facts, in the same all-gather: each rank's device (kind, model, memory, compute
+   capability), its torch, transformers, peft, Python and distft versions (`distft.health.facts`).
+   Ranks that differ are named in a `HealthError`, or a warning with `parallel.allow_mixed`.
 
 What it cannot see: a rank that never starts (torchrun's rendezvous waits for its agent, and
 `init_process_group` for every rank, up to `parallel.timeout_s`), and a slow link (in a ring
@@ -33,7 +36,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,7 @@ import torch.distributed as dist
 from distft.config import ParallelConfig
 from distft.distributed import DistEnv, naming_collective, synchronize
 from distft.errors import HealthError
+from distft.health.facts import REMEDY, device_facts, mixed_facts
 from distft.health.network import failure_advice
 
 PROBE_NUMEL = 1024  # the all-reduce's float32 elements (4 KiB): latency, not bandwidth
@@ -51,6 +55,10 @@ def _nothing(rank: int) -> None:
     return None
 
 
+def _same(rank: int, facts: dict) -> dict:
+    return facts
+
+
 @dataclass(frozen=True)
 class HealthHooks:
     """Test-only fault points (`distft.faults` fills them from DISTFT_FAULT_*); no-ops by default."""
@@ -59,6 +67,8 @@ class HealthHooks:
     """`before_roll_call(rank)`: as the check begins (a rank that sleeps here never joins)."""
     before_all_reduce: Callable[[int], None] = _nothing
     """`before_all_reduce(rank)`: after the roll call (a rank that sleeps here joins late)."""
+    device_facts: Callable[[int, dict], dict] = _same
+    """`device_facts(rank, facts)`: this rank's device facts as gathered (a test changes a version)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,8 @@ class HealthReport:
     roll_call_s: float  # this rank's wait until the last rank answered
     waits_s: list[float]  # each rank's time inside the all-reduce
     slow_s: float  # parallel.health_slow_s
+    facts: list[dict] = field(default_factory=list)  # every rank's device facts (`distft.health.facts`)
+    mixed: str | None = None  # the ranks whose device or software differs, where allowed (a warning)
 
     @property
     def late_s(self) -> list[float]:
@@ -101,6 +113,12 @@ class HealthReport:
             "every collective of the run would wait for it."
             for p in self.slow[:MAX_NAMED]
         ] + ([f"... and {len(self.slow) - MAX_NAMED} more slow ranks."] if len(self.slow) > MAX_NAMED else [])
+
+    def warnings(self) -> list[str]:
+        """What `distft train` prints under its header: slow ranks, and mixed ranks it was allowed."""
+        return self.slow_messages() + (
+            [f"{self.mixed} Going on: parallel.allow_mixed=true."] if self.mixed else []
+        )
 
     def summary(self) -> str:
         hosts = {p.node: p.host for p in self.places}
@@ -128,12 +146,20 @@ def check_health(env: DistEnv, p: ParallelConfig, hooks: HealthHooks | None = No
     def advice() -> str:
         return failure_advice(os.environ, env.backend)
 
+    facts = hooks.device_facts(env.rank, device_facts(env.device))
     with naming_collective(env, "the health check's all-reduce", p.timeout_s, advice):
         wait_s = _timed_all_reduce(env)
-        gathered: list[tuple[dict, float] | None] = [None] * env.world_size
-        dist.all_gather_object(gathered, (asdict(place), wait_s))
-    places = [RankPlace(**place) for place, _ in gathered]  # all_gather_object fills every slot
-    return HealthReport(places, roll_call_s, [wait for _, wait in gathered], p.health_slow_s)
+        gathered: list[tuple[dict, float, dict] | None] = [None] * env.world_size
+        dist.all_gather_object(gathered, (asdict(place), wait_s, facts))
+    places = [RankPlace(**place) for place, _, _ in gathered]  # all_gather_object fills every slot
+    every_facts = [f for _, _, f in gathered]
+    mixed = mixed_facts(every_facts)
+    if mixed and not p.allow_mixed:
+        error = HealthError(f"{mixed} {REMEDY}")
+        error.every_rank = False  # every rank gathered the same table; rank 0 reports
+        raise error
+    waits = [wait for _, wait, _ in gathered]
+    return HealthReport(places, roll_call_s, waits, p.health_slow_s, every_facts, mixed)
 
 
 # ---- 1. the roll call ---------------------------------------------------------------------------

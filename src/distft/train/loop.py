@@ -23,6 +23,7 @@ import torch
 
 from distft.config import Config
 from distft.distributed import shutdown
+from distft.health.stragglers import StepArrivals
 from distft.io.checkpoint import save_training_state
 from distft.io.export import save_adapter, save_full_model
 from distft.io.files import atomic_write_text
@@ -86,6 +87,10 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     batches = partial(rank_batches, strategy=run.strategy, cfg=cfg, pad_id=run.pad_id)
     measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, batches, run.out)
     result = TrainResult(output_dir=run.out)
+    names = [str(p) for p in run.health.places] if run.health else None
+    stragglers = StepArrivals.start(
+        env, tc.straggler_window, tc.straggler_ratio, names
+    )  # None: one process, or off
 
     # ---- the loop -------------------------------------------------------------------------
     startup_s = startup_seconds()  # command start to the first step
@@ -95,6 +100,10 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
         for step in range(run.start_step + 1, tc.max_steps + 1):  # 1-based
             hooks.before_step(step, env.rank)
             examples = global_batch(run, step)
+            if stragglers:  # every rank's arrival at this step (`distft.health.stragglers`)
+                with run.collective(f"the all-reduce of arrival times before step {step}"):
+                    for finding in stragglers.arrive(step):
+                        progress.warn(stragglers.window.message(finding))
             if env.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -125,7 +134,8 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
                 checkpoint(run, step)
 
     # ---- export ---------------------------------------------------------------------------
-    ranks = export(run, rank_summary(run, measure.saved_activation_bytes))
+    straggler = stragglers.of(env.rank) if stragglers else None
+    ranks = export(run, {**rank_summary(run, measure.saved_activation_bytes), "straggler": straggler})
     if env.is_main:
         metrics.close()
         trackers.finish()
@@ -153,8 +163,8 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
     )
     if run.health is not None and progress.enabled:
         progress.console.print(run.health.summary(), soft_wrap=True)
-        for warning in run.health.slow_messages():
-            progress.console.print(f"[yellow]warning:[/yellow] {warning}", soft_wrap=True)
+        for warning in run.health.warnings():
+            progress.warn(warning)
     if env.is_main and run.start_step:
         truncate_metrics(run.out / "metrics.jsonl", run.start_step)
         skipped = "".join(f"{note}, set aside as .damaged-*; " for note in run.skipped_checkpoints)

@@ -126,6 +126,11 @@ class TrainingProgress:
                 line += f"  eval_loss {record['eval_loss']:.4f}"
             self._progress.console.print(line)
 
+    def warn(self, message: str) -> None:
+        """A warning line, on the logging rank only."""
+        if self.enabled:
+            self.console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+
     def __exit__(self, *exc: object) -> None:
         if self._progress:
             self._progress.__exit__(*exc)
