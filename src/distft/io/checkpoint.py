@@ -261,6 +261,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 RESUMABLE_CHANGES = (
     "train.max_steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.device",
     "model.activation_checkpointing", "model.autocast", "data.max_rows", "train.on_nonfinite",
+    "train.checkpoint_on_signal",
 )  # fmt: skip
 
 
