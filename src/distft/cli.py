@@ -11,6 +11,7 @@ exit code 1. A multi-process run re-launches this same command under torchrun, o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -18,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distft import bench, faults, plan
+import distft.signals  # noqa: F401 (first: a Ctrl-C during the imports below is one line, `starting`)
+from distft import bench, faults, plan, signals
 from distft.config import Config, load_config, to_toml
 from distft.data import load_tokenizer, tokenized_splits
 from distft.distributed import exit_worker, launched_by_torchrun, pick_device
@@ -27,13 +29,13 @@ from distft.errors import ConfigError, TrainingError
 from distft.export import EXPORT_DTYPES, export_run
 from distft.health import print_network_warnings
 from distft.infer import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer  # the infer/eval commands
-from distft.io.checkpoint import check_resume
+from distft.io.checkpoint import check_resume, resume_hint
 from distft.io.preflight import check_finished_run, check_output_dir
 from distft.launch import launch_ranks
 from distft.model import is_preset, model_config
 from distft.model.build import check_weight_files
 from distft.parallel import STRATEGIES, check_config, check_model
-from distft.train import train
+from distft.train import TrainResult, train
 from distft.train.metrics import START_ENV
 from distft.train.tracking import check_trackers
 
@@ -222,8 +224,23 @@ def cmd_train(args: argparse.Namespace) -> int:
                     f.write(to_toml(cfg))
                 # CPU ranks are forked from this process, which has imported distft (`distft.launch`).
                 return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
-    train(cfg, hooks=faults.from_environment())  # test-only fault injection, off unless DISTFT_FAULT_*
-    return 0
+    result = train(cfg, hooks=faults.from_environment())  # test-only faults, off unless DISTFT_FAULT_*
+    if result.stopped_by is None:
+        return 0
+    if os.environ.get("RANK", "0") == "0":  # every rank stopped after the same step
+        print(stopped_line(cfg, result), file=sys.stderr, flush=True)
+    return signals.exit_code(result.stopped_by)
+
+
+def stopped_line(cfg: Config, result: TrainResult) -> str:
+    """The one line a run stopped by SIGINT/SIGTERM ends with: where, what was saved, how to go on."""
+    head = (
+        f"distft train: stopped by {signals.name(result.stopped_by)} after step {result.stopped_after} "
+        f"of {cfg.train.max_steps}"
+    )
+    if result.checkpoint is None:
+        return f"{head}; no checkpoint written (train.checkpoint_on_signal=false). {resume_hint(result.output_dir)}"
+    return f"{head}; checkpoint written to {result.checkpoint}. Resume with: distft train --resume {result.output_dir}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    signals.started()  # the imports are done: each command's own handling from here
     os.environ.setdefault(START_ENV, str(time.time()))  # start-up time is measured from here
     parser = build_parser()
     # Overrides may sit anywhere among the flags (`--model micro optim.lr=1e-3 --max-steps 5`);
@@ -293,18 +311,39 @@ def main(argv: list[str] | None = None) -> int:
         "plan": lambda: plan.cmd_plan(args),
         "doctor": lambda: cmd_doctor(args),
     }
-    try:
-        code = handlers[args.command]()
-    except ConfigError as err:
-        print(f"distft {args.command}: error: {err}", file=sys.stderr)
-        code = EXIT_USAGE
-    except TrainingError as err:
-        if err.every_rank or os.environ.get("RANK", "0") == "0":
-            print(f"distft {args.command}: error: {err}", file=sys.stderr)
-        code = EXIT_FAILURE
+    # `distft train` stops at a step boundary on SIGINT/SIGTERM (`distft.signals`).
+    with signals.handling() if args.command == "train" else contextlib.nullcontext():
+        code = run_command(args.command, handlers[args.command])
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun ends here, hard
         exit_worker(code)
     return code
+
+
+def run_command(command: str, handler: Any) -> int:
+    """`handler()`'s exit code; an error or a stop reported in one paragraph instead of a traceback."""
+    main_rank = os.environ.get("RANK", "0") == "0"
+    try:
+        return handler()
+    except ConfigError as err:
+        print(f"distft {command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except TrainingError as err:
+        signum = signals.received()
+        if signum:  # a peer that stopped before the loop, or the agent stopping the ranks
+            if main_rank:
+                print(f"distft {command}: stopped by {signals.name(signum)}: {err}", file=sys.stderr)
+            return signals.exit_code(signum)
+        if err.every_rank or main_rank:
+            print(f"distft {command}: error: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except signals.Interrupted as stop:  # before the first step: set-up, or the checks before launch
+        if main_rank:
+            print(
+                f"distft {command}: stopped by {signals.name(stop.signum)} before the first step; no step "
+                "ran, and nothing was left half-written.",
+                file=sys.stderr,
+            )
+        return signals.exit_code(stop.signum)
 
 
 if __name__ == "__main__":
