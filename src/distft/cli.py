@@ -29,13 +29,13 @@ from distft.errors import ConfigError, TrainingError
 from distft.export import EXPORT_DTYPES, export_run
 from distft.health import print_network_warnings
 from distft.infer import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer  # the infer/eval commands
-from distft.io.checkpoint import check_resume, resume_hint
+from distft.io.checkpoint import check_resume
 from distft.io.preflight import check_finished_run, check_output_dir
 from distft.launch import launch_ranks
 from distft.model import is_preset, model_config
 from distft.model.build import check_weight_files
 from distft.parallel import STRATEGIES, check_config, check_model
-from distft.train import TrainResult, train
+from distft.train import train
 from distft.train.metrics import START_ENV
 from distft.train.tracking import check_trackers
 
@@ -223,24 +223,14 @@ def cmd_train(args: argparse.Namespace) -> int:
                 with open(config_file, "w", encoding="utf-8") as f:
                     f.write(to_toml(cfg))
                 # CPU ranks are forked from this process, which has imported distft (`distft.launch`).
-                return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
+                with signals.deferred():  # the ranks and the agent act on it (`distft.launch`)
+                    return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
     result = train(cfg, hooks=faults.from_environment())  # test-only faults, off unless DISTFT_FAULT_*
     if result.stopped_by is None:
         return 0
     if os.environ.get("RANK", "0") == "0":  # every rank stopped after the same step
-        print(stopped_line(cfg, result), file=sys.stderr, flush=True)
+        print(result.stopped_line(cfg.train.max_steps), file=sys.stderr, flush=True)
     return signals.exit_code(result.stopped_by)
-
-
-def stopped_line(cfg: Config, result: TrainResult) -> str:
-    """The one line a run stopped by SIGINT/SIGTERM ends with: where, what was saved, how to go on."""
-    head = (
-        f"distft train: stopped by {signals.name(result.stopped_by)} after step {result.stopped_after} "
-        f"of {cfg.train.max_steps}"
-    )
-    if result.checkpoint is None:
-        return f"{head}; no checkpoint written (train.checkpoint_on_signal=false). {resume_hint(result.output_dir)}"
-    return f"{head}; checkpoint written to {result.checkpoint}. Resume with: distft train --resume {result.output_dir}"
 
 
 # ---------------------------------------------------------------------------------------------

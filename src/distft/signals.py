@@ -147,7 +147,7 @@ def started() -> None:
     _before_start.clear()
 
 
-def _is_the_program() -> bool:
+def is_the_program() -> bool:
     """Whether this process is `distft` itself: the console script, `python -m distft`, or
     `python -m distft.cli` (a rank torchrun exec'd); not a program that imports it."""
     argv = getattr(sys, "orig_argv", sys.argv)
@@ -183,5 +183,5 @@ def forward_to(pids: Callable[[], list[int]]) -> Callable[[int], None]:
     return forward
 
 
-if _is_the_program():  # the first distft module `distft.cli` imports, before torch
+if is_the_program():  # the first distft module `distft.cli` imports, before torch
     starting()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from distft import signals
 from distft.config import Config
 from distft.distributed import shutdown
-from distft.io.checkpoint import latest_checkpoint, save_training_state
+from distft.io.checkpoint import latest_checkpoint, resume_hint, save_training_state
 from distft.io.export import save_adapter, save_full_model
 from distft.io.files import atomic_write_text
 from distft.measure.step import StepMeasurements
@@ -56,6 +56,14 @@ class TrainResult:
     stopped_by: int | None = None  # the signal that stopped the run early (`distft.signals`)
     stopped_after: int = 0  # ... after this step
     checkpoint: Path | None = None  # ... having written this checkpoint (None: none written)
+
+    def stopped_line(self, max_steps: int) -> str:
+        """The one line a run stopped by a signal ends with: where, what was saved, how to go on."""
+        head = f"distft train: stopped by {signals.name(self.stopped_by)} after step {self.stopped_after} of {max_steps}"
+        if self.checkpoint is None:
+            hint = resume_hint(self.output_dir)
+            return f"{head}; no checkpoint written (train.checkpoint_on_signal=false). {hint}"
+        return f"{head}; checkpoint written to {self.checkpoint}. Resume with: distft train --resume {self.output_dir}"
 
 
 def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> TrainResult:
