@@ -15,6 +15,7 @@ LAYERS = {
     "distft.errors": 0,
     "distft.tensors": 0,
     "distft.hub": 0,
+    "distft.signals": 0,  # SIGINT/SIGTERM: stop at a step boundary (the loop, the launcher, the CLI)
     "distft.config": 1,
     "distft.model": 2,
     "distft.data": 2,

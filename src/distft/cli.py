@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distft import bench, faults, plan
+import distft.signals  # noqa: F401 (first: a Ctrl-C during the imports below is one line, `starting`)
+from distft import bench, faults, plan, signals
 from distft.config import Config, load_config, to_toml
 from distft.data import load_tokenizer, tokenized_splits
 from distft.distributed import exit_worker, launched_by_torchrun, pick_device
@@ -217,8 +218,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if launched_by_torchrun():  # a rank: the command that launched it checked everything
-        train(cfg, hooks=faults.from_environment())
-        return 0
+        return trained(cfg)
     check_writable(Path(cfg.output.dir))
     # One writer per run directory, checks included; node 0 takes it for a multi-node run (the
     # others may share its filesystem).
@@ -226,8 +226,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with lock:
         preflight(cfg, resuming=args.resume is not None)
         if not STRATEGIES[cfg.parallel.strategy].distributed:
-            train(cfg, hooks=faults.from_environment())  # test-only faults, off unless DISTFT_FAULT_*
-            return 0
+            return trained(cfg)
         on_cuda = pick_device(cfg.train.device).type == "cuda"
         parallel = cfg.parallel
         print_network_warnings(
@@ -238,7 +237,19 @@ def cmd_train(args: argparse.Namespace) -> int:
             with open(config_file, "w", encoding="utf-8") as f:
                 f.write(to_toml(cfg))
             # CPU ranks are forked from this process, which has imported distft (`distft.launch`).
-            return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
+            with signals.deferred():  # the ranks and the agent act on it (`distft.launch`)
+                return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
+
+
+def trained(cfg: Config) -> int:
+    """Train in this process (the run, or one rank of it): 0, or the exit code of the signal that
+    stopped it after the line saying where (`distft.signals`)."""
+    result = train(cfg, hooks=faults.from_environment())  # test-only faults, off unless DISTFT_FAULT_*
+    if result.stopped_by is None:
+        return 0
+    if os.environ.get("RANK", "0") == "0":  # every rank stopped after the same step
+        print(result.stopped_line(cfg.train.max_steps), file=sys.stderr, flush=True)
+    return signals.exit_code(result.stopped_by)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    signals.started()  # the imports are done: each command's own handling from here
     os.environ.setdefault(START_ENV, str(time.time()))  # start-up time is measured from here
     parser = build_parser()
     # Overrides may sit anywhere among the flags (`--model micro optim.lr=1e-3 --max-steps 5`);
@@ -308,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         "plan": lambda: plan.cmd_plan(args),
         "doctor": lambda: cmd_doctor(args),
     }
-    code = run_command(args.command, handlers[args.command])
+    # `distft train` stops at a step boundary on SIGINT/SIGTERM (`distft.signals`).
+    with signals.handling() if args.command == "train" else contextlib.nullcontext():
+        code = run_command(args.command, handlers[args.command])
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun ends here, hard
         exit_worker(code)
     return code

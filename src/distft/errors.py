@@ -16,6 +16,8 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from distft import signals
+
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 DEBUG_ENV = "DISTFT_DEBUG"  # set to 1: a failure prints its traceback as well
@@ -64,8 +66,10 @@ class NonFiniteError(TrainingError):
 
 def run_command(command: str, handler: Callable[[], int]) -> int:
     """Run a command; whatever goes wrong ends in one paragraph on stderr and an exit code, never a
-    traceback (`DISTFT_DEBUG=1` prints the traceback too)."""
+    traceback (`DISTFT_DEBUG=1` prints the traceback too). A run stopped by SIGINT/SIGTERM exits
+    with 130/143 (`distft.signals`)."""
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    main_rank = os.environ.get("RANK", "0") == "0"
     try:
         return handler()
     except ConfigError as err:  # the user's to fix: found before anything ran
@@ -76,9 +80,21 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
     except TrainingError as err:
         if debug:
             traceback.print_exc()
-        if err.every_rank or os.environ.get("RANK", "0") == "0":
+        if signum := signals.received():  # a peer that stopped before the loop, or the agent stopping ranks
+            if main_rank:
+                print(f"distft {command}: stopped by {signals.name(signum)}: {err}", file=sys.stderr)
+            return signals.exit_code(signum)
+        if err.every_rank or main_rank:
             print(f"distft {command}: error: {err}", file=sys.stderr)
         return EXIT_FAILURE
+    except signals.Interrupted as stop:  # before the first step: set-up, or the checks before launch
+        if main_rank:
+            print(
+                f"distft {command}: stopped by {signals.name(stop.signum)} before the first step; no step "
+                "ran, and nothing was left half-written.",
+                file=sys.stderr,
+            )
+        return signals.exit_code(stop.signum)
     except Exception as err:  # a fault no check foresaw (a disk error, a bug): said plainly
         if debug:
             raise

@@ -10,8 +10,8 @@ their health-check points), and returns None when none is set, so a normal run c
 | DISTFT_FAULT_KILL_AT_STEP=N  | rank DISTFT_FAULT_RANK sends itself SIGKILL as step N begins, as a  |
 |                              | crashed machine would (no cleanup, no message)                     |
 | DISTFT_FAULT_HANG_AT_STEP=N  | rank DISTFT_FAULT_RANK sleeps DISTFT_FAULT_HANG_S seconds (default  |
-|                              | 3600) as step N begins: a stuck rank, so its peers wait in the     |
-|                              | next collective                                                    |
+|                              | 3600, or until SIGINT/SIGTERM) as step N begins: a stuck rank, so  |
+|                              | its peers wait in the next collective                              |
 | DISTFT_FAULT_NAN_AT_STEP=N   | every rank's gradients turn NaN after step N's backward            |
 | DISTFT_FAULT_HEALTH_MISS=1   | rank DISTFT_FAULT_RANK sleeps DISTFT_FAULT_HANG_S seconds before   |
 |                              | the health check's roll call: a rank that never joins it           |
@@ -38,6 +38,7 @@ import time
 import torch
 from torch import nn
 
+from distft import signals
 from distft.distributed import restart_count
 from distft.health import HealthHooks
 from distft.tensors import local
@@ -80,9 +81,18 @@ def before_step(step: int, rank: int) -> None:
     if _at("DISTFT_FAULT_KILL_AT_STEP", step):
         os.kill(os.getpid(), signal.SIGKILL)
     if _at("DISTFT_FAULT_HANG_AT_STEP", step):
-        time.sleep(float(os.environ.get("DISTFT_FAULT_HANG_S", "3600")))
+        _stall(float(os.environ.get("DISTFT_FAULT_HANG_S", "3600")))
     if os.environ.get("DISTFT_FAULT_SLOW_RANK_S"):
         time.sleep(float(os.environ["DISTFT_FAULT_SLOW_RANK_S"]))
+
+
+def _stall(seconds: float) -> None:
+    """Sleep `seconds`, or until a signal arrives: the agent stops the ranks left after a failure
+    with SIGTERM, which in the loop only asks for a stop at the next step boundary (`distft.signals`);
+    a rank stuck in a sleep would ignore it until SIGKILL, 30 s later."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not signals.received():
+        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
 
 
 def miss_roll_call(rank: int) -> None:

@@ -40,12 +40,16 @@ import gc
 import logging
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import uuid
 import warnings
 from collections.abc import Iterator
 
+import psutil
+
+from distft import signals
 from distft.config import ParallelConfig
 from distft.distributed import FORKED_ENV
 
@@ -57,12 +61,22 @@ def launch_ranks(p: ParallelConfig, argv: list[str], fork: bool) -> int:
     args = [*torchrun_args(p), "-m", "distft.cli", *argv]
     if fork:
         return main(args, fork=True)
-    return subprocess.call([sys.executable, "-m", "distft.launch", *args])
+    launcher = subprocess.Popen([sys.executable, "-m", "distft.launch", *args])
+    # SIGINT/SIGTERM go on to the launcher (its agent to the ranks), which decides the exit code.
+    relay = signals.forward_to(lambda: [launcher.pid])
+    with signals.handling(first=relay, later=relay):
+        return launcher.wait()
 
 
 def torchrun_args(p: ParallelConfig) -> list[str]:
     """torchrun's placement flags for a run laid out by `p`."""
-    args = [f"--nproc-per-node={p.nproc}", f"--max-restarts={p.max_restarts}"]
+    # --shutdown-timeout: how long ranks told to stop (SIGINT, SIGTERM) get to checkpoint before
+    # SIGKILL, as long as any of their collectives may wait (torchrun's default: 30 s).
+    args = [
+        f"--nproc-per-node={p.nproc}",
+        f"--max-restarts={p.max_restarts}",
+        f"--shutdown-timeout={p.timeout_s}",
+    ]
     if p.nnodes == 1:
         return [*args, "--standalone"]  # a free port on this machine
     host, _, port = p.rdzv_endpoint.rpartition(":")
@@ -77,6 +91,7 @@ def torchrun_args(p: ParallelConfig) -> list[str]:
 
 def main(argv: list[str] | None = None, fork: bool = False) -> int:
     """torchrun ARGV in this process; with `fork`, each rank is forked from it (`-m` scripts only)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args, run
@@ -84,19 +99,24 @@ def main(argv: list[str] | None = None, fork: bool = False) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.max_restarts:
         os.environ.setdefault(UNSHARED_STORE, "1")
+    # SIGINT and SIGTERM are `distft.signals`' (below), torch's handler keeps the other two.
+    args.signals_to_handle = "SIGHUP,SIGQUIT"
     try:
-        if not fork:
-            run(args)
-            return 0
-        if args.standalone:  # what torch.distributed.run.run does before it launches
-            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-        args.start_method = "fork"
-        config, _, _ = config_from_args(args)
-        with _forking():
-            elastic_launch(config, run_module)(args.training_script, list(args.training_script_args))
+        with _stopping_ranks():
+            if not fork:
+                run(args)
+                return 0
+            if args.standalone:  # what torch.distributed.run.run does before it launches
+                args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+            args.start_method = "fork"
+            config, _, _ = config_from_args(args)
+            with _forking():
+                elastic_launch(config, run_module)(args.training_script, list(args.training_script_args))
     except ChildFailedError as err:
         print(_summary(err), file=sys.stderr)
         return 1
+    except SignalException as err:  # the ranks stopped (the main rank said where) or were killed
+        return signals.exit_code(err.sigval)
     return 0
 
 
@@ -108,10 +128,13 @@ def run_module(module: str, argv: list[str]) -> None:
     # again as __main__ is the point, and runpy's warning that it is already imported is noise.
     warnings.filterwarnings("ignore", f"'{module}' found in sys.modules", RuntimeWarning)
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        with signals.handling():  # not the agent's handler, inherited by the fork (`distft.signals`)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         if stop.code:
             raise
+    except signals.Interrupted as stop:  # before the module took the signals over
+        raise SystemExit(signals.exit_code(stop.signum)) from None
 
 
 @contextlib.contextmanager
@@ -139,6 +162,44 @@ def _forking() -> Iterator[None]:
         gc.unfreeze()
         os.environ.clear()
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _stopping_ranks() -> Iterator[None]:
+    """SIGINT/SIGTERM in the agent: the first raises torch's `SignalException`, on which the agent
+    sends the same signal to its ranks and gives them `--shutdown-timeout` seconds to stop at a step
+    boundary and checkpoint; a second (`distft.signals`) goes on to the ranks, which then leave at
+    once. The agent's own lines about it are left out: the main rank says what happened."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def stop(signum: int) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    def children() -> list[int]:
+        return [child.pid for child in psutil.Process().children()]
+
+    logs = [
+        logging.getLogger(f"torch.distributed.elastic.{m}.api") for m in ("agent.server", "multiprocessing")
+    ]
+    for log in logs:
+        log.addFilter(_without_stop_notes)
+    try:
+        with signals.handling(first=stop, later=signals.forward_to(children)):
+            yield
+    finally:
+        for log in logs:
+            log.removeFilter(_without_stop_notes)
+
+
+_STOP_NOTES = (
+    "Received %s death signal",
+    "Closing process %s via signal",
+    "Sending process %s closing signal",
+)
+
+
+def _without_stop_notes(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_STOP_NOTES)
 
 
 def _summary(err) -> str:

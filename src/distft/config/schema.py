@@ -158,6 +158,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """A step whose loss or gradient norm is NaN/inf: `stop` (before the optimizer step, so the
     weights and the last checkpoint stay good) or `skip` (no update; the run goes on)."""
+    checkpoint_on_signal: bool = True
+    """On SIGINT (Ctrl-C) or SIGTERM (a scheduler's notice), every rank stops after the same step;
+    with this on, a checkpoint of that step is written first (docs/reliability.md, "Signals")."""
     measure_comm: str = "auto"
     """Collectives' bytes and overlap: `every` step, the `first` only, `off`, or auto: every step on
     CPU, the first on CUDA (a host hook on every op would slow the steps it measures)."""

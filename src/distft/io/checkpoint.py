@@ -255,7 +255,7 @@ def _index(key: str) -> int:
 RESUMABLE_CHANGES = (
     "train.max_steps", "train.eval_every", "train.eval_batches", "train.log_every", "train.device",
     "model.activation_checkpointing", "model.autocast", "data.max_rows", "train.on_nonfinite",
-    "train.straggler_window", "train.straggler_ratio",
+    "train.straggler_window", "train.straggler_ratio", "train.checkpoint_on_signal",
 )  # fmt: skip
 
 

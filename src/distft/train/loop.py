@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from distft import signals
 from distft.config import Config
 from distft.distributed import shutdown
 from distft.health.stragglers import StepArrivals
-from distft.io.checkpoint import save_training_state
+from distft.io.checkpoint import latest_checkpoint, resume_hint, save_training_state
 from distft.io.export import save_adapter, save_full_model
 from distft.io.files import atomic_write_text
 from distft.io.lock import run_lock
@@ -55,6 +57,17 @@ class TrainResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
     output_dir: Path | None = None
     model: torch.nn.Module | None = None  # this rank's trained `SummaryLM` (unwrapped)
+    stopped_by: int | None = None  # the signal that stopped the run early (`distft.signals`)
+    stopped_after: int = 0  # ... after this step
+    checkpoint: Path | None = None  # ... having written this checkpoint (None: none written)
+
+    def stopped_line(self, max_steps: int) -> str:
+        """The one line a run stopped by a signal ends with: where, what was saved, how to go on."""
+        head = f"distft train: stopped by {signals.name(self.stopped_by)} after step {self.stopped_after} of {max_steps}"
+        if self.checkpoint is None:
+            hint = resume_hint(self.output_dir)
+            return f"{head}; no checkpoint written (train.checkpoint_on_signal=false). {hint}"
+        return f"{head}; checkpoint written to {self.checkpoint}. Resume with: distft train --resume {self.output_dir}"
 
 
 def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> TrainResult:
@@ -65,15 +78,18 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     lock = run_lock(Path(cfg.output.dir)) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with lock:
         run = setup(cfg, dataset, hooks.health)
-        result = steps_and_export(run, hooks)
-        env = run.env
-        # The parallel model goes before the process group. DDP's C++ reducer holds a reference to
-        # the group; were it the last, dropping the model would destroy gloo's threads with the GIL
-        # held while one of them waits for the GIL to free a tensor: a hang (seen in 1 forked run of
-        # ~10 under load). Left to `destroy_process_group`, the last reference goes without the GIL.
-        del run
-        gc.collect()  # the wrappers sit in reference cycles
-        shutdown(env)
+        # From here SIGINT/SIGTERM only ask the loop to stop at its next step boundary.
+        with signals.deferred():
+            result = steps_and_export(run, hooks)
+            env = run.env
+            # The parallel model goes before the process group. DDP's C++ reducer holds a reference
+            # to the group; were it the last, dropping the model would destroy gloo's threads with
+            # the GIL held while one of them waits for the GIL to free a tensor: a hang (seen in 1
+            # forked run of ~10 under load). Left to `destroy_process_group`, the last reference
+            # goes without the GIL.
+            del run
+            gc.collect()  # the wrappers sit in reference cycles
+            shutdown(env)
     return result
 
 
@@ -130,8 +146,18 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
                 metrics.write(record)
                 trackers.log(record)
             progress.update(record)
-            if cfg.output.checkpoint_every and step % cfg.output.checkpoint_every == 0 and not last:
+            saved = bool(cfg.output.checkpoint_every) and step % cfg.output.checkpoint_every == 0 and not last
+            if saved:
                 checkpoint(run, step)
+            if not last and (signum := stop_requested(run, step)):
+                stop(run, step, signum, result, saved)
+                break
+
+    if result.stopped_by is not None:  # no export: the run goes on with `--resume`
+        if env.is_main:
+            metrics.close()
+            trackers.finish()
+        return result
 
     # ---- export ---------------------------------------------------------------------------
     straggler = stragglers.of(env.rank) if stragglers else None
@@ -182,13 +208,37 @@ def kernels_line(run: Run) -> str:
     return f"attention {run.attention} (model.attn_implementation={cfg.attn_implementation}); {compiling}"
 
 
-def checkpoint(run: Run, step: int) -> None:
+def checkpoint(run: Run, step: int) -> Path:
     """Write the training state after step `step` (`distft.io.checkpoint`), every rank its shards."""
     with run.collective(f"writing the checkpoint of step {step}"):
         state = run.strategy.checkpoint_state(run.model, run.optimizer)
-        save_training_state(
+        return save_training_state(
             run.out, step, state, run.scheduler, run.env.rank, run.env.world_size, run.cfg.output.keep_last
         )
+
+
+def stop_requested(run: Run, step: int) -> int:
+    """The signal on which every rank stops after step `step` (0: none), the same on every rank.
+
+    Ranks see a signal at different steps (or only some see it), so they agree: the largest
+    signal number any rank has, by an all-reduce of 4 bytes. It runs after the step, outside what
+    `distft.measure` counts: the loss and norm all-reduces inside the step run over other groups
+    per strategy (or not at all), so none of them reaches every rank everywhere."""
+    mine = signals.received() or 0
+    if not run.env.distributed:
+        return mine
+    flag = torch.tensor([mine], dtype=torch.int32, device=run.env.device)
+    with run.collective(f"the all-reduce of the stop flag after step {step}"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def stop(run: Run, step: int, signum: int, result: TrainResult, saved: bool) -> None:
+    """Stop after step `step` on signal `signum`: checkpoint it (`train.checkpoint_on_signal`,
+    unless `saved` already), and say so in `result`."""
+    result.stopped_by, result.stopped_after = signum, step
+    if run.cfg.train.checkpoint_on_signal:
+        result.checkpoint = latest_checkpoint(run.out) if saved else checkpoint(run, step)
 
 
 def export(run: Run, summary: dict) -> list[dict]:
