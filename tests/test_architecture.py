@@ -17,6 +17,7 @@ LAYERS = {
     "distft.hub": 0,
     "distft.signals": 0,  # SIGINT/SIGTERM: stop at a step boundary (the loop, the launcher, the CLI)
     "distft.config": 1,
+    "distft.exits": 1,  # how every command ends: one line and an exit code
     "distft.model": 2,
     "distft.data": 2,
     "distft.distributed": 2,

@@ -25,7 +25,8 @@ from distft.config import Config, load_config, to_toml
 from distft.data import load_tokenizer, tokenized_splits
 from distft.distributed import exit_worker, launched_by_torchrun, pick_device
 from distft.doctor import add_doctor_parser, cmd_doctor
-from distft.errors import ConfigError, run_command
+from distft.errors import ConfigError
+from distft.exits import run_command
 from distft.export import EXPORT_DTYPES, export_run
 from distft.health import print_network_warnings
 from distft.health.cuda import check_bf16

@@ -1,9 +1,10 @@
-"""Every command ends in `run_command`: one line on stderr and an exit code, whatever escapes;
+"""Every command ends in `distft.exits.run_command`: one line on stderr and an exit code, whatever escapes;
 DISTFT_DEBUG=1 adds the traceback."""
 
 import pytest
 
-from distft.errors import DEBUG_ENV, CheckpointError, ConfigError, DamagedFileError, run_command
+from distft.errors import CheckpointError, ConfigError, DamagedFileError
+from distft.exits import DEBUG_ENV, run_command
 
 
 def fail(err: BaseException):
