@@ -52,6 +52,7 @@ def test_outputs_are_standard(run):
     assert {p.name for p in (out / "adapter").iterdir()} == {
         "adapter_config.json",
         "adapter_model.safetensors",
+        "manifest.json",  # every file's size and SHA-256 (`distft.io.files`)
     }
     assert (out / "base" / "config.json").is_file() and (out / "base" / "tokenizer.json").is_file()
     assert not list(out.glob(".*tmp*")), "no temporary directories left behind"

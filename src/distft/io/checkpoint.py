@@ -102,9 +102,7 @@ def intact_checkpoint(run_dir: Path) -> tuple[Path | None, list[str]]:
         problem = checkpoint_damage(checkpoint)
         if problem is None:
             return checkpoint, skipped
-        skipped.append(
-            f"skipped the damaged checkpoint {checkpoint.name} ({problem}; set aside as .damaged-{checkpoint.name})"
-        )
+        skipped.append(f"skipped the damaged checkpoint {checkpoint.name} ({problem})")
     return None, skipped
 
 
@@ -268,24 +266,26 @@ def check_resume(cfg: Config, force: bool = False, skipped: list[str] | None = N
     """
     out = Path(cfg.output.dir)
     wanted = cfg.output.resume and not cfg.output.overwrite
-    checkpoint, passed_over = intact_checkpoint(out) if wanted or force else (None, [])
-    if checkpoint is None and passed_over:
+    latest = latest_checkpoint(out) if wanted or force else None
+    if latest is None:
+        return None
+    if (out / "config.toml").is_file():  # another run's checkpoints: named before any is read
+        saved = load_config(out / "config.toml")
+        ignore = RESUMABLE_CHANGES + tuple(
+            f"{s}.{k}" for s in ("output", "parallel") for k in vars(getattr(cfg, s))
+        )
+        diffs = config_differences(saved, cfg, ignore=ignore)
+        if diffs:
+            raise ConfigError(
+                f"{out} holds a run with a different config, and its checkpoint {latest.name} would resume "
+                f"into it ({'; '.join(diffs)}). Use another --out, or output.resume=false to start over there."
+            )
+    checkpoint, passed_over = intact_checkpoint(out)
+    if checkpoint is None:
         raise DamagedFileError(
             f"{out} holds checkpoints, and every one is damaged: {'; '.join(passed_over)}. Nothing was "
             "changed. Restore the files, or start over with output.resume=false (which deletes them)."
         )
     if skipped is not None:
         skipped.extend(passed_over)
-    if checkpoint is None or not (out / "config.toml").is_file():
-        return checkpoint
-    saved = load_config(out / "config.toml")
-    ignore = RESUMABLE_CHANGES + tuple(
-        f"{s}.{k}" for s in ("output", "parallel") for k in vars(getattr(cfg, s))
-    )
-    diffs = config_differences(saved, cfg, ignore=ignore)
-    if diffs:
-        raise ConfigError(
-            f"{out} holds a run with a different config, and its checkpoint {checkpoint.name} would resume "
-            f"into it ({'; '.join(diffs)}). Use another --out, or output.resume=false to start over there."
-        )
     return checkpoint

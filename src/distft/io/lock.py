@@ -72,6 +72,7 @@ def run_lock(directory: Path, command: str = "distft train") -> Iterator[None]:
     if held and held.get("token") and held.get("token") == os.environ.get(LOCK_ENV):
         yield  # a rank (or an in-process `train`) of the run that holds it
         return
+    created = not directory.exists()
     token = _acquire(directory, path, command)
     previous = os.environ.get(LOCK_ENV)
     os.environ[LOCK_ENV] = token
@@ -84,6 +85,8 @@ def run_lock(directory: Path, command: str = "distft train") -> Iterator[None]:
             os.environ[LOCK_ENV] = previous
         if (_read(path) or {}).get("token") == token:
             path.unlink(missing_ok=True)
+        if created and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()  # a command refused before it wrote anything leaves no directory
 
 
 def _acquire(directory: Path, path: Path, command: str) -> str:
