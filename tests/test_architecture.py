@@ -15,6 +15,7 @@ LAYERS = {
     "distft.errors": 0,
     "distft.tensors": 0,
     "distft.hub": 0,
+    "distft.textfiles": 0,  # what a file's bytes look like (UTF-16, Parquet, binary), for errors that say so
     "distft.config": 1,
     "distft.model": 2,
     "distft.data": 2,

@@ -9,6 +9,13 @@ Two families, told apart by when they happen and how the CLI exits:
 """
 
 
+def one_line(text: object) -> str:
+    """`text` as it may stand inside a one-paragraph message: a user's name or value that holds a
+    line break or another control character is shown escaped, as Python writes it."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 class ConfigError(ValueError):
     """A user-facing configuration problem; the message says what is wrong and how to fix it."""
 

@@ -32,12 +32,13 @@ from distft.data import (
     prompt_and_reference,
     validation_rows,
 )
-from distft.errors import ConfigError
+from distft.errors import ConfigError, DataError
 from distft.infer.evaluate import compare, eval_rows
 from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
 from distft.io.lineage import origin_text, stage_text
+from distft.textfiles import decode_utf8
 
 # ---- infer --------------------------------------------------------------------------------------
 
@@ -163,10 +164,8 @@ def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterable[Row
         if first is None:
             raise ConfigError(f"--input {source} has no rows to generate for.")
         return itertools.chain([first], rows)
-    if source == "-":
-        return [_text_row(sys.stdin.read(), "stdin", loaded.cfg.data)]
     if source:
-        return [_text_row(Path(source).read_text(encoding="utf-8"), source, loaded.cfg.data)]
+        return [_text_row(read_input(source), "stdin" if source == "-" else source, loaded.cfg.data)]
     (row,) = validation_rows(loaded.cfg.data, seed=loaded.cfg.train.seed, limit=1)
     if isinstance(row, MeetingRow):
         print("--- held-out meeting (first lines) ---")
@@ -176,6 +175,17 @@ def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterable[Row
         print(f"--- held-out row {row.origin}: its last prompt turn (first lines) ---")
         print("\n".join(prompt[-1].content.splitlines()[:6] if prompt else []) + "\n...")
     return [row]
+
+
+def read_input(source: str) -> str:
+    """The text of `--input FILE` (or standard input, `-`); a DataError for one that is not UTF-8
+    text, naming what it looks like (UTF-16, binary) or the line of the first byte that is not UTF-8."""
+    name = "standard input" if source == "-" else f"--input {source}"
+    try:
+        data = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
+    except OSError as err:
+        raise DataError(f"{name} cannot be read ({err.strerror or err}).") from None
+    return decode_utf8(data, name, DataError)
 
 
 def _print_result(row: Row, result: Generated, batch: bool) -> None:
