@@ -32,7 +32,7 @@ from distft.io.preflight import check_finished_run, check_output_dir
 from distft.launch import launch_ranks
 from distft.model import is_preset, model_config
 from distft.model.build import check_weight_files
-from distft.parallel import STRATEGIES, check_config, check_model
+from distft.parallel import STRATEGIES, check_config, check_model, ignored_settings
 from distft.train import train
 from distft.train.metrics import START_ENV
 from distft.train.tracking import check_trackers
@@ -209,6 +209,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     if not launched_by_torchrun():
+        for line in ignored_settings(cfg):  # valid, but does nothing under this strategy
+            print(f"distft train: warning: {line}", file=sys.stderr)
         preflight(cfg, resuming=args.resume is not None)
         if STRATEGIES[cfg.parallel.strategy].distributed:
             on_cuda = pick_device(cfg.train.device).type == "cuda"
