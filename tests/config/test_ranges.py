@@ -2,7 +2,9 @@
 key and the range named, NaN and infinities refused everywhere."""
 
 import math
+import re
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +94,15 @@ def test_a_range_refuses_nan_by_what_must_hold():
     for allowed in (Range(0), Range(0, low_open=True), Range(0, 1), Range(0, 1, high_open=True)):
         assert math.nan not in allowed and math.inf not in allowed and -math.inf not in allowed
         assert 0.5 in allowed
+
+
+def test_docs_list_every_range():
+    """docs/reliability.md's table of ranges says what `RANGES` says, setting by setting."""
+    doc = (Path(__file__).parents[2] / "docs" / "reliability.md").read_text(encoding="utf-8")
+    table = doc.split("### Ranges of numeric settings")[1].split("\n\n")[2]
+    documented = {
+        key: bound.strip()
+        for bound, keys in (line.split("|")[1:3] for line in table.splitlines()[2:])
+        for key in re.findall(r"`([a-z_]+\.[a-z_0-9]+)`", keys)
+    }
+    assert documented == {key: str(allowed) for key, allowed in RANGES.items()}
