@@ -87,6 +87,7 @@ def test_a_file_that_is_not_what_its_name_says_is_refused(tmp_path, name, data, 
         b"\xef\xbb\xbf" + LINES.encode(),  # a byte-order mark (Windows editors write one)
         LINES.replace("\n", "\r\n").encode(),  # Windows line ends
         ("\n\n" + LINES + "\n").encode(),  # blank lines
+        b"\xef\xbb\xbf\n" + LINES.encode(),  # a byte-order mark on a blank first line
     ],
 )
 def test_utf8_variants_read(tmp_path, data):

@@ -114,11 +114,10 @@ def _partial(record: dict[str, Any]) -> str | None:
 def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_answer: bool = True) -> str:
     """The one format `record` fits under data.format=auto; a DataError if none or several.
     With `need_answer=False` a prompt or an instruction without its completion/output fits."""
-    seen = _fields_of(record)
     fits = _fits(record, cfg, need_answer)
     if len(fits) > 1:
         raise DataError(
-            f"{origin}: the row's fields ({seen}) fit more than one format: {' and '.join(fits)}. "
+            f"{origin}: the row's fields ({_fields_of(record)}) fit more than one format: {' and '.join(fits)}. "
             f"Say which with data.format={fits[-1]} (or data.format={fits[0]}); docs/data.md shows each format."
         )
     if fits:
@@ -128,7 +127,7 @@ def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_ans
         return partial  # its parser names the missing field
     known = "; ".join(f"{{{t}, {s}}}" for t, s in KNOWN_SCHEMAS)
     raise DataError(
-        f"{origin}: no transcript/summary fields found, nor any other known format (row has: {seen}). "
+        f"{origin}: no transcript/summary fields found, nor any other known format (row has: {_fields_of(record)}). "
         f"Summary schemas: {known}; chat {{messages}}; prompt_completion {{prompt, completion}}; alpaca "
         "{instruction, input, output}. Name yours with data.transcript_field=... data.summary_field=..."
     )

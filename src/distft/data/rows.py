@@ -58,14 +58,10 @@ def _check_jsonl_head(path: Path, head: bytes) -> None:
         )
 
 
-def _json_line(raw: bytes, where: str) -> Any:
-    """One line's JSON value; a DataError naming `where` (file:line) if it is not UTF-8 or not JSON."""
+def _json_line(line: str, where: str) -> Any:
+    """One line's JSON value; a DataError naming `where` (file:line) if it is not JSON."""
     try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{not_utf8(raw, err.start, where)}; re-save the file as UTF-8.") from None
-    try:
-        return json.loads(line.removeprefix("\ufeff"))
+        return json.loads(line)
     except json.JSONDecodeError as err:
         raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno}).") from None
     except (ValueError, RecursionError) as err:  # a number of 5000 digits; nesting deeper than the stack
@@ -73,14 +69,30 @@ def _json_line(raw: bytes, where: str) -> Any:
         raise DataError(f"{where}: a JSON value distft cannot read ({why}).") from None
 
 
+def _first_bad_byte(path: Path) -> str:
+    """The refusal of a file that does not decode as UTF-8, naming the line of its first bad byte."""
+    with _open(path) as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return f"{not_utf8(raw, err.start, f'{path}:{line_no}')}; re-save the file as UTF-8."
+    return f"{path} is not UTF-8 text; re-save it as UTF-8."  # a character cut by the end of the file
+
+
 def _iter_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
     with _open(path) as f:
         _check_jsonl_head(path, f.read(HEAD_BYTES))
-        f.seek(0)
-        for line_no, raw in enumerate(f, start=1):
-            if raw.strip():
-                record = _json_line(raw, f"{path}:{line_no}")
-                yield row_from_record(record, cfg, f"{path}:{line_no}", need_summary)
+    # Text mode (fast); a byte that is not UTF-8 stops it, and then the bytes tell where.
+    with path.open(encoding="utf-8") as f:
+        try:
+            for line_no, line in enumerate(f, start=1):
+                line = line.removeprefix("\ufeff") if line_no == 1 else line  # a byte-order mark
+                if line.strip():
+                    record = _json_line(line, f"{path}:{line_no}")
+                    yield row_from_record(record, cfg, f"{path}:{line_no}", need_summary)
+        except UnicodeDecodeError:
+            raise DataError(_first_bad_byte(path)) from None
 
 
 def _parquet_records(path: Path) -> Iterator[dict]:
