@@ -128,6 +128,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     batch = bool(args.input) and args.input.endswith(LOCAL_SUFFIXES)
     if args.input and args.input != "-" and not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input} does not exist.")
+    text = read_input(args.input) if args.input and not batch else None  # refused before the model loads
     loaded = _with_format(load_trained(run=args.run, adapter=args.adapter, model=args.model), args.format)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)
@@ -135,7 +136,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     output = results_file(Path(args.output), loaded.cfg.data) if args.output else contextlib.nullcontext()
     with output as write:
         # A file is read a row at a time, and each result written as it comes: constant memory.
-        for row in _input_rows(loaded, args.input, batch):
+        for row in _input_rows(loaded, args.input, batch, text):
             result = generate(loaded, row, sampling)
             if notice := truncation_notice(loaded, row, result, sampling):
                 print(notice, file=sys.stderr)
@@ -157,15 +158,15 @@ def _text_row(text: str, origin: str, cfg: DataConfig) -> Row:
     return ChatRow((Message("user", (text.strip(),)),), origin)
 
 
-def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterable[Row]:
+def _input_rows(loaded: Loaded, source: str | None, batch: bool, text: str | None) -> Iterable[Row]:
     if batch:
         rows = iter_file(source, loaded.cfg.data, need_summary=False)
         first = next(rows, None)
         if first is None:
             raise ConfigError(f"--input {source} has no rows to generate for.")
         return itertools.chain([first], rows)
-    if source:
-        return [_text_row(read_input(source), "stdin" if source == "-" else source, loaded.cfg.data)]
+    if text is not None:  # --input FILE or -, read by `read_input`
+        return [_text_row(text, "stdin" if source == "-" else source, loaded.cfg.data)]
     (row,) = validation_rows(loaded.cfg.data, seed=loaded.cfg.train.seed, limit=1)
     if isinstance(row, MeetingRow):
         print("--- held-out meeting (first lines) ---")
