@@ -66,8 +66,15 @@ def test_nan_and_infinities_are_refused_everywhere(key, value):
         ),
         ("parallel.ddp_bucket_mb=0", "`parallel.ddp_bucket_mb` must be positive, got 0.0 (range: > 0)."),
         ("model.quant_block_size=1", "`model.quant_block_size` must be at least 2, got 1 (range: >= 2)."),
-        ("train.seed=-1", "`train.seed` cannot be negative, got -1 (range: >= 0)."),
-        ("train.seed=9223372036854775808", "`train.seed` must be at most 9223372036854775807 (2**63 - 1)"),
+        ("train.seed=-1", "`train.seed` cannot be negative, got -1 (range: [0, 4294967295])."),
+        (
+            "train.seed=4294967296",
+            "`train.seed` must be at most 4294967295, got 4294967296 (range: [0, 4294967295]).",
+        ),
+        (
+            "train.max_steps=9223372036854775808",
+            "`train.max_steps` must be at most 9223372036854775807 (2**63 - 1)",
+        ),
         ("optim.lr=1" + "0" * 400, "`optim.lr` must be a finite number, got 1000"),
         (
             "data.validation_fraction=0",

@@ -104,11 +104,12 @@ INT64_MAX = 2**63 - 1  # the largest count or seed torch (and TOML) holds
 POSITIVE, COUNT, NON_NEGATIVE = Range(0, low_open=True), Range(1), Range(0)
 FRACTION = Range(0, 1, high_open=True)  # [0, 1)
 YEAR_S = Range(1, 365 * 24 * 3600)  # a timeout: a second to a year (timedelta overflows beyond)
+SEED = Range(0, 2**32 - 1)  # the data order seeds torch with seed x 100003 + epoch, in 63 bits
 
 # Every int and float setting of `distft.config.schema`, checked by `check_ranges` when a config
-# is loaded (tests/config/test_config.py holds this table to the schema).
+# is loaded (tests/config/test_ranges.py holds this table to the schema and to docs/reliability.md).
 RANGES: dict[str, Range] = {
-    "model.seed": NON_NEGATIVE,
+    "model.seed": SEED,
     "model.quant_block_size": Range(2),  # and even, under train.method=qlora
     "model.quant_scaler_block_size": COUNT,
     "data.validation_fraction": Range(0, 1, low_open=True, high_open=True),
@@ -131,7 +132,7 @@ RANGES: dict[str, Range] = {
     "train.eval_every": NON_NEGATIVE,
     "train.eval_batches": COUNT,
     "train.log_every": COUNT,
-    "train.seed": NON_NEGATIVE,
+    "train.seed": SEED,
     "parallel.nproc": COUNT,
     "parallel.nnodes": COUNT,
     "parallel.node_rank": NON_NEGATIVE,  # and below parallel.nnodes
