@@ -64,7 +64,10 @@ def test_nan_and_infinities_are_refused_everywhere(key, value):
             "parallel.timeout_s=31536001",
             "`parallel.timeout_s` must be at most 31536000, got 31536001 (range: [1, 31536000]).",
         ),
-        ("parallel.ddp_bucket_mb=0", "`parallel.ddp_bucket_mb` must be positive, got 0.0 (range: > 0)."),
+        (
+            "parallel.ddp_bucket_mb=0",
+            "`parallel.ddp_bucket_mb` must be positive, got 0.0 (range: (0, 1000000]).",
+        ),
         ("model.quant_block_size=1", "`model.quant_block_size` must be at least 2, got 1 (range: >= 2)."),
         ("train.seed=-1", "`train.seed` cannot be negative, got -1 (range: [0, 4294967295])."),
         (

@@ -140,7 +140,7 @@ RANGES: dict[str, Range] = {
     "parallel.health_timeout_s": YEAR_S,
     "parallel.health_slow_s": POSITIVE,
     "parallel.max_restarts": NON_NEGATIVE,
-    "parallel.ddp_bucket_mb": POSITIVE,
+    "parallel.ddp_bucket_mb": Range(0, 1e6, low_open=True),  # up to a terabyte: DDP takes it in bytes
     "parallel.fsdp_prefetch": NON_NEGATIVE,
     "parallel.microbatches": NON_NEGATIVE,  # 0: from train.micro_batch_size
     "parallel.stages_per_rank": NON_NEGATIVE,  # 0: the schedule's default
