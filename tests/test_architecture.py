@@ -16,6 +16,7 @@ LAYERS = {
     "distft.tensors": 0,
     "distft.hub": 0,
     "distft.signals": 0,  # SIGINT/SIGTERM: stop at a step boundary (the loop, the launcher, the CLI)
+    "distft.textfiles": 0,  # what a file's bytes look like (UTF-16, Parquet, binary), for errors that say so
     "distft.config": 1,
     "distft.exits": 1,  # how every command ends: one line and an exit code
     "distft.model": 2,

@@ -307,6 +307,28 @@ def test_bad_flags_are_refused_before_loading(argv, phrase, run, monkeypatch, ca
     assert phrase in message, err
 
 
+@pytest.mark.parametrize(
+    ("name", "data", "phrase"),
+    [
+        ("meeting.txt", "A: hi".encode("utf-16"), "meeting.txt is not UTF-8 text: it looks like UTF-16 text"),
+        ("meeting.txt", b"A: hi\nB: caf\xe9\n", "meeting.txt:2: not UTF-8 text (byte 0xE9 at column 7"),
+    ],
+)
+def test_an_input_that_is_not_utf8_text_is_refused_before_loading(
+    name, data, phrase, tmp_path, monkeypatch, capsys
+):
+    def loaded(**kwargs):
+        raise AssertionError("the model was loaded for an input it cannot read")
+
+    monkeypatch.setattr("distft.infer.commands.load_trained", loaded)
+    (tmp_path / name).write_bytes(data)
+    assert main(["infer", "--run", str(tmp_path), "--input", str(tmp_path / name)]) == 2
+    (message,) = [
+        line for line in capsys.readouterr().err.splitlines() if line.startswith("distft infer: error: ")
+    ]
+    assert phrase in message
+
+
 def test_a_relative_data_path_is_stored_absolute(tmp_path, run):
     """eval/infer read the run's config.toml from anywhere: its local data path is absolute."""
     (tmp_path / "data").mkdir()

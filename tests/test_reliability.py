@@ -233,9 +233,12 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch, c
 # ---- bad input: one paragraph, exit code 2, no traceback, nothing launched --------------------
 
 
-def _file(tmp: Path, name: str, text: str) -> str:
+def _file(tmp: Path, name: str, text: str | bytes) -> str:
     path = tmp / name
-    path.write_text(text)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
     return str(path)
 
 
@@ -420,6 +423,84 @@ BAD_INPUTS = [
         None,
         "--method qlora cannot run with --strategy tp",
     ),
+    # Files that are not what their name says: what they look like, named before anything runs.
+    (
+        "UTF-16 data file",
+        lambda t: ["--data", _file(t, "utf16.jsonl", (MEETING * 2).encode("utf-16"))],
+        None,
+        "utf16.jsonl is not UTF-8 text: it looks like UTF-16 text (a little-endian byte-order mark); re-save it as UTF-8",
+    ),
+    (
+        "binary data file",
+        lambda t: ["--data", _file(t, "data.jsonl", bytes(range(256)))],
+        None,
+        "data.jsonl is not UTF-8 text: it looks like binary data (a NUL byte at offset 0)",
+    ),
+    (
+        "a byte that is not UTF-8",
+        lambda t: ["--data", _file(t, "latin.jsonl", MEETING.encode() + b'{"transcript": "A: caf\xe9"}\n')],
+        None,
+        "latin.jsonl:2: not UTF-8 text (byte 0xE9 at column 23",
+    ),
+    (
+        "JSON lines named .parquet",
+        lambda t: ["--data", _file(t, "rows.parquet", MEETING * 2)],
+        None,
+        "rows.parquet is not a Parquet file: it starts like JSON lines; rename it rows.jsonl",
+    ),
+    (
+        "Parquet named .jsonl",
+        lambda t: ["--data", _file(t, "rows.jsonl", b"PAR1" + bytes(100) + b"PAR1")],
+        None,
+        "rows.jsonl is a Parquet file, not JSON lines: rename it rows.parquet",
+    ),
+    (
+        "a JSON array in .json",
+        lambda t: ["--data", _file(t, "rows.json", "[" + MEETING + "," + MEETING + "]")],
+        None,
+        "rows.json holds a JSON array; distft reads JSON lines",
+    ),
+    (
+        "CSV data file",
+        lambda t: ["--data", _file(t, "rows.csv", "transcript,summary\n")],
+        None,
+        "a local dataset must be a .jsonl file (.json: also JSON lines) or a .parquet file (CSV: convert",
+    ),
+    (
+        "binary config file",
+        lambda t: ["--config", _file(t, "run.toml", b"\x1f\x8b" + bytes(20))],
+        None,
+        "run.toml is not UTF-8 text: it looks like a gzip archive; decompress it first",
+    ),
+    # Numbers that pass the type check but make no sense: each setting's range (`config.RANGES`).
+    ("NaN learning rate", ["optim.lr=nan"], None, "`optim.lr` must be a finite number, got nan (range: > 0)"),
+    (
+        "negative learning rate",
+        ["optim.lr=-1e-4"],
+        None,
+        "`optim.lr` must be positive, got -0.0001 (range: > 0)",
+    ),
+    ("Adam beta2 of 1", ["optim.beta2=1.0"], None, "`optim.beta2` must be below 1, got 1.0 (range: [0, 1))"),
+    (
+        "LoRA dropout 1.5",
+        ["lora.dropout=1.5"],
+        None,
+        "`lora.dropout` must be below 1, got 1.5 (range: [0, 1))",
+    ),
+    ("max_length 8", ["data.max_length=8"], None, "`data.max_length` must be at least 32, got 8"),
+    (
+        "timeout 0",
+        ["parallel.timeout_s=0"],
+        None,
+        "`parallel.timeout_s` must be positive, got 0 (range: [1, 31536000])",
+    ),
+    (
+        "LoRA target the model lacks",
+        ["lora.target_modules=q_proj,qkv_proj"],
+        None,
+        "`lora.target_modules` names qkv_proj, which micro does not have: its Linear layers are down_proj, "
+        "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj.",
+    ),
 ]
 
 
@@ -449,4 +530,20 @@ def test_bad_input_is_refused_before_launch(argv, setup, phrase, tmp_path, monke
 
 
 def test_bad_input_table_is_large_enough():
-    assert len(BAD_INPUTS) >= 15
+    assert len(BAD_INPUTS) >= 40
+
+
+def test_settings_the_strategy_ignores_are_warned_before_launch(tmp_path, monkeypatch, capsys):
+    """A setting only other strategies read is valid but does nothing: one warning line each,
+    printed before the checks that follow (here a refusal, so that nothing is launched)."""
+    monkeypatch.setattr("distft.cli._cuda_count", lambda: 0)
+    argv = ["--strategy", "ddp", "--nproc", "2", "parallel.schedule=gpipe", "parallel.fsdp_wrap=model"]
+    assert main(["train", "--model", "micro", *argv, "train.device=cuda", "--out", str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "distft train: warning: parallel.fsdp_wrap=model does nothing under --strategy ddp: only fsdp, "
+        "zero2, hsdp, fsdp+tp, fsdp+pp, fsdp+tp+pp read it.",
+        "distft train: warning: parallel.schedule=gpipe does nothing under --strategy ddp: only pp, ddp+pp, "
+        "fsdp+pp, fsdp+tp+pp read it.",
+        "distft train: error: train.device=cuda, but this machine has no CUDA device; use train.device=cpu or auto.",
+    ]

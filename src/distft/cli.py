@@ -37,7 +37,7 @@ from distft.io.preflight import check_finished_run, check_output_dir, check_writ
 from distft.launch import launch_ranks
 from distft.model import is_preset, model_config
 from distft.model.build import check_weight_files
-from distft.parallel import STRATEGIES, check_config, check_model
+from distft.parallel import STRATEGIES, check_config, check_model, ignored_settings
 from distft.train import train
 from distft.train.metrics import START_ENV
 from distft.train.tracking import check_trackers
@@ -220,6 +220,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if launched_by_torchrun():  # a rank: the command that launched it checked everything
         return trained(cfg)
+    for line in ignored_settings(cfg):  # valid, but does nothing under this strategy
+        print(f"distft train: warning: {line}", file=sys.stderr)
     check_writable(Path(cfg.output.dir))
     # One writer per run directory, checks included; node 0 takes it for a multi-node run (the
     # others may share its filesystem).

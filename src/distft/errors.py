@@ -12,6 +12,13 @@ else that escapes (a disk error, a bug), becomes one line on stderr and an exit 
 """
 
 
+def one_line(text: object) -> str:
+    """`text` as it may stand inside a one-paragraph message: a user's name or value that holds a
+    line break or another control character is shown escaped, as Python writes it."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 class ConfigError(ValueError):
     """A user-facing configuration problem; the message says what is wrong and how to fix it."""
 

@@ -1,9 +1,9 @@
 """Run configuration: typed dataclasses (`schema`), loaded from TOML with overrides (`io`).
 
-This package is a leaf: it imports nothing of distft but `distft.errors`.
+This package is a leaf: it imports nothing of distft but layer 0 (`distft.errors`, `distft.textfiles`).
 """
 
-from distft.config.fields import check_choice, check_fields, nearest
+from distft.config.fields import RANGES, Range, check_choice, check_fields, nearest
 from distft.config.io import apply_override, config_differences, load_config, to_dict, to_toml
 from distft.config.schema import (
     DTYPES,
@@ -21,6 +21,7 @@ from distft.config.schema import (
 __all__ = [
     "DTYPES",
     "METHODS",
+    "RANGES",
     "Config",
     "DataConfig",
     "LoraConfig",
@@ -28,6 +29,7 @@ __all__ = [
     "OptimConfig",
     "OutputConfig",
     "ParallelConfig",
+    "Range",
     "TrainConfig",
     "apply_override",
     "check_choice",

@@ -1,4 +1,5 @@
-"""Checks of a `Config` that need nothing but the config itself: choices, ranges, positive counts.
+"""Checks of a `Config` that need nothing but the config itself: choices, and the range of every
+numeric setting (`RANGES`, one table), then the few relations between settings.
 
 Checks that depend on a strategy or a model architecture run later, in `distft.parallel.checks`.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
+from dataclasses import dataclass
 
 from distft.config.schema import (
     ATTENTION_CHOICES,
@@ -60,73 +63,135 @@ def check_fields(cfg: Config) -> None:
             "installed and runs FlexAttention elsewhere."
         )
     check_choice(cfg.parallel.fsdp_wrap, ("layer", "model"), "parallel.fsdp_wrap")
-    _check_counts(cfg)
-    _check_ranges(cfg)
+    check_ranges(cfg)
+    _check_relations(cfg)
 
 
-def _check_counts(cfg: Config) -> None:
-    positive = {
-        "lora.rank": cfg.lora.rank,
-        "train.max_steps": cfg.train.max_steps,
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "train.micro_batch_size": cfg.train.micro_batch_size,
-        "train.eval_batches": cfg.train.eval_batches,
-        "train.log_every": cfg.train.log_every,
-        "data.max_length": cfg.data.max_length,
-        "parallel.nproc": cfg.parallel.nproc,
-        "parallel.nnodes": cfg.parallel.nnodes,
-        "parallel.timeout_s": cfg.parallel.timeout_s,
-        "parallel.health_timeout_s": cfg.parallel.health_timeout_s,
-        "parallel.health_slow_s": cfg.parallel.health_slow_s,
-    }
-    for where, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"`{where}` must be positive, got {value}.")
-    if cfg.output.checkpoint_every < 0 or cfg.output.keep_last < 1:
-        raise ConfigError(
-            "`output.checkpoint_every` cannot be negative and `output.keep_last` must be at least 1."
-        )
-    if cfg.optim.warmup_steps < 0 or cfg.optim.grad_clip < 0 or cfg.train.eval_every < 0:
-        raise ConfigError(
-            "`optim.warmup_steps`, `optim.grad_clip` and `train.eval_every` cannot be negative."
-        )
-    if cfg.train.straggler_ratio <= 1:
-        raise ConfigError(f"`train.straggler_ratio` must be above 1, got {cfg.train.straggler_ratio}.")
-    if cfg.train.straggler_window < 0:
-        raise ConfigError(
-            f"`train.straggler_window` cannot be negative (0: off), got {cfg.train.straggler_window}."
-        )
-    if cfg.data.streaming and not cfg.data.cache:  # a stream held in every rank's memory defeats it
-        raise ConfigError("data.streaming=true streams into the token cache: it needs data.cache=true.")
-    if cfg.parallel.max_restarts < 0:
-        raise ConfigError(f"`parallel.max_restarts` cannot be negative, got {cfg.parallel.max_restarts}.")
-    if cfg.train.method == "qlora":
-        if cfg.model.quant_block_size <= 0 or cfg.model.quant_block_size % 2:
-            raise ConfigError(
-                f"`model.quant_block_size` must be a positive even number, got {cfg.model.quant_block_size}."
-            )
-        if cfg.model.quant_scaler_block_size <= 0:
-            raise ConfigError(
-                f"`model.quant_scaler_block_size` must be positive, got {cfg.model.quant_scaler_block_size}."
-            )
+# ---- Ranges ----------------------------------------------------------------------------------
 
 
-def _check_ranges(cfg: Config) -> None:
-    if not 0.0 <= cfg.lora.dropout < 1.0:
-        raise ConfigError(f"`lora.dropout` must be in [0, 1), got {cfg.lora.dropout}.")
-    if cfg.lora.alpha <= 0:
-        raise ConfigError(f"`lora.alpha` must be positive, got {cfg.lora.alpha}.")
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: from `low` (excluded when `low_open`) up to `high`
+    (excluded when `high_open`; None: no bound but int64's). A float must also be finite."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        # Written as what must hold, so NaN (false in every comparison) is out of every range.
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = self.low < value if self.low_open else self.low <= value
+        top = INT64_MAX if self.high is None else self.high
+        below = value < top if self.high_open else value <= top
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        low, high = _number(self.low), _number(self.high)
+        return f"{'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+INT64_MAX = 2**63 - 1  # the largest count or seed torch (and TOML) holds
+POSITIVE, COUNT, NON_NEGATIVE = Range(0, low_open=True), Range(1), Range(0)
+FRACTION = Range(0, 1, high_open=True)  # [0, 1)
+YEAR_S = Range(1, 365 * 24 * 3600)  # a timeout: a second to a year (timedelta overflows beyond)
+SEED = Range(0, 2**32 - 1)  # the data order seeds torch with seed x 100003 + epoch, in 63 bits
+
+# Every int and float setting of `distft.config.schema`, checked by `check_ranges` when a config
+# is loaded (tests/config/test_ranges.py holds this table to the schema and to docs/reliability.md).
+RANGES: dict[str, Range] = {
+    "model.seed": SEED,
+    "model.quant_block_size": Range(2),  # and even, under train.method=qlora
+    "model.quant_scaler_block_size": COUNT,
+    "data.validation_fraction": Range(0, 1, low_open=True, high_open=True),
+    "data.max_length": Range(32),  # the chat template alone takes ~10-35 tokens
+    "data.max_rows": NON_NEGATIVE,
+    "lora.rank": COUNT,
+    "lora.alpha": POSITIVE,
+    "lora.dropout": FRACTION,
+    "optim.lr": POSITIVE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.beta1": FRACTION,
+    "optim.beta2": FRACTION,
+    "optim.eps": POSITIVE,
+    "optim.warmup_steps": NON_NEGATIVE,
+    "optim.min_lr_ratio": Range(0, 1),
+    "optim.grad_clip": NON_NEGATIVE,  # 0: no clipping
+    "train.max_steps": COUNT,
+    "train.global_batch_size": COUNT,
+    "train.micro_batch_size": COUNT,
+    "train.eval_every": NON_NEGATIVE,
+    "train.eval_batches": COUNT,
+    "train.log_every": COUNT,
+    "train.seed": SEED,
+    "train.straggler_window": NON_NEGATIVE,  # 0: no straggler monitor
+    "train.straggler_ratio": Range(1, low_open=True),
+    "parallel.nproc": COUNT,
+    "parallel.nnodes": COUNT,
+    "parallel.node_rank": NON_NEGATIVE,  # and below parallel.nnodes
+    "parallel.timeout_s": YEAR_S,
+    "parallel.health_timeout_s": YEAR_S,
+    "parallel.health_slow_s": POSITIVE,
+    "parallel.max_restarts": NON_NEGATIVE,
+    "parallel.ddp_bucket_mb": Range(0, 1e6, low_open=True),  # up to a terabyte: DDP takes it in bytes
+    "parallel.fsdp_prefetch": NON_NEGATIVE,
+    "parallel.microbatches": NON_NEGATIVE,  # 0: from train.micro_batch_size
+    "parallel.stages_per_rank": NON_NEGATIVE,  # 0: the schedule's default
+    "parallel.dp": NON_NEGATIVE,  # 0: the world size / (tp x pp)
+    "parallel.tp": COUNT,
+    "parallel.pp": COUNT,
+    "parallel.shard": NON_NEGATIVE,  # 0: --nproc
+    "output.checkpoint_every": NON_NEGATIVE,  # 0: never
+    "output.keep_last": COUNT,
+}
+
+
+def range_error(where: str, value: float, allowed: Range) -> str:
+    """The one-line refusal of `value` for setting `where`: which bound it breaks, and the range."""
+    low, high = allowed.low, INT64_MAX if allowed.high is None else allowed.high
+    if isinstance(value, float) and not math.isfinite(value):
+        rule = "must be a finite number"
+    elif value > high or (allowed.high_open and value == high):
+        rule = f"must be {'below' if allowed.high_open else 'at most'} {_number(high)}"
+        rule += " (2**63 - 1)" if allowed.high is None else ""
+    elif low == 0 and not allowed.low_open:
+        rule = "cannot be negative"
+    elif (low, allowed.low_open) in ((0, True), (1, False)):
+        rule = "must be positive"
+    else:
+        rule = f"must be {'above' if allowed.low_open else 'at least'} {_number(low)}"
+    return f"`{where}` {rule}, got {value!r} (range: {allowed})."
+
+
+def check_ranges(cfg: Config) -> None:
+    """Every numeric setting within its range (`RANGES`); NaN and infinities are out of all of them."""
+    for where, allowed in RANGES.items():
+        section, key = where.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed:
+            raise ConfigError(range_error(where, value, allowed))
+
+
+def _check_relations(cfg: Config) -> None:
+    """What a range cannot say: a setting that depends on another."""
     if not cfg.lora.target_modules:
         raise ConfigError("`lora.target_modules` is empty: name at least one projection, e.g. q_proj.")
-    if cfg.optim.lr <= 0:
-        raise ConfigError(f"`optim.lr` must be positive, got {cfg.optim.lr}.")
-    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
-        raise ConfigError(f"`optim.min_lr_ratio` must be in [0, 1], got {cfg.optim.min_lr_ratio}.")
-    if not 0.0 < cfg.data.validation_fraction < 1.0:
+    if cfg.data.streaming and not cfg.data.cache:  # a stream held in every rank's memory defeats it
+        raise ConfigError("data.streaming=true streams into the token cache: it needs data.cache=true.")
+    if cfg.train.method == "qlora" and cfg.model.quant_block_size % 2:
         raise ConfigError(
-            f"`data.validation_fraction` must be in (0, 1), got {cfg.data.validation_fraction}."
+            f"`model.quant_block_size` must be a positive even number, got {cfg.model.quant_block_size}."
         )
-    if not 0 <= cfg.parallel.node_rank < cfg.parallel.nnodes:
+    if cfg.parallel.node_rank >= cfg.parallel.nnodes:
         raise ConfigError(
             f"`parallel.node_rank` is {cfg.parallel.node_rank} but there are {cfg.parallel.nnodes} nodes "
             f"(ranks 0..{cfg.parallel.nnodes - 1})."

@@ -19,7 +19,8 @@ import tomllib
 
 from distft.config.fields import check_fields, nearest
 from distft.config.schema import Config
-from distft.errors import ConfigError
+from distft.errors import ConfigError, one_line
+from distft.textfiles import decode_utf8
 
 _SECTION_TYPES = typing.get_type_hints(Config)
 
@@ -48,34 +49,42 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         raise ConfigError(f"`{where}` must be true or false, got {value!r}.")
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ConfigError(f"`{where}` must be an integer, got {value!r}.")
+            raise ConfigError(f"`{where}` must be an integer, got {value!r:.40}.")
         try:
             return int(value)
         except ValueError:
-            raise ConfigError(f"`{where}` must be an integer, got {value!r}.") from None
+            raise ConfigError(f"`{where}` must be an integer, got {value!r:.40}.") from None
     if annotation is float:
         if isinstance(value, bool):
             raise ConfigError(f"`{where}` must be a number, got {value!r}.")
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"`{where}` must be a number, got {value!r}.") from None
+            raise ConfigError(f"`{where}` must be a number, got {value!r:.40}.") from None
+        except OverflowError:  # an integer beyond any float
+            raise ConfigError(f"`{where}` must be a finite number, got {value!r:.40}...") from None
     if annotation is str:
         if isinstance(value, bool):  # `model.compile = true`: a string field whose choices include it
             return "true" if value else "false"
         if not isinstance(value, str | int | float):
             raise ConfigError(f"`{where}` must be a string, got {value!r}.")
+        try:  # a command-line argument of bytes that are not UTF-8 (surrogate escapes)
+            str(value).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"`{where}` is not UTF-8 text, got {value!r:.60}.") from None
         return str(value)
     raise TypeError(f"unsupported config type {annotation} ({where})")
 
 
 def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     if section not in _SECTION_TYPES:
-        raise ConfigError(f"Unknown config section `{section}`.{nearest(section, list(_SECTION_TYPES))}")
+        raise ConfigError(
+            f"Unknown config section `{one_line(section)}`.{nearest(section, list(_SECTION_TYPES))}"
+        )
     section_obj = getattr(cfg, section)
     hints = typing.get_type_hints(type(section_obj))
     if key not in hints:
-        raise ConfigError(f"Unknown config key `{section}.{key}`.{nearest(key, list(hints))}")
+        raise ConfigError(f"Unknown config key `{section}.{one_line(key)}`.{nearest(key, list(hints))}")
     setattr(section_obj, key, _coerce(value, hints[key], f"{section}.{key}"))
 
 
@@ -85,6 +94,9 @@ def _parse_toml(text: str, source: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as err:
         # tomllib's message already carries "(at line L, column C)".
         raise ConfigError(f"{source} is not valid TOML: {err}.") from None
+    except (ValueError, RecursionError) as err:  # an integer of 5000 digits; arrays nested too deeply
+        why = "values nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
+        raise ConfigError(f"{source} is not a TOML file distft can read ({why}).") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -94,11 +106,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"Config file {path} does not exist.")
-        data = _parse_toml(path.read_text(encoding="utf-8"), str(path))
+        try:
+            raw = path.read_bytes()
+        except OSError as err:
+            raise ConfigError(f"Config file {path} cannot be read ({err.strerror or err}).") from None
+        data = _parse_toml(decode_utf8(raw, str(path), ConfigError), str(path))
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(
-                    f"{path}: top-level key `{section}` must be a [section] table."
+                    f"{path}: top-level key `{one_line(section)}` must be a [section] table."
                     f"{nearest(section, list(_SECTION_TYPES))}"
                 )
             for key, value in table.items():
@@ -114,10 +130,12 @@ def apply_override(cfg: Config, item: str) -> None:
     dotted, sep, raw = item.partition("=")
     section, dot, key = dotted.strip().partition(".")
     if not sep or not dot or not key:
-        raise ConfigError(f"Override `{item}` must look like section.key=value, e.g. optim.lr=1e-4.")
+        raise ConfigError(
+            f"Override `{one_line(item)}` must look like section.key=value, e.g. optim.lr=1e-4."
+        )
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (ValueError, RecursionError):  # TOMLDecodeError, or a value tomllib cannot hold
         value = raw  # a bare string such as train.method=full
     _apply(cfg, section, key, value)
 
@@ -127,14 +145,24 @@ def apply_override(cfg: Config, item: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escaped(c: str) -> str:
+    """One character of a TOML basic string: a quote, a backslash or a control character escaped
+    (a raw one makes config.toml unreadable)."""
+    if c in _ESCAPES:
+        return _ESCAPES[c]
+    return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        return f'"{escaped}"'
+        return '"' + "".join(_escaped(c) for c in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} as TOML")

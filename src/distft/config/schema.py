@@ -2,8 +2,9 @@
 
 A run is fully described by one `Config` in seven sections (`model`, `data`, `lora`, `optim`,
 `train`, `parallel`, `output`). `distft.config.fields.check_fields` holds the checks that need nothing but
-the config itself (choices, ranges, positive counts); checks that depend on a strategy or a model
-architecture run later, in `distft.parallel.checks`, before any process is launched.
+the config itself: choices, and the range of every int and float field (`fields.RANGES`, one
+table; floats finite); checks that depend on a strategy or a model architecture run later, in
+`distft.parallel.checks`, before any process is launched.
 """
 
 from __future__ import annotations

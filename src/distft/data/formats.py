@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distft.config import DataConfig
-from distft.errors import DataError
+from distft.errors import DataError, one_line
 
 ROLES = ("system", "user", "assistant")
 
@@ -114,11 +114,10 @@ def _partial(record: dict[str, Any]) -> str | None:
 def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_answer: bool = True) -> str:
     """The one format `record` fits under data.format=auto; a DataError if none or several.
     With `need_answer=False` a prompt or an instruction without its completion/output fits."""
-    seen = ", ".join(sorted(record))
     fits = _fits(record, cfg, need_answer)
     if len(fits) > 1:
         raise DataError(
-            f"{origin}: the row's fields ({seen}) fit more than one format: {' and '.join(fits)}. "
+            f"{origin}: the row's fields ({_fields_of(record)}) fit more than one format: {' and '.join(fits)}. "
             f"Say which with data.format={fits[-1]} (or data.format={fits[0]}); docs/data.md shows each format."
         )
     if fits:
@@ -128,7 +127,7 @@ def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_ans
         return partial  # its parser names the missing field
     known = "; ".join(f"{{{t}, {s}}}" for t, s in KNOWN_SCHEMAS)
     raise DataError(
-        f"{origin}: no transcript/summary fields found, nor any other known format (row has: {seen}). "
+        f"{origin}: no transcript/summary fields found, nor any other known format (row has: {_fields_of(record)}). "
         f"Summary schemas: {known}; chat {{messages}}; prompt_completion {{prompt, completion}}; alpaca "
         "{instruction, input, output}. Name yours with data.transcript_field=... data.summary_field=..."
     )
@@ -141,7 +140,7 @@ def _field(record: dict[str, Any], name: str, origin: str, optional: bool = Fals
     if name not in record or (optional and record[name] is None):
         if optional:
             return ""
-        raise DataError(f"{origin}: missing field `{name}` (row has: {', '.join(sorted(record))}).")
+        raise DataError(f"{origin}: missing field `{one_line(name)}` (row has: {_fields_of(record)}).")
     value = record[name]
     if not isinstance(value, str):
         raise DataError(f"{origin}: field `{name}` is not text (got {type(value).__name__}).")
@@ -150,19 +149,31 @@ def _field(record: dict[str, Any], name: str, origin: str, optional: bool = Fals
     return value.strip()
 
 
+def _fields_of(record: dict[str, Any]) -> str:
+    return ", ".join(one_line(name) for name in sorted(map(str, record)))
+
+
 def _text_of(value: Any, field: str) -> str:
-    """Flatten QMSum's structured fields; plain strings pass through."""
+    """Flatten QMSum's structured fields; plain strings pass through. TypeError: neither."""
     if isinstance(value, str):
         return value
     if field == "meeting_transcripts" and isinstance(value, list):
+        if not all(isinstance(t, dict) and _texts(t, "speaker", "content") for t in value):
+            raise TypeError("a turn is not a {speaker, content} object of text")
         return "\n".join(f"{turn['speaker']}: {turn['content']}" for turn in value)
     if field == "general_query_list" and isinstance(value, list):
+        if not all(isinstance(q, dict) and _texts(q, "answer") for q in value):
+            raise TypeError("a query is not a {query, answer} object of text")
         # The whole-meeting summary is the general query "Summarize the whole meeting."
         for query in value:
-            if "whole meeting" in query.get("query", "").lower():
+            if "whole meeting" in str(query.get("query", "")).lower():
                 return query["answer"]
         return value[0]["answer"] if value else ""
     raise TypeError(f"unsupported value of type {type(value).__name__}")
+
+
+def _texts(record: dict, *names: str) -> bool:
+    return all(isinstance(record.get(name), str) for name in names)
 
 
 def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_summary: bool) -> MeetingRow:
@@ -179,7 +190,7 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_summ
             texts.append("")  # inference: a meeting to summarise need not carry a summary
             continue
         if field not in record:
-            raise DataError(f"{origin}: missing field `{field}` (row has: {', '.join(sorted(record))}).")
+            raise DataError(f"{origin}: missing field `{one_line(field)}` (row has: {_fields_of(record)}).")
         try:
             text = _text_of(record[field], field).strip()
         except (TypeError, KeyError) as err:

@@ -32,13 +32,14 @@ from distft.data import (
     prompt_and_reference,
     validation_rows,
 )
-from distft.errors import ConfigError
+from distft.errors import ConfigError, DataError
 from distft.infer.evaluate import compare, eval_rows
 from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
 from distft.io.lineage import origin_text, stage_text
 from distft.io.preflight import check_output_path
+from distft.textfiles import decode_utf8
 
 # ---- infer --------------------------------------------------------------------------------------
 
@@ -128,6 +129,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     batch = bool(args.input) and args.input.endswith(LOCAL_SUFFIXES)
     if args.input and args.input != "-" and not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input} does not exist.")
+    text = read_input(args.input) if args.input and not batch else None  # refused before the model loads
     if args.output:  # before minutes of generation
         check_output_path(Path(args.output), "--output")
     loaded = _with_format(load_trained(run=args.run, adapter=args.adapter, model=args.model), args.format)
@@ -137,7 +139,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     output = results_file(Path(args.output), loaded.cfg.data) if args.output else contextlib.nullcontext()
     with output as write:
         # A file is read a row at a time, and each result written as it comes: constant memory.
-        for row in _input_rows(loaded, args.input, batch):
+        for row in _input_rows(loaded, args.input, batch, text):
             result = generate(loaded, row, sampling)
             if notice := truncation_notice(loaded, row, result, sampling):
                 print(notice, file=sys.stderr)
@@ -159,17 +161,15 @@ def _text_row(text: str, origin: str, cfg: DataConfig) -> Row:
     return ChatRow((Message("user", (text.strip(),)),), origin)
 
 
-def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterable[Row]:
+def _input_rows(loaded: Loaded, source: str | None, batch: bool, text: str | None) -> Iterable[Row]:
     if batch:
         rows = iter_file(source, loaded.cfg.data, need_summary=False)
         first = next(rows, None)
         if first is None:
             raise ConfigError(f"--input {source} has no rows to generate for.")
         return itertools.chain([first], rows)
-    if source == "-":
-        return [_text_row(sys.stdin.read(), "stdin", loaded.cfg.data)]
-    if source:
-        return [_text_row(Path(source).read_text(encoding="utf-8"), source, loaded.cfg.data)]
+    if text is not None:  # --input FILE or -, read by `read_input`
+        return [_text_row(text, "stdin" if source == "-" else source, loaded.cfg.data)]
     (row,) = validation_rows(loaded.cfg.data, seed=loaded.cfg.train.seed, limit=1)
     if isinstance(row, MeetingRow):
         print("--- held-out meeting (first lines) ---")
@@ -179,6 +179,17 @@ def _input_rows(loaded: Loaded, source: str | None, batch: bool) -> Iterable[Row
         print(f"--- held-out row {row.origin}: its last prompt turn (first lines) ---")
         print("\n".join(prompt[-1].content.splitlines()[:6] if prompt else []) + "\n...")
     return [row]
+
+
+def read_input(source: str) -> str:
+    """The text of `--input FILE` (or standard input, `-`); a DataError for one that is not UTF-8
+    text, naming what it looks like (UTF-16, binary) or the line of the first byte that is not UTF-8."""
+    name = "standard input" if source == "-" else f"--input {source}"
+    try:
+        data = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
+    except OSError as err:
+        raise DataError(f"{name} cannot be read ({err.strerror or err}).") from None
+    return decode_utf8(data, name, DataError)
 
 
 def _print_result(row: Row, result: Generated, batch: bool) -> None:

@@ -12,6 +12,7 @@ same on a 4-bit NF4 base (QLoRA, `distft.model.nf4`), or every weight (full fine
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,30 @@ def model_config(name: str, trust_remote_code: bool = False) -> PretrainedConfig
         )
     except OSError as err:
         raise ConfigError(_unreachable_model_message(name, err)) from None
+
+
+def linear_layer_names(model_config: PretrainedConfig, trust_remote_code: bool = False) -> list[str]:
+    """The names of the architecture's Linear layers (q_proj, ..., lm_head): what
+    `lora.target_modules` may name. The model is built on the meta device: no memory, no weights."""
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    return sorted({name.rsplit(".", 1)[-1] for name, m in lm.named_modules() if isinstance(m, nn.Linear)})
+
+
+def check_target_modules(cfg: Config, model_config: PretrainedConfig) -> None:
+    """Refuse, before launch, a `lora.target_modules` entry that names no Linear layer of the model
+    (peft would skip it silently, or fail in every rank when none matches)."""
+    if cfg.train.method == "full":  # every weight trains; no adapters
+        return
+    names = linear_layer_names(model_config, cfg.model.trust_remote_code)
+    missing = [t for t in cfg.lora.target_modules if t not in names]
+    if missing:
+        match = difflib.get_close_matches(missing[0], names, n=1, cutoff=0.5)
+        hint = f" Did you mean `{match[0]}`?" if match else ""
+        raise ConfigError(
+            f"`lora.target_modules` names {', '.join(missing)}, which {cfg.model.name} does not have: its "
+            f"Linear layers are {', '.join(names)}.{hint}"
+        )
 
 
 def check_weight_files(cfg: ModelConfig) -> None:

@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 
 from distft.config import Config, check_choice
 from distft.errors import ConfigError
+from distft.model.build import check_target_modules
 from distft.parallel.base import Strategy
 from distft.parallel.registry import STRATEGIES
 
@@ -41,8 +42,61 @@ def check_config(cfg: Config) -> BatchShape:
 
 
 def check_model(cfg: Config, model_config: PretrainedConfig) -> None:
-    """ConfigError when the architecture cannot be split the way the strategy splits it."""
+    """ConfigError when the architecture cannot be split the way the strategy splits it, or lacks
+    a layer `lora.target_modules` names."""
+    check_target_modules(cfg, model_config)
     STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config)
+
+
+# Settings that only some strategies read, and which: set away from its default under another
+# strategy, a setting does nothing, and `ignored_settings` says so before launch (a warning: the
+# run is still valid). parallel.dp/tp/pp, shard and max_restarts are refused instead (`_check_layout`).
+_DDP = ("ddp", "zero1")  # torch's DistributedDataParallel
+_FSDP = ("fsdp", "zero2", "hsdp", "fsdp+tp", "fsdp+pp", "fsdp+tp+pp")  # fully_shard (`fsdp.shard_units`)
+_PIPELINES = ("pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp")  # a pipeline schedule (`pipeline.layout`)
+_PROCESS_GROUP = tuple(name for name, cls in STRATEGIES.items() if cls.distributed)
+READ_BY: dict[str, tuple[str, ...]] = {
+    "parallel.ddp_bucket_mb": _DDP,
+    "parallel.ddp_find_unused_parameters": _DDP,
+    "parallel.ddp_broadcast_buffers": _DDP,
+    "parallel.ddp_no_sync": _DDP,
+    "parallel.ddp_gradient_as_bucket_view": _DDP,
+    "parallel.ddp_static_graph": _DDP,
+    "parallel.fsdp_param_dtype": _FSDP,
+    "parallel.fsdp_reduce_dtype": _FSDP,
+    "parallel.fsdp_output_dtype": _FSDP,
+    "parallel.fsdp_cpu_offload": _FSDP,
+    "parallel.fsdp_prefetch": _FSDP,
+    "parallel.fsdp_wrap": _FSDP,
+    "parallel.sequence_parallel": ("tp-sp",),
+    "parallel.schedule": _PIPELINES,
+    "parallel.microbatches": _PIPELINES,
+    "parallel.stages_per_rank": _PIPELINES,
+    "parallel.timeout_s": _PROCESS_GROUP,
+    "parallel.health_check": _PROCESS_GROUP,
+    "parallel.health_timeout_s": _PROCESS_GROUP,
+    "parallel.health_slow_s": _PROCESS_GROUP,
+}
+
+
+def ignored_settings(cfg: Config) -> list[str]:
+    """One line per setting `cfg` moves from its default that its strategy does not read (`READ_BY`):
+    the CLI prints them as warnings before launch."""
+    strategy, defaults, lines = cfg.parallel.strategy, Config(), []
+    for where, readers in READ_BY.items():
+        section, key = where.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if strategy in readers or value == getattr(getattr(defaults, section), key):
+            continue
+        others = [name for name in STRATEGIES if name not in readers]
+        who = (
+            f"every strategy but {', '.join(others)} reads it"
+            if len(others) < len(readers)
+            else f"only {', '.join(readers)} {'read' if len(readers) > 1 else 'reads'} it"
+        )
+        shown = str(value).lower() if isinstance(value, bool) else value
+        lines.append(f"{where}={shown} does nothing under --strategy {strategy}: {who}.")
+    return lines
 
 
 def batch_shape(cfg: Config) -> BatchShape:
