@@ -179,7 +179,7 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
     check_trackers(cfg)  # output.report_to: each tracker's library is installed
     check_finished_run(cfg, resuming)  # after check_resume: a foreign config is named first
     check_weight_files(cfg.model)
-    architecture = model_config(cfg.model.name, cfg.model.trust_remote_code)
+    architecture = model_config(cfg.model.name, cfg.model.trust_remote_code, cfg.model.revision)
     check_model(cfg, architecture)
     check_output_dir(cfg, architecture)
     prepare_data(cfg)
@@ -188,7 +188,7 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
 def prepare_data(cfg: Config) -> None:
     """Every row read and tokenised before launch, so a bad one is refused here; with `data.cache`
     into the token cache, which the ranks then only open (docs/data.md, "Data at scale")."""
-    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
+    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
     start = time.perf_counter()
     next_line = start + 30
 

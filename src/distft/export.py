@@ -27,7 +27,7 @@ from distft.errors import ConfigError
 from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
 from distft.io.export import save_merged_model
-from distft.io.lineage import describe
+from distft.io.lineage import describe, is_random
 from distft.io.preflight import check_output_path
 from distft.model import DTYPES, is_preset
 
@@ -204,7 +204,7 @@ def model_card(
             "transcript in, its summary out. Exported with `distft export` as one plain transformers model "
             f"({dtype}){', the adapter merged into the base' if cfg.train.method != 'full' else ''}.",
             "",
-            *([_sentence(describe(lineage)), ""] if lineage else []),
+            *([_sentence(describe(lineage)), ""] if is_random(lineage) else []),
             "## Training",
             "",
             "| setting | value |",

@@ -87,3 +87,18 @@ def test_train_into_a_directory_another_run_writes_is_refused_before_anything(tm
     err = capsys.readouterr().err
     assert f"distft train: error: {out} is in use: distft train (pid {holder.pid}" in err
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing written beside it
+
+
+def test_a_planted_lock_link_makes_nothing_outside_the_run_written(tmp_path, capsys):
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).symlink_to(outside)  # not a lock: a link to a file elsewhere
+    with run_lock(run):
+        assert not (run / LOCK_FILE).is_symlink()
+    assert outside.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "precious.txt",
+        "run",
+    ]
+    assert "took over the stale lock" in capsys.readouterr().err

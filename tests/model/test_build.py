@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
 from distft.cli import main
@@ -14,6 +15,7 @@ from distft.model import PRESETS, load_base_model
 from distft.model.build import base_recipe, check_weight_files, rebuild_base
 from distft.model.compile import compile_blocks
 from distft.train import train
+from tests.helpers import distft
 
 RUN = [
     "model.name=micro",
@@ -132,3 +134,69 @@ def test_trust_remote_code_is_off_unless_set_and_said_when_on(tmp_path, capsys):
     run = ["train", "--model", "micro", "train.max_steps=1", "data.max_rows=8", "train.global_batch_size=4"]
     assert main([*run, "model.trust_remote_code=true", "--out", str(tmp_path)]) == 0
     assert "model.trust_remote_code=true: micro's own Python code runs" in capsys.readouterr().out
+
+
+# ---- model.revision: a hub model pinned to a commit ---------------------------------------------
+
+
+def hub_cache(root, repo: str, commits: dict[str, int]) -> None:
+    """A Hugging Face hub cache holding `repo` at each commit (its `micro` weights with that many
+    layers), the default branch at the last: what `hf download` leaves, read offline."""
+    from distft.data.tokenizer import qwen3_tokenizer
+
+    folder = root / f"models--{repo.replace('/', '--')}"
+    micro = PRESETS["micro"].to_config()
+    for commit, layers in commits.items():
+        fields = {**micro.to_dict(), "num_hidden_layers": layers}
+        fields.pop("layer_types")  # derived from the layer count
+        Qwen3ForCausalLM(type(micro)(**fields)).save_pretrained(folder / "snapshots" / commit)
+        qwen3_tokenizer().save_pretrained(folder / "snapshots" / commit)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text(commit)
+
+
+def test_a_revision_pins_the_commit_and_the_lineage_records_it(tmp_path):
+    old, new = "a" * 40, "b" * 40
+    hub_cache(tmp_path / "hub", "someone/model", {old: 1, new: 2})
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    short = [
+        "train.max_steps=1",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "data.max_rows=8",
+        "optim.lr=1e-4",
+    ]
+    for revision, commit, layers in (("", new, 2), (old, old, 1)):
+        out = tmp_path / f"run-{layers}"
+        proc = distft(
+            "train",
+            "--model",
+            "someone/model",
+            f"model.revision={revision}",
+            *short,
+            "--out",
+            str(out),
+            env=env,
+            fresh=True,
+        )
+        origin = json.loads((out / "lineage.json").read_text())["origin"]
+        assert origin == {
+            "model": "someone/model",
+            "revision": revision or None,
+            "commit": commit,
+            "trust_remote_code": False,
+        }
+        assert f"finetune of someone/model at commit {commit[:12]}" in proc.stdout
+        assert "not a real language model" not in proc.stdout  # a pretrained base: no random-preset notice
+        assert load_config(out / "config.toml").model.revision == revision
+        adapter = load_file(out / "adapter" / "adapter_model.safetensors")  # LoRA on every layer loaded
+        assert {key.split(".layers.")[1].split(".")[0] for key in adapter} == {str(i) for i in range(layers)}
+
+
+def test_a_revision_for_a_preset_or_a_directory_is_refused(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"model.revision='v1' pins a commit of a hub model, but micro is a preset"
+    ):
+        check_weight_files(ModelConfig(name="micro", revision="v1"))
+    with pytest.raises(ConfigError, match="is a local directory, which has no revisions"):
+        check_weight_files(ModelConfig(name=str(tmp_path), revision="v1"))

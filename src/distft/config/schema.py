@@ -34,6 +34,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Run the Python code a hub model or model directory ships (transformers' `trust_remote_code`).
     Off, distft never runs a model's own code; on, the header says so (docs/security.md)."""
+    revision: str = ""
+    """A hub model's git revision: a commit hash (pins the exact weights, tokenizer and config), a
+    branch or a tag; empty: the default branch. The commit that was loaded is recorded in the run's
+    lineage.json either way. Only for hub ids (a preset or a directory has no revisions)."""
     allow_pickle_weights: bool = False
     """Load a model's `*.bin` (pickle) weights when it has no safetensors. Off, only safetensors
     are read, and a directory holding pickles only is refused before launch."""

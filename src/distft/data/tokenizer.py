@@ -171,8 +171,9 @@ def _finish(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
-    """The tokenizer of a local model directory or hub id; the offline build for presets (None)."""
+def load_tokenizer(model_path: str | None, revision: str = "") -> PreTrainedTokenizerFast:
+    """The tokenizer of a local model directory or hub id (at `revision`); the offline build for
+    presets (None)."""
     if model_path is None:
         return qwen3_tokenizer()
     if Path(model_path).is_dir():
@@ -183,7 +184,11 @@ def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerFast:
         log.warning("%s has no tokenizer files; using the offline Qwen3 tokenizer", model_path)
         return qwen3_tokenizer()
     try:
-        return _finish(AutoTokenizer.from_pretrained(model_path, local_files_only=hub_offline()))
+        return _finish(
+            AutoTokenizer.from_pretrained(
+                model_path, local_files_only=hub_offline(), revision=revision or None
+            )
+        )
     except OSError:
         log.warning(
             "could not fetch the tokenizer of %s (offline?); using the offline Qwen3 tokenizer", model_path

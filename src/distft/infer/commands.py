@@ -37,7 +37,7 @@ from distft.infer.evaluate import compare, eval_rows
 from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
-from distft.io.lineage import origin_text, stage_text
+from distft.io.lineage import is_random, origin_text, stage_text
 from distft.io.preflight import check_output_path
 from distft.textfiles import decode_utf8
 
@@ -258,7 +258,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def model_labels(loaded: Loaded) -> dict[str, str]:
     """What each row of the eval table is: the random preset, then each training stage on top."""
     cfg, lineage = loaded.cfg, loaded.lineage
-    if lineage is None:
+    if not is_random(lineage):
         return {"base": cfg.model.name, "finetuned": f"+ {cfg.train.max_steps} steps of {cfg.train.method}"}
     *earlier, last = lineage["stages"]
     labels = {"untrained": origin_text(lineage), "base": origin_text(lineage)}

@@ -32,6 +32,7 @@ from distft.data import (
 from distft.errors import ConfigError
 from distft.infer.generate import Sampling, generate
 from distft.infer.load import Loaded, _load_base, load_trained
+from distft.io.lineage import is_random
 from distft.model import SummaryLM
 from distft.model.build import rebuild_base
 
@@ -103,7 +104,7 @@ def untrained_model(loaded: Loaded) -> nn.Module | None:
     """The random preset `loaded` descends from, when its base was trained before this run (the
     lineage has an earlier stage); None when the base is that preset itself, or pretrained."""
     lineage = loaded.lineage
-    if lineage is None or len(lineage["stages"]) < 2:
+    if not is_random(lineage) or len(lineage["stages"]) < 2:
         return None
     try:
         return rebuild_base(lineage["origin"])

@@ -25,7 +25,7 @@ from distft.config import Config, load_config
 from distft.data.tokenizer import load_tokenizer
 from distft.errors import ConfigError, DamagedFileError
 from distft.io.files import verify_directory
-from distft.io.lineage import describe, read_lineage
+from distft.io.lineage import describe, is_random, read_lineage
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
 from distft.model.build import RECIPE_FILE, rebuild_base
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
@@ -38,13 +38,15 @@ class Loaded:
     cfg: Config
     has_adapter: bool
     preset: str | None = None  # the preset the base was built from (randomly initialised), if any
-    lineage: dict | None = None  # random preset -> the runs that trained it (`distft.io.lineage`)
+    lineage: dict | None = (
+        None  # where the model came from, then the runs that trained it (`distft.io.lineage`)
+    )
     run: str | None = None  # the run directory it was loaded from
 
 
 def preset_notice(loaded: Loaded) -> str | None:
     """The line a user must read before judging a summary: a preset base knows no language."""
-    if loaded.lineage is not None:  # the whole chain: random preset, then each run that trained it
+    if is_random(loaded.lineage):  # the whole chain: random preset, then each run that trained it
         return describe(loaded.lineage, loaded.run)
     if loaded.preset is None:
         return None
@@ -154,4 +156,4 @@ def _preset(name: str) -> str | None:
 def _tokenizer_for(run_dir: Path, cfg: Config):
     if (run_dir / "base" / "tokenizer.json").is_file():
         return load_tokenizer(str(run_dir / "base"))
-    return load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
+    return load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)

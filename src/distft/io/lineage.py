@@ -1,4 +1,4 @@
-"""Where a model came from, when it started as a randomly initialised preset: `lineage.json`.
+"""Where a model came from: `lineage.json`; above all, whether it started as a random preset.
 
 A preset (`tiny`, `micro`, ...) is an architecture with random weights: whatever it writes after
 training it learned from the run's data alone, and the user must be told so before judging its
@@ -6,10 +6,15 @@ output. A run on a preset writes `DIR/lineage.json`, and a full finetune also wr
 weights in `DIR/model/`; a run whose `--model` is such a directory (a LoRA stage on a stage-1 model,
 `make demo`) extends the chain. So `distft infer`/`eval` and the training header can say, for any
 model in the chain, "random `tiny`, then N steps of full finetuning on X, then M steps of LoRA".
-A pretrained base (a hub id, a directory without the file) has no lineage: None.
+A run on a pretrained base (a hub id, a directory without the file) records where it came from
+instead: the name, the revision asked for, the commit loaded and whether its own code ran
+(`model.build.pretrained_origin`). Only a chain that starts at a preset is "random" (`is_random`),
+and only that gets the notice.
 
     {"origin": {"preset": "tiny", "seed": 0, ...},          # the recipe (`model.build.base_recipe`)
      "stages": [{"method": "full", "steps": 400, "data": "sample", "run": "/abs/runs/demo-base"}]}
+    {"origin": {"model": "Qwen/Qwen3-4B", "revision": null, "commit": "1cfa9a7...",
+                "trust_remote_code": false}, "stages": [...]}
 """
 
 from __future__ import annotations
@@ -31,15 +36,22 @@ def read_lineage(path: str | Path) -> dict | None:
     return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
 
 
-def run_lineage(cfg: Config, recipe: dict | None) -> dict | None:
-    """The lineage of the model a run with `cfg` produces: its base's (a preset: `recipe`; a local
-    directory: its lineage.json) plus this run as the last stage; None for a pretrained base."""
+def is_random(lineage: dict | None) -> bool:
+    """Whether the chain starts at a random preset (a model that knows only its runs' data)."""
+    return lineage is not None and "preset" in lineage["origin"]
+
+
+def run_lineage(cfg: Config, recipe: dict | None, pretrained: dict | None = None) -> dict:
+    """The lineage of the model a run with `cfg` produces: its base's (a preset: `recipe`; a
+    directory: its lineage.json; else `pretrained`, where it came from) plus this run as the last
+    stage."""
     if is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir():
         base = {"origin": recipe, "stages": []}
     else:
-        base = read_lineage(cfg.model.name)
-    if base is None:
-        return None
+        base = read_lineage(cfg.model.name) or {
+            "origin": pretrained or {"model": cfg.model.name},
+            "stages": [],
+        }
     stage = {
         "method": cfg.train.method,
         "steps": cfg.train.max_steps,

@@ -32,8 +32,9 @@ from distft.model.nf4 import NF4Spec, quantize_base
 from distft.model.presets import DTYPES, PRESETS
 
 
-def model_config(name: str, trust_remote_code: bool = False) -> PretrainedConfig:
-    """The architecture of `name` without loading weights (preset, local dir, or hub id)."""
+def model_config(name: str, trust_remote_code: bool = False, revision: str = "") -> PretrainedConfig:
+    """The architecture of `name` without loading weights (preset, local dir, or hub id at
+    `revision`)."""
     if name in PRESETS:
         return PRESETS[name].to_config()
     if Path(name).is_dir():
@@ -42,7 +43,10 @@ def model_config(name: str, trust_remote_code: bool = False) -> PretrainedConfig
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     try:
         return AutoConfig.from_pretrained(
-            name, local_files_only=hub_offline(), trust_remote_code=trust_remote_code
+            name,
+            local_files_only=hub_offline(),
+            trust_remote_code=trust_remote_code,
+            revision=revision or None,
         )
     except OSError as err:
         raise ConfigError(_unreachable_model_message(name, err)) from None
@@ -74,8 +78,15 @@ def check_target_modules(cfg: Config, model_config: PretrainedConfig) -> None:
 
 def check_weight_files(cfg: ModelConfig) -> None:
     """Refuse, before launch, a model directory whose weights are pickles only (`*.bin`, `*.pt`):
-    unpickling runs whatever the file asks for, so it needs `model.allow_pickle_weights=true`."""
+    unpickling runs whatever the file asks for, so it needs `model.allow_pickle_weights=true`. And
+    a `model.revision` for a model that has none (a preset, a directory)."""
     folder = Path(cfg.name)
+    if cfg.revision and (cfg.name in PRESETS or folder.is_dir()):
+        kind = "a preset" if cfg.name in PRESETS else "a local directory"
+        raise ConfigError(
+            f"model.revision={cfg.revision!r} pins a commit of a hub model, but {cfg.name} is {kind}, which "
+            "has no revisions. Leave model.revision empty, or give a hub id (e.g. Qwen/Qwen3-4B)."
+        )
     if (
         cfg.allow_pickle_weights
         or cfg.name in PRESETS
@@ -134,7 +145,7 @@ def load_base_model(
             "use_safetensors": None if cfg.allow_pickle_weights else True,  # None: safetensors, else .bin
         }
         if not Path(cfg.name).is_dir():
-            kwargs["local_files_only"] = hub_offline()
+            kwargs.update(local_files_only=hub_offline(), revision=cfg.revision or None)
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.name, **kwargs)
         except OSError as err:
@@ -168,6 +179,29 @@ def base_recipe(cfg: ModelConfig, device: torch.device | str | None = None) -> d
         "dtype": cfg.dtype,
         "attn_implementation": cfg.attn_implementation,
         "device": torch.device(device or "cpu").type,
+    }
+
+
+def pretrained_origin(cfg: ModelConfig) -> dict:
+    """Where a pretrained base came from, for its lineage: the name, the revision asked for, the
+    commit it was loaded from (a hub id's, read from the local cache its files were just loaded
+    into; None for a directory), and whether its own code was allowed to run."""
+    commit = None
+    if not Path(cfg.name).is_dir():
+        from transformers.utils import cached_file, extract_commit_hash
+
+        try:
+            config_file = cached_file(
+                cfg.name, "config.json", revision=cfg.revision or None, local_files_only=True
+            )
+            commit = extract_commit_hash(config_file, None)
+        except OSError:
+            pass  # not in the cache: nothing to record
+    return {
+        "model": cfg.name,
+        "revision": cfg.revision or None,
+        "commit": commit,
+        "trust_remote_code": cfg.trust_remote_code,
     }
 
 

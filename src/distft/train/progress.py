@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from distft.config import Config
-from distft.io.lineage import describe
+from distft.io.lineage import describe, is_random
 from distft.model import is_preset
 
 
@@ -45,9 +45,12 @@ class TrainingProgress:
         micro, accum, dp = batch
         trainable, total = params
         c = self.console
+        origin = (lineage or {}).get("origin", {})
+        commit = f" at commit {origin['commit'][:12]}" if origin.get("commit") else ""
         c.print(
-            f"[bold]distft[/bold] {cfg.train.method} finetune of [bold]{cfg.model.name}[/bold] "
-            f"({total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable, {cfg.model.dtype})"
+            f"[bold]distft[/bold] {cfg.train.method} finetune of [bold]{cfg.model.name}[/bold]{commit} "
+            f"({total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable, {cfg.model.dtype})",
+            soft_wrap=True,
         )
         c.print(f"strategy {cfg.parallel.strategy}: {world_size} process(es) on {device}, backend {backend}")
         if kernels:
@@ -82,7 +85,7 @@ class TrainingProgress:
                 f"{s['truncated_tokens_mean']:.0f} / {s['truncated_tokens_max']}",
             )
         c.print(table)
-        if lineage is not None:  # a random preset or its descendant: say so before the first loss
+        if is_random(lineage):  # a random preset or its descendant: say so before the first loss
             c.print(describe(lineage, cfg.output.dir), soft_wrap=True)
         elif not is_preset(cfg.model.name) and cfg.optim.lr > 1e-3:  # a pretrained base
             c.print(

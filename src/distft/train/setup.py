@@ -34,7 +34,7 @@ from distft.io.lineage import run_lineage, write_lineage
 from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.model.attention import resolve_attention
-from distft.model.build import base_recipe
+from distft.model.build import base_recipe, pretrained_origin
 from distft.model.compile import CompileStats, compile_blocks, compile_wanted
 from distft.model.nf4 import storage_layout
 from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
@@ -72,7 +72,7 @@ class Run:
     flops: ModelFlops | None = None  # the step's model FLOPs (`distft.measure.flops`)
     peak_flops: float | None = None  # one device's peak dense bf16 FLOP/s; None off a known GPU
     peak_note: str = ""  # what MFU is measured against, or why it is null
-    lineage: dict | None = None  # a preset descendant's chain of runs (`distft.io.lineage`); None: pretrained
+    lineage: dict | None = None  # where the model came from, and its chain of runs (`distft.io.lineage`)
     health: HealthReport | None = None  # the pre-flight health check's (`distft.health`); None: not run
     token_cache: dict | None = None  # how this rank had its examples (`distft.data.cache.tokenized_splits`)
 
@@ -136,7 +136,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     strategy = strategy_cls(cfg, env)
     out = Path(cfg.output.dir)
 
-    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name)
+    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
     # The token cache, memory-mapped (built before launch by the CLI; else once per node, here).
     train_set, val_set, token_cache = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, dataset)
 
@@ -145,7 +145,8 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None, attention)
     check_model(cfg, base.config)
     recipe = base_recipe(cfg.model, base.device) if is_preset(cfg.model.name) else None
-    lineage = run_lineage(cfg, recipe)  # random preset -> earlier runs -> this one
+    # random preset (or where a pretrained base came from) -> earlier runs -> this one
+    lineage = run_lineage(cfg, recipe, None if recipe else pretrained_origin(cfg.model))
     if env.is_main:
         atomic_write_text(out / "config.toml", to_toml(cfg))
         write_lineage(out, lineage)
