@@ -145,7 +145,9 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(runs, tmp_p
         "train", "--strategy", "ddp", "--nproc", "2", "--max-restarts", "1", *RUN, "--out", str(out),
         env={"DISTFT_FAULT_KILL_AT_STEP": "3"},  # rank 1 SIGKILLs itself as step 3 begins
     )  # fmt: skip
-    assert "exitcode: -9" in proc.stderr  # the agent saw the kill, then restarted both ranks
+    # The agent saw the kill (or first its peer, which lost its connection in the next collective),
+    # then restarted both ranks.
+    assert "exitcode: -9" in proc.stderr or "lost its connection to another rank" in proc.stderr
     assert "resuming from" in proc.stdout and "(step 2)" in proc.stdout
     got, want = metrics(out), metrics(runs / "ddp" / "full")
     assert [(m["step"], m["loss"], m["grad_norm"]) for m in got] == [
