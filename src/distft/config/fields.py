@@ -15,8 +15,13 @@ from distft.config.schema import (
     DATA_FORMATS,
     DTYPES,
     FUSED_CHOICES,
+    LORA_TARGET_PRESETS,
+    LORA_VARIANTS,
+    MASTER_WEIGHTS,
     MEASURE_COMM,
     METHODS,
+    OPTIMIZERS,
+    SCHEDULERS,
     TRACKERS,
     TRUNCATIONS,
     Config,
@@ -53,6 +58,11 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.model.compile, COMPILE_CHOICES, "model.compile")
     check_choice(cfg.model.compile_backend, COMPILE_BACKENDS, "model.compile_backend")
     check_choice(cfg.optim.fused, FUSED_CHOICES, "optim.fused")
+    check_choice(cfg.optim.name, OPTIMIZERS, "optim.name")
+    check_choice(cfg.optim.scheduler, SCHEDULERS, "optim.scheduler")
+    check_choice(cfg.lora.variant, LORA_VARIANTS, "lora.variant")
+    check_choice(cfg.train.master_weights, MASTER_WEIGHTS, "train.master_weights")
+    _check_targets(cfg.lora.target_modules)
     if cfg.model.attn_implementation == "flash" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(
             "model.attn_implementation=flash needs the flash-attn package (CUDA only: `pip install "
@@ -62,6 +72,32 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.parallel.fsdp_wrap, ("layer", "model"), "parallel.fsdp_wrap")
     _check_counts(cfg)
     _check_ranges(cfg)
+    _check_optim(cfg)
+
+
+def _check_targets(targets: list[str]) -> None:
+    presets = [*LORA_TARGET_PRESETS, "all-linear"]
+    named = [t for t in targets if t in presets]
+    if named and len(targets) > 1:
+        raise ConfigError(
+            f"`lora.target_modules` {targets}: the preset {named[0]!r} stands alone; give either one "
+            f"preset ({', '.join(presets)}) or a list of module names such as q_proj, v_proj."
+        )
+
+
+def _check_optim(cfg: Config) -> None:
+    o = cfg.optim
+    if not 0.0 <= o.momentum < 1.0:
+        raise ConfigError(f"`optim.momentum` must be in [0, 1), got {o.momentum}.")
+    if cfg.lora.lr_ratio <= 0:
+        raise ConfigError(f"`lora.lr_ratio` must be positive (1: LoRA+ off), got {cfg.lora.lr_ratio}.")
+    if o.tuned_global_batch_size < 0 or cfg.train.epochs < 0:
+        raise ConfigError("`optim.tuned_global_batch_size` and `train.epochs` cannot be negative (0: unset).")
+    if cfg.train.method == "full" and (cfg.lora.variant != "lora" or cfg.lora.lr_ratio != 1.0):
+        raise ConfigError(
+            f"lora.variant={cfg.lora.variant} and lora.lr_ratio={cfg.lora.lr_ratio:g} shape LoRA adapters; "
+            "--method full trains no adapter. Use --method lora or qlora, or drop them."
+        )
 
 
 def _check_counts(cfg: Config) -> None:

@@ -6,7 +6,16 @@ shared by the strategies (one norm-and-clip, one flat all-reduce; the device mes
 """
 
 from distft.parallel.base import Batch, Strategy
-from distft.parallel.checks import BatchShape, batch_shape, check_config, check_model
+from distft.parallel.checks import BatchShape, batch_shape, check_config, check_model, master_weights
 from distft.parallel.registry import STRATEGIES
 
-__all__ = ["STRATEGIES", "Batch", "BatchShape", "Strategy", "batch_shape", "check_config", "check_model"]
+__all__ = [
+    "STRATEGIES",
+    "Batch",
+    "BatchShape",
+    "Strategy",
+    "batch_shape",
+    "check_config",
+    "check_model",
+    "master_weights",
+]

@@ -45,6 +45,7 @@ from distft.train.metrics import (
     step_record,
     truncate_metrics,
 )
+from distft.train.optim import training_lines
 from distft.train.progress import TrainingProgress
 from distft.train.setup import Run, setup
 from distft.train.step import evaluate, global_batch, rank_batches, train_step
@@ -186,6 +187,7 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
         data={"train": run.train_set.summary(), "validation": run.val_set.summary()},
         lineage=run.lineage,
         kernels=kernels_line(run),
+        training=training_lines(run.cfg, len(run.train_set)),
     )
     if run.health is not None and progress.enabled:
         progress.console.print(run.health.summary(), soft_wrap=True)
