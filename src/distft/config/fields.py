@@ -75,6 +75,14 @@ def check_fields(cfg: Config) -> None:
     _check_optim(cfg)
 
 
+def lora_target_names(targets: list[str]) -> list[str]:
+    """`lora.target_modules` as module names: a preset expanded; all-linear (peft's value: every
+    linear layer but the output head) is, on Qwen3, every attention and MLP projection."""
+    if targets == ["all-linear"]:
+        return list(LORA_TARGET_PRESETS["all"])
+    return list(LORA_TARGET_PRESETS[targets[0]]) if targets[0] in LORA_TARGET_PRESETS else list(targets)
+
+
 def _check_targets(targets: list[str]) -> None:
     presets = [*LORA_TARGET_PRESETS, "all-linear"]
     named = [t for t in targets if t in presets]

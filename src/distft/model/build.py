@@ -22,8 +22,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from distft.config import Config, ModelConfig
-from distft.config.schema import LORA_TARGET_PRESETS
+from distft.config import Config, ModelConfig, lora_target_names
 from distft.errors import ConfigError
 from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
@@ -193,9 +192,7 @@ def apply_method(model: nn.Module, cfg: Config) -> nn.Module:
 def lora_targets(names: list[str]) -> list[str] | str:
     """`lora.target_modules` as peft takes it: a preset (attention, mlp, all) as its module names,
     all-linear as peft's own value (every linear layer but the output head), else the names."""
-    if names == ["all-linear"]:
-        return "all-linear"
-    return list(LORA_TARGET_PRESETS.get(names[0], names)) if len(names) == 1 else list(names)
+    return "all-linear" if names == ["all-linear"] else lora_target_names(names)
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from distft.io.export import save_adapter, save_full_model
 from distft.io.files import atomic_write_text
 from distft.io.lock import run_lock
 from distft.measure.step import StepMeasurements
-from distft.model import causal_lm
+from distft.model import DTYPES, causal_lm
 from distft.model.nf4 import quantization
 from distft.parallel.base import unwrap
 from distft.train.hooks import TrainHooks
@@ -254,7 +254,8 @@ def export(run: Run, summary: dict) -> list[dict]:
     lm = unwrap(run.model).lm
     if run.cfg.train.method in ("lora", "qlora"):
         save_adapter(lm, state, run.out / "adapter", run.base_ref, quantization(run.cfg))
-    else:
+    else:  # in the model's dtype: fp32 master weights (train.master_weights) export as bf16
+        state = {k: v.to(DTYPES[run.cfg.model.dtype]) for k, v in state.items()}
         save_full_model(causal_lm(lm), state, run.out / "model", run.tokenizer, run.lineage)
     atomic_write_text(run.out / "ranks.json", json.dumps(ranks, indent=1))
     return ranks
