@@ -24,6 +24,11 @@ RUN = [
     "data.max_rows=32",
     "data.max_length=384",
     "lora.dropout=0.1",  # resuming must restore the RNG too
+    # SGD's momentum buffers, a linear schedule and LoRA+'s second param group (its own lr) must
+    # come back too (AdamW's exact resume: tests/parallel, fsdp and zero1).
+    "optim.name=sgd",
+    "optim.scheduler=linear",
+    "lora.lr_ratio=4",
 ]  # fmt: skip
 
 

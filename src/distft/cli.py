@@ -40,6 +40,7 @@ from distft.model.build import check_weight_files
 from distft.parallel import STRATEGIES, check_config, check_model, ignored_settings
 from distft.train import train
 from distft.train.metrics import START_ENV
+from distft.train.optim import check_optimizer
 from distft.train.tracking import check_trackers
 
 # ---------------------------------------------------------------------------------------------
@@ -177,6 +178,7 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
         check_bf16(cfg.model, cfg.parallel.nproc)  # bfloat16 needs compute capability 8.0
     check_resume(cfg)
     check_trackers(cfg)  # output.report_to: each tracker's library is installed
+    check_optimizer(cfg, "cuda" if on_cuda else "cpu")  # adamw-8bit: bitsandbytes, and it runs here
     check_finished_run(cfg, resuming)  # after check_resume: a foreign config is named first
     check_weight_files(cfg.model)
     architecture = model_config(cfg.model.name, cfg.model.trust_remote_code, cfg.model.revision)

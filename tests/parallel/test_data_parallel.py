@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from distft.cli import main
 from distft.config import load_config
+from distft.infer import load_trained
 from distft.model import apply_method, load_base_model
-from tests.helpers import PARITY, assert_same_training, distft, metrics
+from tests.helpers import PARITY, adapter, assert_same_training, distft, metrics
 
 WORLD = 2
 ACCUMULATION = 2  # global batch 4 = micro 1 x 2 x 2 ranks
@@ -140,3 +141,35 @@ def test_fsdp_whole_model_unit_without_prefetch(reference, micro_lora, tmp_path)
     assert first["comm_bytes"] == first["comm_bytes_expected"] == expected_bytes("fsdp", micro_lora)
     # The same bytes in one gather per pass: forward and backward of each micro-batch.
     assert first["comm_calls"]["all_gather"] == 2 * ACCUMULATION
+
+
+# ---- LoRA variants: DoRA's magnitudes and LoRA+'s second param group, sharded and replicated ------
+
+VARIANT = ["lora.variant=dora", "lora.lr_ratio=4", "train.max_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def variant_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dora-single")
+    distft("train", *PARITY, *VARIANT, "--out", str(out))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dora_with_lora_plus_matches_single_process(strategy, variant_reference, tmp_path):
+    out = tmp_path / strategy
+    proc = distft(
+        "train", "--strategy", strategy, "--nproc", str(WORLD), *PARITY, *VARIANT, "--out", str(out)
+    )
+    assert "adapters: dora, rank 16" in proc.stdout and "LoRA+: lora_B at lr x 4" in proc.stdout
+    assert_same_training(out, variant_reference)  # every lora_A, lora_B and magnitude vector
+    assert any("lora_magnitude_vector" in name for name in adapter(out))
+    if strategy == "fsdp":  # a standard PEFT adapter: peft and `distft infer` load it, same logits
+        ids = torch.randint(0, 5000, (1, 16))
+        base = AutoModelForCausalLM.from_pretrained(variant_reference / "base")
+        peft = PeftModel.from_pretrained(base, variant_reference / "adapter").eval()
+        loaded = load_trained(run=str(out)).model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(
+                loaded(input_ids=ids).logits, peft(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+            )

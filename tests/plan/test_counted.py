@@ -68,10 +68,19 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _training(method: str, b: int = 1, s: int = 32, labels: int = 4, pad: int = 0) -> Training:
+# What else each layout is counted with: DoRA's magnitudes (data-parallel layouts) and full finetuning
+# of a bf16 model over fp32 master weights (train.master_weights=fp32), state only.
+EXTRA = {
+    "dora": ("lora", ["lora.variant=dora"], {"dora": True}, ("single", "ddp", "zero1", "fsdp")),
+    "masters": ("full", ["model.dtype=bfloat16"], {"fp32_masters": True}, ("single", "ddp", "fsdp")),
+}
+
+
+def _training(method: str, b: int = 1, s: int = 32, labels: int = 4, pad: int = 0, **extra) -> Training:
     return Training(
         method=method,
-        precision=PRECISIONS["fp32"],
+        precision=PRECISIONS["mixed" if extra.get("fp32_masters") else "fp32"],
+        **extra,
         lora_rank=LORA_RANK,
         seq_len=s,
         micro_batch=b,
@@ -88,58 +97,71 @@ def _count_and_measure(rank: int, world: int) -> None:
     rows = []
     for method in ("lora", "full"):
         for name, layout in LAYOUTS.items():
-            nproc = 1 if name == "single" else world
-            cfg = load_config(
-                None,
-                [
-                    "model.name=micro",
-                    f"train.method={method}",
-                    f"lora.rank={LORA_RANK}",
-                    f"parallel.strategy={name}",
-                    f"parallel.nproc={nproc}",
-                    "model.attn_implementation=sdpa",
-                ],
-            )
-            torch.manual_seed(0)
-            strategy = STRATEGIES[name](cfg, env)
-            model = strategy.parallelize(SummaryLM(apply_method(load_base_model(cfg.model), cfg)))
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizer = strategy.build_optimizer(trainable, torch.optim.AdamW, lr=1e-3)
-            cases = ACTIVATION_CASES if name in MEASURED else [(1, 32, 4, 0)]
-            for b, s, labels, pad in cases:
-                pad = 0 if name == "tp-sp" else pad
-                strategy.activation_probe = probe = SavedActivations(model)
-                strategy.forward_backward(model, [batch(b, s, labels, pad)], b * labels)
-                strategy.activation_probe = None
-                if name in MEASURED:
-                    want = activation_bytes(spec, _training(method, b, s, labels, pad), layout).saved
-                    rows.append(
-                        {"kind": "activations", "method": method, "strategy": name, "case": [b, s, labels, pad],
-                         "rank": rank, "measured": probe.bytes, "predicted": want}
-                    )  # fmt: skip
-            optimizer.step()
-
-            params = list(model.parameters())
-            counted = {
-                "parameters": _storage_bytes(params),
-                "gradients": _storage_bytes([p.grad for p in params if p.grad is not None]),
-                "optimizer": sum(
-                    _local(v).untyped_storage().nbytes()
-                    for state in strategy.local_optimizer(optimizer).state.values()  # ZeRO-1: its partition
-                    for v in state.values()
-                    if torch.is_tensor(v)
-                ),
-            }
-            want = state_bytes(spec, _training(method), layout, dp_rank=rank, tp_rank=rank)
-            predicted = {"parameters": want.params, "gradients": want.grads, "optimizer": want.optimizer}
-            assert counted == predicted, (method, name, rank, counted, predicted)
-            rows.append(
-                {"kind": "state", "method": method, "strategy": name, "rank": rank, "counted": counted}
-            )
+            rows += _count(env, spec, method, name, layout, world)
+    for label, (method, overrides, extra, names) in EXTRA.items():
+        for name in names:
+            rows += _count(env, spec, method, name, LAYOUTS[name], world, overrides, extra, label)
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
         print("PLAN_ROWS", json.dumps([r for ranks in gathered for r in ranks]))
+
+
+def _count(env, spec, method, name, layout, world, overrides=(), extra=None, label="") -> list[dict]:
+    """Build `name` as the loop does, step once, and assert its state bytes equal the plan's."""
+    rank, rows, extra = env.rank, [], extra or {}
+    nproc = 1 if name == "single" else world
+    cfg = load_config(
+        None,
+        [
+            "model.name=micro",
+            f"train.method={method}",
+            f"lora.rank={LORA_RANK}",
+            f"parallel.strategy={name}",
+            f"parallel.nproc={nproc}",
+            "model.attn_implementation=sdpa",
+            *overrides,
+        ],
+    )
+    torch.manual_seed(0)
+    strategy = STRATEGIES[name](cfg, env)
+    base = load_base_model(cfg.model)
+    base = base.float() if extra.get("fp32_masters") else base  # as `train.setup` keeps the masters
+    model = strategy.parallelize(SummaryLM(apply_method(base, cfg)))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = strategy.build_optimizer(trainable, torch.optim.AdamW, lr=1e-3)
+    cases = ACTIVATION_CASES if name in MEASURED and not extra else [(1, 32, 4, 0)]
+    for b, s, labels, pad in cases:
+        pad = 0 if name == "tp-sp" else pad
+        strategy.activation_probe = probe = SavedActivations(model)
+        strategy.forward_backward(model, [batch(b, s, labels, pad)], b * labels)
+        strategy.activation_probe = None
+        if name in MEASURED and not extra:
+            want = activation_bytes(spec, _training(method, b, s, labels, pad), layout).saved
+            rows.append(
+                {"kind": "activations", "method": method, "strategy": name, "case": [b, s, labels, pad],
+                 "rank": rank, "measured": probe.bytes, "predicted": want}
+            )  # fmt: skip
+    optimizer.step()
+
+    params = list(model.parameters())
+    counted = {
+        "parameters": _storage_bytes(params),
+        "gradients": _storage_bytes([p.grad for p in params if p.grad is not None]),
+        "optimizer": sum(
+            _local(v).untyped_storage().nbytes()
+            for state in strategy.local_optimizer(optimizer).state.values()  # ZeRO-1: its partition
+            for v in state.values()
+            if torch.is_tensor(v)
+        ),
+    }
+    want = state_bytes(spec, _training(method, **extra), layout, dp_rank=rank, tp_rank=rank)
+    predicted = {"parameters": want.params, "gradients": want.grads, "optimizer": want.optimizer}
+    assert counted == predicted, (label or method, name, rank, counted, predicted)
+    rows.append(
+        {"kind": "state", "method": label or method, "strategy": name, "rank": rank, "counted": counted}
+    )
+    return rows
 
 
 def test_components_exact_and_activations_close(capfd):
@@ -148,7 +170,8 @@ def test_components_exact_and_activations_close(capfd):
     rows = json.loads(out.split("PLAN_ROWS")[1].splitlines()[0])
 
     state = [r for r in rows if r["kind"] == "state"]
-    assert len(state) == 2 * len(LAYOUTS) * WORLD  # every strategy, method and rank was checked
+    extra = sum(len(names) for *_, names in EXTRA.values())
+    assert len(state) == (2 * len(LAYOUTS) + extra) * WORLD  # every strategy, method and rank was checked
     # FSDP2's padding is visible: rank 1's optimizer state is smaller than rank 0's (2 rows vs 3).
     fsdp_lora = {r["rank"]: r["counted"] for r in state if r["strategy"] == "fsdp" and r["method"] == "lora"}
     assert fsdp_lora[1]["optimizer"] < fsdp_lora[0]["optimizer"]

@@ -26,8 +26,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from distft.config import load_config
+from distft.config import load_config, lora_target_names
 from distft.errors import ConfigError
+from distft.parallel import master_weights
 from distft.plan.estimate import Request, estimate, layout_for
 from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
 from distft.plan.model_spec import resolve_model
@@ -79,7 +80,9 @@ def _request(
         method=cfg.train.method,
         precision=PRECISIONS[precision],
         lora_rank=cfg.lora.rank,
-        lora_targets=tuple(cfg.lora.target_modules),
+        lora_targets=tuple(lora_target_names(cfg.lora.target_modules)),
+        dora=cfg.lora.variant == "dora",
+        fp32_masters=master_weights(cfg) == "fp32",
         autocast=precision != "fp32",
         seq_len=settings.seq_len,
         micro_batch=settings.micro_batch_size,

@@ -3,7 +3,7 @@
 This package is a leaf: it imports nothing of distft but layer 0 (`distft.errors`, `distft.textfiles`).
 """
 
-from distft.config.fields import RANGES, Range, check_choice, check_fields, nearest
+from distft.config.fields import RANGES, Range, check_choice, check_fields, lora_target_names, nearest
 from distft.config.io import apply_override, config_differences, load_config, to_dict, to_toml
 from distft.config.schema import (
     DTYPES,
@@ -36,6 +36,7 @@ __all__ = [
     "check_fields",
     "config_differences",
     "load_config",
+    "lora_target_names",
     "nearest",
     "to_dict",
     "to_toml",

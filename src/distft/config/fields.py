@@ -18,8 +18,13 @@ from distft.config.schema import (
     DATA_FORMATS,
     DTYPES,
     FUSED_CHOICES,
+    LORA_TARGET_PRESETS,
+    LORA_VARIANTS,
+    MASTER_WEIGHTS,
     MEASURE_COMM,
     METHODS,
+    OPTIMIZERS,
+    SCHEDULERS,
     TRACKERS,
     TRUNCATIONS,
     Config,
@@ -56,6 +61,11 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.model.compile, COMPILE_CHOICES, "model.compile")
     check_choice(cfg.model.compile_backend, COMPILE_BACKENDS, "model.compile_backend")
     check_choice(cfg.optim.fused, FUSED_CHOICES, "optim.fused")
+    check_choice(cfg.optim.name, OPTIMIZERS, "optim.name")
+    check_choice(cfg.optim.scheduler, SCHEDULERS, "optim.scheduler")
+    check_choice(cfg.lora.variant, LORA_VARIANTS, "lora.variant")
+    check_choice(cfg.train.master_weights, MASTER_WEIGHTS, "train.master_weights")
+    _check_targets(cfg.lora.target_modules)
     if cfg.model.attn_implementation == "flash" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(
             "model.attn_implementation=flash needs the flash-attn package (CUDA only: `pip install "
@@ -65,6 +75,33 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.parallel.fsdp_wrap, ("layer", "model"), "parallel.fsdp_wrap")
     check_ranges(cfg)
     _check_relations(cfg)
+    _check_optim(cfg)
+
+
+def lora_target_names(targets: list[str]) -> list[str]:
+    """`lora.target_modules` as module names: a preset expanded; all-linear (peft's value: every
+    linear layer but the output head) is, on Qwen3, every attention and MLP projection."""
+    if targets == ["all-linear"]:
+        return list(LORA_TARGET_PRESETS["all"])
+    return list(LORA_TARGET_PRESETS[targets[0]]) if targets[0] in LORA_TARGET_PRESETS else list(targets)
+
+
+def _check_targets(targets: list[str]) -> None:
+    presets = [*LORA_TARGET_PRESETS, "all-linear"]
+    named = [t for t in targets if t in presets]
+    if named and len(targets) > 1:
+        raise ConfigError(
+            f"`lora.target_modules` {targets}: the preset {named[0]!r} stands alone; give either one "
+            f"preset ({', '.join(presets)}) or a list of module names such as q_proj, v_proj."
+        )
+
+
+def _check_optim(cfg: Config) -> None:
+    if cfg.train.method == "full" and (cfg.lora.variant != "lora" or cfg.lora.lr_ratio != 1.0):
+        raise ConfigError(
+            f"lora.variant={cfg.lora.variant} and lora.lr_ratio={cfg.lora.lr_ratio:g} shape LoRA adapters; "
+            "--method full trains no adapter. Use --method lora or qlora, or drop them."
+        )
 
 
 # ---- Ranges ----------------------------------------------------------------------------------
@@ -118,6 +155,7 @@ RANGES: dict[str, Range] = {
     "lora.rank": COUNT,
     "lora.alpha": POSITIVE,
     "lora.dropout": FRACTION,
+    "lora.lr_ratio": POSITIVE,  # 1: LoRA+ off
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,
     "optim.beta1": FRACTION,
@@ -126,7 +164,10 @@ RANGES: dict[str, Range] = {
     "optim.warmup_steps": NON_NEGATIVE,
     "optim.min_lr_ratio": Range(0, 1),
     "optim.grad_clip": NON_NEGATIVE,  # 0: no clipping
+    "optim.momentum": FRACTION,
+    "optim.tuned_global_batch_size": NON_NEGATIVE,  # 0: unset
     "train.max_steps": COUNT,
+    "train.epochs": NON_NEGATIVE,  # 0: train.max_steps counts instead
     "train.global_batch_size": COUNT,
     "train.micro_batch_size": COUNT,
     "train.eval_every": NON_NEGATIVE,

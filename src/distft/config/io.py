@@ -76,7 +76,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     raise TypeError(f"unsupported config type {annotation} ({where})")
 
 
-def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
+def _apply(cfg: Config, section: str, key: str, value: Any) -> str:
+    """Set one field; returns its dotted name."""
     if section not in _SECTION_TYPES:
         raise ConfigError(
             f"Unknown config section `{one_line(section)}`.{nearest(section, list(_SECTION_TYPES))}"
@@ -86,6 +87,7 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> None:
     if key not in hints:
         raise ConfigError(f"Unknown config key `{section}.{one_line(key)}`.{nearest(key, list(hints))}")
     setattr(section_obj, key, _coerce(value, hints[key], f"{section}.{key}"))
+    return f"{section}.{key}"
 
 
 def _parse_toml(text: str, source: str) -> dict[str, Any]:
@@ -102,6 +104,7 @@ def _parse_toml(text: str, source: str) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file at `path`, then `section.key=value` overrides; validated."""
     cfg = Config()
+    given: set[str] = set()  # the fields the file and the overrides set
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -118,15 +121,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                     f"{nearest(section, list(_SECTION_TYPES))}"
                 )
             for key, value in table.items():
-                _apply(cfg, section, key, value)
+                given.add(_apply(cfg, section, key, value))
     for item in overrides or []:
-        apply_override(cfg, item)
+        given.add(apply_override(cfg, item))
+    if cfg.train.epochs > 0 and "train.max_steps" in given:
+        raise ConfigError(
+            f"train.epochs={cfg.train.epochs:g} and train.max_steps={cfg.train.max_steps} both set the "
+            "length of the run: keep one (epochs: max_steps = ceil(epochs x rows / global_batch_size))."
+        )
     check_fields(cfg)
     return cfg
 
 
-def apply_override(cfg: Config, item: str) -> None:
-    """Apply one `section.key=value`; the value is read as a TOML value when it parses as one."""
+def apply_override(cfg: Config, item: str) -> str:
+    """Apply one `section.key=value` (the value read as TOML when it parses as one); its dotted name."""
     dotted, sep, raw = item.partition("=")
     section, dot, key = dotted.strip().partition(".")
     if not sep or not dot or not key:
@@ -137,7 +145,7 @@ def apply_override(cfg: Config, item: str) -> None:
         value = tomllib.loads(f"v = {raw}")["v"]
     except (ValueError, RecursionError):  # TOMLDecodeError, or a value tomllib cannot hold
         value = raw  # a bare string such as train.method=full
-    _apply(cfg, section, key, value)
+    return _apply(cfg, section, key, value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,6 +181,8 @@ def to_toml(cfg: Config) -> str:
     for section in dataclasses.fields(cfg):
         lines.append(f"[{section.name}]")
         for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
+            if section.name == "train" and key == "max_steps" and cfg.train.epochs > 0:
+                continue  # derived from the epochs at set-up: not a setting of the run
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

@@ -115,28 +115,45 @@ class LoraConfig:
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    """Projections that get adapters: all attention and MLP projections by default."""
+    """Projections that get adapters: all attention and MLP projections by default. Module names, or
+    one preset: attention (q, k, v, o), mlp (gate, up, down), all (both), all-linear (peft's own:
+    every linear layer but the output head)."""
+    variant: str = "lora"
+    """lora; dora (weight-decomposed: a trained magnitude per output feature, Liu et al. 2402.09353;
+    data-parallel strategies and pipelines only); rslora (rank-stabilised scale alpha / sqrt(r))."""
+    lr_ratio: float = 1.0
+    """LoRA+ (Hayou et al. 2402.12354): every lora_B trains at optim.lr x this ratio, in a param group
+    of its own (1: off; the paper suggests 16)."""
 
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """adamw; adamw-8bit (bitsandbytes' 8-bit AdamW, optional: single and ddp); sgd (with momentum)."""
     lr: float = 1e-2
-    """Peak learning rate (AdamW). The default suits the randomly initialised CPU presets; real
+    """Peak learning rate. The default suits the randomly initialised CPU presets; real
     checkpoints want ~1e-4 to 2e-4 (configs/qwen3-4b-lora.toml)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    momentum: float = 0.9
+    """SGD's momentum (optim.name=sgd; 0: plain SGD, no optimizer state)."""
+    scheduler: str = "cosine"
+    """After the warm-up: cosine or linear decay to lr * min_lr_ratio at the last step, or constant."""
     warmup_steps: int = 10
     """Linear warm-up from 0 to `lr`."""
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio on the last step."""
+    """The decay (cosine, linear) ends at lr * min_lr_ratio on the last step."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     fused: str = "auto"
     """Fused AdamW (one kernel for every tensor, no host sync): auto (on CUDA), true (the CPU too:
     torch has a fused CPU AdamW) or false (the per-tensor loop)."""
+    tuned_global_batch_size: int = 0
+    """The global batch `lr` was tuned for (0: unset). When it differs from train.global_batch_size,
+    the header prints the usual scaling of lr (square root for Adam, linear for SGD); never applied."""
 
 
 @dataclass
@@ -145,7 +162,14 @@ class TrainConfig:
     """lora (adapters on a frozen base), qlora (adapters on a frozen 4-bit NF4 base, `distft.model.nf4`)
     or full (every weight trains)."""
     max_steps: int = 100
-    """Optimizer steps."""
+    """Optimizer steps (leave it unset when train.epochs sets them)."""
+    epochs: float = 0.0
+    """Passes over the training rows instead of max_steps: max_steps = ceil(epochs x rows /
+    global_batch_size), shown in the header (0: off)."""
+    master_weights: str = "auto"
+    """Full finetuning of a bfloat16 model: fp32 (weights and optimizer state kept in float32, bf16
+    compute), model (everything in bf16: half the memory, small updates lost to rounding), or auto:
+    fp32 where the strategy holds master weights (single, ddp, zero1, fsdp, zero2, hsdp), else model."""
     global_batch_size: int = 8
     """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps."""
     micro_batch_size: int = 4
@@ -295,6 +319,15 @@ class Config:
 # ---- Validation -----------------------------------------------------------------------------
 
 METHODS = ("lora", "qlora", "full")
+LORA_VARIANTS = ("lora", "dora", "rslora")
+LORA_TARGET_PRESETS = {  # lora.target_modules = ["attention"], ...; all-linear is peft's own
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
+SCHEDULERS = ("cosine", "linear", "constant")
+MASTER_WEIGHTS = ("auto", "fp32", "model")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_CHOICES = ("auto", "flex", "flash", "sdpa", "eager")  # `distft.model.attention`
 COMPILE_CHOICES = ("auto", "true", "false")  # `distft.model.compile`

@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from distft.config import Config, ModelConfig
+from distft.config import Config, ModelConfig, lora_target_names
 from distft.errors import ConfigError
 from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
@@ -236,7 +236,9 @@ def apply_method(model: nn.Module, cfg: Config) -> nn.Module:
         r=cfg.lora.rank,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=list(cfg.lora.target_modules),
+        target_modules=lora_targets(cfg.lora.target_modules),
+        use_dora=cfg.lora.variant == "dora",
+        use_rslora=cfg.lora.variant == "rslora",
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -244,6 +246,12 @@ def apply_method(model: nn.Module, cfg: Config) -> nn.Module:
         peft_model = get_peft_model(model, lora)
     # peft initialises lora_A from the global RNG: the caller seeds it so every rank agrees.
     return peft_model
+
+
+def lora_targets(names: list[str]) -> list[str] | str:
+    """`lora.target_modules` as peft takes it: a preset (attention, mlp, all) as its module names,
+    all-linear as peft's own value (every linear layer but the output head), else the names."""
+    return "all-linear" if names == ["all-linear"] else lora_target_names(names)
 
 
 @contextmanager

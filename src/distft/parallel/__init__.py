@@ -6,7 +6,14 @@ shared by the strategies (one norm-and-clip, one flat all-reduce; the device mes
 """
 
 from distft.parallel.base import Batch, Strategy
-from distft.parallel.checks import BatchShape, batch_shape, check_config, check_model, ignored_settings
+from distft.parallel.checks import (
+    BatchShape,
+    batch_shape,
+    check_config,
+    check_model,
+    ignored_settings,
+    master_weights,
+)
 from distft.parallel.registry import STRATEGIES
 
 __all__ = [
@@ -18,4 +25,5 @@ __all__ = [
     "check_config",
     "check_model",
     "ignored_settings",
+    "master_weights",
 ]

@@ -46,6 +46,15 @@ class Strategy:
     # reason is shown to users of the others.
     supports_qlora: ClassVar[bool] = False
     qlora_refusal: ClassVar[str] = "this strategy has not been taught to place NF4 base weights"
+    # lora.variant=dora adds a trained magnitude per output feature, scaled by the norm of each whole
+    # row of W + BA; a strategy that splits projections over ranks says why it cannot (`checks.py`).
+    supports_dora: ClassVar[bool] = True
+    dora_refusal: ClassVar[str] = ""
+    # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
+    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
+    # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held
+    # in fp32, computed in bf16 (bf16 autocast on single / ddp / zero1; FSDP2's param dtype).
+    fp32_masters: ClassVar[bool] = False
     mesh_degrees: ClassVar[bool] = False  # takes parallel.dp / tp / pp (multi-dimensional strategies)
     shard_groups: ClassVar[bool] = False  # takes parallel.shard (hsdp: ranks sharding each parameter)
     # Takes the whole model on this rank's device (single, DDP): the base is built there directly,
@@ -132,9 +141,13 @@ class Strategy:
         return total
 
     def build_optimizer(
-        self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], **defaults
+        self,
+        params: list[nn.Parameter] | list[dict],
+        optimizer_class: type[torch.optim.Optimizer],
+        **defaults,
     ) -> torch.optim.Optimizer:
-        """The optimizer over the trainable `params` (ZeRO-1 wraps it to partition its state)."""
+        """The optimizer over the trainable `params`, or param groups (LoRA+), `distft.train.optim`
+        (ZeRO-1 wraps it to partition its state)."""
         return optimizer_class(params, **defaults)
 
     def local_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -35,6 +35,7 @@ def check_config(cfg: Config) -> BatchShape:
     check_choice(cfg.parallel.strategy, sorted(STRATEGIES), "parallel.strategy")
     strategy = STRATEGIES[cfg.parallel.strategy]
     _check_method(cfg, strategy)
+    _check_training(cfg, strategy)
     _check_layout(cfg, strategy)
     _check_compile(cfg, strategy)
     strategy.validate_config(cfg)
@@ -119,6 +120,47 @@ def _check_method(cfg: Config, strategy: type[Strategy]) -> None:
             f"QLoRA runs with {', '.join(s for s, c in STRATEGIES.items() if c.supports_qlora)}; "
             f"or keep --strategy {strategy.name} with --method lora."
         )
+
+
+def _takers(capability: str) -> str:
+    return ", ".join(s for s, c in STRATEGIES.items() if getattr(c, capability))
+
+
+def _check_training(cfg: Config, strategy: type[Strategy]) -> None:
+    """The LoRA variant, the optimizer and the master weights against what the strategy can hold."""
+    name = strategy.name
+    if cfg.lora.variant == "dora" and cfg.train.method == "qlora":
+        raise ConfigError(
+            "lora.variant=dora cannot run with --method qlora: DoRA normalises each row of the base "
+            "weight, and peft cannot dequantize distft's NF4 weights for it. Use --method lora with "
+            "lora.variant=dora, or --method qlora with lora.variant=lora or rslora."
+        )
+    if cfg.lora.variant == "dora" and not strategy.supports_dora:
+        raise ConfigError(
+            f"lora.variant=dora cannot run with --strategy {name}: {strategy.dora_refusal}. DoRA runs "
+            f"with {_takers('supports_dora')}; or keep --strategy {name} with lora.variant=lora or rslora."
+        )
+    if cfg.optim.name not in strategy.optimizers:
+        takers = ", ".join(s for s, c in STRATEGIES.items() if cfg.optim.name in c.optimizers)
+        raise ConfigError(
+            f"optim.name={cfg.optim.name} cannot run with --strategy {name}, which builds "
+            f"{' or '.join(strategy.optimizers)} (bitsandbytes' 8-bit state is plain tensors: no sharded "
+            f"or partitioned parameters). It runs with {takers}; or use optim.name=adamw here."
+        )
+    if cfg.train.master_weights == "fp32" and cfg.train.method == "full" and not strategy.fp32_masters:
+        raise ConfigError(
+            f"train.master_weights=fp32 cannot run with --strategy {name}: it computes with the weights "
+            f"it holds, so fp32 masters would mean fp32 compute. fp32 masters run with "
+            f"{_takers('fp32_masters')}; or set train.master_weights=model (bf16 weights and state)."
+        )
+
+
+def master_weights(cfg: Config) -> str:
+    """fp32 when a full finetune of a bf16 model keeps fp32 master weights (train.master_weights;
+    auto: where the strategy can), else model: the weights train in the dtype they are stored in."""
+    wanted = cfg.train.master_weights
+    fp32 = wanted == "fp32" or (wanted == "auto" and STRATEGIES[cfg.parallel.strategy].fp32_masters)
+    return "fp32" if fp32 and cfg.train.method == "full" and cfg.model.dtype == "bfloat16" else "model"
 
 
 def _check_compile(cfg: Config, strategy: type[Strategy]) -> None:

@@ -50,6 +50,8 @@ class DDP(Strategy):
     supports_qlora: ClassVar[bool] = True
     builds_on_device: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True
+    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")
+    fp32_masters: ClassVar[bool] = True
     collectives = "the all-reduce of gradients (ddp)"
 
     @classmethod

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -47,13 +48,15 @@ from distft.model import DTYPES, causal_lm
 from distft.parallel.base import Strategy
 
 
-def mixed_precision(cfg: Config) -> MixedPrecisionPolicy:
-    """FSDP's dtypes: parameters gathered and computed in `fsdp_param_dtype` (empty: as stored),
-    gradients reduce-scattered in `fsdp_reduce_dtype` (empty: the param dtype), outputs cast to
-    `fsdp_output_dtype` (empty: left as computed)."""
+def mixed_precision(cfg: Config, masters: bool = False) -> MixedPrecisionPolicy:
+    """FSDP's dtypes: parameters gathered and computed in `fsdp_param_dtype` (empty: as stored;
+    with fp32 `masters` of a bf16 model, bf16), gradients reduce-scattered in `fsdp_reduce_dtype`
+    (empty: the param dtype; fp32 over masters), outputs cast to `fsdp_output_dtype` (empty: left
+    as computed)."""
     p = cfg.parallel
-    param_dtype = DTYPES[p.fsdp_param_dtype] if p.fsdp_param_dtype else None
-    reduce_dtype = DTYPES[p.fsdp_reduce_dtype] if p.fsdp_reduce_dtype else param_dtype
+    param_dtype = DTYPES[p.fsdp_param_dtype] if p.fsdp_param_dtype else (torch.bfloat16 if masters else None)
+    reduce_default = torch.float32 if masters else param_dtype
+    reduce_dtype = DTYPES[p.fsdp_reduce_dtype] if p.fsdp_reduce_dtype else reduce_default
     output_dtype = DTYPES[p.fsdp_output_dtype] if p.fsdp_output_dtype else None
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
 
@@ -75,9 +78,12 @@ def shard_units(
     """`fully_shard` each of `layers`, then `root` (what is left: embeddings, final norm, the (tied)
     lm_head), over `mesh`; the pipelines call it once per stage, `root` being the stage."""
     p = cfg.parallel
+    # fp32 trainable weights of a bf16 full finetune: the master weights (`train.master_weights`).
+    masters = cfg.train.method == "full" and cfg.model.dtype == "bfloat16"
+    masters = masters and any(w.dtype == torch.float32 for w in root.parameters() if w.requires_grad)
     shard = {
         "mesh": mesh,
-        "mp_policy": mixed_precision(cfg),
+        "mp_policy": mixed_precision(cfg, masters),
         "offload_policy": CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy(),
         "reshard_after_forward": reshard_after_forward,
     }
@@ -98,6 +104,7 @@ class FSDP(Strategy):
     reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
     supports_qlora: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True  # each layer compiled before fully_shard wraps it
+    fp32_masters: ClassVar[bool] = True  # fp32 shards, gathered in bf16 (`mixed_precision`)
     collectives = "the all-gathers of parameters / reduce-scatters of gradients (fsdp)"
 
     @classmethod

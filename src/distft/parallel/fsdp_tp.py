@@ -55,6 +55,7 @@ from distft.parallel.base import Strategy
 from distft.parallel.dims import MeshStrategy, ParallelDims
 from distft.parallel.fsdp import FSDP, apply_fsdp
 from distft.parallel.tensor_parallel import (
+    DORA_TP_REFUSAL,
     check_tp_degree,
     head_norms,
     layer_plan,
@@ -67,6 +68,8 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
     name = "fsdp+tp"
     mesh_degrees: ClassVar[bool] = True
     qlora_refusal: ClassVar[str] = TP_REFUSAL
+    supports_dora: ClassVar[bool] = False
+    dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -51,7 +51,13 @@ from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.dims import ParallelDims
 from distft.parallel.fsdp_pp import FSDPPipelineParallel
 from distft.parallel.pipeline.stages import StageModule
-from distft.parallel.tensor_parallel import check_tp_degree, head_norms, layer_plan, partial_gradient_params
+from distft.parallel.tensor_parallel import (
+    DORA_TP_REFUSAL,
+    check_tp_degree,
+    head_norms,
+    layer_plan,
+    partial_gradient_params,
+)
 from distft.tensors import local, quiet_redistribute
 
 
@@ -63,6 +69,8 @@ class FSDPTensorPipelineParallel(FSDPPipelineParallel):
     supports_qlora: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = False  # TP's DTensor plans rewrite the blocks
     qlora_refusal: ClassVar[str] = TP_REFUSAL
+    supports_dora: ClassVar[bool] = False
+    dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
     collectives = (
         "TP's all-reduces (tp), FSDP's all-gathers / reduce-scatters (dp) or the pipeline's send/recv (pp)"
     )

@@ -20,6 +20,8 @@ class Single(Strategy):
     supports_qlora: ClassVar[bool] = True
     builds_on_device: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True
+    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")
+    fp32_masters: ClassVar[bool] = True
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -132,9 +132,19 @@ def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
+# Why the tensor-parallel strategies refuse lora.variant=dora (shown to the user before launch).
+DORA_TP_REFUSAL = (
+    "DoRA scales each output feature by the norm of its whole row of W + BA, and tensor parallelism "
+    "splits o_proj and down_proj along that row (row-parallel), so each rank would see a partial norm; "
+    "DTensor plans also shard only peft's lora_A/lora_B, not DoRA's magnitude vector"
+)
+
+
 class TensorParallel(Strategy):
     name = "tp"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
+    supports_dora: ClassVar[bool] = False
+    dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
     collectives = "the all-reduces of activations (tp)"
 
     @classmethod

@@ -33,6 +33,8 @@ Paper: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -43,12 +45,18 @@ from distft.parallel.ddp import DDP
 
 class ZeRO1(DDP):
     name = "zero1"
+    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")  # each rank's partition: a torch optimizer
     collectives = "the all-reduce of gradients / broadcasts of updated weights (zero1)"
 
     def build_optimizer(
-        self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer], **defaults
+        self,
+        params: list[nn.Parameter] | list[dict],
+        optimizer_class: type[torch.optim.Optimizer],
+        **defaults,
     ) -> torch.optim.Optimizer:
-        dtypes = {p.dtype for p in params}
+        # Param groups (LoRA+) partition like plain tensors: each rank's optimizer gets its share of each group.
+        tensors = [p for g in params for p in g["params"]] if isinstance(params[0], dict) else params
+        dtypes = {p.dtype for p in tensors}
         if len(dtypes) > 1:  # one flat bucket per rank holds them: ZeroRedundancyOptimizer refuses
             raise ConfigError(
                 f"--strategy zero1 needs every trainable tensor in one dtype; this model trains "

@@ -110,6 +110,18 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--precision", default="mixed", choices=list(PRECISIONS), help="bytes per weight/grad/state"
     )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (all attention and MLP projections)")
+    p.add_argument(
+        "--lora-variant",
+        default="lora",
+        choices=["lora", "dora", "rslora"],
+        help="lora.variant: dora adds a trained magnitude per output feature (counted); rslora changes no memory",
+    )
+    p.add_argument(
+        "--master-weights",
+        choices=["fp32", "model"],
+        help="full finetuning: fp32 counts distft's train.master_weights=fp32 (fp32 weights, gradients and "
+        "moments, bf16 compute); default: as --precision says",
+    )
     p.add_argument("--pp-schedule", default="1f1b", choices=list(PLANNED_SCHEDULES))
     p.add_argument("--pp-microbatches", type=int, help="micro-batches per pipeline step (default 2 x stages)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for compute time")
@@ -159,6 +171,8 @@ def make_request(args: argparse.Namespace) -> Request:
         method=args.method,
         precision=PRECISIONS[args.precision],
         lora_rank=args.lora_rank,
+        dora=args.lora_variant == "dora",
+        fp32_masters=args.master_weights == "fp32",
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         label_tokens=args.label_tokens,

@@ -29,6 +29,13 @@ def run_overrides(req: Request, method: str, ckpt: bool, par: Parallelism) -> di
     }
     if method != "full":
         out["lora.rank"] = str(t.lora_rank)
+        if t.dora:
+            out["lora.variant"] = "dora"
+    elif (
+        t.precision.dtype == "bfloat16"
+    ):  # fp32 masters (counted as such, or as mixed precision's) where they run
+        masters = (t.fp32_masters or t.precision.master) and RUNTIME[par.name].fp32_masters
+        out["train.master_weights"] = "fp32" if masters else "model"
     if RUNTIME[par.name].mesh_degrees:
         out.update({"parallel.dp": str(par.dp), "parallel.tp": str(par.tp), "parallel.pp": str(par.pp)})
     if RUNTIME[par.name].shard_groups:

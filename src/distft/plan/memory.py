@@ -49,6 +49,7 @@ from distft.model.nf4 import NF4Spec, nf4_bytes
 from distft.plan.model_spec import ModelSpec, TensorSpec
 from distft.plan.setup import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 
+ADAPTER_KINDS = ("lora_A", "lora_B", "lora_magnitude")  # trainable adapter tensors, in adapter_bytes
 STEP_BYTES = 4  # AdamW's `step`: one fp32 scalar tensor per trainable tensor
 
 
@@ -118,7 +119,7 @@ def stage_tensors(
     if training.lora:
         out += [
             (t, True)
-            for t in spec.lora_tensors(training.lora_rank, training.lora_targets)
+            for t in spec.lora_tensors(training.lora_rank, training.lora_targets, training.dora)
             if t.layer in layers
         ]
     return out
@@ -144,8 +145,10 @@ def param_element_bytes(t: TensorSpec, training: Training) -> float:
     """Bytes per element of a weight as stored (NF4 projections: the runtime's formula / numel)."""
     if training.method == "qlora" and t.kind == "linear":
         return nf4_tensor_bytes(t.numel, training.quant, training.precision.param) / t.numel
-    if t.kind in ("lora_A", "lora_B"):
+    if t.kind in ADAPTER_KINDS:
         return training.adapter_bytes
+    if training.fp32_masters and training.method == "full":
+        return 4  # the fp32 master weights are the weights; bf16 copies are made per op
     return training.precision.param
 
 
@@ -156,8 +159,10 @@ def trained_element_bytes(t: TensorSpec, training: Training) -> tuple[int, int]:
     bytes, whatever the base's precision (adapters as light as 16-bit follow the precision).
     """
     p = training.precision
-    if t.kind in ("lora_A", "lora_B") and training.adapter_bytes == 4:
+    if t.kind in ADAPTER_KINDS and training.adapter_bytes == 4:
         return 4, 8
+    if training.fp32_masters and training.method == "full":
+        return 4, 2 * 4  # fp32 gradients (of the fp32 weights) and fp32 moments; no separate master
     return p.grad, 2 * p.state + p.master
 
 
@@ -227,7 +232,7 @@ def zero1_partition(numels: list[int], n: int) -> list[int]:
 def trainable_params(spec: ModelSpec, training: Training) -> int:
     if training.method == "full":
         return spec.num_params()
-    return sum(t.numel for t in spec.lora_tensors(training.lora_rank, training.lora_targets))
+    return sum(t.numel for t in spec.lora_tensors(training.lora_rank, training.lora_targets, training.dora))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    kind: str  # "embed", "lm_head", "norm", "qk_norm", "linear" (a projection), "lora_A", "lora_B"
+    kind: str  # "embed", "lm_head", "norm", "qk_norm", "linear" (a projection), "lora_A", "lora_B", "lora_magnitude"
     tp_dim: int | None = None  # dim split by tensor parallelism (None: replicated on TP ranks)
     layer: int | None = None  # decoder layer index; None for embeddings, final norm, lm_head
     module: str = ""  # projection name for linear / LoRA tensors (q_proj, ...)
@@ -108,10 +108,13 @@ class ModelSpec:
             out.append(TensorSpec("lm_head", (self.vocab_size, self.hidden_size), "lm_head"))
         return out
 
-    def lora_tensors(self, rank: int, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS) -> list[TensorSpec]:
+    def lora_tensors(
+        self, rank: int, targets: tuple[str, ...] = DEFAULT_LORA_TARGETS, dora: bool = False
+    ) -> list[TensorSpec]:
         """LoRA adapters, sharded with their base under TP (see `parallel/tensor_parallel.py`):
         a column base keeps lora_A (r, in) replicated and splits lora_B (out, r) on out; a row base
-        splits lora_A on in and keeps lora_B replicated."""
+        splits lora_A on in and keeps lora_B replicated. DoRA adds a magnitude (out,) per projection
+        (peft's `lora_magnitude_vector`; no TP strategy runs it)."""
         out = []
         shapes = self.projection_shapes()
         for layer in range(self.num_layers):
@@ -139,6 +142,11 @@ class ModelSpec:
                         name,
                     )
                 )
+                if dora:
+                    magnitude = f"layers.{layer}.{name}.lora_magnitude"
+                    out.append(
+                        TensorSpec(magnitude, (o,), "lora_magnitude", 0 if column else None, layer, name)
+                    )
         return out
 
     def num_params(self) -> int:

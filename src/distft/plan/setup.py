@@ -58,6 +58,12 @@ class Training:
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     lora_dropout: float = 0.0
+    dora: bool = (
+        False  # lora.variant=dora: a trained fp32 magnitude per output feature of each adapted projection
+    )
+    fp32_masters: bool = (
+        False  # full finetuning with train.master_weights=fp32: weights, grads, moments in fp32
+    )
     adapter_bytes: int = 4  # PEFT keeps adapters in fp32 over a 16-bit base (autocast_adapter_dtype)
     autocast: bool = True  # bf16 autocast around forward/backward (distft on CUDA; off on CPU)
     seq_len: int = 2048

@@ -246,7 +246,7 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism) ->
         )
     if training.lora:
         held = set(layers)
-        lora = spec.lora_tensors(training.lora_rank, training.lora_targets)
+        lora = spec.lora_tensors(training.lora_rank, training.lora_targets, training.dora)
         return sum(t.numel for t in lora if t.tp_dim is None and t.layer in held) * g
     qk = 2 * spec.head_dim * len(layers) if spec.qk_norm else 0
     if par.tp_impl == "megatron" and par.sp:  # every replicated weight sees a sequence shard

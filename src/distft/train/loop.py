@@ -31,7 +31,7 @@ from distft.io.export import save_adapter, save_full_model
 from distft.io.files import atomic_write_text
 from distft.io.lock import run_lock
 from distft.measure.step import StepMeasurements
-from distft.model import causal_lm
+from distft.model import DTYPES, causal_lm
 from distft.model.nf4 import quantization
 from distft.parallel.base import unwrap
 from distft.train.hooks import TrainHooks
@@ -45,6 +45,7 @@ from distft.train.metrics import (
     step_record,
     truncate_metrics,
 )
+from distft.train.optim import training_lines
 from distft.train.progress import TrainingProgress
 from distft.train.setup import Run, setup
 from distft.train.step import evaluate, global_batch, rank_batches, train_step
@@ -186,6 +187,7 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
         data={"train": run.train_set.summary(), "validation": run.val_set.summary()},
         lineage=run.lineage,
         kernels=kernels_line(run),
+        training=training_lines(run.cfg, len(run.train_set)),
     )
     if run.health is not None and progress.enabled:
         progress.console.print(run.health.summary(), soft_wrap=True)
@@ -252,7 +254,8 @@ def export(run: Run, summary: dict) -> list[dict]:
     lm = unwrap(run.model).lm
     if run.cfg.train.method in ("lora", "qlora"):
         save_adapter(lm, state, run.out / "adapter", run.base_ref, quantization(run.cfg))
-    else:
+    else:  # in the model's dtype: fp32 master weights (train.master_weights) export as bf16
+        state = {k: v.to(DTYPES[run.cfg.model.dtype]) for k, v in state.items()}
         save_full_model(causal_lm(lm), state, run.out / "model", run.tokenizer, run.lineage)
     atomic_write_text(run.out / "ranks.json", json.dumps(ranks, indent=1))
     return ranks

@@ -39,6 +39,7 @@ class TrainingProgress:
         data: dict[str, dict[str, float]],
         lineage: dict | None = None,
         kernels: str = "",
+        training: list[str] | None = None,
     ) -> None:
         if not self.enabled:
             return
@@ -66,6 +67,8 @@ class TrainingProgress:
             f"global batch {cfg.train.global_batch_size} = micro-batch {micro} x accumulation {accum} "
             f"x data-parallel ranks {dp}; up to {tokens:,} tokens per optimizer step"
         )
+        for line in training or []:  # optimizer, schedule, LoRA variant, epochs, hints (`train.optim`)
+            c.print(line, soft_wrap=True, markup=False)
         table = Table(
             "split",
             "rows",

@@ -8,7 +8,6 @@ a `Run`, which the loop and `distft.train.step` read; nothing here trains.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +38,9 @@ from distft.model.compile import CompileStats, compile_blocks, compile_wanted
 from distft.model.nf4 import storage_layout
 from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
 from distft.model.presets import DTYPES
-from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model
+from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model, master_weights
 from distft.tensors import local_bytes
+from distft.train.optim import build_optimizer, check_optimizer, epoch_steps, lr_lambda
 
 
 @dataclass
@@ -90,43 +90,13 @@ class Run:
         return naming_collective(self.env, what, self.cfg.parallel.timeout_s, advice)
 
 
-def lr_lambda(cfg: Config):
-    """Linear warm-up to the peak, then cosine decay to `min_lr_ratio` of it at the last step."""
-    warmup, total, floor = cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup - 1)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return factor
-
-
-def adamw(model: torch.nn.Module, cfg: Config, strategy: Strategy) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, built by the strategy (ZeRO-1 partitions it); fused
-    (one kernel for every tensor) when they are all on CUDA, where the per-tensor loop would launch
-    several kernels per parameter."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    on_cuda = all(p.device.type == "cuda" for p in params)
-    fused = cfg.optim.fused == "true" or (cfg.optim.fused == "auto" and on_cuda)
-    return strategy.build_optimizer(
-        params,
-        torch.optim.AdamW,
-        lr=cfg.optim.lr,
-        betas=(cfg.optim.beta1, cfg.optim.beta2),
-        eps=cfg.optim.eps,
-        weight_decay=cfg.optim.weight_decay,
-        fused=True if fused else None,  # None: torch's default (the for-loop; foreach on CUDA)
-    )
-
-
 def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = None) -> Run:
     """`dataset`: in-memory rows (`distft.data.load_rows`) instead of `cfg.data.source`;
     `health_hooks`: fault points inside the health check (tests only)."""
     shape = check_config(cfg)  # pure; the CLI ran it before launch, a Python caller may not have
     strategy_cls = STRATEGIES[cfg.parallel.strategy]
     env = init_distributed(cfg.train.device, cfg.parallel.timeout_s, need_group=strategy_cls.distributed)
+    check_optimizer(cfg, env.device)
     # Every rank answers and all-reduces once before anything slow is built (docs/multi-node.md).
     health = (
         check_health(env, cfg.parallel, health_hooks)
@@ -139,11 +109,16 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
     # The token cache, memory-mapped (built before launch by the CLI; else once per node, here).
     train_set, val_set, token_cache = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, dataset)
+    if cfg.train.epochs > 0:  # the run's length, from the rows every rank counts alike
+        cfg.train.max_steps = epoch_steps(cfg, len(train_set))
 
     # Built where it will train, in its dtype, when the strategy takes a whole model on its device.
     attention = resolve_attention(cfg.model.attn_implementation, env.device, DTYPES[cfg.model.dtype])
     base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None, attention)
     check_model(cfg, base.config)
+    masters = master_weights(cfg) == "fp32"
+    if masters:  # full finetuning of a bf16 base: fp32 master weights, bf16 compute (autocast below)
+        base = base.float()
     recipe = base_recipe(cfg.model, base.device) if is_preset(cfg.model.name) else None
     # random preset (or where a pretrained base came from) -> earlier runs -> this one
     lineage = run_lineage(cfg, recipe, None if recipe else pretrained_origin(cfg.model))
@@ -172,10 +147,12 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     # before a forward-only pass can leave ZeRO-2's parameters gathered.
     grad_bytes = local_bytes(p for p in model.parameters() if p.requires_grad)
 
-    optimizer = adamw(model, cfg, strategy)
+    optimizer = build_optimizer(model, cfg, strategy)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    use_autocast = cfg.model.autocast and env.device.type == "cuda"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
+    use_autocast = (cfg.model.autocast and env.device.type == "cuda") or masters
+    autocast = (
+        torch.autocast(env.device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
+    )
 
     run = Run(cfg, shape, env, strategy, out, tokenizer, train_set, val_set, base_ref, parameters, model,
               param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, attention=attention, compiled_nf4=compiled_nf4, flops=flops)  # fmt: skip

@@ -63,6 +63,11 @@ from distft.tensors import local
 class MegatronTPSP(Strategy):
     name = "tp-sp"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
+    supports_dora: ClassVar[bool] = False
+    dora_refusal: ClassVar[str] = (
+        "its hand-written column/row layers carry the base, lora_A and lora_B only, not DoRA's magnitude "
+        "vector, and each rank would see a partial norm of a row-parallel weight"
+    )
     collectives = "the all-gathers / reduce-scatters of activations (tp-sp)"
     mesh: DeviceMesh | None = None  # only checkpoints use one (DTensor views of the shards)
     takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
