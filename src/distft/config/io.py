@@ -21,7 +21,11 @@ from distft.config.fields import check_fields, nearest
 from distft.config.schema import Config
 from distft.errors import ConfigError
 
-_SECTION_TYPES = typing.get_type_hints(Config)
+_SECTION_TYPES = {  # the sections (the class variables `explicit`, `derived` ... are not)
+    name: hint
+    for name, hint in typing.get_type_hints(Config).items()
+    if name in {f.name for f in dataclasses.fields(Config)}
+}
 
 # ---------------------------------------------------------------------------------------------
 # Loading and overriding
@@ -90,6 +94,7 @@ def _parse_toml(text: str, source: str) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file at `path`, then `section.key=value` overrides; validated."""
     cfg = Config()
+    explicit: set[str] = set()
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -103,14 +108,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 )
             for key, value in table.items():
                 _apply(cfg, section, key, value)
+                explicit.add(f"{section}.{key}")
     for item in overrides or []:
-        apply_override(cfg, item)
+        explicit.add(apply_override(cfg, item))
     check_fields(cfg)
+    cfg.explicit = frozenset(explicit)  # what a default-deriving caller must leave alone
     return cfg
 
 
-def apply_override(cfg: Config, item: str) -> None:
-    """Apply one `section.key=value`; the value is read as a TOML value when it parses as one."""
+def apply_override(cfg: Config, item: str) -> str:
+    """Apply one `section.key=value` (the value read as a TOML value when it parses as one);
+    returns `section.key`."""
     dotted, sep, raw = item.partition("=")
     section, dot, key = dotted.strip().partition(".")
     if not sep or not dot or not key:
@@ -120,6 +128,7 @@ def apply_override(cfg: Config, item: str) -> None:
     except tomllib.TOMLDecodeError:
         value = raw  # a bare string such as train.method=full
     _apply(cfg, section, key, value)
+    return f"{section.strip()}.{key.strip()}"
 
 
 # ---------------------------------------------------------------------------------------------

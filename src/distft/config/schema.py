@@ -9,6 +9,7 @@ architecture run later, in `distft.parallel.checks`, before any process is launc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 # ---- Sections -------------------------------------------------------------------------------
 
@@ -116,8 +117,9 @@ class LoraConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-2
-    """Peak learning rate (AdamW). The default suits the randomly initialised CPU presets; real
-    checkpoints want ~1e-4 to 2e-4 (configs/qwen3-4b-lora.toml)."""
+    """Peak learning rate (AdamW). Not set, `distft train` derives it from the base and the method
+    (`distft.parallel.derive.default_lr`): 1e-2 for a random preset (and its descendants), 2e-4 for
+    LoRA/QLoRA on a pretrained checkpoint, 2e-5 for full finetuning of one."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     beta1: float = 0.9
@@ -281,6 +283,16 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    # Not part of the TOML (class variables, set on the instance by whoever knows):
+    explicit: ClassVar[frozenset[str]] = frozenset()
+    """`section.key` of every field a config file, an override or a flag set (`load_config`); the
+    rest are defaults, which `distft.parallel.derive` may fill in to compose with the strategy."""
+    derived: ClassVar[dict[str, str]] = {}
+    """`section.key` -> why, for each default `distft.parallel.derive` chose (the header says so)."""
+    prediction: ClassVar[dict[str, Any] | None] = None
+    """The planner's prediction for this layout (`distft.plan.auto`): peak memory and bytes per
+    rank, written beside the measured figures in ranks.json."""
 
     @property
     def world_size(self) -> int:

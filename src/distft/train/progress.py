@@ -17,6 +17,7 @@ from rich.table import Table
 from distft.config import Config
 from distft.io.lineage import describe
 from distft.model import is_preset
+from distft.parallel.derive import derived_line
 
 
 class TrainingProgress:
@@ -63,6 +64,10 @@ class TrainingProgress:
             f"global batch {cfg.train.global_batch_size} = micro-batch {micro} x accumulation {accum} "
             f"x data-parallel ranks {dp}; up to {tokens:,} tokens per optimizer step"
         )
+        why = cfg.derived.get("optim.lr", "").partition(": ")[2]
+        c.print(f"learning rate {cfg.optim.lr:g}" + (f" (derived: {why})" if why else " (optim.lr)"))
+        if line := derived_line(cfg):
+            c.print(line, soft_wrap=True)
         table = Table(
             "split",
             "rows",
@@ -135,8 +140,12 @@ class TrainingProgress:
         if self._progress:
             self._progress.__exit__(*exc)
 
-    def done(self, out: Path, compiled: str = "") -> None:
+    def done(self, out: Path, summary: list[str] | None = None) -> None:
+        """The end of a run: `summary`'s lines, then what the run directory holds."""
         if self.enabled:
-            if compiled:
-                self.console.print(compiled, soft_wrap=True)
-            self.console.print(f"wrote {out}/ (adapter or model, metrics.jsonl, config.toml)")
+            for line in summary or []:
+                self.console.print(line, soft_wrap=True)
+            entries = sorted(
+                p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if not p.name.startswith(".")
+            )
+            self.console.print(f"wrote {out}/: {', '.join(entries)}", soft_wrap=True, markup=False)
