@@ -51,13 +51,13 @@ def random_base(model_name: str) -> bool:
     return Path(model_name).is_dir() and read_lineage(model_name) is not None
 
 
-def default_lr(cfg: Config) -> tuple[float, str]:
+def default_lr(model_name: str, method: str) -> tuple[float, str]:
     """The learning rate for this base and method when none was set, and why."""
-    if random_base(cfg.model.name):
+    if random_base(model_name):
         return RANDOM_PRESET_LR, "a random-weight preset learns fast"
-    if cfg.train.method == "full":
+    if method == "full":
         return PRETRAINED_FULL_LR, "full finetuning of a pretrained checkpoint"
-    return PRETRAINED_LORA_LR, f"{cfg.train.method} on a pretrained checkpoint"
+    return PRETRAINED_LORA_LR, f"{method} on a pretrained checkpoint"
 
 
 def derive_defaults(cfg: Config) -> dict[str, str]:
@@ -67,7 +67,7 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
     `check_config` raises the error the user would have seen."""
     derived = dict(cfg.derived)  # `--strategy auto`'s choice, if it ran first
     if "optim.lr" not in cfg.explicit:
-        cfg.optim.lr, why = default_lr(cfg)
+        cfg.optim.lr, why = default_lr(cfg.model.name, cfg.train.method)
         derived["optim.lr"] = f"{cfg.optim.lr:g}: {why}, optim.lr not set"
     if cfg.parallel.strategy not in STRATEGIES or _passes(cfg):
         cfg.derived = derived
