@@ -15,7 +15,8 @@ LAYERS = {
     "distft.errors": 0,
     "distft.tensors": 0,
     "distft.hub": 0,
-    "distft.signals": 0,  # SIGINT/SIGTERM: stop at a step boundary (the loop, the launcher, the CLI)
+    "distft.signals": 0,
+    "distft.text": 0,  # counts in what is printed: "1 step", "2 steps"  # SIGINT/SIGTERM: stop at a step boundary (the loop, the launcher, the CLI)
     "distft.config": 1,
     "distft.exits": 1,  # how every command ends: one line and an exit code
     "distft.model": 2,

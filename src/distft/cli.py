@@ -38,6 +38,7 @@ from distft.model import model_config
 from distft.model.build import check_weight_files
 from distft.parallel import STRATEGIES, check_config, check_model
 from distft.parallel.derive import notes_for_ranks, read_rank_notes
+from distft.text import plural
 from distft.train import train
 from distft.train.metrics import START_ENV
 from distft.train.prepare import prepare_data, resolve_local_paths
@@ -171,7 +172,7 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
     on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cuda_count() > 0)
     if on_cuda and cfg.parallel.nproc > _cuda_count():
         raise ConfigError(
-            f"--nproc {cfg.parallel.nproc} asks for more processes than the {_cuda_count()} GPU(s) on this "
+            f"--nproc {cfg.parallel.nproc} asks for more processes than the {plural(_cuda_count(), 'GPU')} on this "
             "node; each process needs its own GPU."
         )
     if on_cuda:

@@ -26,7 +26,7 @@ def test_auto_resolves_to_a_runnable_strategy_and_says_why(capsys):
     out = capsys.readouterr().out
     # micro fits one process's share of the host with room to spare: DDP for throughput, and why.
     assert cfg.parallel.strategy == "ddp"
-    assert "strategy auto: DDP on 2 process(es) (CPU: " in out and "memory is not the problem" in out
+    assert "strategy auto: DDP on 2 processes (CPU: " in out and "memory is not the problem" in out
     assert cfg.derived["parallel.strategy"].startswith("ddp: the planner's choice")
 
 
@@ -34,7 +34,7 @@ def test_prediction_is_the_layout_the_runtime_builds():
     argv = ["train", "--model", "micro", "--strategy", "fsdp+pp", "--nproc", "4"]
     cfg = config_from_args(build_parser().parse_args(argv))
     p = predict(cfg)
-    assert p["layout"] == "FSDP x PP on 4 process(es)"
+    assert p["layout"] == "FSDP x PP on 4 processes"
     assert p["peak_mem_bytes"] == sum(p["by_component"].values()) > 0
     assert p["comm_bytes"]["send"] > 0  # the pipeline's activations cross stages
 
@@ -47,7 +47,7 @@ def test_dry_run_checks_and_estimates_and_writes_nothing(tmp_path, capsys):
     assert "dry run: every check before launch passed; nothing trained, nothing written" in text
     assert "derived (not set): parallel.shard=2" in text
     assert "global batch 8 = micro-batch 2 x accumulation 1 x data-parallel ranks 4" in text
-    assert "plan for HSDP on 4 process(es) (CPU: " in text and "per process at the fullest" in text
+    assert "plan for HSDP on 4 processes (CPU: " in text and "per process at the fullest" in text
     assert not out.exists()
     # A check that fails still fails the dry run, with its one paragraph.
     assert main([*argv, *SHORT, "parallel.shard=4"]) == 2
@@ -58,7 +58,7 @@ def test_auto_run_records_predicted_beside_measured(tmp_path):
     proc = distft(
         "train", "--strategy", "auto", "--nproc", "2", "--model", "micro", "--out", str(out), *SHORT
     )
-    assert "strategy auto: DDP on 2 process(es)" in proc.stdout
+    assert "strategy auto: DDP on 2 processes" in proc.stdout
     assert (
         "peak memory per process: predicted" in proc.stdout and "measured: unavailable on CPU" in proc.stdout
     )

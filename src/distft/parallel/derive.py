@@ -37,6 +37,7 @@ from distft.io.lineage import read_lineage
 from distft.model import is_preset
 from distft.parallel.checks import check_config
 from distft.parallel.registry import STRATEGIES
+from distft.text import plural
 
 # Learning rates (AdamW peak) for a base no one chose one for.
 RANDOM_PRESET_LR = 1e-2  # a random tiny/micro learns the sample's words in a few hundred steps
@@ -209,7 +210,7 @@ def _fit_pipeline(cfg: Config) -> dict[str, str] | None:
         train.global_batch_size = dp * m * train.micro_batch_size
         if _passes(cfg):
             return {
-                "train.global_batch_size": f"{train.global_batch_size}: {dp} pipeline replica(s) x {m} "
+                "train.global_batch_size": f"{train.global_batch_size}: {plural(dp, 'pipeline replica')} x {m} "
                 f"micro-batches (one per pipeline rank) x micro-batch {train.micro_batch_size}"
             }
     return None

@@ -28,6 +28,7 @@ from distft.plan.estimate import LABELS, Request, estimate, layout_for
 from distft.plan.hardware import format_bytes, generic_gpu, inter_node_link, intra_node_link
 from distft.plan.model_spec import resolve_model
 from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Training
+from distft.text import plural
 
 
 def on_cuda(cfg: Config) -> bool:
@@ -121,7 +122,7 @@ def resolve_auto(cfg: Config) -> str:
         **cfg.derived,
         "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
     }
-    return f"strategy auto: {rec.label} on {cfg.world_size} process(es) ({where}). {rec.reason}" + (
+    return f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {rec.reason}" + (
         " Activation checkpointing on." if rec.activation_checkpointing else ""
     )
 
@@ -162,7 +163,7 @@ def predict(cfg: Config) -> dict:
     for c in est.collectives:
         comm[c.kind] += int(c.logical_bytes)
     return {
-        "layout": f"{LABELS[est.strategy]} on {cfg.world_size} process(es)",
+        "layout": f"{LABELS[est.strategy]} on {plural(cfg.world_size, 'process')}",
         "device": where,
         "peak_mem_bytes": est.total,
         "by_component": {
@@ -206,7 +207,7 @@ def dry_run(cfg: Config) -> int:
     if line := derived_line(cfg):
         print(line)
     print(
-        f"strategy {cfg.parallel.strategy} on {cfg.world_size} process(es): global batch "
+        f"strategy {cfg.parallel.strategy} on {plural(cfg.world_size, 'process')}: global batch "
         f"{cfg.train.global_batch_size} = micro-batch {shape.micro_batch_size} x accumulation "
         f"{shape.accumulation_steps} x data-parallel ranks {shape.data_parallel_size}; "
         f"{cfg.data.max_length} tokens per sequence; optim.lr {cfg.optim.lr:g}"

@@ -23,6 +23,7 @@ from distft.data import Example
 from distft.distributed import DistEnv
 from distft.io.files import atomic_write_text
 from distft.tensors import local_bytes
+from distft.text import plural
 from distft.train.setup import Run
 
 
@@ -186,8 +187,8 @@ def compile_line(ranks: list[dict]) -> str:
         line += "no graph compiled (eager)"
     else:
         line += ", ".join(
-            f"rank {r['rank']}: {r['compiled_graphs']} graph(s), {r['recompiles']} recompile(s), "
-            f"{r['graph_breaks']} graph break(s)"
+            f"rank {r['rank']}: {plural(r['compiled_graphs'], 'graph')}, {plural(r['recompiles'], 'recompile')}, "
+            f"{plural(r['graph_breaks'], 'graph break')}"
             for r in ranks
         )
     fallbacks = {r["compile_fallback"] for r in ranks if r.get("compile_fallback")}

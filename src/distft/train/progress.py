@@ -18,6 +18,7 @@ from distft.config import Config
 from distft.io.lineage import describe
 from distft.model import is_preset
 from distft.parallel.derive import derived_line
+from distft.text import plural
 
 
 class TrainingProgress:
@@ -50,7 +51,9 @@ class TrainingProgress:
             f"[bold]distft[/bold] {cfg.train.method} finetune of [bold]{cfg.model.name}[/bold] "
             f"({total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable, {cfg.model.dtype})"
         )
-        c.print(f"strategy {cfg.parallel.strategy}: {world_size} process(es) on {device}, backend {backend}")
+        c.print(
+            f"strategy {cfg.parallel.strategy}: {plural(world_size, 'process')} on {device}, backend {backend}"
+        )
         if kernels:
             c.print(kernels, soft_wrap=True)
         if cfg.model.trust_remote_code:
