@@ -1,4 +1,4 @@
-"""Inference and evaluation (issue 14): decoding flags, batch files, notices, eval on a user's file,
+"""Inference and evaluation: decoding flags, batch files, notices, eval on a user's file,
 and a quiet command line. One micro run, trained once, serves every test."""
 
 from __future__ import annotations

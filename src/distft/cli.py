@@ -199,7 +199,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if launched_by_torchrun():  # a rank: the command that launched it checked everything
         return trained(cfg)
     check_writable(Path(cfg.output.dir))
-    cfg.prediction = plan.try_predict(cfg)  # beside the measured figures in ranks.json
     if args.dry_run:  # no lock either: nothing is written to the run directory
         preflight(cfg, resuming=args.resume is not None)
         return plan.dry_run(cfg)
@@ -208,6 +207,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     lock = run_lock(Path(cfg.output.dir)) if cfg.parallel.node_rank == 0 else contextlib.nullcontext()
     with lock:
         preflight(cfg, resuming=args.resume is not None)
+        cfg.prediction = plan.try_predict(cfg)  # beside the measured figures in ranks.json
         if not STRATEGIES[cfg.parallel.strategy].distributed:
             return trained(cfg)
         on_cuda = pick_device(cfg.train.device).type == "cuda"

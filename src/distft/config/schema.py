@@ -144,7 +144,9 @@ class TrainConfig:
     max_steps: int = 100
     """Optimizer steps."""
     global_batch_size: int = 8
-    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps.
+    Not set, `distft train` keeps it where it splits evenly over the data-parallel ranks, else
+    derives micro-batch x data-parallel ranks x accumulation (`distft.parallel.derive`)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward on one rank."""
     eval_every: int = 25

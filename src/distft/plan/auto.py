@@ -37,6 +37,10 @@ def on_cuda(cfg: Config) -> bool:
 
 def device_memory(cfg: Config) -> tuple[int, str]:
     """Bytes one process may fill, and where that figure comes from."""
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device=cuda, but this machine has no CUDA device; use train.device=cpu or auto."
+        )
     if on_cuda(cfg):
         props = torch.cuda.get_device_properties(0)
         return props.total_memory, f"{props.name}, {format_bytes(props.total_memory)}"
