@@ -113,7 +113,7 @@ def test_doctor_passes_two_healthy_nodes_and_reports_bandwidth():
         "doctor", "--nproc", "1", "--sizes", "4KiB,1MiB", nnodes=2, timeout=300
     )
     assert (code0, code1) == (0, 0), node0[-3000:]
-    assert f"health check: 2 ranks on 2 node(s) (node 0 on {HOST}, node 1 on {HOST})" in node0
+    assert f"health check: 2 ranks on 2 nodes (node 0 on {HOST}, node 1 on {HOST})" in node0
     assert re.search(rf"│ 1\s+│ 1\s+│ {HOST}\s+│ 0\s+│ [0-9.]+\s+│ [0-9.]+\s+│ ok", node0), (
         node0
     )  # rank 1: node 1

@@ -1,4 +1,4 @@
-"""Inference and evaluation (issue 14): decoding flags, batch files, notices, eval on a user's file,
+"""Inference and evaluation: decoding flags, batch files, notices, eval on a user's file,
 and a quiet command line. One micro run, trained once, serves every test."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from distft.cli import main
-from distft.config import load_config
+from distft.config import load_config, to_toml
+from distft.export import model_card
 from distft.infer import Sampling, generate, load_trained, summarize
 from distft.io.files import MANIFEST
 from tests.helpers import distft
@@ -412,3 +413,55 @@ def test_nothing_a_run_wrote_is_written_over_and_outputs_are_checked_first(
     err = capsys.readouterr().err
     assert phrase.replace("{run}", str(run[0])) in err and "Traceback" not in err, err
     assert {p: p.read_bytes() for p in run[0].rglob("*") if p.is_file()} == before
+
+
+# ---- every format: infer's held-out reference, the model card; a run trained from memory ---------
+
+
+def retargeted_copy(run, tmp_path, **data: str):
+    """A copy of the run whose config.toml says it trained on other data (`data.KEY=VALUE`)."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run[0], copy, ignore=shutil.ignore_patterns("checkpoints"))
+    cfg = load_config(copy / "config.toml", [f"data.{k}={json.dumps(v)}" for k, v in data.items()])
+    (copy / "config.toml").write_text(to_toml(cfg))
+    return copy, cfg
+
+
+def test_infer_prints_the_held_out_reference_of_a_chat_run(run, tmp_path, capsys):
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in CHATS * 3))
+    copy, _ = retargeted_copy(run, tmp_path, source=str(rows), format="chat")
+    assert main(["infer", "--run", str(copy), "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "--- generated answer ---" in out and "--- reference answer (held out, never trained on) ---" in out
+    )
+    reference = out.split("--- reference answer (held out, never trained on) ---\n", 1)[1].strip()
+    assert reference in ("Merci beaucoup", "Bonne nuit")
+
+
+def test_a_run_trained_from_memory_needs_its_rows_named(run, tmp_path, capsys):
+    copy, _ = retargeted_copy(run, tmp_path, source="memory:12 rows:0123456789ab")
+    for command in ("infer", "eval"):
+        assert main([command, "--run", str(copy), "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert "trained on rows handed to train() from Python (memory:12 rows:0123456789ab)" in err
+        assert "distft infer --input FILE" in err and "distft eval --data FILE" in err
+
+
+@pytest.mark.parametrize(
+    ("fmt", "title", "use"),
+    [
+        ("chat", "chat", "a conversation in, the assistant's next turn out"),
+        ("alpaca", "instruction following", "an instruction (and its input) in, the response out"),
+        ("prompt_completion", "prompt completion", "a prompt in, its completion out"),
+    ],
+)
+def test_the_model_card_follows_the_data_format(fmt, title, use, run, tmp_path):
+    cfg = load_config(run[0] / "config.toml", [f"data.format={fmt}", "data.source=rows.jsonl"])
+    card = model_card(cfg, run[0], "bfloat16")
+    assert f"# run: {title}" in card and use in card
+    assert "meeting" not in card.lower() and "transcript" not in card and "summarization" not in card
+    assert 'messages = [{"role": "user", "content": prompt}]' in card
+    meeting = model_card(load_config(run[0] / "config.toml"), run[0], "bfloat16")  # the sample: detected
+    assert "# run: meeting summaries" in meeting and "+ transcript}]" in meeting

@@ -288,7 +288,7 @@ BAD_INPUTS = [
         "nproc above the GPUs",
         ["--strategy", "ddp", "--nproc", "2", "train.device=cuda"],
         lambda mp_: mp_.setattr("distft.cli._cuda_count", lambda: 1),
-        "--nproc 2 asks for more processes than the 1 GPU(s) on this node",
+        "--nproc 2 asks for more processes than the 1 GPU on this node",
     ),
     (
         "cuda without a GPU",

@@ -22,7 +22,6 @@ from typing import Any
 import distft.signals  # noqa: F401 (first: a Ctrl-C during the imports below is one line, `starting`)
 from distft import bench, faults, plan, signals
 from distft.config import Config, load_config, to_toml
-from distft.data import load_tokenizer, tokenized_splits
 from distft.distributed import exit_worker, launched_by_torchrun, pick_device
 from distft.doctor import add_doctor_parser, cmd_doctor
 from distft.errors import ConfigError
@@ -35,12 +34,15 @@ from distft.io.checkpoint import check_resume
 from distft.io.lock import run_lock
 from distft.io.preflight import check_finished_run, check_output_dir, check_writable
 from distft.launch import launch_ranks
-from distft.model import is_preset, model_config
+from distft.model import model_config
 from distft.model.build import check_weight_files
 from distft.parallel import STRATEGIES, check_config, check_model, ignored_settings
+from distft.parallel.derive import notes_for_ranks, read_rank_notes
+from distft.text import plural
 from distft.train import train
 from distft.train.metrics import START_ENV
 from distft.train.optim import check_optimizer
+from distft.train.prepare import prepare_data, resolve_local_paths
 from distft.train.tracking import check_trackers
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +92,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--strategy",
         metavar="NAME",
-        help=f"how the model is split across processes: {', '.join(STRATEGIES)} (docs/ has a page for each)",
+        help=f"how the model is split across processes: {', '.join(STRATEGIES)} (docs/ has a page for each), "
+        "or auto: the planner's choice for --nproc and this machine's memory (docs/plan.md)",
     )
     p.add_argument(
         "--nproc", type=int, help="processes per node; above 1 the run is launched through torchrun"
@@ -113,6 +116,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, with its config"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every check, the batch and the plan's memory estimate; no training",
     )
     p.add_argument("--no-resume", action="store_true", help="start over even if --out holds a checkpoint")
     p.add_argument(
@@ -145,19 +153,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
         flags += [f"output.dir={run}", "output.resume=true", "output.overwrite=false"]
     cfg = load_config(config_file, [*args.overrides, *flags])
     resolve_local_paths(cfg)
+    if launched_by_torchrun():  # the launching command derived and predicted: its notes
+        read_rank_notes(cfg)
+    else:  # `--strategy auto` and the defaults that compose with the strategy (`parallel.derive`)
+        for line in plan.complete(cfg):
+            print(line, flush=True)
     check_config(cfg)  # the strategy's checks: before anything is launched
     return cfg
-
-
-def resolve_local_paths(cfg: Config) -> None:
-    """A local data file or model directory, made absolute: the run's config.toml then works for
-    `distft eval`/`infer` from any directory (a relative path would be read from where they run)."""
-    if Path(cfg.data.source).is_file():
-        cfg.data.source = str(Path(cfg.data.source).resolve())
-    if not is_preset(cfg.model.name) and Path(cfg.model.name).is_dir():
-        cfg.model.name = str(Path(cfg.model.name).resolve())
-    if cfg.data.cache_dir:  # every rank, and a resumed run, finds the same cache
-        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
 
 
 def preflight(cfg: Config, resuming: bool = False) -> None:
@@ -171,7 +173,7 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
     on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and _cuda_count() > 0)
     if on_cuda and cfg.parallel.nproc > _cuda_count():
         raise ConfigError(
-            f"--nproc {cfg.parallel.nproc} asks for more processes than the {_cuda_count()} GPU(s) on this "
+            f"--nproc {cfg.parallel.nproc} asks for more processes than the {plural(_cuda_count(), 'GPU')} on this "
             "node; each process needs its own GPU."
         )
     if on_cuda:
@@ -185,30 +187,6 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
     check_model(cfg, architecture)
     check_output_dir(cfg, architecture)
     prepare_data(cfg)
-
-
-def prepare_data(cfg: Config) -> None:
-    """Every row read and tokenised before launch, so a bad one is refused here; with `data.cache`
-    into the token cache, which the ranks then only open (docs/data.md, "Data at scale")."""
-    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
-    start = time.perf_counter()
-    next_line = start + 30
-
-    def progress(examples: int) -> None:  # a line every 30 s of a long first tokenisation
-        nonlocal next_line
-        if time.perf_counter() >= next_line:
-            next_line += 30
-            print(
-                f"tokenising {cfg.data.source}: {examples:,} examples, {time.perf_counter() - start:.0f} s",
-                flush=True,
-            )
-
-    train, valid, info = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, progress=progress)
-    n = len(train) + len(valid)
-    if info["state"] == "built":
-        print(f"tokenised {n:,} examples into {info['path']} in {info['seconds']:.1f} s", flush=True)
-    elif info["state"] == "hit":
-        print(f"token cache: {info['path']} ({n:,} examples, tokenised before)", flush=True)
 
 
 def _cuda_count() -> int:
@@ -225,11 +203,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     for line in ignored_settings(cfg):  # valid, but does nothing under this strategy
         print(f"distft train: warning: {line}", file=sys.stderr)
     check_writable(Path(cfg.output.dir))
+    if args.dry_run:  # no lock either: nothing is written to the run directory
+        preflight(cfg, resuming=args.resume is not None)
+        return plan.dry_run(cfg)
     # One writer per run directory, checks included; node 0 takes it for a multi-node run (the
     # others may share its filesystem).
     lock = run_lock(Path(cfg.output.dir)) if cfg.parallel.node_rank == 0 else contextlib.nullcontext()
     with lock:
         preflight(cfg, resuming=args.resume is not None)
+        cfg.prediction = plan.try_predict(cfg)  # beside the measured figures in ranks.json
         if not STRATEGIES[cfg.parallel.strategy].distributed:
             return trained(cfg)
         on_cuda = pick_device(cfg.train.device).type == "cuda"
@@ -242,7 +224,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             with open(config_file, "w", encoding="utf-8") as f:
                 f.write(to_toml(cfg))
             # CPU ranks are forked from this process, which has imported distft (`distft.launch`).
-            with signals.deferred():  # the ranks and the agent act on it (`distft.launch`)
+            with signals.deferred(), notes_for_ranks(cfg):  # signals: the ranks and the agent act on them
                 return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
 
 

@@ -23,13 +23,15 @@ import torch
 from torch import nn
 
 from distft.config import Config, load_config
-from distft.errors import ConfigError
+from distft.data import MeetingRow, validation_rows
+from distft.errors import ConfigError, DataError
 from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
 from distft.io.export import save_merged_model
 from distft.io.lineage import describe, is_random
 from distft.io.preflight import check_output_path
 from distft.model import DTYPES, is_preset
+from distft.text import plural
 
 EXPORT_DTYPES = ("bfloat16", "float32")
 
@@ -151,8 +153,8 @@ def _settings(cfg: Config) -> list[str]:
             t.method
             + (" (4-bit NF4 base, merged onto its dequantized weights)" if t.method == "qlora" else ""),
         ),
-        ("strategy", f"{p.strategy} on {cfg.world_size} process(es)"),
-        ("steps", str(t.max_steps)),
+        ("strategy", f"{p.strategy} on {plural(cfg.world_size, 'process')}"),
+        ("steps", f"{t.max_steps:,}"),
         ("global batch", f"{t.global_batch_size} sequences of up to {cfg.data.max_length} tokens"),
         ("learning rate", f"{cfg.optim.lr:g} (AdamW, {cfg.optim.warmup_steps} warm-up steps, cosine)"),
         ("trained in", cfg.model.dtype),
@@ -164,6 +166,45 @@ def _settings(cfg: Config) -> list[str]:
     return [f"| {name} | {value} |" for name, value in rows]
 
 
+# What a run's data format makes of the model: the card's title, its one-line use, hub tags.
+CARD_FORMATS = {
+    "summary": (
+        "meeting summaries",
+        "a meeting transcript in, its summary out",
+        ["summarization", "meetings"],
+    ),
+    "chat": ("chat", "a conversation in, the assistant's next turn out", ["conversational"]),
+    "prompt_completion": ("prompt completion", "a prompt in, its completion out", []),
+    "alpaca": ("instruction following", "an instruction (and its input) in, the response out", []),
+    "unknown": ("finetuned", "a prompt in, the answer it was trained to give out", []),
+}
+
+
+def card_format(cfg: Config) -> str:
+    """The run's data format: `data.format`, or (auto) what its held-out rows are; `unknown` when
+    they cannot be read (rows handed to train() in memory, a file since moved)."""
+    if cfg.data.format != "auto":
+        return cfg.data.format
+    try:
+        (row,) = validation_rows(cfg.data, seed=cfg.train.seed, limit=1)
+    except (DataError, OSError, ValueError):
+        return "unknown"
+    return "summary" if isinstance(row, MeetingRow) else "chat"
+
+
+def _usage(cfg: Config, fmt: str) -> list[str]:
+    """The chat messages of the card's snippet: a meeting's system prompt, instruction and
+    transcript, as in training; for the other formats one user turn."""
+    if fmt != "summary":
+        return ['messages = [{"role": "user", "content": prompt}]']
+    system = json.dumps(cfg.data.system_prompt)
+    instruction = json.dumps(cfg.data.instruction + "\n\n")
+    return [
+        f'messages = [{{"role": "system", "content": {system}}},',
+        f'            {{"role": "user", "content": {instruction} + transcript}}]',
+    ]
+
+
 def model_card(
     cfg: Config, run_dir: Path, dtype: str, where: str = "PATH_OR_REPO", lineage: dict | None = None
 ) -> str:
@@ -173,11 +214,13 @@ def model_card(
     from huggingface_hub import ModelCardData
 
     hub_base = not is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir()
+    fmt = card_format(cfg)
+    title, use, tags = CARD_FORMATS[fmt]
     meta = ModelCardData(
         base_model=cfg.model.name if hub_base else None,
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=["distft", "summarization", "meetings", cfg.train.method],
+        tags=["distft", *tags, cfg.train.method],
     )
     losses = final_losses(run_dir)
     data = (
@@ -192,16 +235,14 @@ def model_card(
     )
     if "eval_loss" in losses:
         result.append(f"| final validation loss | {losses['eval_loss']:.4f} |")
-    system = json.dumps(cfg.data.system_prompt)
-    instruction = json.dumps(cfg.data.instruction + "\n\n")
     return "\n".join(
         [
             f"---\n{meta.to_yaml()}\n---",
             "",
-            f"# {run_dir.resolve().name}: meeting summaries",
+            f"# {run_dir.resolve().name}: {title}",
             "",
-            f"Finetuned with distft from {_base_line(cfg)} on {data}: a meeting "
-            "transcript in, its summary out. Exported with `distft export` as one plain transformers model "
+            f"Finetuned with distft from {_base_line(cfg)} on {data}: {use}. "
+            "Exported with `distft export` as one plain transformers model "
             f"({dtype}){', the adapter merged into the base' if cfg.train.method != 'full' else ''}.",
             "",
             *([_sentence(describe(lineage)), ""] if is_random(lineage) else []),
@@ -219,8 +260,7 @@ def model_card(
             "",
             f"model = AutoModelForCausalLM.from_pretrained({where!r})",
             f"tokenizer = AutoTokenizer.from_pretrained({where!r})",
-            f'messages = [{{"role": "system", "content": {system}}},',
-            f'            {{"role": "user", "content": {instruction} + transcript}}]',
+            *_usage(cfg, fmt),
             "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,",
             '                                    return_tensors="pt", return_dict=True)',
             "out = model.generate(**ids, max_new_tokens=128)",

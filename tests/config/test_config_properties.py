@@ -16,7 +16,8 @@ from distft.errors import ConfigError
 from distft.parallel import STRATEGIES, check_config, ignored_settings
 
 SECTIONS = {
-    name: [f.name for f in dataclasses.fields(cls)] for name, cls in typing.get_type_hints(Config).items()
+    section.name: [f.name for f in dataclasses.fields(typing.get_type_hints(Config)[section.name])]
+    for section in dataclasses.fields(Config)  # the TOML sections (not the class variables)
 }
 KEYS = [f"{section}.{key}" for section, keys in SECTIONS.items() for key in keys]
 NAMES = st.sampled_from([*SECTIONS, *(k for ks in SECTIONS.values() for k in ks)]) | st.from_regex(

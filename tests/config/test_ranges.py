@@ -1,6 +1,7 @@
 """Every numeric setting has a range (`distft.config.RANGES`), checked when a config loads: the
 key and the range named, NaN and infinities refused everywhere."""
 
+import dataclasses
 import math
 import re
 import typing
@@ -12,9 +13,9 @@ from distft.config import RANGES, Config, Range, load_config
 from distft.errors import ConfigError
 
 TYPES = {
-    f"{section}.{key}": annotation
-    for section, cls in typing.get_type_hints(Config).items()
-    for key, annotation in typing.get_type_hints(cls).items()
+    f"{section.name}.{key}": annotation
+    for section in dataclasses.fields(Config)  # the TOML sections (not the class variables)
+    for key, annotation in typing.get_type_hints(typing.get_type_hints(Config)[section.name]).items()
 }
 NUMERIC = [key for key, annotation in TYPES.items() if annotation in (int, float)]
 FLOATS = [key for key, annotation in TYPES.items() if annotation is float]

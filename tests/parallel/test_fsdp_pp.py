@@ -207,7 +207,7 @@ def test_fsdp_pp_full_finetuning_and_qlora(method, tmp_path):
         # zbv puts the first and last stage on rank 0: two FSDP units would split the tied weight.
         ("fsdp+pp", ["parallel.pp=2", "parallel.schedule=zbv", "--method", "full"], "train apart"),
         ("fsdp+tp+pp", ["parallel.tp=1", "parallel.pp=2"], "needs parallel.tp of 2 or more"),
-        ("fsdp+tp+pp", ["parallel.tp=2"], "use --strategy fsdp+tp,"),
+        ("fsdp+tp+pp", ["parallel.tp=2", "parallel.pp=1"], "use --strategy fsdp+tp,"),
         (
             "fsdp+tp+pp",
             ["parallel.tp=2", "parallel.pp=2", "--method", "qlora"],

@@ -68,7 +68,7 @@ def test_matches_single_process_with_bytes_per_dimension(tmp_path):
 @pytest.mark.parametrize(
     "argv,phrase",
     [
-        (["--strategy", "hsdp", "--nproc", "4"], "it is plain FSDP"),  # shard = --nproc, one node
+        (["--strategy", "hsdp", "--nproc", "4", "parallel.shard=4"], "it is plain FSDP"),  # set, not derived
         (["--strategy", "hsdp", "--nproc", "4", "parallel.shard=3"], "must divide the 4 processes"),
         (["--strategy", "hsdp", "--nproc", "4", "parallel.shard=1"], "shards nothing"),
         (["--strategy", "fsdp", "--nproc", "4", "parallel.shard=2"], "does not take it"),

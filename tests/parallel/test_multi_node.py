@@ -54,7 +54,7 @@ def test_matches_single_process(layout, reference, tmp_path):
         "--out", str(out), nnodes=NODES,
     )  # fmt: skip
     assert [code for code, _ in results] == [0] * NODES, "\n".join(log[-4000:] for _, log in results)
-    assert f"health check: {world} ranks on {NODES} node(s)" in results[0][1]  # node 0 holds rank 0
+    assert f"health check: {world} ranks on {NODES} nodes" in results[0][1]  # node 0 holds rank 0
     assert_same_training(out, reference)
 
     ranks = json.loads((out / "ranks.json").read_text())

@@ -4,7 +4,8 @@ A printed `run:` command is parsed back with `distft train`'s own argument parse
 (`distft.cli.build_parser`, `config_from_args`: defaults, overrides, flags, validation) and compared
 with what the estimate assumed: method, strategy, processes, dtype, micro-batch, global batch,
 sequence length, activation checkpointing, attention, LoRA rank, mesh degrees and the pipeline,
-which must be the very `Layout` the runtime's strategy builds from that config.
+which must be the very `Layout` the runtime's strategy builds from that config; and what a run
+needs beyond the estimate: the pretrained weights, their learning rate and `--data`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import pytest
 
 from distft.cli import build_parser, config_from_args
 from distft.parallel import STRATEGIES, check_config
+from distft.parallel.derive import PRETRAINED_FULL_LR, PRETRAINED_LORA_LR, RANDOM_PRESET_LR
 from distft.plan import evaluate, make_request, run_command
+from distft.plan.commands import DATA_PLACEHOLDER
 from distft.plan.decide import decide
 from distft.plan.estimate import MODELLED
 from distft.plan.report import to_dict
@@ -92,6 +95,18 @@ def test_every_run_line_carries_the_estimates_assumptions(command):
             assert cls.shard_degree(cfg) == lay.shard_degree == req.gpus_per_node
         if lay.pp > 1:  # the runtime's own pipeline for this config is the one the plan counted
             assert cls.pipeline_layout(cfg) == lay.pipeline(t.micro_batch)
+        # What a run needs beyond the estimate: the pretrained weights, their learning rate, data.
+        assert cfg.model.name.startswith("Qwen/Qwen3-") and {"optim.lr", "data.source"} <= cfg.explicit
+        assert cfg.optim.lr == (PRETRAINED_FULL_LR if t.method == "full" else PRETRAINED_LORA_LR)
+        assert cfg.data.source == DATA_PLACEHOLDER != "sample"
+
+
+def test_a_cpu_presets_run_line_trains_on_the_sample_at_the_presets_rate():
+    req = request("--model tiny --method lora --gpus 2 --gpu-mem 8GiB --seq-len 768")
+    rec = decide(req)
+    cfg = parse_run(run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.layout))
+    assert (cfg.model.name, cfg.data.source, cfg.optim.lr) == ("tiny", "sample", RANDOM_PRESET_LR)
+    assert (cfg.parallel.strategy, cfg.parallel.nproc, cfg.data.max_length) == ("ddp", 2, 768)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,14 @@
 """The Python API of docs/python-api.md: a Config object, an in-memory dataset, two steps."""
 
+import json
+
 import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from distft.config import load_config
+from distft.data.rows import memory_source
 from distft.errors import DataError
 from distft.train import TrainResult, train
 
@@ -39,6 +42,10 @@ def test_train_from_a_notebook(tmp_path):
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
     assert list(result.eval_losses) == [2]
     assert result.output_dir == tmp_path / "run"
+    # The rows are named by their count and content in the config, not as the bundled sample.
+    source = load_config(result.output_dir / "config.toml").data.source
+    assert source == memory_source(ROWS) and source.startswith("memory:12 rows:")
+    assert json.loads((result.output_dir / "lineage.json").read_text())["stages"][0]["data"] == source
     # The adapter loads on the saved base like any PEFT adapter and reproduces the trained model.
     base = AutoModelForCausalLM.from_pretrained(result.output_dir / "base")
     loaded = PeftModel.from_pretrained(base, result.output_dir / "adapter").eval()

@@ -5,7 +5,7 @@ At the blog series' shapes (Qwen3-4B architecture, LoRA r=16 on every projection
 method and the plain transformers + peft loop (`distft.bench.plain`) on the same rows, each in its
 own process (so peak memory and start-up are each run's own), and writes `report.md` and
 `results.json`: tokens/s, MFU, peak memory, start-up and first step per run, the ratios
-(QLoRA/LoRA, distft/plain) and the issue's targets, each marked met or not. Targets are checked
+(QLoRA/LoRA, distft/plain) and the performance targets, each marked met or not. Targets are checked
 here, in the benchmark, never in a timed test. On CUDA it also writes the run record,
 `docs/reports/gpu/<device>/RECORD.md` (`gpu_report.write_record`), to be committed.
 
@@ -177,7 +177,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float | None]:
 
 
 def targets(rows: dict[str, dict], r: dict, s: GpuSuiteSettings, device: str) -> list[dict]:
-    """The issue's targets with the measured value; `applies` is false off their setting (the
+    """The performance targets with the measured value; `applies` is false off their setting (the
     absolute figures are for Qwen3-4B at the blog series' shapes on one H100; the ratios for any GPU)."""
     lora = rows.get("lora", {})
     first = None if lora.get("startup_s") is None else lora["startup_s"] + lora["first_step_s"]

@@ -22,7 +22,11 @@ from distft.config.schema import Config
 from distft.errors import ConfigError, one_line
 from distft.textfiles import decode_utf8
 
-_SECTION_TYPES = typing.get_type_hints(Config)
+_SECTION_TYPES = {  # the sections (the class variables `explicit`, `derived` ... are not)
+    name: hint
+    for name, hint in typing.get_type_hints(Config).items()
+    if name in {f.name for f in dataclasses.fields(Config)}
+}
 
 # ---------------------------------------------------------------------------------------------
 # Loading and overriding
@@ -104,7 +108,7 @@ def _parse_toml(text: str, source: str) -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file at `path`, then `section.key=value` overrides; validated."""
     cfg = Config()
-    given: set[str] = set()  # the fields the file and the overrides set
+    explicit: set[str] = set()  # the fields the file and the overrides set
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -121,15 +125,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                     f"{nearest(section, list(_SECTION_TYPES))}"
                 )
             for key, value in table.items():
-                given.add(_apply(cfg, section, key, value))
+                explicit.add(_apply(cfg, section, key, value))
     for item in overrides or []:
-        given.add(apply_override(cfg, item))
-    if cfg.train.epochs > 0 and "train.max_steps" in given:
+        explicit.add(apply_override(cfg, item))
+    if cfg.train.epochs > 0 and "train.max_steps" in explicit:
         raise ConfigError(
             f"train.epochs={cfg.train.epochs:g} and train.max_steps={cfg.train.max_steps} both set the "
             "length of the run: keep one (epochs: max_steps = ceil(epochs x rows / global_batch_size))."
         )
     check_fields(cfg)
+    cfg.explicit = frozenset(explicit)  # what a default-deriving caller must leave alone
     return cfg
 
 

@@ -10,6 +10,7 @@ table; floats finite); checks that depend on a strategy or a model architecture 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 # ---- Sections -------------------------------------------------------------------------------
 
@@ -35,9 +36,8 @@ class ModelConfig:
     """Run the Python code a hub model or model directory ships (transformers' `trust_remote_code`).
     Off, distft never runs a model's own code; on, the header says so (docs/security.md)."""
     revision: str = ""
-    """A hub model's git revision: a commit hash (pins the exact weights, tokenizer and config), a
-    branch or a tag; empty: the default branch. The commit that was loaded is recorded in the run's
-    lineage.json either way. Only for hub ids (a preset or a directory has no revisions)."""
+    """A hub model's commit hash (pins weights, tokenizer and config), branch or tag; empty: the
+    default branch. The commit loaded is recorded in lineage.json. Hub ids only."""
     allow_pickle_weights: bool = False
     """Load a model's `*.bin` (pickle) weights when it has no safetensors. Off, only safetensors
     are read, and a directory holding pickles only is refused before launch."""
@@ -131,8 +131,9 @@ class OptimConfig:
     name: str = "adamw"
     """adamw; adamw-8bit (bitsandbytes' 8-bit AdamW, optional: single and ddp); sgd (with momentum)."""
     lr: float = 1e-2
-    """Peak learning rate. The default suits the randomly initialised CPU presets; real
-    checkpoints want ~1e-4 to 2e-4 (configs/qwen3-4b-lora.toml)."""
+    """Peak learning rate (AdamW). Not set, `distft train` derives it from the base and the method
+    (`distft.parallel.derive.default_lr`): 1e-2 for a random preset (and its descendants), 2e-4 for
+    LoRA/QLoRA on a pretrained checkpoint, 2e-5 for full finetuning of one."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     beta1: float = 0.9
@@ -171,7 +172,9 @@ class TrainConfig:
     compute), model (everything in bf16: half the memory, small updates lost to rounding), or auto:
     fp32 where the strategy holds master weights (single, ddp, zero1, fsdp, zero2, hsdp), else model."""
     global_batch_size: int = 8
-    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps.
+    Not set, `distft train` keeps it where it splits evenly over the data-parallel ranks, else
+    derives micro-batch x data-parallel ranks x accumulation (`distft.parallel.derive`)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward on one rank."""
     eval_every: int = 25
@@ -311,6 +314,16 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
+    # Not in the TOML (class variables, set on the instance by whoever knows):
+    explicit: ClassVar[frozenset[str]] = frozenset()
+    """`section.key` of every field a config file, an override or a flag set (`load_config`); the
+    rest are defaults, which `distft.parallel.derive` may fill in to compose with the strategy."""
+    derived: ClassVar[dict[str, str]] = {}
+    """`section.key` -> why, for each default `distft.parallel.derive` chose (the header says so)."""
+    prediction: ClassVar[dict[str, Any] | None] = None
+    """The planner's prediction for this layout (`distft.plan.auto`): peak memory and bytes per
+    rank, written beside the measured figures in ranks.json."""
+
     @property
     def world_size(self) -> int:
         return self.parallel.nproc * self.parallel.nnodes
@@ -325,15 +338,13 @@ LORA_TARGET_PRESETS = {  # lora.target_modules = ["attention"], ...; all-linear 
     "mlp": ["gate_proj", "up_proj", "down_proj"],
     "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
-OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
-SCHEDULERS = ("cosine", "linear", "constant")
+OPTIMIZERS, SCHEDULERS = ("adamw", "adamw-8bit", "sgd"), ("cosine", "linear", "constant")
 MASTER_WEIGHTS = ("auto", "fp32", "model")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_CHOICES = ("auto", "flex", "flash", "sdpa", "eager")  # `distft.model.attention`
-COMPILE_CHOICES = ("auto", "true", "false")  # `distft.model.compile`
+COMPILE_CHOICES = FUSED_CHOICES = ("auto", "true", "false")  # model.compile, optim.fused
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
-FUSED_CHOICES = ("auto", "true", "false")  # optim.fused
 TRUNCATIONS = ("head", "tail", "middle")
 DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca")
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`

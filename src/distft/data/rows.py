@@ -15,6 +15,7 @@ training with `data.cache=false`, the bench's plain loop. All cut the splits the
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -28,6 +29,7 @@ from distft.config import DataConfig
 from distft.data.formats import Row, row_from_record
 from distft.data.sample import sample_path
 from distft.errors import DataError
+from distft.text import plural
 from distft.textfiles import HEAD_BYTES, JSON_ARRAY, JSON_LINES, PARQUET, looks_like, not_utf8
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -179,9 +181,30 @@ def is_local(cfg: DataConfig) -> bool:
     return cfg.source.endswith(LOCAL_SUFFIXES)
 
 
+MEMORY = "memory:"  # a run trained on `train(cfg, dataset=...)`: data.source = "memory:N rows:HASH"
+
+
+def memory_source(dataset: Any) -> str:
+    """What an in-memory dataset is called in the run's config, header and lineage: its row count
+    and a content hash (SHA-256 of its records as sorted JSON), e.g. `memory:12 rows:3f2a9c01b7e4`."""
+    splits = dataset if isinstance(dataset, Mapping) else {"": dataset}
+    digest, n = hashlib.sha256(), 0
+    for name in sorted(splits, key=str):
+        for record in splits[name]:
+            digest.update(json.dumps([str(name), record], sort_keys=True, default=str).encode())
+            n += 1
+    return f"{MEMORY}{plural(n, 'row')}:{digest.hexdigest()[:12]}"
+
+
 def row_source(cfg: DataConfig) -> RowSource:
     """Where `cfg.source`'s rows come from. A hub set is opened here (a download, unless
     `data.streaming`), to learn whether it has a validation split."""
+    if cfg.source.startswith(MEMORY):
+        raise DataError(
+            f"This run trained on rows handed to train() from Python ({cfg.source}), which distft cannot "
+            "read back: say which rows to use, `distft infer --input FILE` (a transcript, or a "
+            ".jsonl/.parquet of rows) or `distft eval --data FILE`."
+        )
     if cfg.source == "sample":
         return RowSource(
             "sample", {s: (lambda s=s: _iter_jsonl(sample_path(s), cfg)) for s in ("train", "validation")}
@@ -284,7 +307,9 @@ def _memory_splits(dataset: Any, cfg: DataConfig, seed: int) -> dict[str, list[R
             )
         rows = _read_memory(dataset, cfg, "dataset")
     if len(rows) < 2:
-        raise DataError(f"The dataset has {len(rows)} row(s); training needs at least 2 (one is held out).")
+        raise DataError(
+            f"The dataset has {plural(len(rows), 'row')}; training needs at least 2 (one is held out)."
+        )
     return _split_off(rows, cfg.validation_fraction, seed)
 
 

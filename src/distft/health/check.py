@@ -46,6 +46,7 @@ from distft.distributed import DistEnv, naming_collective, synchronize
 from distft.errors import HealthError
 from distft.health.facts import REMEDY, device_facts, mixed_facts
 from distft.health.network import failure_advice
+from distft.text import plural
 
 PROBE_NUMEL = 1024  # the all-reduce's float32 elements (4 KiB): latency, not bandwidth
 MAX_NAMED = 8  # missing or slow ranks named one by one; the rest are counted
@@ -127,7 +128,7 @@ class HealthReport:
         last = max(range(len(late)), key=late.__getitem__)
         # The last rank to join waited for no one: its wait is the all-reduce's own latency.
         return (
-            f"health check: {len(self.places)} ranks on {len(hosts)} node(s){f' ({where})' if where else ''} "
+            f"health check: {len(self.places)} ranks on {plural(len(hosts), 'node')}{f' ({where})' if where else ''} "
             f"answered in {self.roll_call_s:.2f} s; a {PROBE_NUMEL * 4 // 1024} KiB all-reduce took "
             f"{1e3 * min(self.waits_s):.1f} ms once all had joined; the last to join, rank {last}, was "
             f"{late[last]:.2f} s behind the first"

@@ -146,7 +146,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
             if write:
                 write(row, result)
             else:
-                _print_result(row, result, batch)
+                _print_result(row, result, batch, loaded.cfg.data)
             n, meetings = n + 1, meetings and isinstance(row, MeetingRow)
     if args.output:
         noun = ("summary", "summaries") if meetings else ("response", "responses")
@@ -192,15 +192,20 @@ def read_input(source: str) -> str:
     return decode_utf8(data, name, DataError)
 
 
-def _print_result(row: Row, result: Generated, batch: bool) -> None:
+def _print_result(row: Row, result: Generated, batch: bool, cfg: DataConfig) -> None:
     if batch:
         print(f"--- {row.origin} ---")
     else:
         print("--- generated summary ---" if isinstance(row, MeetingRow) else "--- generated answer ---")
     print(result.summary)
-    if not batch and isinstance(row, MeetingRow) and row.summary:  # the held-out meeting's own summary
-        print("--- reference summary (held out, never trained on) ---")
-        print(row.summary)
+    if batch:
+        return
+    # The held-out row's own answer, whatever its format (a user's --input has none).
+    meeting = isinstance(row, MeetingRow)
+    reference = row.summary if meeting else prompt_and_reference(row, cfg)[1]
+    if reference:
+        print(f"--- reference {'summary' if meeting else 'answer'} (held out, never trained on) ---")
+        print(reference)
 
 
 # ---- eval ---------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from distft.io.lineage import describe, is_random, read_lineage
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
 from distft.model.build import RECIPE_FILE, rebuild_base
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
+from distft.text import plural
 
 
 @dataclass
@@ -45,15 +46,15 @@ class Loaded:
 
 
 def preset_notice(loaded: Loaded) -> str | None:
-    """The line a user must read before judging a summary: a preset base knows no language."""
+    """The line a user must read before judging the output: a preset base knows no language."""
     if is_random(loaded.lineage):  # the whole chain: random preset, then each run that trained it
         return describe(loaded.lineage, loaded.run)
     if loaded.preset is None:
         return None
     return (
         f"note: the base model is the `{loaded.preset}` preset, randomly initialised and trained only "
-        f"on the run's data ({loaded.cfg.train.max_steps} steps of {loaded.cfg.data.source}); its summaries show "
-        "that the pipeline works, not what a pretrained Qwen3 writes. For real summaries train on a "
+        f"on the run's data ({plural(loaded.cfg.train.max_steps, 'step')} of {loaded.cfg.data.source}); its output "
+        "shows that the pipeline works, not what a pretrained Qwen3 writes. For real results train on a "
         "pretrained model (--model Qwen/Qwen3-0.6B, or a local directory)."
     )
 

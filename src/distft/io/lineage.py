@@ -25,6 +25,7 @@ from pathlib import Path
 from distft.config import Config
 from distft.io.files import atomic_write_text
 from distft.model import is_preset
+from distft.text import plural
 
 LINEAGE_FILE = "lineage.json"
 METHOD_NAMES = {"full": "full finetuning", "lora": "LoRA", "qlora": "QLoRA"}
@@ -81,14 +82,14 @@ def describe(lineage: dict, this_run: str | None = None) -> str:
         f"note: this is not a real language model. It is distft's `{origin['preset']}` preset, a small "
         f"Qwen3 architecture with random initial weights (seed {origin['seed']}), trained only on {data}"
         + (f": {steps}" if steps else "")
-        + ". Its summaries show that the pipeline works, not what a pretrained Qwen3 writes; for real "
-        "summaries train on a pretrained model (--model Qwen/Qwen3-0.6B, or a local directory)."
+        + ". Its output shows that the pipeline works, not what a pretrained Qwen3 writes; for real "
+        "results train on a pretrained model (--model Qwen/Qwen3-0.6B, or a local directory)."
     )
 
 
 def stage_text(stage: dict, this_run: str | None = None) -> str:
     """ "400 steps of full finetuning (runs/demo-base)", or "... (this run)"."""
-    text = f"{stage['steps']} steps of {METHOD_NAMES.get(stage['method'], stage['method'])}"
+    text = f"{plural(stage['steps'], 'step')} of {METHOD_NAMES.get(stage['method'], stage['method'])}"
     run = stage.get("run")
     if run and this_run and run == str(Path(this_run).resolve()):
         return f"{text} (this run)"

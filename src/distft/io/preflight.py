@@ -156,9 +156,11 @@ def check_output_dir(cfg: Config, model_config: PretrainedConfig) -> None:
     the space for the run's outputs (`output_bytes`)."""
     out = Path(cfg.output.dir)
     check_writable(out)
-    out.mkdir(parents=True, exist_ok=True)
+    existing = out.absolute()  # created by the run, not here (`distft train --dry-run` writes nothing)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     sizes = output_bytes(cfg, model_config)
-    free = shutil.disk_usage(out).free
+    free = shutil.disk_usage(existing).free
     if sum(sizes.values()) > free:
         parts = ", ".join(f"{name} {_gb(n)}" for name, n in sizes.items())
         raise ConfigError(

@@ -41,6 +41,7 @@ class StepMeasurements:
         self.to_batches = to_batches
         self.timeline = PipelineTimeline(strategy, out) if isinstance(strategy, PipelineParallel) else None
         self.saved_activation_bytes = 0  # of the first step measured, for ranks.json
+        self.first_comm_bytes: dict[str, int] | None = None  # ... and its collectives' bytes
         every = strategy.cfg.train.measure_comm
         self._counter = CommTimeline() if strategy.env.distributed and every != "off" else None
         self._every_step = every == "every" or (every == "auto" and strategy.env.device.type == "cpu")
@@ -76,6 +77,7 @@ class StepMeasurements:
                 record["comm_bytes_by_dim"] = self._counter.stats.by_dim
             record.update(self._overlap)
             if self._first:
+                self.first_comm_bytes = record["comm_bytes"]
                 batches = self.to_batches(examples)
                 record["comm_bytes_expected"] = expected_comm_bytes(self.strategy, self.model, batches)
                 by_dim = expected_comm_bytes_by_dim(self.strategy, self.model, batches)

@@ -47,6 +47,7 @@ from torch._guards import CompileContext
 
 from distft.errors import TrainingError
 from distft.model.lm import causal_lm
+from distft.text import plural
 
 SEQUENCE_BUCKET = 128  # packed rows are padded to a multiple of this (one flex tile) when blocks compile
 RECOMPILE_LIMIT = 16  # per code object: the variants below, twice over (see the module docstring)
@@ -109,8 +110,8 @@ class CompileStats:
         if not self.graphs:
             return "no graph compiled (eager)"
         return (
-            f"compiled decoder layers: {self.graphs} graph(s), {self.recompiles} recompile(s), "
-            f"{self.graph_breaks} graph break(s)"
+            f"compiled decoder layers: {plural(self.graphs, 'graph')}, {plural(self.recompiles, 'recompile')}, "
+            f"{plural(self.graph_breaks, 'graph break')}"
         )
 
 

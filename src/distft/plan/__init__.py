@@ -11,6 +11,8 @@ Imports run one way, top to bottom:
 - `estimate`: every layout evaluated (`Request`, `Estimate`, `evaluate`); which ones distft runs
   comes from the registry `distft.parallel.STRATEGIES`;
 - `explain`, `decide`: the decision tree; `commands`: the `distft train` line for the answer;
+- `auto`: the planner on a training config (`--strategy auto`, `--dry-run`, the prediction a run
+  records beside what it measured);
 - `report`: the rich table and the JSON document.
 """
 
@@ -21,6 +23,7 @@ import argparse
 from distft.config.schema import ATTENTION_CHOICES
 from distft.errors import ConfigError
 from distft.plan.activations import activation_bytes
+from distft.plan.auto import complete, dry_run, predict, resolve_auto, try_predict
 from distft.plan.commands import run_command, run_overrides
 from distft.plan.decide import decide
 from distft.plan.estimate import Estimate, Request, evaluate, layout_for, runnable
@@ -54,16 +57,21 @@ __all__ = [
     "Training",
     "activation_bytes",
     "comm_time",
+    "complete",
     "decide",
+    "dry_run",
     "evaluate",
     "layout_for",
     "make_request",
+    "predict",
     "qlora_base_bytes",
+    "resolve_auto",
     "resolve_model",
     "run_command",
     "run_overrides",
     "runnable",
     "state_bytes",
+    "try_predict",
 ]
 
 

@@ -4,14 +4,20 @@ Only strategies in the runtime's registry get one (`estimate.runnable`). The com
 setting the estimate assumed, because `distft train`'s defaults (fp32, micro-batch 4, 768 tokens)
 are not the plan's: the model dtype, the micro-batch and the global batch it implies, the sequence
 length, activation checkpointing, the attention kernel, the LoRA rank, the mesh degrees of the 2-D
-strategies, HSDP's shard degree and the pipeline's schedule and micro-batches. `run_overrides`
+strategies, HSDP's shard degree and the pipeline's schedule and micro-batches. Then what the
+estimate did not need but a run does: the learning rate for this base and method
+(`distft.parallel.derive.default_lr`) and `--data`: the bundled sample for the small CPU presets,
+a placeholder to replace for a real model (a preset mirroring a released model is named by its hub
+id, whose pretrained weights are what one finetunes). `run_overrides`
 returns them as the `section.key=value` overrides `distft.config.load_config` reads, so a test can
 parse the line back into a config and compare.
 """
 
 from __future__ import annotations
 
+from distft.model import PRESETS
 from distft.parallel import STRATEGIES as RUNTIME
+from distft.parallel.derive import default_lr
 from distft.plan.estimate import Request, runnable
 from distft.plan.setup import Parallelism
 
@@ -52,10 +58,19 @@ def run_command(
     """`distft train ...` for a runnable recommendation; None for one distft cannot run."""
     if strategy is None or par is None or not runnable(strategy, method):
         return None
-    parts = ["distft train", f"--model {req.model.name}", f"--method {method}", f"--strategy {strategy}"]
+    preset = PRESETS.get(req.model.name)
+    model = (preset.hub_id or req.model.name) if preset else req.model.name
+    data = (
+        "sample" if model in PRESETS else DATA_PLACEHOLDER
+    )  # the bundled meetings suit the CPU presets only
+    parts = ["distft train", f"--model {model}", f"--method {method}", f"--strategy {strategy}"]
     if strategy != "single":
         parts.append(f"--nproc {req.gpus_per_node}")
         if req.nodes > 1:
             parts.append(f"--nnodes {req.nodes}")
     parts += [f"{key}={value}" for key, value in run_overrides(req, method, ckpt, par).items()]
+    parts += [f"optim.lr={default_lr(model, method)[0]:g}", f"--data {data}"]
     return " ".join(parts)
+
+
+DATA_PLACEHOLDER = "YOUR_DATA.jsonl"  # a run: line's --data for a real model, to be replaced

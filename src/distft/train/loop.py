@@ -39,6 +39,8 @@ from distft.train.metrics import (
     MetricsWriter,
     compile_line,
     gather_rank_summaries,
+    prediction_lines,
+    prediction_record,
     rank_summary,
     speed_line,
     startup_seconds,
@@ -162,11 +164,13 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
 
     # ---- export ---------------------------------------------------------------------------
     straggler = stragglers.of(env.rank) if stragglers else None
-    ranks = export(run, {**rank_summary(run, measure.saved_activation_bytes), "straggler": straggler})
+    summary = rank_summary(run, measure.saved_activation_bytes)
+    summary |= {"straggler": straggler, **prediction_record(run, measure.first_comm_bytes)}
+    ranks = export(run, summary)
     if env.is_main:
         metrics.close()
         trackers.finish()
-        progress.done(run.out, compile_line(ranks))
+        progress.done(run.out, [compile_line(ranks), *prediction_lines(ranks)])
     result.model = unwrap(run.model)
     return result
 

@@ -23,6 +23,7 @@ from distft.data import Example
 from distft.distributed import DistEnv
 from distft.io.files import atomic_write_text
 from distft.tensors import local_bytes
+from distft.text import plural
 from distft.train.setup import Run
 
 
@@ -140,6 +141,45 @@ def rank_summary(run: Run, saved_activation_bytes: int) -> dict:
     }
 
 
+def prediction_record(run: Run, counted: dict[str, int] | None) -> dict:
+    """The planner's prediction (`Config.prediction`, `distft.plan.auto`) beside what this rank
+    measured: peak memory (CUDA's allocator; on the CPU no tensor-only figure exists: the process's
+    resident size counts libraries and the allocator's cache) and the first step's collective bytes."""
+    predicted = run.cfg.prediction or {}
+    cuda = run.env.device.type == "cuda"
+    return {
+        "memory": {
+            "predicted_peak_bytes": predicted.get("peak_mem_bytes"),
+            "measured_peak_bytes": peak_memory_bytes(run.env) if cuda else None,
+            "measured": "torch.cuda.max_memory_allocated" if cuda else "unavailable on CPU",
+        },
+        "comm_bytes_per_step": {"predicted": predicted.get("comm_bytes"), "counted": counted},
+        "predicted_by": predicted.get("layout"),
+    }
+
+
+def prediction_lines(ranks: list[dict]) -> list[str]:
+    """The end-of-run summary of predicted against measured (the fullest rank of each)."""
+    memory = [r["memory"] for r in ranks if r.get("memory")]
+    if not memory or memory[0]["predicted_peak_bytes"] is None:
+        return ["prediction: none (the planner could not model this model)"]
+    predicted = max(m["predicted_peak_bytes"] for m in memory)
+    measured = [m["measured_peak_bytes"] for m in memory if m["measured_peak_bytes"] is not None]
+    got = f"measured {max(measured) / 2**30:.3g} GiB" if measured else "measured: unavailable on CPU"
+    lines = [f"peak memory per process: predicted {predicted / 2**30:.3g} GiB (distft plan), {got}"]
+    comm = [r["comm_bytes_per_step"] for r in ranks]
+    counted = [sum(c["counted"].values()) for c in comm if c["counted"] is not None]
+    want = max(sum((c["predicted"] or {}).values()) for c in comm)
+    if counted or want:
+        got = (
+            f"counted {max(counted):,} B"
+            if counted
+            else "not counted (one process, or train.measure_comm=off)"
+        )
+        lines.append(f"collectives per process, step 1: predicted {int(want):,} B, {got}")
+    return lines
+
+
 def compile_line(ranks: list[dict]) -> str:
     """The end-of-run line: the attention kernel, and what compiled on each rank (or that nothing did)."""
     line = f"attention {ranks[0]['attention']}; "
@@ -147,8 +187,8 @@ def compile_line(ranks: list[dict]) -> str:
         line += "no graph compiled (eager)"
     else:
         line += ", ".join(
-            f"rank {r['rank']}: {r['compiled_graphs']} graph(s), {r['recompiles']} recompile(s), "
-            f"{r['graph_breaks']} graph break(s)"
+            f"rank {r['rank']}: {plural(r['compiled_graphs'], 'graph')}, {plural(r['recompiles'], 'recompile')}, "
+            f"{plural(r['graph_breaks'], 'graph break')}"
             for r in ranks
         )
     fallbacks = {r["compile_fallback"] for r in ranks if r.get("compile_fallback")}

@@ -17,6 +17,8 @@ from rich.table import Table
 from distft.config import Config
 from distft.io.lineage import describe, is_random
 from distft.model import is_preset
+from distft.parallel.derive import derived_line
+from distft.text import plural
 
 
 class TrainingProgress:
@@ -53,7 +55,9 @@ class TrainingProgress:
             f"({total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable, {cfg.model.dtype})",
             soft_wrap=True,
         )
-        c.print(f"strategy {cfg.parallel.strategy}: {world_size} process(es) on {device}, backend {backend}")
+        c.print(
+            f"strategy {cfg.parallel.strategy}: {plural(world_size, 'process')} on {device}, backend {backend}"
+        )
         if kernels:
             c.print(kernels, soft_wrap=True)
         if cfg.model.trust_remote_code:
@@ -67,6 +71,10 @@ class TrainingProgress:
             f"global batch {cfg.train.global_batch_size} = micro-batch {micro} x accumulation {accum} "
             f"x data-parallel ranks {dp}; up to {tokens:,} tokens per optimizer step"
         )
+        why = cfg.derived.get("optim.lr", "").partition(": ")[2]
+        c.print(f"learning rate {cfg.optim.lr:g}" + (f" (derived: {why})" if why else " (optim.lr)"))
+        if line := derived_line(cfg):
+            c.print(line, soft_wrap=True)
         for line in training or []:  # optimizer, schedule, LoRA variant, epochs, hints (`train.optim`)
             c.print(line, soft_wrap=True, markup=False)
         table = Table(
@@ -141,8 +149,12 @@ class TrainingProgress:
         if self._progress:
             self._progress.__exit__(*exc)
 
-    def done(self, out: Path, compiled: str = "") -> None:
+    def done(self, out: Path, summary: list[str] | None = None) -> None:
+        """The end of a run: `summary`'s lines, then what the run directory holds."""
         if self.enabled:
-            if compiled:
-                self.console.print(compiled, soft_wrap=True)
-            self.console.print(f"wrote {out}/ (adapter or model, metrics.jsonl, config.toml)")
+            for line in summary or []:
+                self.console.print(line, soft_wrap=True)
+            entries = sorted(
+                p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if not p.name.startswith(".")
+            )
+            self.console.print(f"wrote {out}/: {', '.join(entries)}", soft_wrap=True, markup=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from distft.config import Config, to_toml
 from distft.data import CachedSplit, TokenizedSplit, tokenized_splits
+from distft.data.rows import memory_source
 from distft.data.tokenizer import load_tokenizer
 from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
 from distft.health import HealthHooks, HealthReport, check_health, failure_advice
@@ -106,6 +108,9 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     strategy = strategy_cls(cfg, env)
     out = Path(cfg.output.dir)
 
+    if dataset is not None:  # what the run trained on, in its config.toml, header and lineage
+        dataset = list(dataset) if isinstance(dataset, Iterator) else dataset  # read twice
+        cfg.data.source = memory_source(dataset)
     tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
     # The token cache, memory-mapped (built before launch by the CLI; else once per node, here).
     train_set, val_set, token_cache = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, dataset)

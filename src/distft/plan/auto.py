@@ -1,0 +1,221 @@
+"""The planner on a training config: `--strategy auto`, `--dry-run`, and the prediction every run
+records beside what it measured.
+
+`request_for(cfg)` is the `distft plan` question a `distft train` command asks: its model, method,
+dtype, sequence length, micro-batch, LoRA rank, checkpointing and attention, on `--nproc` x
+`--nnodes` devices of the memory this machine has (a CUDA device's, read from the device; on the
+CPU each process's share of the host's). `resolve_auto` walks the decision tree (`decide`) and
+applies its answer to the settings the user left unset; `predict` estimates the layout the config
+runs (`layout_of`: the runtime's own degrees, shard groups and pipeline) for `Config.prediction`,
+which ranks.json and the end-of-run summary set beside the measured peak memory and counted bytes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+import psutil
+import torch
+
+from distft.config import Config
+from distft.errors import ConfigError
+from distft.parallel import STRATEGIES, check_config
+from distft.parallel.derive import derive_defaults, derived_line
+from distft.parallel.dims import ParallelDims
+from distft.plan.decide import decide
+from distft.plan.estimate import LABELS, Request, estimate, layout_for
+from distft.plan.hardware import format_bytes, generic_gpu, inter_node_link, intra_node_link
+from distft.plan.model_spec import resolve_model
+from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Training
+from distft.text import plural
+
+
+def on_cuda(cfg: Config) -> bool:
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+
+
+def device_memory(cfg: Config) -> tuple[int, str]:
+    """Bytes one process may fill, and where that figure comes from."""
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device=cuda, but this machine has no CUDA device; use train.device=cpu or auto."
+        )
+    if on_cuda(cfg):
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory, f"{props.name}, {format_bytes(props.total_memory)}"
+    total = psutil.virtual_memory().total
+    share = total // cfg.parallel.nproc  # the processes of a node share its memory
+    return (
+        share,
+        f"CPU: {format_bytes(share)} each, 1/{cfg.parallel.nproc} of the host's {format_bytes(total)}",
+    )
+
+
+def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int = 1) -> tuple[Request, str]:
+    """The planner's question for `cfg` on this machine, and the memory's source."""
+    memory, where = device_memory(cfg)
+    gpu = replace(generic_gpu(memory), label=where.split(",")[0])
+    training = Training(
+        method=cfg.train.method,
+        precision=PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
+        lora_rank=cfg.lora.rank,
+        lora_targets=tuple(cfg.lora.target_modules),
+        autocast=on_cuda(cfg) and cfg.model.autocast,
+        seq_len=cfg.data.max_length,
+        micro_batch=micro_batch or cfg.train.micro_batch_size,
+        label_tokens=min(256, cfg.data.max_length),
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        attention=cfg.model.attn_implementation,
+    )
+    par = cfg.parallel
+    request = Request(
+        model=resolve_model(cfg.model.name),
+        training=training,
+        gpu=gpu,
+        gpu_memory=memory,
+        gpus_per_node=par.nproc,
+        nodes=par.nnodes,
+        intra=intra_node_link(gpu, None),
+        inter=inter_node_link(None),
+        grad_accum=accumulation,
+        pp_schedule=par.schedule if par.schedule in PLANNED_SCHEDULES else "1f1b",
+        overhead=min(1 << 30, memory // 8),
+    )
+    return request, where
+
+
+# ---- --strategy auto -----------------------------------------------------------------------------
+
+
+def complete(cfg: Config) -> list[str]:
+    """`--strategy auto` resolved, then the unset defaults derived (`distft.parallel.derive`), in
+    place; the lines that say what was chosen and why."""
+    lines = [resolve_auto(cfg)] if cfg.parallel.strategy == "auto" else []
+    derive_defaults(cfg)
+    if line := derived_line(cfg):
+        lines.append(line)
+    return lines
+
+
+def resolve_auto(cfg: Config) -> str:
+    """Replace `--strategy auto` by the planner's answer (in place); the paragraph saying why."""
+    req, where = request_for(cfg)
+    rec = decide(req)
+    if rec.strategy is None:
+        raise ConfigError(f"--strategy auto: {rec.reason}")
+    changes = {"train.method": rec.method, "model.activation_checkpointing": rec.activation_checkpointing}
+    current = {
+        "train.method": cfg.train.method,
+        "model.activation_checkpointing": cfg.model.activation_checkpointing,
+    }
+    for key, value in changes.items():
+        if value != current[key] and key in cfg.explicit:
+            raise ConfigError(
+                f"--strategy auto: the plan needs {key}={str(value).lower()}, but {key} is set to "
+                f"{str(current[key]).lower()}. {rec.reason}"
+            )
+    cfg.train.method, cfg.model.activation_checkpointing = rec.method, rec.activation_checkpointing
+    cfg.parallel.strategy = rec.strategy
+    lay = rec.layout
+    if lay is not None and STRATEGIES[rec.strategy].mesh_degrees:
+        cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = lay.dp, lay.tp, lay.pp
+    if lay is not None and STRATEGIES[rec.strategy].shard_groups:
+        cfg.parallel.shard = lay.shard_degree
+    cfg.derived = {
+        **cfg.derived,
+        "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
+    }
+    return f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {rec.reason}" + (
+        " Activation checkpointing on." if rec.activation_checkpointing else ""
+    )
+
+
+# ---- the prediction for the layout a config runs ----------------------------------------------------
+
+
+def layout_of(cfg: Config, req: Request) -> Parallelism:
+    """The planner's `Parallelism` for the layout the runtime builds from `cfg`."""
+    name, world = cfg.parallel.strategy, cfg.world_size
+    cls, shape = STRATEGIES[name], check_config(cfg)
+    dp = tp = pp = 1
+    if cls.mesh_degrees:
+        dims = ParallelDims.from_config(cfg)
+        dp, tp, pp = dims.dp, dims.tp, dims.pp
+    elif name in ("tp", "tp-sp"):
+        tp = world
+    elif name == "pp":
+        pp = world
+    elif name != "single":
+        dp = world
+    par = replace(layout_for(req, name, dp=dp, tp=tp, pp=pp), microbatches=shape.accumulation_steps)
+    if cls.shard_groups:
+        par = replace(par, dp_shard=cls.shard_degree(cfg))
+    if hasattr(cls, "pipeline_layout"):
+        lay = cls.pipeline_layout(cfg)
+        par = replace(par, microbatches=lay.microbatches, stages_per_rank=lay.stages_per_rank)
+    return par
+
+
+def predict(cfg: Config) -> dict:
+    """The planner's figures for this run's layout: peak bytes of the fullest rank and bytes each
+    rank moves per step, by kind (`distft.measure.comm`'s logical bytes)."""
+    shape = check_config(cfg)
+    req, where = request_for(cfg, shape.micro_batch_size, shape.accumulation_steps)
+    est = estimate(req, layout_of(cfg, req), cfg.parallel.strategy)
+    comm: dict[str, int] = defaultdict(int)
+    for c in est.collectives:
+        comm[c.kind] += int(c.logical_bytes)
+    return {
+        "layout": f"{LABELS[est.strategy]} on {plural(cfg.world_size, 'process')}",
+        "device": where,
+        "peak_mem_bytes": est.total,
+        "by_component": {
+            "parameters": est.params,
+            "gradients": est.grads,
+            "optimizer_states": est.optimizer,
+            "activations": est.activations,
+            "communication_buffers": est.buffers,
+        },
+        "fits": est.fits,
+        "usable_bytes": req.usable,
+        "comm_bytes": dict(comm),
+    }
+
+
+def try_predict(cfg: Config) -> dict | None:
+    """`predict`, or None where the planner cannot model the model (offline, an unknown hub id)."""
+    try:
+        return predict(cfg)
+    except ConfigError:
+        return None
+
+
+def prediction_line(prediction: dict) -> str:
+    parts = ", ".join(
+        f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in prediction["by_component"].items()
+    )
+    comm = sum(prediction["comm_bytes"].values())
+    verdict = "fits" if prediction["fits"] else "does NOT fit"
+    return (
+        f"plan for {prediction['layout']} ({prediction['device']}): {format_bytes(prediction['peak_mem_bytes'])} "
+        f"per process at the fullest ({parts}); {verdict} in {format_bytes(prediction['usable_bytes'])} usable; "
+        f"{format_bytes(comm)} of collectives per process per step"
+    )
+
+
+def dry_run(cfg: Config) -> int:
+    """`distft train --dry-run`, after every check before launch passed: what would run."""
+    shape = check_config(cfg)
+    print("dry run: every check before launch passed; nothing trained, nothing written")
+    if line := derived_line(cfg):
+        print(line)
+    print(
+        f"strategy {cfg.parallel.strategy} on {plural(cfg.world_size, 'process')}: global batch "
+        f"{cfg.train.global_batch_size} = micro-batch {shape.micro_batch_size} x accumulation "
+        f"{shape.accumulation_steps} x data-parallel ranks {shape.data_parallel_size}; "
+        f"{cfg.data.max_length} tokens per sequence; optim.lr {cfg.optim.lr:g}"
+    )
+    prediction = cfg.prediction or try_predict(cfg)
+    print(prediction_line(prediction) if prediction else "plan: the planner cannot model this model offline")
+    return 0

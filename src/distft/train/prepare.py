@@ -1,0 +1,46 @@
+"""Before launch, in the command that launches the ranks: paths made absolute, every data row
+read and tokenised (`prepare_data`), so a bad row is refused before any rank starts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from distft.config import Config
+from distft.data import load_tokenizer, tokenized_splits
+from distft.model import is_preset
+
+
+def resolve_local_paths(cfg: Config) -> None:
+    """A local data file or model directory, made absolute: the run's config.toml then works for
+    `distft eval`/`infer` from any directory (a relative path would be read from where they run)."""
+    if Path(cfg.data.source).is_file():
+        cfg.data.source = str(Path(cfg.data.source).resolve())
+    if not is_preset(cfg.model.name) and Path(cfg.model.name).is_dir():
+        cfg.model.name = str(Path(cfg.model.name).resolve())
+    if cfg.data.cache_dir:  # every rank, and a resumed run, finds the same cache
+        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
+
+
+def prepare_data(cfg: Config) -> None:
+    """Every row read and tokenised before launch, so a bad one is refused here; with `data.cache`
+    into the token cache, which the ranks then only open (docs/data.md, "Data at scale")."""
+    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
+    start = time.perf_counter()
+    next_line = start + 30
+
+    def progress(examples: int) -> None:  # a line every 30 s of a long first tokenisation
+        nonlocal next_line
+        if time.perf_counter() >= next_line:
+            next_line += 30
+            print(
+                f"tokenising {cfg.data.source}: {examples:,} examples, {time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
+
+    train, valid, info = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, progress=progress)
+    n = len(train) + len(valid)
+    if info["state"] == "built":
+        print(f"tokenised {n:,} examples into {info['path']} in {info['seconds']:.1f} s", flush=True)
+    elif info["state"] == "hit":
+        print(f"token cache: {info['path']} ({n:,} examples, tokenised before)", flush=True)

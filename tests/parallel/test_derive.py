@@ -1,0 +1,109 @@
+"""Defaults that compose (`distft.parallel.derive`): `--strategy S --nproc N` alone passes every
+check before launch for every strategy in the registry, on micro and tiny; what the user set is
+never changed; the learning rate follows the base and the method. Pure: no process is launched."""
+
+from __future__ import annotations
+
+import pytest
+
+from distft.cli import build_parser, config_from_args
+from distft.config import load_config
+from distft.errors import ConfigError
+from distft.model import model_config
+from distft.parallel import STRATEGIES, check_config, check_model
+from distft.parallel.derive import PRETRAINED_FULL_LR, PRETRAINED_LORA_LR, RANDOM_PRESET_LR
+
+# Each strategy's smallest --nproc, and the next sizes up where what is derived differs.
+SIZES = {
+    "single": [1],
+    "ddp": [1, 2, 3, 4],
+    "zero1": [1, 2, 4],
+    "fsdp": [1, 2, 4],
+    "zero2": [1, 2, 4],
+    "hsdp": [4, 6],
+    "tp": [1, 2],
+    "tp-sp": [1, 2],
+    "pp": [2, 3, 4],
+    "fsdp+tp": [2, 4, 6],
+    "ddp+pp": [4, 6, 8],
+    "fsdp+pp": [4, 6],
+    "fsdp+tp+pp": [4, 6, 8],
+}
+
+
+def parse(*argv: str):
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_every_strategy_runs_with_strategy_and_nproc_alone(capsys):
+    assert set(SIZES) == set(STRATEGIES), "a new strategy: add its sizes here"
+    for model in ("micro", "tiny"):
+        architecture = model_config(model, False)
+        for name, sizes in SIZES.items():
+            for n in sizes:
+                cfg = parse("--model", model, "--strategy", name, "--nproc", str(n))
+                shape = check_config(cfg)
+                check_model(cfg, architecture)
+                assert cfg.world_size == n and cfg.parallel.strategy == name
+                per_step = shape.micro_batch_size * shape.accumulation_steps * shape.data_parallel_size
+                assert per_step == cfg.train.global_batch_size, (model, name, n)
+    out = capsys.readouterr().out
+    # One line says what was derived and why, e.g. for the two the issue named:
+    assert "derived (not set): parallel.shard=2: 4 processes on one node as 2 replicas of 2 shards" in out
+    assert "parallel.microbatches=2: 1f1b over 2 pipeline ranks needs 2+ micro-batches" in out
+
+
+def test_derivations_keep_the_global_batch_where_it_splits():
+    cfg = parse("--model", "micro", "--strategy", "hsdp", "--nproc", "4")
+    assert (cfg.parallel.shard, cfg.train.global_batch_size, cfg.train.micro_batch_size) == (2, 8, 2)
+    assert set(cfg.derived) == {"optim.lr", "parallel.shard", "train.micro_batch_size"}
+    cfg = parse("--model", "micro", "--strategy", "ddp", "--nproc", "3")  # 8 does not split 3 ways
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (12, 4)
+    cfg = parse("--model", "micro", "--strategy", "fsdp+pp", "--nproc", "4")
+    assert (cfg.parallel.pp, cfg.parallel.microbatches, cfg.train.global_batch_size) == (2, 2, 8)
+    cfg = parse("--model", "micro", "--strategy", "ddp", "--nproc", "4", "train.micro_batch_size=4")
+    assert cfg.train.global_batch_size == 16  # the micro-batch was set: the global batch follows it
+    cfg = parse("--model", "micro", "--strategy", "ddp", "--nproc", "2")  # passes as it is
+    assert set(cfg.derived) == {"optim.lr"} and cfg.train.micro_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    "argv,phrase",
+    [
+        (
+            ["--strategy", "ddp", "--nproc", "4", "train.micro_batch_size=4", "train.global_batch_size=8"],
+            "multiple",
+        ),
+        (["--strategy", "ddp", "--nproc", "3", "train.global_batch_size=8"], "must be a multiple of"),
+        (["--strategy", "hsdp", "--nproc", "4", "parallel.shard=4"], "it is plain FSDP"),
+        (["--strategy", "fsdp+pp", "--nproc", "4", "parallel.pp=1"], "use --strategy fsdp,"),
+        (["--strategy", "pp", "--nproc", "4", "parallel.microbatches=2"], "at least as many micro-batches"),
+    ],
+)
+def test_what_the_user_set_keeps_its_error(argv, phrase):
+    with pytest.raises(ConfigError, match=phrase):
+        parse("--model", "micro", *argv)
+
+
+def test_explicit_fields_are_tracked_from_file_overrides_and_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nglobal_batch_size = 16\n")
+    cfg = load_config(path, ["optim.lr=1e-3", "parallel.nproc=2"])
+    assert cfg.explicit == {"train.global_batch_size", "optim.lr", "parallel.nproc"}
+    assert load_config().explicit == frozenset()
+
+
+def test_learning_rate_follows_the_base_and_the_method(tmp_path, capsys):
+    assert parse("--model", "tiny").optim.lr == RANDOM_PRESET_LR  # presets: as before
+    assert parse("--model", "Qwen/Qwen3-4B").optim.lr == PRETRAINED_LORA_LR
+    assert parse("--model", "Qwen/Qwen3-4B", "--method", "qlora").optim.lr == PRETRAINED_LORA_LR
+    assert parse("--model", "Qwen/Qwen3-4B", "--method", "full").optim.lr == PRETRAINED_FULL_LR
+    assert parse("--model", "Qwen/Qwen3-4B", "optim.lr=1e-3").optim.lr == 1e-3  # set: kept
+    out = capsys.readouterr().out
+    assert "optim.lr=0.0002: lora on a pretrained checkpoint, optim.lr not set" in out
+    assert "optim.lr=0.01" not in out  # a preset's rate is the schema's default: only the header says it
+    # A model trained from a random preset (its lineage.json) learns at the preset's rate.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "lineage.json").write_text('{"origin": {"preset": "tiny", "seed": 0}, "stages": []}')
+    assert parse("--model", str(model), "--method", "full").optim.lr == RANDOM_PRESET_LR

@@ -1,0 +1,73 @@
+"""The planner on a training config (`distft.plan.auto`): `--strategy auto` resolves to a strategy
+the runtime runs and says why; `--dry-run` checks, prints the batch and the plan's estimate, and
+writes nothing; a run records the prediction beside what it measured (one real 2-process launch)."""
+
+from __future__ import annotations
+
+import json
+
+from distft.cli import build_parser, config_from_args, main
+from distft.parallel import STRATEGIES, check_config
+from distft.plan import predict
+from tests.helpers import distft
+
+SHORT = [
+    "train.max_steps=1", "train.eval_every=0", "train.eval_batches=1", "data.max_length=256",
+    "data.max_rows=16", "output.save_base=false",
+]  # fmt: skip
+
+
+def test_auto_resolves_to_a_runnable_strategy_and_says_why(capsys):
+    cfg = config_from_args(
+        build_parser().parse_args(["train", "--strategy", "auto", "--nproc", "2", "--model", "micro"])
+    )
+    assert cfg.parallel.strategy in STRATEGIES and cfg.world_size == 2
+    check_config(cfg)
+    out = capsys.readouterr().out
+    # micro fits one process's share of the host with room to spare: DDP for throughput, and why.
+    assert cfg.parallel.strategy == "ddp"
+    assert "strategy auto: DDP on 2 processes (CPU: " in out and "memory is not the problem" in out
+    assert cfg.derived["parallel.strategy"].startswith("ddp: the planner's choice")
+
+
+def test_prediction_is_the_layout_the_runtime_builds():
+    argv = ["train", "--model", "micro", "--strategy", "fsdp+pp", "--nproc", "4"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    p = predict(cfg)
+    assert p["layout"] == "FSDP x PP on 4 processes"
+    assert p["peak_mem_bytes"] == sum(p["by_component"].values()) > 0
+    assert p["comm_bytes"]["send"] > 0  # the pipeline's activations cross stages
+
+
+def test_dry_run_checks_and_estimates_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--strategy", "hsdp", "--nproc", "4", "--model", "micro", "--out", str(out), "--dry-run"]
+    assert main([*argv, *SHORT]) == 0
+    text = capsys.readouterr().out
+    assert "dry run: every check before launch passed; nothing trained, nothing written" in text
+    assert "derived (not set): parallel.shard=2" in text
+    assert "global batch 8 = micro-batch 2 x accumulation 1 x data-parallel ranks 4" in text
+    assert "plan for HSDP on 4 processes (CPU: " in text and "per process at the fullest" in text
+    assert not out.exists()
+    # A check that fails still fails the dry run, with its one paragraph.
+    assert main([*argv, *SHORT, "parallel.shard=4"]) == 2
+
+
+def test_auto_run_records_predicted_beside_measured(tmp_path):
+    out = tmp_path / "auto"
+    proc = distft(
+        "train", "--strategy", "auto", "--nproc", "2", "--model", "micro", "--out", str(out), *SHORT
+    )
+    assert "strategy auto: DDP on 2 processes" in proc.stdout
+    assert (
+        "peak memory per process: predicted" in proc.stdout and "measured: unavailable on CPU" in proc.stdout
+    )
+    assert "collectives per process, step 1: predicted" in proc.stdout
+    ranks = json.loads((out / "ranks.json").read_text())
+    for r in ranks:
+        assert r["memory"]["predicted_peak_bytes"] > 0 and r["memory"]["measured"] == "unavailable on CPU"
+        comm = r["comm_bytes_per_step"]
+        assert comm["predicted"]["all_reduce"] > 0 and comm["counted"]["all_reduce"] > 0
+    assert (
+        f"wrote {out}/: adapter/, base/, config.toml, lineage.json, metrics.jsonl, ranks.json" in proc.stdout
+    )
