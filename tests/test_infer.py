@@ -289,6 +289,8 @@ BAD_FLAGS = [
     (["infer", "--greedy", "--temperature", "0.7"], "--greedy picks the most likely token, so --temperature"),
     (["infer", "--temperature", "0"], "--temperature must be positive"),
     (["infer", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["infer", "--temperature", "nan"], "--temperature must be positive, got nan"),
+    (["infer", "--repetition-penalty", "inf"], "--repetition-penalty must be positive, got inf"),
     (["infer", "--input", "nope.txt"], "--input nope.txt does not exist"),
     (["eval", "--rows", "0"], "--rows must be at least 1, got 0"),
     (["eval", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
@@ -465,3 +467,13 @@ def test_the_model_card_follows_the_data_format(fmt, title, use, run, tmp_path):
     assert 'messages = [{"role": "user", "content": prompt}]' in card
     meeting = model_card(load_config(run[0] / "config.toml"), run[0], "bfloat16")  # the sample: detected
     assert "# run: meeting summaries" in meeting and "+ transcript}]" in meeting
+
+
+def test_an_answer_longer_than_the_runs_context_is_refused(run, capsys):
+    assert main(["infer", "--run", str(run[0]), "--max-new-tokens", "99999999999"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--max-new-tokens 99999999999 leaves no room for the prompt: the run was trained on data.max_length=384"
+        in err
+    )
+    assert "Give at most 352." in err

@@ -59,7 +59,7 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
     except Exception as err:  # a fault no check foresaw (a disk error, a bug): said plainly
         if debug:
             raise
-        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        text = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
         hint = (
             f"Rerun with {DEBUG_ENV}=1 for the traceback."
             if isinstance(err, OSError)  # the disk, a permission: the message says what

@@ -43,6 +43,7 @@ def test_resolved_config_round_trips(tmp_path):
         ("[optim]\nwarmup_step = 5\n", [], "Did you mean `warmup_steps`?"),
         ("[optimizer]\nlr = 1e-4\n", [], "Did you mean `optim`?"),
         ("lr = 1e-4\n", [], "must be a [section] table"),
+        ("optim = 3\n", [], "`optim` must be a [section] table ([optim] then its keys)."),
         ("", ["train.max_steps=ten"], "must be an integer"),
         ("", ["train.max_steps=0"], "must be positive"),
         ("", ["lora.rank=-1"], "`lora.rank` must be positive"),
@@ -82,9 +83,11 @@ def test_strategy_help_lists_the_strategies():
     assert all(name in action.help for name in STRATEGIES)
 
 
-def test_missing_file():
+def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("nope.toml")
+    with pytest.raises(ConfigError, match="is a directory; give a TOML file"):
+        load_config(tmp_path)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

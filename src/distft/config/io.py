@@ -112,7 +112,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"Config file {path} does not exist.")
+            what = "is a directory; give a TOML file" if path.is_dir() else "does not exist"
+            raise ConfigError(f"Config file {path} {what}.")
         try:
             raw = path.read_bytes()
         except OSError as err:
@@ -121,8 +122,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(
-                    f"{path}: top-level key `{one_line(section)}` must be a [section] table."
-                    f"{nearest(section, list(_SECTION_TYPES))}"
+                    f"{path}: top-level key `{one_line(section)}` must be a [section] table"
+                    + (f" ([{section}] then its keys)." if section in _SECTION_TYPES else ".")
+                    + ("" if section in _SECTION_TYPES else nearest(section, list(_SECTION_TYPES)))
                 )
             for key, value in table.items():
                 explicit.add(_apply(cfg, section, key, value))

@@ -133,6 +133,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
     if args.output:  # before minutes of generation
         check_output_path(Path(args.output), "--output")
     loaded = _with_format(load_trained(run=args.run, adapter=args.adapter, model=args.model), args.format)
+    sampling.check_room(loaded.cfg.data.max_length)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)
     n, meetings = 0, True
@@ -236,6 +237,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.output:
         check_output_path(Path(args.output), "--output")
     loaded = _with_format(load_trained(run=args.run), args.format)
+    Sampling(max_new_tokens=args.max_new_tokens).check_room(loaded.cfg.data.max_length)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)
     rows = eval_rows(loaded, args.data, args.rows)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from distft.data import ChatFormatter, MeetingRow, Row, prompt_and_reference
 from distft.errors import ConfigError
 from distft.infer.load import Loaded
 from distft.io.files import atomic_text_file
+
+PROMPT_ROOM = 32  # tokens at least of a prompt (the chat template alone takes 10-35)
 
 
 @dataclass
@@ -52,7 +55,8 @@ class Sampling:
                 f"--max-new-tokens must be at least 1, got {self.max_new_tokens}: it is the longest summary "
                 "to generate, in tokens (the default, 128, fits a meeting summary)."
             )
-        if self.temperature <= 0:
+        # Written as what must hold, so NaN (false in every comparison) is refused too.
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ConfigError(
                 f"--temperature must be positive, got {self.temperature}; for deterministic output use --greedy."
             )
@@ -60,9 +64,18 @@ class Sampling:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
             raise ConfigError(f"--top-k cannot be negative, got {self.top_k} (0 keeps every token).")
-        if self.repetition_penalty <= 0:
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ConfigError(
                 f"--repetition-penalty must be positive, got {self.repetition_penalty} (1: off)."
+            )
+
+    def check_room(self, max_length: int) -> None:
+        """The answer leaves the prompt some of the run's context: `data.max_length` bounds both."""
+        if self.max_new_tokens > max_length - PROMPT_ROOM:
+            raise ConfigError(
+                f"--max-new-tokens {self.max_new_tokens} leaves no room for the prompt: the run was trained "
+                f"on data.max_length={max_length} tokens, prompt and answer together. Give at most "
+                f"{max_length - PROMPT_ROOM}."
             )
 
     def generate_kwargs(self) -> dict:
