@@ -9,6 +9,7 @@ import pytest
 
 from distft.bench.harness import loss_agreement
 from distft.cli import main
+from distft.io.files import MANIFEST, damage
 
 
 def _finite_numbers(obj):
@@ -34,8 +35,16 @@ def bench(tmp_path_factory):
 
 def test_writes_report_results_and_plots(bench):
     out, _results = bench
-    for name in ("report.md", "results.json", "throughput.png", "memory.png", "comm.png", "losses.png"):
+    names = ("report.md", "results.json", "throughput.png", "memory.png", "comm.png", "losses.png")
+    for name in names:
         assert (out / name).stat().st_size > 0, name
+    # Each written atomically (no temporary left), and sealed by a manifest that finds a damaged copy.
+    assert not list(out.glob(".*tmp*"))
+    assert set(names) <= set(json.loads((out / MANIFEST).read_text())["files"]) and damage(out) is None
+    plot = (out / "comm.png").read_bytes()
+    (out / "comm.png").write_bytes(b"")
+    assert damage(out).startswith("comm.png has 0 bytes")
+    (out / "comm.png").write_bytes(plot)  # the fixture is shared
     report = (out / "report.md").read_text()
     assert "| single | 1 |" in report and "| ddp | 2 |" in report
     assert "ddp: agrees" in report

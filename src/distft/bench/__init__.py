@@ -24,6 +24,7 @@ from distft.bench.startup import StartupSettings, run_startup_bench, write_start
 from distft.bench.study import STUDIES, run_study
 from distft.bench.study_report import write_study_report
 from distft.errors import ConfigError
+from distft.io.files import MANIFEST, atomic_write_text, write_manifest
 
 DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp,tp-sp,pp"  # every strategy that runs on 2 processes
 PP_SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv"
@@ -128,6 +129,15 @@ def _add_startup_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def seal(out: Path) -> None:
+    """`out/manifest.json` over the report's own files (the markdown, the JSON, the plots): each
+    written atomically, and a copy cut short found by `distft.io.files.damage(out)`. The runs
+    beside them carry their own manifests."""
+    write_manifest(
+        out, only=[p for p in out.iterdir() if p.is_file() and p.suffix in (".md", ".json", ".png")]
+    )
+
+
 def _names(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
@@ -145,7 +155,7 @@ def rereport(out: Path, project: list[str]) -> dict:
     add_predictions(summary, settings)
     runs = [StrategyResult(**r) for r in summary["results"]]
     summary["loss_agreement"] = loss_agreement(runs, others=sweep_losses(summary.get("pp_sweep") or []))
-    path.write_text(json.dumps(summary, indent=1))
+    atomic_write_text(path, json.dumps(summary, indent=1))
     return summary
 
 
@@ -169,6 +179,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
         # The command as typed when this process is the distft CLI; a caller of main() has no such line.
         typed = shlex.join(["distft", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else spelled_out
         written.append(write_record(summary, record, typed, spelled_out))
+    seal(out)
     print(f"\nwrote {', '.join(map(str, written))}\n")
     print(written[0].read_text(), end="")  # last, so that the end of the output holds the figures
     return 1 if summary["failures"] else 0
@@ -186,6 +197,7 @@ def cmd_startup(args: argparse.Namespace) -> int:
     out = Path(args.out if args.out != DEFAULT_OUT else "runs/bench-startup")
     summary = run_startup_bench(settings, out)
     report = write_startup_report(summary, out)
+    seal(out)
     print(report.read_text())
     print(f"wrote {report} and {out / 'startup.json'}")
     return 0 if summary["bound"]["holds"] else 1
@@ -220,13 +232,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.study:
         study = run_study(settings, args.study, out)
-        (out / "study.json").write_text(json.dumps(study, indent=1))
+        atomic_write_text(out / "study.json", json.dumps(study, indent=1))
         report = write_study_report(study, out)
+        seal(out)
         print(report.read_text())
         print(f"\nwrote {report}, {out / 'study.json'} and {out / f'study_{args.study}.png'}")
         return 1 if study["failures"] or not all(a["agrees"] for a in study["loss_agreement"].values()) else 0
     summary = rereport(out, settings.project) if args.report_only else run_bench(settings, out)
     report = write_report(summary, out)
+    seal(out)
     print(report.read_text())
-    print(f"\nwrote {report}, {out / 'results.json'} and plots")
+    print(f"\nwrote {report}, {out / 'results.json'}, plots and {out / MANIFEST}")
     return 1 if summary["failures"] or not all(a["agrees"] for a in summary["loss_agreement"].values()) else 0

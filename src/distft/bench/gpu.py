@@ -33,6 +33,7 @@ import torch
 from distft.bench.harness import BenchSettings, environment, run_strategy
 from distft.data.sample import sample_path
 from distft.errors import ConfigError
+from distft.io.files import atomic_write_text
 
 METHODS = ("lora", "qlora", "full")
 SMALL_MODELS = ("micro", "tiny")  # what --gpu runs without a CUDA device
@@ -148,7 +149,7 @@ def run_plain(s: GpuSuiteSettings, data: Path, dtype: str, out: Path) -> dict:
         "--dtype", dtype, "--seed", str(s.seed), "--out", str(result),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    (out / "runs" / "plain.log").write_text(proc.stdout + proc.stderr)
+    atomic_write_text(out / "runs" / "plain.log", proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"plain loop failed (exit {proc.returncode}): {' | '.join(tail)}")
@@ -242,5 +243,5 @@ def run_gpu_suite(s: GpuSuiteSettings, out: Path) -> dict:
         "targets": targets(rows, r, s, env["device"]), "failures": failures,
         "started_utc": started, "finished_utc": _now(),
     }  # fmt: skip
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(out / "results.json", json.dumps(summary, indent=1))
     return summary

@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+from distft.io.files import atomic_write_text
+
 GIB = 2**30
 
 
@@ -90,7 +92,7 @@ def render(summary: dict) -> str:
 
 def write_gpu_report(summary: dict, out: Path) -> Path:
     path = out / "report.md"
-    path.write_text(render(summary))
+    atomic_write_text(path, render(summary))
     return path
 
 
@@ -138,5 +140,5 @@ def render_record(summary: dict, command: str, spelled_out: str) -> str:
 def write_record(summary: dict, folder: Path, command: str, spelled_out: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "RECORD.md"
-    path.write_text(render_record(summary, command, spelled_out))
+    atomic_write_text(path, render_record(summary, command, spelled_out))
     return path

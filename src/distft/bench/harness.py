@@ -23,6 +23,7 @@ import torch
 from distft.bench.predict import parse_profile, plan_memory, project
 from distft.bench.reference import time_plain_loop
 from distft.errors import ConfigError
+from distft.io.files import atomic_write_text
 from distft.parallel import STRATEGIES
 from distft.parallel.pipeline import SCHEDULES
 from distft.train.metrics import START_ENV
@@ -124,7 +125,7 @@ def run_train(argv: list[str], out: Path) -> float:
     )
     wall = time.perf_counter() - start
     out.parent.mkdir(parents=True, exist_ok=True)
-    (out.parent / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
+    atomic_write_text(out.parent / f"{out.name}.log", proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"{out.name} failed (exit {proc.returncode}): {' | '.join(tail)}")
@@ -294,5 +295,5 @@ def run_bench(settings: BenchSettings, out: Path) -> dict:
         "pp_sweep": sweep,
     }
     add_predictions(summary, settings)
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(out / "results.json", json.dumps(summary, indent=1))
     return summary

@@ -36,6 +36,7 @@ from distft.data import (
     tokenize_rows,
 )
 from distft.data.tokenizer import load_tokenizer
+from distft.io.files import atomic_write_text
 from distft.measure.flops import ModelFlops, peak_flops
 from distft.model.presets import DTYPES, PRESETS
 
@@ -137,7 +138,7 @@ def run(a: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    Path(a.out).write_text(json.dumps(run(a), indent=1))
+    atomic_write_text(Path(a.out), json.dumps(run(a), indent=1))
     return 0
 
 

@@ -13,6 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from distft.io.files import atomic_path
 from distft.measure.pipeline import simulate
 
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all"]
@@ -30,7 +31,8 @@ def save(fig: Figure, path: Path) -> Figure:
     """Write the figure (legends sit outside the axes, so crop to everything drawn) and return it,
     closed, for tests to read its axes."""
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    with atomic_path(path) as tmp:  # a report never holds half a PNG
+        fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
     return fig
 

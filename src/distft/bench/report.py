@@ -16,6 +16,7 @@ from distft.bench.plots import (
     plot_throughput,
 )
 from distft.bench.spread import ranking_sentence
+from distft.io.files import atomic_write_text
 
 
 def memory_section(summary: dict) -> list[str]:
@@ -142,7 +143,7 @@ def write_report(summary: dict, out: Path) -> Path:
     if summary["failures"]:
         lines += ["## Failures", ""] + [f"- {k}: {v}" for k, v in summary["failures"].items()] + [""]
     report = out / "report.md"
-    report.write_text("\n".join(lines))
+    atomic_write_text(report, "\n".join(lines))
     return report
 
 

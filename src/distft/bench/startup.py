@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from distft.bench.harness import environment, run_train
+from distft.io.files import atomic_write_text
 
 MODES = ("off", "cold", "warm")
 STRATEGY = "ddp"  # its ranks all open the one store; any multi-process strategy would do
@@ -170,6 +171,6 @@ def write_startup_report(summary: dict, out: Path) -> Path:
         f"under {bound['rank_data_bound_s']:.1f} s (longest {bound['rank_data_max_s'] * 1000:.0f} ms): **{verdict}**.",
     ]
     path = out / "startup.md"
-    path.write_text("\n".join(lines) + "\n")
-    (out / "startup.json").write_text(json.dumps(summary, indent=1))
+    atomic_write_text(path, "\n".join(lines) + "\n")
+    atomic_write_text(out / "startup.json", json.dumps(summary, indent=1))
     return path

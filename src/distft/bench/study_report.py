@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
 from distft.bench.plots import save
+from distft.io.files import atomic_write_text
 
 
 def _range(s: dict | None, fmt: str = "{:.3f}") -> str:
@@ -108,5 +109,5 @@ def write_study_report(summary: dict, out: Path) -> Path:
         lines += ["", "## Failed", ""] + [f"- {k}: {v}" for k, v in summary["failures"].items()]
     lines += ["", "## Config (the correct run)", "", "```toml", summary["config"].strip(), "```", ""]
     path = out / "study.md"
-    path.write_text("\n".join(lines))
+    atomic_write_text(path, "\n".join(lines))
     return path

@@ -65,6 +65,22 @@ def atomic_text_file(path: Path) -> Iterator[TextIO]:
         tmp.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path (same directory, same suffix) for a writer that takes a path
+    (matplotlib's `savefig`); it replaces `path` only if the block completes."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     with atomic_text_file(path) as f:
         f.write(text)
@@ -86,12 +102,13 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """`directory/manifest.json`: each file's size and SHA-256, by its path inside `directory`."""
+def write_manifest(directory: Path, only: list[Path] | None = None) -> None:
+    """`directory/manifest.json`: each file's size and SHA-256, by its path inside `directory`
+    (every file, or those in `only`: a report's files beside the runs that hold their own)."""
     directory = Path(directory)
     files = {
         p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
-        for p in _files(directory)
+        for p in (sorted(Path(f) for f in only) if only is not None else _files(directory))
         if p.name != MANIFEST
     }
     with atomic_text_file(directory / MANIFEST) as f:
