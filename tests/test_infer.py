@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -477,3 +478,24 @@ def test_an_answer_longer_than_the_runs_context_is_refused(run, capsys):
         in err
     )
     assert "Give at most 352." in err
+
+
+def test_a_pickled_adapter_is_never_unpickled(run, tmp_path, capsys):
+    """peft falls back to `adapter_model.bin` when there is no safetensors file; distft refuses it."""
+    copy, _ = damaged_copy(run, tmp_path, None, manifest=False)
+    (copy / "adapter" / "adapter_model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    with (copy / "adapter" / "adapter_model.bin").open("wb") as f:
+        pickle.dump(Planted(marker), f)
+    assert main(["infer", "--run", str(copy), "--max-new-tokens", "2"]) == 2
+    assert "holds no adapter_model.safetensors" in capsys.readouterr().err and not marker.exists()
+
+
+class Planted:
+    """Unpickling it runs a shell command (here, touching a marker)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))

@@ -15,7 +15,7 @@ never a traceback from inside safetensors.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from torch import nn
@@ -27,7 +27,7 @@ from distft.errors import ConfigError, DamagedFileError
 from distft.io.files import verify_directory
 from distft.io.lineage import describe, is_random, read_lineage
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
-from distft.model.build import RECIPE_FILE, rebuild_base
+from distft.model.build import RECIPE_FILE, check_weight_files, rebuild_base
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
 from distft.text import plural
 
@@ -65,8 +65,13 @@ def _load_base(name: str, cfg: Config) -> nn.Module:
     recipe = Path(name) / RECIPE_FILE
     if recipe.is_file() and not (Path(name) / "config.json").is_file():
         return rebuild_base(json.loads(recipe.read_text()))
-    if Path(name).is_dir():
-        return AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[cfg.model.dtype])
+    if Path(name).is_dir():  # safetensors only, unless the run allowed pickles (`model.build`)
+        check_weight_files(replace(cfg.model, name=name))
+        return AutoModelForCausalLM.from_pretrained(
+            name,
+            dtype=DTYPES[cfg.model.dtype],
+            use_safetensors=None if cfg.model.allow_pickle_weights else True,
+        )
     cfg.model.name = name
     return load_base_model(cfg.model)
 
@@ -136,6 +141,12 @@ def _load_trained(run: str | None, adapter: str | None, model: str | None) -> Lo
         )
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"No adapter in {adapter}: the run has not finished, or it was a full finetune.")
+    if not (Path(adapter) / "adapter_model.safetensors").is_file():  # peft would unpickle a .bin
+        raise ConfigError(
+            f"{adapter} holds no adapter_model.safetensors (distft reads adapter weights as safetensors "
+            "only; a pickled adapter_model.bin is not loaded). Convert it once where you trust it: "
+            "`PeftModel.from_pretrained(base, DIR).save_pretrained(NEW_DIR)` writes safetensors."
+        )
     preset = _preset(cfg.model.name) if (run or from_run) and not model else _preset(base_name)
     base = _load_base(base_name, cfg)
     quant_file = Path(adapter) / QUANTIZATION_FILE
