@@ -80,6 +80,12 @@ def test_every_checkpoint_damaged_is_refused_and_nothing_deleted(checkpointed, t
     (step / MANIFEST).unlink()  # a checkpoint from before manifests: its unreadable trainer state is found
     assert main(["train", "--resume", str(out)]) == 2
     assert "step-000003 (JSONDecodeError: Expecting value" in capsys.readouterr().err
+    out, step = fresh_copy(checkpointed, tmp_path / "again")
+    (step / MANIFEST).unlink()  # ... and a shard cut short, by the bytes DCP's metadata places in it
+    shard = step / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert main(["train", "--resume", str(out)]) == 2
+    assert "step-000003 (__0_0.distcp has 1,000 bytes, and its metadata places" in capsys.readouterr().err
 
 
 def test_partial_checkpoint_is_never_loaded(tmp_path):

@@ -499,3 +499,11 @@ class Planted:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
+
+
+def test_an_emptied_run_config_is_damage_not_defaults(run, tmp_path, capsys):
+    copy, _ = damaged_copy(run, tmp_path, cut=10**9)  # the adapter intact
+    (copy / "config.toml").write_text("")
+    for command in (["infer"], ["export", "--out", str(tmp_path / "export")]):
+        assert main([*command, "--run", str(copy)]) == 2
+        assert f"{copy / 'config.toml'} has no [model], [data]" in capsys.readouterr().err

@@ -151,7 +151,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         config_file = config_file or run / "config.toml"
         # The saved config may say resume=false or overwrite=true (how that run began): --resume continues.
         flags += [f"output.dir={run}", "output.resume=true", "output.overwrite=false"]
-    cfg = load_config(config_file, [*args.overrides, *flags])
+    cfg = load_config(config_file, [*args.overrides, *flags], run=bool(args.resume) and not args.config)
     resolve_local_paths(cfg)
     if launched_by_torchrun():  # the launching command derived and predicted: its notes
         read_rank_notes(cfg)

@@ -46,7 +46,7 @@ def check_run(run_dir: Path) -> Config:
             f"--run {run_dir} is not a distft run directory (no config.toml). Train one with "
             f"`distft train --out {run_dir}`, or point --run at the directory a run wrote."
         )
-    cfg = load_config(run_dir / "config.toml")
+    cfg = load_config(run_dir / "config.toml", run=True)
     weights = run_dir / ("model/config.json" if cfg.train.method == "full" else "adapter/adapter_config.json")
     if not weights.is_file():
         raise ConfigError(
@@ -121,7 +121,14 @@ def stop_on_end_of_turn(model: nn.Module, tokenizer) -> None:
 def final_losses(run_dir: Path) -> dict[str, float]:
     """The last step, its training loss, and the last validation loss, from metrics.jsonl."""
     path = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    records = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a damaged line: the card shows what the others say
+        if isinstance(record, dict) and "step" in record and "loss" in record:
+            records.append(record)
     found: dict[str, float] = {}
     if records:
         found["step"], found["loss"] = records[-1]["step"], records[-1]["loss"]

@@ -202,3 +202,12 @@ def test_push_to_hub_uploads_the_export(lora, tmp_path, monkeypatch):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja", "README.md"):
         assert name in upload["files"], upload["files"]
     assert "from_pretrained('me/meeting-summaries')" in (tmp_path / "o" / "README.md").read_text()
+
+
+def test_the_card_reads_what_it_can_of_a_damaged_metrics_file(tmp_path):
+    from distft.export import final_losses
+
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.5}\nnot json\n[3]\n{"step": 2, "loss": 2.0, "eval_loss": 1.9}\n{"st'
+    )
+    assert final_losses(tmp_path) == {"step": 2, "loss": 2.0, "eval_loss": 1.9}

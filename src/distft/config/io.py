@@ -19,7 +19,7 @@ import tomllib
 
 from distft.config.fields import check_fields, nearest
 from distft.config.schema import Config
-from distft.errors import ConfigError, one_line
+from distft.errors import ConfigError, DamagedFileError, one_line
 from distft.textfiles import decode_utf8
 
 _SECTION_TYPES = {  # the sections (the class variables `explicit`, `derived` ... are not)
@@ -105,8 +105,13 @@ def _parse_toml(text: str, source: str) -> dict[str, Any]:
         raise ConfigError(f"{source} is not a TOML file distft can read ({why}).") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at `path`, then `section.key=value` overrides; validated."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, run: bool = False
+) -> Config:
+    """Defaults, then the TOML file at `path`, then `section.key=value` overrides; validated.
+
+    `run`: `path` is a run's saved config.toml, which `to_toml` writes whole: a section missing
+    (an emptied or cut file) is damage, not a wish for the defaults."""
     cfg = Config()
     explicit: set[str] = set()  # the fields the file and the overrides set
     if path is not None:
@@ -119,6 +124,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OSError as err:
             raise ConfigError(f"Config file {path} cannot be read ({err.strerror or err}).") from None
         data = _parse_toml(decode_utf8(raw, str(path), ConfigError), str(path))
+        if run and (missing := [s for s in _SECTION_TYPES if s not in data]):
+            raise DamagedFileError(
+                f"{path} has no [{'], ['.join(missing)}] section, which every run's config.toml holds: it is "
+                "damaged, or not from distft. Restore it from a copy."
+            )
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(

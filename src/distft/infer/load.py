@@ -113,7 +113,7 @@ def _load_trained(run: str | None, adapter: str | None, model: str | None) -> Lo
             raise ConfigError(
                 f"{run_dir} is not a distft run directory (no config.toml). Train one with `distft train --out {run_dir}`."
             )
-        cfg = load_config(run_dir / "config.toml")
+        cfg = load_config(run_dir / "config.toml", run=True)
         if (run_dir / "model").is_dir():  # full finetune
             lm = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=DTYPES[cfg.model.dtype])
             tokenizer = _tokenizer_for(run_dir, cfg)

@@ -72,7 +72,8 @@ def checkpoint_damage(checkpoint: Path) -> str | None:
     if problem is not None:
         return problem
     try:
-        read_metadata(checkpoint)
+        if problem := _shards_short(checkpoint, read_metadata(checkpoint)):
+            return problem
         trainer = _read_trainer(checkpoint)
         if (
             not isinstance(trainer, dict)
@@ -84,6 +85,22 @@ def checkpoint_damage(checkpoint: Path) -> str | None:
         raise CheckpointError(_refusal(checkpoint, err)) from None
     except (OSError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError, RuntimeError) as err:
         return _first_line(err)
+    return None
+
+
+def _shards_short(checkpoint: Path, metadata: object) -> str | None:
+    """A shard file missing, or shorter than the bytes DCP's metadata places in it: found even in a
+    checkpoint without a manifest (written by an earlier version)."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        if getattr(info, "relative_path", None):
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = checkpoint / name
+        if not shard.is_file():
+            return f"{name} is missing"
+        if shard.stat().st_size < size:
+            return f"{name} has {shard.stat().st_size:,} bytes, and its metadata places {size:,} in it (cut short)"
     return None
 
 
@@ -270,7 +287,7 @@ def check_resume(cfg: Config, force: bool = False, skipped: list[str] | None = N
     if latest is None:
         return None
     if (out / "config.toml").is_file():  # another run's checkpoints: named before any is read
-        saved = load_config(out / "config.toml")
+        saved = load_config(out / "config.toml", run=True)
         ignore = RESUMABLE_CHANGES + tuple(
             f"{s}.{k}" for s in ("output", "parallel") for k in vars(getattr(cfg, s))
         )
