@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from distft.config import DataConfig
-from distft.config.schema import DATA_FORMATS
+from distft.config.choices import DATA_FORMATS
 from distft.data import (
     LOCAL_SUFFIXES,
     ChatRow,
