@@ -12,6 +12,7 @@ from distft.data.cache import cache_key
 from distft.data.mixture import mixture_picks
 from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import ConfigError
+from distft.train import train
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +101,34 @@ def test_sources_are_read_from_toml_and_refused_beside_a_source(tmp_path):
         load_config(None, ['data.sources=[{source = "a.jsonl", weight = -1}]'])
     with pytest.raises(ConfigError, match=r"data.sources\[0\].format"):
         load_config(None, ['data.sources=[{source = "a.jsonl", format = "csv"}]'])
+
+
+def test_a_run_trains_on_a_mixture_of_sharegpt_and_text_rows(tmp_path, capsys):
+    """End to end, once: a sharegpt file with a mapped speaker, and a file of text rows and one row
+    too long to fit (skipped); the run's config.toml and lineage name the mixture."""
+    sharegpt = [
+        {
+            "conversations": [
+                {"from": "narrator", "value": "Be brief."},
+                {"from": "human", "value": f"{i}+{i}?"},
+                {"from": "gpt", "value": str(2 * i)},
+            ]
+        }
+        for i in range(6)
+    ]
+    long = {"prompt": "Talk.", "completion": "very " * 400}  # its answer alone is over max_length
+    texts = [long] + [{"text": f"Plain text number {i}."} for i in range(5)]  # formats mix in a file too
+    a, b = write_jsonl(tmp_path / "sg.jsonl", sharegpt), write_jsonl(tmp_path / "text.jsonl", texts)
+    overrides = [
+        "model.name=micro", "train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=2",
+        "train.eval_batches=1", "data.max_length=256", "data.max_rows=8", "data.skip_long_rows=true",
+        'data.roles={narrator = "system"}', "data.validation_fraction=0.2", f"data.cache_dir={tmp_path / 'c'}",
+        f'data.sources=[{{source = "{a}", weight = 2.0}}, {{source = "{b}"}}]', f"output.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    result = train(load_config(None, overrides))
+    assert len(result.losses) == 1
+    saved = load_config(result.output_dir / "config.toml").data
+    assert saved.sources == [{"source": str(a), "weight": 2.0}, {"source": str(b)}]
+    assert saved.roles == {"narrator": "system"} and saved.skip_long_rows
+    stage = json.loads((result.output_dir / "lineage.json").read_text())["stages"][-1]
+    assert stage["data"] == f"mixture of {a} (weight 2), {b} (weight 1)"
