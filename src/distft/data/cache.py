@@ -310,4 +310,5 @@ def tokenized_splits(
     formatter = ChatFormatter(tokenizer, cfg)
     splits = load_rows(cfg, seed, dataset)
     train, valid = tokenize_rows(splits["train"], formatter), tokenize_rows(splits["validation"], formatter)
+    check_splits(len(train), len(valid), data_name(cfg))  # every row of a split may have been skipped
     return train, valid, {"state": "memory", "path": None, "seconds": round(time.perf_counter() - start, 3)}
