@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from distft.config import Config, load_config
-from distft.data import MeetingRow, validation_rows
+from distft.data import MeetingRow, data_name, validation_rows
 from distft.errors import ConfigError, DataError
 from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
@@ -232,8 +232,8 @@ def model_card(
     losses = final_losses(run_dir)
     data = (
         "the meetings bundled with distft (synthetic)"
-        if cfg.data.source == "sample"
-        else f"`{cfg.data.source}`"
+        if cfg.data.source == "sample" and not cfg.data.sources
+        else f"`{data_name(cfg.data)}`"
     )
     result = (
         [f"| final training loss (step {losses['step']}) | {losses['loss']:.4f} |"]

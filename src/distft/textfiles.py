@@ -1,6 +1,6 @@
 """What a file's bytes look like, so that a file which is not what its name says is refused with a
 message that says what it is: UTF-16 text, a Parquet file named .jsonl, JSON lines named .parquet,
-a gzip archive, binary data (`distft.data.rows`, `distft.config.io`, `distft infer --input`).
+a gzip archive, binary data (`distft.data.files`, `distft.config.io`, `distft infer --input`).
 
 `looks_like` reads a file's first bytes; `decode_utf8` turns a whole file into text, or raises the
 caller's error class with the line and column of the first byte that is not UTF-8.

@@ -11,7 +11,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from distft.config import DataConfig
-from distft.config.schema import DATA_FORMATS
+from distft.config.choices import DATA_FORMATS
 from distft.data import iter_file, row_from_record
 from distft.errors import DataError
 from distft.infer.commands import read_input

@@ -79,14 +79,15 @@ def test_each_format_is_detected():
 
 
 def test_an_ambiguous_row_is_refused_with_the_format_to_set(tmp_path):
-    path = write_jsonl(tmp_path / "alpaca.jsonl", [ALPACA, ALPACA])
+    both = CHAT | PROMPT_COMPLETION
+    path = write_jsonl(tmp_path / "both.jsonl", [both, both])
     with pytest.raises(DataError) as err:
         load_rows(DataConfig(source=str(path)))
     message = str(err.value)
     assert f"{path}:1" in message
-    assert "input, instruction, output" in message  # the fields seen
-    assert "summary and alpaca" in message  # the formats they fit
-    assert "data.format=alpaca" in message
+    assert "completion, messages, prompt" in message  # the fields seen
+    assert "chat and prompt_completion" in message  # the formats they fit
+    assert "data.format=prompt_completion" in message
 
 
 def test_data_format_forces_the_reading(tmp_path):
@@ -102,7 +103,7 @@ def test_data_format_forces_the_reading(tmp_path):
 
 def test_unknown_format_is_a_config_error():
     with pytest.raises(ConfigError, match=r"data\.format"):
-        load_config(None, ["data.format=sharegpt"])
+        load_config(None, ["data.format=openai"])
 
 
 @pytest.mark.parametrize(

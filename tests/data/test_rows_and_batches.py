@@ -60,7 +60,7 @@ def test_configured_fields():
     [
         ('{"transcript": "A: hi", "summary": ', "not valid JSON"),
         ('{"transcript": "A: hi"}', "missing field `summary`"),
-        ('{"text": "A: hi"}', "no transcript/summary fields"),
+        ('{"body": "A: hi"}', "no transcript/summary fields"),
         ('{"transcript": "A: hi", "summary": "  "}', "field `summary` is empty"),
         ("[1, 2]", "expected a JSON object"),
     ],

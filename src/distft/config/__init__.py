@@ -3,11 +3,10 @@
 This package is a leaf: it imports nothing of distft but layer 0 (`distft.errors`, `distft.textfiles`).
 """
 
+from distft.config.choices import DTYPES, METHODS
 from distft.config.fields import RANGES, Range, check_choice, check_fields, lora_target_names, nearest
 from distft.config.io import apply_override, config_differences, load_config, to_dict, to_toml
 from distft.config.schema import (
-    DTYPES,
-    METHODS,
     Config,
     DataConfig,
     LoraConfig,

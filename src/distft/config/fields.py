@@ -11,7 +11,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 
-from distft.config.schema import (
+from distft.config.choices import (
     ATTENTION_CHOICES,
     COMPILE_BACKENDS,
     COMPILE_CHOICES,
@@ -24,12 +24,13 @@ from distft.config.schema import (
     MEASURE_COMM,
     METHODS,
     OPTIMIZERS,
+    ROLES,
     SCHEDULERS,
     TRACKERS,
     TRUNCATIONS,
-    Config,
 )
-from distft.errors import ConfigError
+from distft.config.schema import Config, DataConfig
+from distft.errors import ConfigError, one_line
 
 
 def nearest(name: str, choices: list[str]) -> str:
@@ -53,6 +54,7 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.model.attn_implementation, ATTENTION_CHOICES, "model.attn_implementation")
     check_choice(cfg.data.truncation, TRUNCATIONS, "data.truncation")
     check_choice(cfg.data.format, DATA_FORMATS, "data.format")
+    _check_data(cfg.data)
     check_choice(cfg.train.device, ("auto", "cpu", "cuda"), "train.device")
     check_choice(cfg.train.on_nonfinite, ("stop", "skip"), "train.on_nonfinite")
     check_choice(cfg.train.measure_comm, MEASURE_COMM, "train.measure_comm")
@@ -84,6 +86,46 @@ def lora_target_names(targets: list[str]) -> list[str]:
     if targets == ["all-linear"]:
         return list(LORA_TARGET_PRESETS["all"])
     return list(LORA_TARGET_PRESETS[targets[0]]) if targets[0] in LORA_TARGET_PRESETS else list(targets)
+
+
+SOURCE_KEYS = ("source", "weight", "format")  # a [[data.sources]] table
+
+
+def _check_data(data: DataConfig) -> None:
+    """data.roles maps onto the chat roles; data.sources: tables of a source, a positive weight and
+    a format, and not beside a data.source of its own."""
+    for name, role in data.roles.items():
+        if role not in ROLES:
+            raise ConfigError(
+                f"`data.roles.{one_line(name)}` is {role!r}; map it to one of {', '.join(ROLES)}."
+            )
+    if data.sources and data.source != "sample":
+        raise ConfigError(
+            f"data.source={data.source!r} and data.sources both name the training rows: keep one "
+            "(data.sources mixes several datasets by weight; data.source, or --data, names one)."
+        )
+    for i, entry in enumerate(data.sources):
+        where = f"data.sources[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f'`{where}` must be a table: source = "rows.jsonl", weight = 1.0.')
+        for key in entry:
+            if key not in SOURCE_KEYS:
+                raise ConfigError(
+                    f"Unknown key `{where}.{one_line(str(key))}`.{nearest(str(key), list(SOURCE_KEYS))}"
+                )
+        if not isinstance(entry.get("source"), str) or not entry["source"]:
+            raise ConfigError(
+                f"`{where}` needs a `source`: a local .jsonl/.parquet file, a hub id or sample."
+            )
+        weight = entry.get("weight", 1.0)
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not math.isfinite(weight)
+            or weight <= 0
+        ):
+            raise ConfigError(f"`{where}.weight` must be a positive number, got {weight!r:.40} (range: > 0).")
+        check_choice(str(entry.get("format", data.format)), DATA_FORMATS, f"{where}.format")
 
 
 def _check_targets(targets: list[str]) -> None:

@@ -43,6 +43,14 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"`{where}` must be a list, got {value!r}.")
         return [_coerce(v, item_type, where) for v in value]
+    if origin is dict:  # a TOML table: `data.roles = {narrator = "system"}`
+        if not isinstance(value, dict):
+            raise ConfigError(f'`{where}` must be a table, e.g. {{name = "value"}}, got {value!r:.40}.')
+        value_type = typing.get_args(annotation)[1]
+        return {
+            str(k): v if value_type is Any else _coerce(v, value_type, f"{where}.{k}")
+            for k, v in value.items()
+        }
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"union types are not supported in config ({where})")
     if annotation is bool:
@@ -190,6 +198,8 @@ def _toml_value(value: Any) -> str:
         return '"' + "".join(_escaped(c) for c in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, its keys quoted
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 

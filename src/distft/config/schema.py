@@ -84,7 +84,17 @@ class DataConfig:
     """Use at most this many training rows (0: all)."""
     format: str = "auto"
     """Row format: summary (transcript -> summary), chat (`messages`), prompt_completion, alpaca
-    (`instruction`, `input`, `output`), or auto: detected from each row's fields (docs/data.md)."""
+    (`instruction`, `input`, `output`), sharegpt (`conversations`), text (plain text, loss on every
+    token), or auto: detected from each row's fields (docs/data.md)."""
+    roles: dict[str, str] = field(default_factory=dict)
+    """ShareGPT rows: turn names (`from`) -> system, user or assistant, on top of the defaults (system;
+    human, user -> user; gpt, assistant, model, bot -> assistant), e.g. {narrator = "system"}."""
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """Several datasets mixed by weight instead of one `source`: [[data.sources]] tables with `source`,
+    `weight` (default 1) and `format` (default data.format); the rule: docs/data.md, "Mixing"."""
+    skip_long_rows: bool = False
+    """Skip and count the rows whose answer cannot fit data.max_length even truncated, instead of
+    refusing the run at the first one (the header names how many, and the first few)."""
     enable_thinking: bool = False
     """Qwen3 thinking mode, passed to the chat template: false pre-fills an empty think block in the
     prompt; true leaves it to the model, so the think block is part of the trained target."""
@@ -327,24 +337,3 @@ class Config:
     @property
     def world_size(self) -> int:
         return self.parallel.nproc * self.parallel.nnodes
-
-
-# ---- Validation -----------------------------------------------------------------------------
-
-METHODS = ("lora", "qlora", "full")
-LORA_VARIANTS = ("lora", "dora", "rslora")
-LORA_TARGET_PRESETS = {  # lora.target_modules = ["attention"], ...; all-linear is peft's own
-    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mlp": ["gate_proj", "up_proj", "down_proj"],
-    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
-OPTIMIZERS, SCHEDULERS = ("adamw", "adamw-8bit", "sgd"), ("cosine", "linear", "constant")
-MASTER_WEIGHTS = ("auto", "fp32", "model")
-DTYPES = ("float32", "bfloat16")
-ATTENTION_CHOICES = ("auto", "flex", "flash", "sdpa", "eager")  # `distft.model.attention`
-COMPILE_CHOICES = FUSED_CHOICES = ("auto", "true", "false")  # model.compile, optim.fused
-COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
-TRUNCATIONS = ("head", "tail", "middle")
-DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca")
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`

@@ -1,5 +1,6 @@
-"""Training data: rows in four formats (`formats`: summary, chat, prompt/completion, alpaca), read
-from files, the hub or memory (`rows`); chat tokens with label masks (`chat`), tokenised once into
+"""Training data: rows in six formats (`formats`: summary, chat, prompt/completion, alpaca,
+sharegpt, text), read from files (`files`), the hub or memory (`rows`), several mixed by weight
+(`mixture`); chat tokens with label masks (`chat`), tokenised once into
 a memory-mapped store every rank opens (`cache`, `store`), the seeded global batches every strategy
 shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's chat template from
 `qwen3_template`) and the bundled synthetic meetings (`sample`)."""
@@ -14,7 +15,8 @@ from distft.data.batches import (
     rank_micro_batches,
 )
 from distft.data.cache import TokenCache, open_or_build, tokenized_splits
-from distft.data.chat import IGNORE, ChatFormatter, Example, TokenizedSplit, tokenize_rows
+from distft.data.chat import IGNORE, ChatFormatter, Example, TokenizedSplit, skipped_line, tokenize_rows
+from distft.data.files import iter_file
 from distft.data.formats import (
     KNOWN_SCHEMAS,
     ChatRow,
@@ -26,7 +28,8 @@ from distft.data.formats import (
     prompt_and_reference,
     row_from_record,
 )
-from distft.data.rows import LOCAL_SUFFIXES, iter_file, load_rows, validation_rows
+from distft.data.mixture import data_name
+from distft.data.rows import LOCAL_SUFFIXES, load_rows, validation_rows
 from distft.data.store import CachedSplit
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 from distft.tensors import document_ids  # packed rows' documents (the model layer needs it too)
@@ -46,6 +49,7 @@ __all__ = [
     "TokenizedSplit",
     "collate",
     "count_label_tokens",
+    "data_name",
     "detect_format",
     "document_ids",
     "global_batch_indices",
@@ -61,6 +65,7 @@ __all__ = [
     "qwen3_tokenizer",
     "rank_micro_batches",
     "row_from_record",
+    "skipped_line",
     "tokenize_rows",
     "tokenized_splits",
     "validation_rows",

@@ -39,9 +39,10 @@ import tokenizers
 import transformers
 
 from distft.config import DataConfig
-from distft.data import chat, formats, rows, store
+from distft.data import chat, files, formats, mixture, rows, store
 from distft.data.chat import ENCODE_CHUNK, ChatFormatter, TokenizedSplit, tokenize_rows
 from distft.data.formats import Row
+from distft.data.mixture import data_name, mix_splits, source_configs, source_weights
 from distft.data.rows import check_splits, held_out, is_local, load_rows, row_source
 from distft.data.sample import sample_path
 from distft.data.store import META, CachedSplit, StoreWriter, open_store
@@ -50,6 +51,7 @@ from distft.errors import DataError
 
 # Settings that change neither the tokens nor the split: not in the key.
 NOT_IN_KEY = ("packing", "cache", "cache_dir", "streaming")
+SKIPPED = -2  # example numbers at or below it: rows skipped as too long (data.skip_long_rows)
 Progress = Callable[[int], None]  # examples tokenised so far; called once per chunk while building
 
 
@@ -72,7 +74,10 @@ def _file_identity(path: Path) -> dict:
 
 def source_identity(cfg: DataConfig) -> dict:
     """What the data is known by, read without opening it: a local file by path, size and
-    modification time; a hub set by id (its splits and `data.revision` are settings)."""
+    modification time; a hub set by id (its splits and `data.revision` are settings); a mixture
+    by each of its sources (their weights and formats are settings)."""
+    if cfg.sources:
+        return {"mixture": [source_identity(sub) for sub in source_configs(cfg)]}
     if cfg.source == "sample":
         return {"files": [_file_identity(sample_path(s)) for s in ("train", "validation")]}
     if is_local(cfg):
@@ -88,7 +93,7 @@ def _code_fingerprint() -> str:
     h = hashlib.sha256(
         f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode()
     )
-    for module in (formats, chat, rows, store):
+    for module in (formats, files, chat, rows, mixture, store):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())  # this module: which rows are kept, the splits' order
     return h.hexdigest()
@@ -109,7 +114,9 @@ def cache_key(cfg: DataConfig, seed: int, tokenizer: Any) -> dict:
 def cache_path(cfg: DataConfig, key: dict) -> Path:
     root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_root() / "tokens"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(cfg.source).name)[:40]  # a reader's hint, not the key
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", "mixture" if cfg.sources else Path(cfg.source).name)[
+        :40
+    ]  # a reader's hint, not the key
     return root / f"{name}-{digest[:20]}"
 
 
@@ -118,29 +125,42 @@ def cache_path(cfg: DataConfig, key: dict) -> Path:
 
 def _tokenise(
     rows_in: Iterator[Row], keep: Callable[[int], bool], formatter: ChatFormatter, writer: StoreWriter,
-    progress: Progress | None,
+    skipped: list[str], progress: Progress | None,
 ) -> np.ndarray:  # fmt: skip
     """Tokenise the rows `keep` selects into `writer`, in order; every row is still read (and a
-    malformed one refused). Returns each row's example number (-1: not kept)."""
+    malformed one refused). Returns each row's example number: -1 not kept, and `SKIPPED - j` a
+    row skipped as too long (data.skip_long_rows) whose origin is `skipped[j]`."""
     numbers, chunk = array("q"), []
+
+    def flush() -> None:
+        kept = []
+        for (i, row), example in zip(chunk, formatter.encode_many([r for _, r in chunk]), strict=True):
+            if example is None:
+                numbers[i] = SKIPPED - len(skipped)
+                skipped.append(row.origin)
+            else:
+                numbers[i] = len(writer) + len(kept)
+                kept.append(example)
+        writer.add(kept)
+        chunk.clear()
+        if progress:
+            progress(len(writer))
+
     for i, row in enumerate(rows_in):
-        numbers.append(len(writer) + len(chunk) if keep(i) else -1)
-        if numbers[-1] >= 0:
-            chunk.append(row)
+        numbers.append(-1)
+        if keep(i):
+            chunk.append((i, row))
         if len(chunk) == ENCODE_CHUNK:
-            writer.add(formatter.encode_many(chunk))
-            chunk = []
-            if progress:
-                progress(len(writer))
-    writer.add(formatter.encode_many(chunk))
+            flush()
+    flush()
     return np.frombuffer(numbers, dtype=np.int64)
 
 
 def _keep(part: str, read: Callable[[], Iterator[Row]], cfg: DataConfig, seed: int) -> Callable[[int], bool]:
     """Which rows of a part training uses: with `data.max_rows`, the first rows of a train split,
     or (a part cut by `held_out`) the held-out rows and the first training ones, which takes a
-    first pass to count the rows. Without it, every row."""
-    if not cfg.max_rows or part == "validation":
+    first pass to count the rows. Without it (or in a mixture), every row."""
+    if not cfg.max_rows or part == "validation" or cfg.sources:
         return lambda i: True
     if part == "train":
         return lambda i: i < cfg.max_rows
@@ -155,33 +175,52 @@ def _keep(part: str, read: Callable[[], Iterator[Row]], cfg: DataConfig, seed: i
 def _splits(
     numbers: dict[str, np.ndarray], cfg: DataConfig, seed: int, too_few: str
 ) -> dict[str, np.ndarray]:
-    """Each split's example numbers, in the order `distft.data.rows.load_rows` gives its rows."""
-    if "all" in numbers:
-        n = len(numbers["all"])
-        if too_few and n < 2:
-            raise DataError(too_few.format(n=n))
-        train, valid = (numbers["all"][p.numpy()] for p in held_out(n, cfg.validation_fraction, seed))
-    else:
-        train, valid = numbers["train"], numbers["validation"]
-    if cfg.max_rows:
-        train = train[: cfg.max_rows]
-    check_splits(len(train), len(valid), cfg.source)
+    """Each split's example numbers, in the order `distft.data.rows` gives its rows (skipped rows
+    still in, as their negative markers)."""
+    if "all" not in numbers:
+        return {"train": numbers["train"], "validation": numbers["validation"]}
+    n = len(numbers["all"])
+    if too_few and n < 2:
+        raise DataError(too_few.format(n=n))
+    train, valid = (numbers["all"][p.numpy()] for p in held_out(n, cfg.validation_fraction, seed))
     return {"train": train, "validation": valid}
+
+
+def _source_splits(
+    cfg: DataConfig, seed: int, formatter: ChatFormatter, writer: StoreWriter, skipped: list[str],
+    progress: Progress | None,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """One source's rows tokenised into `writer`, and its splits' example numbers."""
+    source = row_source(cfg)
+    numbers = {
+        part: _tokenise(read(), _keep(part, read, cfg, seed), formatter, writer, skipped, progress)
+        for part, read in source.parts.items()
+    }
+    return _splits(numbers, cfg, seed, source.too_few)
 
 
 def build_store(
     folder: Path, cfg: DataConfig, seed: int, tokenizer: Any, key: dict, progress: Progress | None
 ) -> None:
-    """Tokenise `cfg.source` into a new store in `folder` (a temporary directory)."""
+    """Tokenise `cfg.source` (or each of `cfg.sources`, then mixed) into a new store in `folder`."""
     start = time.perf_counter()
-    source = row_source(cfg)
-    formatter, writer = ChatFormatter(tokenizer, cfg), StoreWriter(folder)
-    numbers = {
-        part: _tokenise(read(), _keep(part, read, cfg, seed), formatter, writer, progress)
-        for part, read in source.parts.items()
-    }
+    formatter, writer, skipped = ChatFormatter(tokenizer, cfg), StoreWriter(folder), []
+    if cfg.sources:
+        parts = [
+            _source_splits(sub, seed, formatter, writer, skipped, progress) for sub in source_configs(cfg)
+        ]
+        splits = mix_splits(parts, source_weights(cfg), seed)
+    else:
+        splits = _source_splits(cfg, seed, formatter, writer, skipped, progress)
+    if cfg.max_rows:
+        splits["train"] = splits["train"][: cfg.max_rows]
+    dropped = {}
+    for name, numbers in splits.items():  # the skipped rows leave the split, named by origin
+        dropped[name] = [skipped[SKIPPED - k] for k in numbers[numbers <= SKIPPED].tolist()]
+        splits[name] = numbers[numbers > SKIPPED]
+    check_splits(len(splits["train"]), len(splits["validation"]), data_name(cfg))
     built = {"build_s": round(time.perf_counter() - start, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    writer.close(_splits(numbers, cfg, seed, source.too_few), {"key": key, **built})
+    writer.close(splits, {"key": key, **built}, dropped)
 
 
 # ---- one build per key ------------------------------------------------------------------------
@@ -271,4 +310,5 @@ def tokenized_splits(
     formatter = ChatFormatter(tokenizer, cfg)
     splits = load_rows(cfg, seed, dataset)
     train, valid = tokenize_rows(splits["train"], formatter), tokenize_rows(splits["validation"], formatter)
+    check_splits(len(train), len(valid), data_name(cfg))  # every row of a split may have been skipped
     return train, valid, {"state": "memory", "path": None, "seconds": round(time.perf_counter() - start, 3)}

@@ -13,6 +13,12 @@ last user turn or the final answer); then the longest prompt text (the transcrip
 alpaca's input) is cut by `data.truncation` (head / tail / middle). Assistant text is never cut;
 a row whose answer alone leaves no room is refused with its origin.
 
+A plain-text row (`TextRow`) takes no template: its tokens and the tokenizer's end-of-sequence
+token, every one a target; a longer text is cut to max_length by `data.truncation`.
+
+With `data.skip_long_rows` a row whose answer cannot fit is skipped (`encode_many` gives None for
+it) and counted in the split's summary, instead of refused.
+
 Labels are stored already shifted (labels[t] is the token position t predicts), so strategies
 that split the sequence (SP) or the layer stack (PP) need no shift of their own.
 """
@@ -26,13 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distft.config import DataConfig
-from distft.data.formats import MeetingRow, Message, Row, messages_of
+from distft.data.formats import MeetingRow, Message, Row, TextRow, messages_of
 from distft.errors import DataError
 
 IGNORE = -100
 MIN_PROMPT_TOKENS = 32  # below this, what is left of a cut prompt text is meaningless
 _SLOT = re.compile("\x00(\\d+):(\\d+)\x00")  # the marker of part j of message i
 _END = "<|im_end|>"
+
+
+class RowTooLong(DataError):
+    """A row whose answer leaves too little of max_length for its prompt (skipped with data.skip_long_rows)."""
 
 
 @dataclass(frozen=True)
@@ -150,10 +160,11 @@ class ChatFormatter:
         elif keep < MIN_PROMPT_TOKENS:
             answer = sum(len(p.ids) for p in pieces if p.target)
             rest = _length(pieces) - answer - (len(longest.ids) if longest else 0)
-            raise DataError(
+            raise RowTooLong(
                 f"{origin}: the answer ({answer} tokens) and the rest of the prompt ({rest} tokens) leave "
                 f"{max(keep, 0)} of data.max_length={self.cfg.max_length} tokens for its longest prompt text "
-                f"(at least {MIN_PROMPT_TOKENS} needed). Raise data.max_length."
+                f"(at least {MIN_PROMPT_TOKENS} needed). Raise data.max_length, or skip such rows with "
+                "data.skip_long_rows=true."
             )
         if longest:
             longest.ids = self._fit(longest.ids, keep)
@@ -162,6 +173,8 @@ class ChatFormatter:
 
     def encode(self, row: Row) -> Example:
         """A training example: the whole chat, labels on the assistant tokens, cut to max_length."""
+        if isinstance(row, TextRow):
+            return self._encode_text(row)
         messages = list(messages_of(row, self.cfg))
         pieces = self._pieces(messages, generation=False)
         full = _length(pieces)
@@ -175,14 +188,30 @@ class ChatFormatter:
         labels = [input_ids[t + 1] if target[t + 1] else IGNORE for t in range(len(input_ids) - 1)]
         return Example(input_ids, [*labels, IGNORE], full - len(input_ids))
 
-    def encode_many(self, rows: Sequence[Row]) -> list[Example]:
+    def _encode_text(self, row: TextRow) -> Example:
+        """Plain text: its tokens and end-of-sequence, all targets, cut by data.truncation to fit."""
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        ids = list(self._ids(row.text))
+        full = len(ids) + len(eos)
+        ids = self._fit(ids, self.cfg.max_length - len(eos)) + eos
+        return Example(ids, [*ids[1:], IGNORE], full - len(ids))
+
+    def _encode_or_skip(self, row: Row) -> Example | None:
+        try:
+            return self.encode(row)
+        except RowTooLong:
+            if self.cfg.skip_long_rows:
+                return None
+            raise
+
+    def encode_many(self, rows: Sequence[Row]) -> list[Example | None]:
         """`encode` for each row, the rows' texts tokenised first in one call: a call costs the
-        tokenizer far more than a short text does."""
+        tokenizer far more than a short text does. None: a row skipped (data.skip_long_rows)."""
         texts = list({p for r in rows for m in messages_of(r, self.cfg) for p in m.parts if p})
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         self._known = dict(zip(texts, ids, strict=True))
         try:
-            return [self.encode(r) for r in rows]
+            return [self._encode_or_skip(r) for r in rows]
         finally:
             self._known = {}
 
@@ -226,16 +255,32 @@ def _drop_earliest_exchange(messages: list[Message]) -> bool:
     return True
 
 
-def split_summary(lengths: list[int], truncated: list[int]) -> dict[str, float]:
-    """What the run's header says of a split: rows, token lengths, rows and tokens cut."""
+SKIPPED_NAMED = 5  # the first skipped rows' origins a summary names
+
+
+def skipped_line(summaries: dict[str, dict]) -> str:
+    """One line on the rows skipped as too long (data.skip_long_rows): how many, the first few; "" if none."""
+    skipped = {name: s.get("skipped_rows", 0) for name, s in summaries.items()}
+    if not any(skipped.values()):
+        return ""
+    first = [origin for s in summaries.values() for origin in s.get("skipped_first", [])][:SKIPPED_NAMED]
+    counts = ", ".join(f"{n} {name}" for name, n in skipped.items() if n)
+    return f"skipped {counts} row(s) whose answer cannot fit data.max_length (data.skip_long_rows): {', '.join(first)}"
+
+
+def split_summary(lengths: list[int], truncated: list[int], skipped: Sequence[str] = ()) -> dict:
+    """What the run's header says of a split: rows, token lengths, rows and tokens cut, and the rows
+    skipped as too long (data.skip_long_rows): how many, and the first few origins."""
     cut = [t for t in truncated if t]
     return {
         "rows": len(lengths),
-        "tokens_median": statistics.median(lengths),
-        "tokens_max": max(lengths),
+        "tokens_median": statistics.median(lengths) if lengths else 0,
+        "tokens_max": max(lengths, default=0),
         "truncated_rows": len(cut),
         "truncated_tokens_mean": statistics.mean(cut) if cut else 0.0,
         "truncated_tokens_max": max(cut, default=0),
+        "skipped_rows": len(skipped),
+        "skipped_first": list(skipped[:SKIPPED_NAMED]),
     }
 
 
@@ -245,6 +290,7 @@ class TokenizedSplit:
     (`distft.data.store.CachedSplit`), which the loop cannot tell from it."""
 
     examples: list[Example]
+    skipped: list[str] = field(default_factory=list)  # origins of the rows skipped as too long
     reads: int = field(default=0, compare=False)  # examples handed out by position (the loop's batches)
 
     def __len__(self) -> int:
@@ -256,7 +302,9 @@ class TokenizedSplit:
 
     def summary(self) -> dict[str, float]:
         return split_summary(
-            [len(e.input_ids) for e in self.examples], [e.truncated_tokens for e in self.examples]
+            [len(e.input_ids) for e in self.examples],
+            [e.truncated_tokens for e in self.examples],
+            self.skipped,
         )
 
 
@@ -264,7 +312,12 @@ ENCODE_CHUNK = 512  # rows whose texts are tokenised in one call
 
 
 def tokenize_rows(rows: Sequence[Row], formatter: ChatFormatter) -> TokenizedSplit:
-    examples = []
+    examples, skipped = [], []
     for i in range(0, len(rows), ENCODE_CHUNK):
-        examples += formatter.encode_many(rows[i : i + ENCODE_CHUNK])
-    return TokenizedSplit(examples)
+        chunk = rows[i : i + ENCODE_CHUNK]
+        for row, example in zip(chunk, formatter.encode_many(chunk), strict=True):
+            if example is None:
+                skipped.append(row.origin)
+            else:
+                examples.append(example)
+    return TokenizedSplit(examples, skipped)

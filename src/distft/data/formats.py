@@ -1,15 +1,21 @@
-"""Row formats: what one dataset row says, whichever of the four shapes it comes in.
+"""Row formats: what one dataset row says, whichever of the six shapes it comes in.
 
 - `summary`: a meeting transcript and its summary, in one of the AMI schemas (`KNOWN_SCHEMAS`) or
   in fields named by `data.transcript_field` / `data.summary_field`;
 - `chat`: `{"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}`, multi-turn;
 - `prompt_completion`: `{"prompt", "completion"}`;
-- `alpaca`: `{"instruction", "input", "output"}`, `input` optional.
+- `alpaca`: `{"instruction", "input", "output"}`, `input` optional;
+- `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`, its turn
+  names mapped to chat roles by `DEFAULT_ROLES` and `data.roles`;
+- `text`: `{"text": ...}`, plain text with loss on every token (a `TextRow`).
 
 `data.format=auto` detects the format from the fields each row has. A row whose fields fit more
 than one format (alpaca's `input`/`output` are also qmsum-cleaned's transcript/summary) is
-refused rather than guessed. Every row becomes either a `MeetingRow` (summary) or a `ChatRow`
-(the rest), and `messages_of` turns both into the conversation that is tokenised.
+refused rather than guessed, except two overlaps resolved by rule: a row with an `instruction` is
+alpaca, not qmsum's `{input, output}`; and `text` fits only a row that fits nothing else (many
+datasets carry a rendered `text` beside their `messages`). Every row becomes a `MeetingRow`
+(summary), a `TextRow` (text) or a `ChatRow` (the rest); `messages_of` turns each into the
+conversation that is tokenised (a text row: one user turn, which is what generation starts from).
 
 Rows to generate for (`need_summary=False`: `distft infer --input FILE`) may lack their answer: a
 meeting its summary, a prompt its completion, an alpaca row its output, and a chat may end with a
@@ -23,9 +29,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from distft.config import DataConfig
+from distft.config.choices import ROLES
 from distft.errors import DataError, one_line
 
-ROLES = ("system", "user", "assistant")
+# ShareGPT turn names (`from`) -> chat roles; data.roles adds names or maps them anew.
+DEFAULT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+}
 
 # (transcript field, summary field) of the summary schemas recognised without configuration.
 KNOWN_SCHEMAS: list[tuple[str, str]] = [
@@ -40,6 +56,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "chat": ("messages",),
     "prompt_completion": ("prompt", "completion"),
     "alpaca": ("instruction", "output"),
+    "sharegpt": ("conversations",),
 }
 ANSWER = {"prompt_completion": "completion", "alpaca": "output"}  # optional in a row to generate for
 
@@ -70,13 +87,23 @@ class ChatRow:
     origin: str
 
 
-Row = MeetingRow | ChatRow
+@dataclass(frozen=True)
+class TextRow:
+    """Plain text to model: every token carries loss, no prompt, no chat template."""
+
+    text: str
+    origin: str
+
+
+Row = MeetingRow | ChatRow | TextRow
 
 
 def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
     """The conversation a row stands for; a meeting gets the configured system prompt and instruction."""
     if isinstance(row, ChatRow):
         return row.messages
+    if isinstance(row, TextRow):
+        return (Message("user", (row.text,)),)
     system = (Message("system", (cfg.system_prompt,)),) if cfg.system_prompt else ()
     return (*system, Message("user", (cfg.instruction, row.transcript)), Message("assistant", (row.summary,)))
 
@@ -96,12 +123,15 @@ def prompt_and_reference(row: Row, cfg: DataConfig) -> tuple[tuple[Message, ...]
 def _fits(record: dict[str, Any], cfg: DataConfig, need_answer: bool = True) -> list[str]:
     if cfg.transcript_field or cfg.summary_field:
         return ["summary"]  # naming the summary fields says which format this is
-    fits = ["summary"] if any(t in record and s in record for t, s in KNOWN_SCHEMAS) else []
+    schemas = [(t, s) for t, s in KNOWN_SCHEMAS if t in record and s in record]
+    if "instruction" in record:  # alpaca's input/output, not qmsum-cleaned's transcript/summary
+        schemas = [schema for schema in schemas if schema != ("input", "output")]
+    fits = ["summary"] if schemas else []
     for name, fields in REQUIRED.items():
         needed = fields if need_answer else [f for f in fields if f != ANSWER.get(name)]
         if all(f in record for f in needed):
             fits.append(name)
-    return fits
+    return fits or (["text"] if "text" in record else [])  # text: the format of last resort
 
 
 def _partial(record: dict[str, Any]) -> str | None:
@@ -129,7 +159,8 @@ def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_ans
     raise DataError(
         f"{origin}: no transcript/summary fields found, nor any other known format (row has: {_fields_of(record)}). "
         f"Summary schemas: {known}; chat {{messages}}; prompt_completion {{prompt, completion}}; alpaca "
-        "{instruction, input, output}. Name yours with data.transcript_field=... data.summary_field=..."
+        "{instruction, input, output}; sharegpt {conversations}; text {text}. Name a summary's fields "
+        "with data.transcript_field=... data.summary_field=..."
     )
 
 
@@ -249,6 +280,31 @@ def _alpaca_row(record: dict[str, Any], origin: str, need_answer: bool = True) -
     return _single_turn(Message("user", (instruction, given) if given else (instruction,)), output, origin)
 
 
+def _sharegpt_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_answer: bool = True) -> ChatRow:
+    """A ShareGPT conversation as a chat: each turn's `from` mapped by `DEFAULT_ROLES` | data.roles."""
+    turns = record.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{origin}: `conversations` must be a non-empty list of {{from, value}} objects.")
+    roles = DEFAULT_ROLES | cfg.roles
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise DataError(f"{origin}: turn {i} is not a {{from, value}} object (got {turn!r:.80}).")
+        if turn["from"] not in roles:
+            seen = sorted({one_line(str(t.get("from"))) for t in turns if isinstance(t, dict)})
+            raise DataError(
+                f"{origin}: turn {i} is from {one_line(str(turn['from']))!r}, which is no known role (the "
+                f"row's turns are from: {', '.join(seen)}). Map it with data.roles, e.g. "
+                f'data.roles={{{one_line(str(turn["from"]))} = "assistant"}}; known: {", ".join(roles)}.'
+            )
+        messages.append({"role": roles[turn["from"]], "content": turn["value"]})
+    return _chat_row({"messages": messages}, origin, need_answer)
+
+
+def _text_row(record: dict[str, Any], origin: str) -> TextRow:
+    return TextRow(_field(record, "text", origin), origin)
+
+
 def row_from_record(record: Any, cfg: DataConfig, origin: str, need_summary: bool = True) -> Row:
     """One dataset record as a row of `data.format` (detected when auto); bad rows name `origin`.
     With `need_summary=False` (rows to generate for) a row may lack its answer: a meeting its
@@ -262,4 +318,8 @@ def row_from_record(record: Any, cfg: DataConfig, origin: str, need_summary: boo
         return _chat_row(record, origin, need_summary)
     if fmt == "prompt_completion":
         return _prompt_completion_row(record, origin, need_summary)
+    if fmt == "sharegpt":
+        return _sharegpt_row(record, cfg, origin, need_summary)
+    if fmt == "text":
+        return _text_row(record, origin)
     return _alpaca_row(record, origin, need_summary)

@@ -1,9 +1,10 @@
 """Reading rows: from the bundle, a local JSONL/Parquet file, a hub dataset, or memory.
 
-Rows come from the bundled sample meetings, a local JSONL/Parquet file, a hub dataset, or a
+Rows come from the bundled sample meetings, a local JSONL/Parquet file (`distft.data.files`), a
+hub dataset, several of these mixed by weight (`data.sources`, `distft.data.mixture`), or a
 dataset handed to `distft.train.train(cfg, dataset=...)` (a list of dicts, a `datasets.Dataset`,
-or a mapping of split name to either). Each record is parsed by `distft.data.formats` (summary,
-chat, prompt/completion or alpaca, detected or set by `data.format`). A malformed row is a
+or a mapping of split name to either). Each record is parsed by `distft.data.formats` (detected
+or set by `data.format`). A malformed row is a
 `DataError` naming its file and line (or its index) before anything is launched.
 
 Files and hub sets are read as streams (`row_source`): one row at a time, so the token cache
@@ -15,146 +16,61 @@ training with `data.cache=false`, the bench's plain loop. All cut the splits the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from distft.config import DataConfig
+from distft.data.files import check_is_file, iter_jsonl, iter_local
 from distft.data.formats import Row, row_from_record
+from distft.data.mixture import data_name, mixture_picks, source_configs, source_weights
 from distft.data.sample import sample_path
 from distft.errors import DataError
+from distft.hub import hub_offline
 from distft.text import plural
-from distft.textfiles import HEAD_BYTES, JSON_ARRAY, JSON_LINES, PARQUET, looks_like, not_utf8
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-def _open(path: Path) -> BinaryIO:
+@contextlib.contextmanager
+def _offline_mode(offline: bool) -> Iterator[None]:
+    """`datasets` and huggingface_hub read HF_HUB_OFFLINE once, at import: set it for one load."""
+    if not offline:
+        yield
+        return
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
     try:
-        return path.open("rb")
-    except OSError as err:
-        raise DataError(f"Dataset file {path} cannot be read ({err.strerror or err}).") from None
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
-def _check_jsonl_head(path: Path, head: bytes) -> None:
-    """Refuse a .jsonl/.json file whose first bytes are not JSON lines: naming what they look like."""
-    looks = looks_like(head)
-    if looks is PARQUET:
-        raise DataError(f"{path} is a Parquet file, not JSON lines: rename it {path.stem}.parquet.")
-    if not looks.text:
-        advice = f"; {looks.advice}" if looks.advice else ""
-        raise DataError(
-            f"{path} is not UTF-8 text: it looks like {looks.what}{advice}. A {path.suffix} file holds "
-            "JSON lines: one JSON object per line, in UTF-8."
-        )
-    if looks is JSON_ARRAY:
-        raise DataError(
-            f"{path} holds a JSON array; distft reads JSON lines, one object per line: convert it, e.g. "
-            f"`jq -c '.[]' {path.name} > rows.jsonl`."
-        )
-
-
-def _json_line(line: str, where: str) -> Any:
-    """One line's JSON value; a DataError naming `where` (file:line) if it is not JSON."""
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno}).") from None
-    except (ValueError, RecursionError) as err:  # a number of 5000 digits; nesting deeper than the stack
-        why = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
-        raise DataError(f"{where}: a JSON value distft cannot read ({why}).") from None
-
-
-def _first_bad_byte(path: Path) -> str:
-    """The refusal of a file that does not decode as UTF-8, naming the line of its first bad byte."""
-    with _open(path) as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                return f"{not_utf8(raw, err.start, f'{path}:{line_no}')}; re-save the file as UTF-8."
-    return f"{path} is not UTF-8 text; re-save it as UTF-8."  # a character cut by the end of the file
-
-
-def _iter_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
-    with _open(path) as f:
-        _check_jsonl_head(path, f.read(HEAD_BYTES))
-    # Text mode (fast); a byte that is not UTF-8 stops it, and then the bytes tell where.
-    with path.open(encoding="utf-8") as f:
-        try:
-            for line_no, line in enumerate(f, start=1):
-                line = line.removeprefix("\ufeff") if line_no == 1 else line  # a byte-order mark
-                if line.strip():
-                    record = _json_line(line, f"{path}:{line_no}")
-                    yield row_from_record(record, cfg, f"{path}:{line_no}", need_summary)
-        except UnicodeDecodeError:
-            raise DataError(_first_bad_byte(path)) from None
-
-
-def _parquet_records(path: Path) -> Iterator[dict]:
-    """A Parquet file's records, one batch in memory at a time; a DataError if it is not one."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    with _open(path) as f:
-        looks = looks_like(f.read(HEAD_BYTES))
-    if looks is JSON_LINES:
-        raise DataError(
-            f"{path} is not a Parquet file: it starts like JSON lines; rename it {path.stem}.jsonl."
-        )
-    if looks is not PARQUET:
-        raise DataError(f"{path} is not a Parquet file: it looks like {looks.what}.")
-    try:
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
-    except (pa.ArrowException, OSError, ValueError) as err:
-        raise DataError(
-            f"{path} is not a readable Parquet file ({str(err).splitlines()[0].rstrip('.')}): it may be cut short "
-            "or damaged; write it again."
-        ) from None
-
-
-def _iter_parquet(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
-    for i, record in enumerate(_parquet_records(path)):
-        yield row_from_record(record, cfg, f"{path}[row {i}]", need_summary)
-
-
-def _iter_file(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
-    return (_iter_parquet if path.suffix == ".parquet" else _iter_jsonl)(path, cfg, need_summary)
-
-
-def iter_file(path: str | Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
-    """The rows of a local .jsonl/.parquet file, unsplit, one at a time (`distft eval --data`,
-    `distft infer --input`); with `need_summary=False` a meeting row may lack its summary ("")."""
-    path = Path(path)
-    _check_is_file(path)
-    return _iter_file(path, cfg, need_summary)
-
-
-def _check_is_file(path: Path) -> None:
-    if path.is_dir():
-        raise DataError(f"Dataset file {path} is a directory; name a .jsonl or .parquet file in it.")
-    if not path.is_file():
-        raise DataError(f"Dataset file {path} does not exist.")
-
-
-def _open_hub(dataset_id: str, split: str, cfg: DataConfig) -> Iterable[dict]:
-    """A hub split: downloaded (memory-mapped by `datasets`), or a stream with `data.streaming`."""
+def _open_hub(dataset_id: str, split: str, cfg: DataConfig, offline: bool) -> Iterable[dict]:
+    """A hub split: downloaded (memory-mapped by `datasets`), or a stream with `data.streaming`.
+    `offline` (the hub unreachable, `distft.hub.hub_offline`): from the local cache only, at once,
+    instead of retrying for half a minute."""
     import datasets
 
     try:
-        return datasets.load_dataset(
-            dataset_id, split=split, streaming=cfg.streaming, revision=cfg.revision or None
-        )
+        with _offline_mode(offline):
+            return datasets.load_dataset(
+                dataset_id, split=split, streaming=cfg.streaming, revision=cfg.revision or None
+            )
     except Exception as err:
+        where = " The hub cannot be reached, and it is not in the local cache." if offline else ""
         raise DataError(
-            f"Could not load dataset {dataset_id!r} split {split!r} ({str(err).splitlines()[0]}). "
+            f"Could not load dataset {dataset_id!r} split {split!r} ({str(err).splitlines()[0]}).{where} "
             "Offline, or for a gated set, download it elsewhere and pass the .jsonl/.parquet file with --data."
         ) from None
 
@@ -198,7 +114,10 @@ def memory_source(dataset: Any) -> str:
 
 def row_source(cfg: DataConfig) -> RowSource:
     """Where `cfg.source`'s rows come from. A hub set is opened here (a download, unless
-    `data.streaming`), to learn whether it has a validation split."""
+    `data.streaming`), to learn whether it has a validation split. A mixture (`data.sources`) has
+    one per source (`distft.data.mixture.source_configs`)."""
+    if cfg.sources:
+        raise ValueError("row_source takes one source: call it on each of source_configs(cfg)")
     if cfg.source.startswith(MEMORY):
         raise DataError(
             f"This run trained on rows handed to train() from Python ({cfg.source}), which distft cannot "
@@ -207,16 +126,16 @@ def row_source(cfg: DataConfig) -> RowSource:
         )
     if cfg.source == "sample":
         return RowSource(
-            "sample", {s: (lambda s=s: _iter_jsonl(sample_path(s), cfg)) for s in ("train", "validation")}
+            "sample", {s: (lambda s=s: iter_jsonl(sample_path(s), cfg)) for s in ("train", "validation")}
         )
     if is_local(cfg):
         path = Path(cfg.source)
-        _check_is_file(path)
+        check_is_file(path)
         too_few = (
             f"Dataset file {path} has {{n}} row(s); training needs at least 2 (one is held out "
             "for validation), each a JSON object with a transcript and a summary."
         )
-        return RowSource(str(path), {"all": lambda: _iter_file(path, cfg)}, too_few)
+        return RowSource(str(path), {"all": lambda: iter_local(path, cfg)}, too_few)
     if Path(cfg.source).exists():
         csv = (
             " (CSV: convert it first, e.g. with pandas' to_json(lines=True))"
@@ -226,10 +145,11 @@ def row_source(cfg: DataConfig) -> RowSource:
         raise DataError(
             f"{cfg.source}: a local dataset must be a .jsonl file (.json: also JSON lines) or a .parquet file{csv}."
         )
-    train = _open_hub(cfg.source, cfg.train_split, cfg)
+    offline = hub_offline()  # probed once per set
+    train = _open_hub(cfg.source, cfg.train_split, cfg, offline)
     parts = {"train": lambda: _iter_hub(train, cfg.source, cfg.train_split, cfg)}
     try:
-        valid = _open_hub(cfg.source, cfg.validation_split, cfg)
+        valid = _open_hub(cfg.source, cfg.validation_split, cfg, offline)
         parts["validation"] = lambda: _iter_hub(valid, cfg.source, cfg.validation_split, cfg)
     except DataError:  # no validation split: one is cut from train
         parts = {"all": parts["train"]}
@@ -254,7 +174,13 @@ def validation_rows(cfg: DataConfig, seed: int = 0, limit: int = 1) -> list[Row]
     """The first `limit` rows of the validation split, the same rows as `load_rows(cfg,
     seed)["validation"][:limit]`, read as a stream that holds only those: `distft eval` and
     `distft infer` on a set of millions. A source without a validation split is read twice, once
-    to count its rows (its split is a seeded permutation of them) and once to pick them."""
+    to count its rows (its split is a seeded permutation of them) and once to pick them. A
+    mixture's validation split is its sources' in turn."""
+    if cfg.sources:
+        rows = []
+        for sub in source_configs(cfg):
+            rows += validation_rows(sub, seed, limit - len(rows)) if len(rows) < limit else []
+        return rows
     source = row_source(cfg)
     if "all" not in source.parts:
         rows = list(itertools.islice(source.parts["validation"](), limit))
@@ -316,8 +242,18 @@ def _memory_splits(dataset: Any, cfg: DataConfig, seed: int) -> dict[str, list[R
 def load_rows(cfg: DataConfig, seed: int = 0, dataset: Any = None) -> dict[str, list[Row]]:
     """{"train": rows, "validation": rows} from `dataset` if given (in memory), else `cfg.source`."""
     if dataset is not None:
+        if cfg.sources:
+            raise DataError(
+                "Rows handed to train(dataset=...) and data.sources both name the rows: keep one."
+            )
         splits = _memory_splits(dataset, cfg, seed)
         name = "(in memory)"
+    elif cfg.sources:  # each source split on its own, then mixed (`distft.data.mixture`)
+        parts = [load_rows(sub, seed) for sub in source_configs(cfg)]
+        source, position = mixture_picks([len(p["train"]) for p in parts], source_weights(cfg), seed)
+        train = [parts[i]["train"][j] for i, j in zip(source.tolist(), position.tolist(), strict=True)]
+        splits = {"train": train, "validation": [row for p in parts for row in p["validation"]]}
+        name = data_name(cfg)
     else:
         source = row_source(cfg)
         splits = {part: list(read()) for part, read in source.parts.items()}

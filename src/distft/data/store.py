@@ -92,9 +92,10 @@ class StoreWriter:
         self.lengths.extend(len(e.input_ids) for e in examples)
         self.truncated.extend(e.truncated_tokens for e in examples)
 
-    def close(self, splits: dict[str, np.ndarray], meta: dict) -> None:
+    def close(self, splits: dict[str, np.ndarray], meta: dict, skipped: dict[str, list[str]]) -> None:
         """Write the per-example arrays, each split's example numbers, and `meta.json` last, all on
-        disk (fsync) before the caller renames the directory into place."""
+        disk (fsync) before the caller renames the directory into place. `skipped`: each split's
+        rows skipped as too long, by origin (counted, and the first few named, in its summary)."""
         lengths = np.frombuffer(self.lengths, dtype=np.int64)
         truncated = np.frombuffer(self.truncated, dtype=np.int32)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -109,7 +110,7 @@ class StoreWriter:
         stats = {}
         for name, index in splits.items():
             _write(self.folder / f"{name}.idx", index.astype(np.int64))
-            stats[name] = split_summary(lengths[index].tolist(), truncated[index].tolist())
+            stats[name] = split_summary(lengths[index].tolist(), truncated[index].tolist(), skipped[name])
         meta = {
             "version": STORE_VERSION,
             "examples": len(lengths),

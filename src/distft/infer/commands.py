@@ -21,13 +21,14 @@ from rich.console import Console
 from rich.table import Table
 
 from distft.config import DataConfig
-from distft.config.schema import DATA_FORMATS
+from distft.config.choices import DATA_FORMATS
 from distft.data import (
     LOCAL_SUFFIXES,
     ChatRow,
     MeetingRow,
     Message,
     Row,
+    data_name,
     iter_file,
     prompt_and_reference,
     validation_rows,
@@ -242,7 +243,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(notice, file=sys.stderr)
     rows = eval_rows(loaded, args.data, args.rows)
     scores = compare(loaded, args.run, rows, args.max_new_tokens)
-    source = args.data or f"{loaded.cfg.data.source} (validation split)"
+    source = args.data or f"{data_name(loaded.cfg.data)} (validation split)"
     what = "meetings" if all(isinstance(r, MeetingRow) for r in rows) else "rows"
     table = Table("model", "what", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} {what} of {source}")
     labels = model_labels(loaded)

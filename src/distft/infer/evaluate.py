@@ -45,7 +45,8 @@ def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> li
     if data is not None and data.endswith(LOCAL_SUFFIXES):
         rows = list(itertools.islice(iter_file(data, cfg.data), max_rows))  # a user's own file: no split
     else:
-        source = replace(cfg.data, source=data or cfg.data.source, max_rows=0)
+        # --data (a hub id) replaces the run's rows, a mixture's too
+        source = replace(cfg.data, max_rows=0, **({"source": data, "sources": []} if data else {}))
         rows = validation_rows(source, seed=cfg.train.seed, limit=max_rows)
     if not rows:
         raise ConfigError(f"--data {data}: no rows to score; each needs a prompt and its answer.")

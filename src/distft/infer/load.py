@@ -22,6 +22,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from distft.config import Config, load_config
+from distft.data import data_name
 from distft.data.tokenizer import load_tokenizer
 from distft.errors import ConfigError, DamagedFileError
 from distft.io.files import verify_directory
@@ -53,7 +54,7 @@ def preset_notice(loaded: Loaded) -> str | None:
         return None
     return (
         f"note: the base model is the `{loaded.preset}` preset, randomly initialised and trained only "
-        f"on the run's data ({plural(loaded.cfg.train.max_steps, 'step')} of {loaded.cfg.data.source}); its output "
+        f"on the run's data ({plural(loaded.cfg.train.max_steps, 'step')} of {data_name(loaded.cfg.data)}); its output "
         "shows that the pipeline works, not what a pretrained Qwen3 writes. For real results train on a "
         "pretrained model (--model Qwen/Qwen3-0.6B, or a local directory)."
     )

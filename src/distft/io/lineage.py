@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from distft.config import Config
+from distft.data import data_name
 from distft.io.files import atomic_write_text
 from distft.model import is_preset
 from distft.text import plural
@@ -56,7 +57,7 @@ def run_lineage(cfg: Config, recipe: dict | None, pretrained: dict | None = None
     stage = {
         "method": cfg.train.method,
         "steps": cfg.train.max_steps,
-        "data": cfg.data.source,
+        "data": data_name(cfg.data),  # a mixture named by its sources and weights
         "run": str(Path(cfg.output.dir).resolve()),
     }
     return {"origin": base["origin"], "stages": [*base["stages"], stage]}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from distft.config.schema import ATTENTION_CHOICES
+from distft.config.choices import ATTENTION_CHOICES
 from distft.errors import ConfigError
 from distft.plan.activations import activation_bytes
 from distft.plan.auto import complete, dry_run, predict, resolve_auto, try_predict

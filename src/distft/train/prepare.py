@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from distft.config import Config
-from distft.data import load_tokenizer, tokenized_splits
+from distft.data import data_name, load_tokenizer, skipped_line, tokenized_splits
 from distft.model import is_preset
 
 
@@ -16,6 +16,9 @@ def resolve_local_paths(cfg: Config) -> None:
     `distft eval`/`infer` from any directory (a relative path would be read from where they run)."""
     if Path(cfg.data.source).is_file():
         cfg.data.source = str(Path(cfg.data.source).resolve())
+    for entry in cfg.data.sources:  # a mixture's files too
+        if Path(entry["source"]).is_file():
+            entry["source"] = str(Path(entry["source"]).resolve())
     if not is_preset(cfg.model.name) and Path(cfg.model.name).is_dir():
         cfg.model.name = str(Path(cfg.model.name).resolve())
     if cfg.data.cache_dir:  # every rank, and a resumed run, finds the same cache
@@ -34,7 +37,7 @@ def prepare_data(cfg: Config) -> None:
         if time.perf_counter() >= next_line:
             next_line += 30
             print(
-                f"tokenising {cfg.data.source}: {examples:,} examples, {time.perf_counter() - start:.0f} s",
+                f"tokenising {data_name(cfg.data)}: {examples:,} examples, {time.perf_counter() - start:.0f} s",
                 flush=True,
             )
 
@@ -44,3 +47,5 @@ def prepare_data(cfg: Config) -> None:
         print(f"tokenised {n:,} examples into {info['path']} in {info['seconds']:.1f} s", flush=True)
     elif info["state"] == "hit":
         print(f"token cache: {info['path']} ({n:,} examples, tokenised before)", flush=True)
+    if line := skipped_line({"train": train.summary(), "validation": valid.summary()}):
+        print(line, flush=True)

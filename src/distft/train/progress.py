@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from distft.config import Config
+from distft.data import data_name, skipped_line
 from distft.io.lineage import describe, is_random
 from distft.model import is_preset
 from distft.parallel.derive import derived_line
@@ -83,7 +84,7 @@ class TrainingProgress:
             "tokens (median / max)",
             "truncated rows",
             "tokens cut (mean / max)",
-            title=f"data: {cfg.data.source}, max_length {cfg.data.max_length}, "
+            title=f"data: {data_name(cfg.data)}, max_length {cfg.data.max_length}, "
             f"truncation {cfg.data.truncation}",
             title_justify="left",
         )
@@ -96,6 +97,8 @@ class TrainingProgress:
                 f"{s['truncated_tokens_mean']:.0f} / {s['truncated_tokens_max']}",
             )
         c.print(table)
+        if line := skipped_line(data):
+            c.print(line, soft_wrap=True, markup=False)
         if is_random(lineage):  # a random preset or its descendant: say so before the first loss
             c.print(describe(lineage, cfg.output.dir), soft_wrap=True)
         elif not is_preset(cfg.model.name) and cfg.optim.lr > 1e-3:  # a pretrained base

@@ -166,7 +166,7 @@ TRACKER_CLASSES: dict[str, type[Tracker]] = {
     "wandb": WandB,
     "mlflow": MLflow,
     "trackio": Trackio,
-}  # keys: `distft.config.schema.TRACKERS`
+}  # keys: `distft.config.choices.TRACKERS`
 
 
 def check_trackers(cfg: Config) -> None:

@@ -1,0 +1,20 @@
+"""The choices of the string settings that take one of a few values (`distft.config.fields` checks them)."""
+
+METHODS = ("lora", "qlora", "full")
+LORA_VARIANTS = ("lora", "dora", "rslora")
+LORA_TARGET_PRESETS = {  # lora.target_modules = ["attention"], ...; all-linear is peft's own
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+OPTIMIZERS, SCHEDULERS = ("adamw", "adamw-8bit", "sgd"), ("cosine", "linear", "constant")
+MASTER_WEIGHTS = ("auto", "fp32", "model")
+DTYPES = ("float32", "bfloat16")
+ATTENTION_CHOICES = ("auto", "flex", "flash", "sdpa", "eager")  # `distft.model.attention`
+COMPILE_CHOICES = FUSED_CHOICES = ("auto", "true", "false")  # model.compile, optim.fused
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
+TRUNCATIONS = ("head", "tail", "middle")
+DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca", "sharegpt", "text")
+ROLES = ("system", "user", "assistant")  # chat turns; data.roles maps ShareGPT names onto them
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`
