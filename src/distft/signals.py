@@ -4,7 +4,7 @@ SIGINT (Ctrl-C) and SIGTERM (what a batch scheduler sends before it kills) get o
 every process of `distft train`; what it does depends on where the process is:
 
 - Before the loop (checks before launch, process group, model build): it raises `Interrupted`,
-  which `distft.cli` reports in one line (exit code 128 + the signal: 130, 143). Files are
+  which `distft.exits` reports in one line (exit code 128 + the signal: 130, 143). Files are
   written atomically (`distft.io.files`), so nothing is left half-written.
 - In the loop (`deferred()`): it only records the signal. The loop asks after each step whether
   any rank has one (`distft.train.loop`), so every rank stops after the same step, writes a

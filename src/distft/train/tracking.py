@@ -16,6 +16,7 @@ import abc
 import dataclasses
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -41,12 +42,19 @@ def numeric_fields(record: dict, prefix: str = "") -> dict[str, float]:
 
 
 def flat_params(cfg: Config) -> dict[str, str | int | float | bool]:
-    """The resolved config as `section.key` -> value; lists become comma-separated strings (what
-    TensorBoard's hparams and MLflow's params accept)."""
+    """The resolved config as `section.key` -> value; a list of plain values becomes a
+    comma-separated string, a table (`data.roles`) or a list of tables (`data.sources`) its JSON
+    (what TensorBoard's hparams and MLflow's params accept: scalars and strings)."""
     params: dict[str, str | int | float | bool] = {}
     for section, table in dataclasses.asdict(cfg).items():
         for key, value in table.items():
-            params[f"{section}.{key}"] = ",".join(map(str, value)) if isinstance(value, list) else value
+            if isinstance(value, dict) or (
+                isinstance(value, list) and any(isinstance(v, dict) for v in value)
+            ):
+                value = json.dumps(value, sort_keys=True)
+            elif isinstance(value, list):
+                value = ",".join(map(str, value))
+            params[f"{section}.{key}"] = value
     return params
 
 
