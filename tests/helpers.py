@@ -236,6 +236,12 @@ def _kill_tree(pid: int) -> None:
             proc.kill()
 
 
+def write_jsonl(path: Path, records: list) -> Path:
+    """`records` as a JSON-lines file at `path`."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -21,7 +21,6 @@ from distft.data import ChatFormatter, collate, global_batch_indices, open_or_bu
 from distft.data import cache as cache_module
 from distft.data.cache import cache_key, cache_path
 from distft.data.store import META
-from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import DataError
 from tests.helpers import distft, metrics
 
@@ -29,11 +28,6 @@ MEETING = {
     "transcript": "Anna: we pick yellow.\nTom: agreed, yellow it is.",
     "summary": "The team chose yellow.",
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_tokenizer()
 
 
 def meetings(path: Path, n: int, tag: str = "") -> Path:

@@ -2,7 +2,6 @@
 cover exactly the assistant's tokens."""
 
 import copy
-import json
 
 import pytest
 
@@ -17,8 +16,8 @@ from distft.data import (
     prompt_and_reference,
     row_from_record,
 )
-from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import ConfigError, DataError
+from tests.helpers import write_jsonl
 
 CHAT = {
     "messages": [
@@ -31,11 +30,6 @@ CHAT = {
 }
 PROMPT_COMPLETION = {"prompt": "Capital of France?", "completion": "Paris."}
 ALPACA = {"instruction": "Translate to German.", "input": "Good night", "output": "Gute Nacht"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_tokenizer()
 
 
 def targets(tokenizer, example) -> list[str]:
@@ -55,11 +49,6 @@ def assert_shifted(example):
     for t, label in enumerate(example.labels):
         if label != IGNORE:
             assert label == example.input_ids[t + 1]
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 # ---- detection and parsing -----------------------------------------------------------------

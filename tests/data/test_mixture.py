@@ -10,19 +10,9 @@ from distft.config import DataConfig, load_config
 from distft.data import data_name, load_rows, tokenized_splits, validation_rows
 from distft.data.cache import cache_key
 from distft.data.mixture import mixture_picks
-from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import ConfigError
 from distft.train import train
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_tokenizer()
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+from tests.helpers import write_jsonl
 
 
 @pytest.fixture

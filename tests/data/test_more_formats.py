@@ -1,7 +1,6 @@
 """ShareGPT and plain-text rows, alpaca found by its `instruction`, rows too long to fit skipped
 (data.skip_long_rows), and an unreachable hub refused at once for a dataset id."""
 
-import json
 import socket
 import time
 
@@ -21,8 +20,8 @@ from distft.data import (
 )
 from distft.data import rows as rows_module
 from distft.data.formats import TextRow
-from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import ConfigError, DataError
+from tests.helpers import write_jsonl
 
 SHAREGPT = {
     "conversations": [
@@ -33,16 +32,6 @@ SHAREGPT = {
         {"from": "gpt", "value": "Merci"},
     ]
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_tokenizer()
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def target_runs(tokenizer, labels) -> list[str]:

@@ -16,13 +16,7 @@ from distft.data import (
     row_from_record,
     validation_rows,
 )
-from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import DataError
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_tokenizer()
 
 
 def formatter(tokenizer, **overrides):

@@ -5,11 +5,6 @@ import pytest
 from distft.data.tokenizer import QWEN3_SPECIAL_TOKENS, build_qwen3_tokenizer, load_tokenizer, qwen3_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen3_tokenizer()
-
-
 @pytest.mark.parametrize(
     ("text", "ids"),
     [  # ids published for the real Qwen3 tokenizer
