@@ -21,16 +21,13 @@ from distft.data import (
 from distft.data import rows as rows_module
 from distft.data.formats import TextRow
 from distft.errors import ConfigError, DataError
+from tests.data.test_formats import CHAT
 from tests.helpers import write_jsonl
 
+# test_formats' chat, as ShareGPT writes it: `from`/`value` turns, human and gpt for user and assistant.
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 SHAREGPT = {
-    "conversations": [
-        {"from": "system", "value": "You answer in French."},
-        {"from": "human", "value": "Good morning"},
-        {"from": "gpt", "value": "Bonjour"},
-        {"from": "human", "value": "Thank you"},
-        {"from": "gpt", "value": "Merci"},
-    ]
+    "conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in CHAT["messages"]]
 }
 
 
@@ -53,6 +50,7 @@ def test_sharegpt_is_detected_and_read_as_a_chat(tokenizer):
     assert isinstance(row, ChatRow)
     assert [m.role for m in row.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert row == row_from_record(SHAREGPT, DataConfig(format="sharegpt"), "x:1")
+    assert row.messages == row_from_record(CHAT, DataConfig(), "x:1").messages  # the same chat
     example = ChatFormatter(tokenizer, DataConfig()).encode(row)
     assert target_runs(tokenizer, example.labels) == ["Bonjour<|im_end|>", "Merci<|im_end|>"]
 
