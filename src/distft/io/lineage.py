@@ -25,7 +25,8 @@ from pathlib import Path
 from distft.config import Config
 from distft.data import data_name
 from distft.io.files import atomic_write_text
-from distft.model import is_preset
+from distft.model import PRESETS, is_preset
+from distft.model.families import FAMILIES
 from distft.text import plural
 
 LINEAGE_FILE = "lineage.json"
@@ -79,11 +80,14 @@ def describe(lineage: dict, this_run: str | None = None) -> str:
     sources = sorted({s["data"] for s in stages})
     data = " and ".join(_data_name(s) for s in sources) if sources else "nothing yet"
     steps = ", then ".join(stage_text(s, this_run) for s in stages)
+    preset = PRESETS.get(origin["preset"])
+    title = FAMILIES[preset.family].title if preset else "Qwen3"
+    size = "a small " if preset and preset.hidden_size < 1024 else "a "
     return (
-        f"note: this is not a real language model. It is distft's `{origin['preset']}` preset, a small "
-        f"Qwen3 architecture with random initial weights (seed {origin['seed']}), trained only on {data}"
+        f"note: this is not a real language model. It is distft's `{origin['preset']}` preset, {size}"
+        f"{title} architecture with random initial weights (seed {origin['seed']}), trained only on {data}"
         + (f": {steps}" if steps else "")
-        + ". Its output shows that the pipeline works, not what a pretrained Qwen3 writes; for real "
+        + f". Its output shows that the pipeline works, not what a pretrained {title} writes; for real "
         "results train on a pretrained model (--model Qwen/Qwen3-0.6B, or a local directory)."
     )
 

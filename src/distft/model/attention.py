@@ -47,6 +47,7 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from distft.model.families import layer_types
 from distft.tensors import document_ids
 
 FLEX = "distft_flex"  # the name distft's flex path is registered under in transformers
@@ -135,7 +136,7 @@ def packed_attention_masks(config, position_ids: torch.Tensor | None) -> dict:
     if position_ids is not None:
         docs = document_ids(position_ids)
         mask = DocumentMask(docs, _block_mask(docs) if flex_runs_on(docs.device) else None)
-    return {kind: mask for kind in set(config.layer_types)}
+    return {kind: mask for kind in set(layer_types(config))}
 
 
 # ---- the kernel ------------------------------------------------------------------------------

@@ -5,6 +5,12 @@ labelled (summary) positions. Only those positions go through lm_head: with Qwen
 vocabulary the logits of the whole prompt would dominate memory for nothing, since the prompt
 carries no loss. Every strategy wraps a `SummaryLM`, so DDP/FSDP hooks see one forward.
 
+The decoder layers run here (`run_layers`), not through the family's `Model.forward`: Llama,
+Qwen2, Mistral and Qwen3 build their masks differently there, and the pipeline stages must run a
+slice of the layers anyway. What every family's forward computes once (positions, the mask of
+each layer type, the rotary cos/sin) is computed here the same way for all of them, then each
+layer is called as transformers calls it.
+
 A batch is padded (`attention_mask`, one sequence per row) or packed (`position_ids` restarting
 at 0 at every document, no mask; `distft.data.batches.pack`; a row of one document carries no
 position ids). Under the `flex` kernel a packed row's document block mask is built here, once per
@@ -19,16 +25,20 @@ wait for (a device-to-host sync per micro-batch on CUDA).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
 from torch import nn
-from transformers import Qwen3ForCausalLM
+from transformers import PreTrainedModel
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from distft.model.attention import FLEX, packed_attention_masks
+from distft.model.families import layer_types
 
 
-def causal_lm(model: nn.Module) -> Qwen3ForCausalLM:
+def causal_lm(model: nn.Module) -> PreTrainedModel:
     """The transformers model inside any peft wrapper."""
     if isinstance(model, PeftModel):
         return model.base_model.model
@@ -45,7 +55,7 @@ class SummaryLM(nn.Module):
         super().__init__()
         self.lm = lm  # the peft model (LoRA) or the plain causal LM (full); saved as-is
         inner = causal_lm(lm)
-        self.backbone = inner.model  # Qwen3Model: embeddings, decoder layers, final norm
+        self.backbone = inner.model  # e.g. LlamaModel: embeddings, decoder layers, final norm
         self.lm_head = inner.lm_head
 
     def forward(
@@ -56,14 +66,56 @@ class SummaryLM(nn.Module):
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         label_positions: torch.Tensor | None = None,  # (n_labelled,) flat indices where labels != -100
     ) -> torch.Tensor:
-        config = self.backbone.config
-        if attention_mask is None and config._attn_implementation == FLEX:
-            attention_mask = packed_attention_masks(config, position_ids)  # a dict: used as it is
-        # use_cache=False: a KV cache would also switch off transformers' packed-row detection.
-        hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        backbone = self.backbone
+        hidden = backbone.embed_tokens(input_ids)
+        hidden = run_layers(backbone, enumerate(backbone.layers), hidden, attention_mask, position_ids)
+        hidden = backbone.norm(hidden)
         return summed_loss(hidden, self.lm_head, labels, label_positions)
+
+
+def run_layers(
+    backbone: nn.Module,
+    layers: Iterable[tuple[int, nn.Module]],
+    hidden: torch.Tensor,  # (batch, seq, hidden): the embedded tokens or an earlier stage's output
+    attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens (padded)
+    position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
+) -> torch.Tensor:
+    """`layers` (index, decoder layer) of `backbone` on `hidden`, with what the family's own forward
+    computes once: positions (0..S-1 with right padding), each layer type's mask, rotary cos/sin."""
+    config = backbone.config
+    if position_ids is None:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    if attention_mask is None and config._attn_implementation == FLEX:  # packed, flex: built here
+        masks = packed_attention_masks(config, position_ids)
+    else:
+        masks = transformers_masks(config, hidden, attention_mask, position_ids)
+    position_embeddings = backbone.rotary_emb(hidden, position_ids)
+    kinds = layer_types(config)
+    for index, layer in layers:
+        hidden = layer(
+            hidden,
+            attention_mask=masks[kinds[index]],
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+        )
+    return hidden
+
+
+def transformers_masks(config, hidden: torch.Tensor, attention_mask, position_ids) -> dict:
+    """What the family's forward builds: causal + padding, or (packed, no mask) block-diagonal
+    from the position ids' restarts; one per layer type."""
+    mask_args = {
+        "config": config,
+        "inputs_embeds": hidden,
+        "attention_mask": attention_mask,  # None: packed, read from the position ids
+        "cache": None,
+        "position_ids": position_ids,
+    }
+    kinds = set(layer_types(config))
+    masks = {"full_attention": create_causal_mask(**mask_args)} if "full_attention" in kinds else {}
+    if "sliding_attention" in kinds:
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
+    return masks
 
 
 def summed_loss(

@@ -16,6 +16,7 @@ Which collectives run, and when (per decoder layer, per micro-batch):
   stream enters a column-parallel projection. `ColwiseParallel` converts its input on its own,
   so PyTorch issues one per projection (q, k, v, gate, up, and each colwise lora_B: 5 + 5 per
   layer), where Megatron's hand-written version (`tp-sp`) needs one per block (2 per layer).
+Biases (Qwen2's q/k/v) are split with their column-parallel weight: each rank adds its features' share.
 
 The collision with PEFT, and how it is resolved here. PEFT's LoRA layer computes
 `base_layer(x) + lora_B(lora_A(x)) * scale`, adding plain tensors. `ColwiseParallel` accepts only
@@ -28,7 +29,7 @@ works is to shard each adapter together with its base, so both paths produce the
   lora_B replicated (out x r).
 PEFT is applied first, then the plan shards `base_layer` and the adapter inside each wrapper.
 
-Which gradients are partial. Qwen3's q_norm / k_norm weights are replicated but applied to this
+Which gradients are partial. Qwen3's q_norm / k_norm weights (the other families have none) are replicated but applied to this
 rank's heads only: their gradients are partial sums and are all-reduced after backward
 (`after_backward`; they train only in full finetuning). lora_A of a column-parallel projection
 looks similar but is not: lora_B's input is converted to a replicated DTensor, whose backward
@@ -110,8 +111,14 @@ def partial_gradient_params(scope: Iterable[nn.Module]) -> list[nn.Parameter]:
 
 
 def head_norms(layers: Iterable[nn.Module]) -> list[nn.Module]:
-    """Qwen3's q_norm / k_norm of each layer: replicated, applied to this rank's heads only."""
-    return [norm for layer in layers for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    """The q_norm / k_norm of each layer (Qwen3's; Llama, Qwen2 and Mistral have none): replicated,
+    applied to this rank's heads only."""
+    return [
+        getattr(layer.self_attn, name)
+        for layer in layers
+        for name in ("q_norm", "k_norm")
+        if hasattr(layer.self_attn, name)
+    ]
 
 
 def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:

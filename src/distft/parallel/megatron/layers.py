@@ -54,19 +54,22 @@ def shard(weight: nn.Parameter, dim: int | None, rank: int, world: int) -> nn.Pa
 
 
 class _Weight(nn.Module):
-    """Holds one weight under PEFT's module names (`base_layer`, `lora_A.default`, ...)."""
+    """Holds one weight (and the base's bias) under PEFT's module names (`base_layer`, `lora_A.default`, ...)."""
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight = weight
+        self.bias = bias
 
 
 class ParallelLinear(nn.Module):
-    """One rank's shard of a bias-free `nn.Linear`, or of PEFT's LoRA `Linear`, under the same names.
+    """One rank's shard of an `nn.Linear`, or of PEFT's LoRA `Linear`, under the same names.
 
     Parameter names stay those of the single-process model (`q_proj.weight`, or
     `q_proj.base_layer.weight`, `q_proj.lora_A.default.weight`, ...), so exporting is a gather per
-    name.
+    name. A bias (Qwen2's q/k/v) belongs to an output feature: a column layer splits it with its
+    weight's rows. A row layer's output is a partial sum, where a bias would be added N times; no
+    family distft trains has one there, and `shard_projections` refuses it.
     """
 
     weight_dim: ClassVar[int]  # dim of the base weight (out, in) split across ranks
@@ -76,12 +79,15 @@ class ParallelLinear(nn.Module):
     def __init__(self, source: nn.Module, rank: int, world: int):
         super().__init__()
         self.lora = hasattr(source, "base_layer")
+        base = source.base_layer if self.lora else source
+        bias = None if base.bias is None else shard(base.bias, 0, rank, world)
         if not self.lora:
             self.weight = shard(source.weight, self.weight_dim, rank, world)
+            self.bias = bias
             return
         (self.adapter,) = source.active_adapters  # distft applies exactly one adapter
         a = self.adapter
-        self.base_layer = _Weight(shard(source.base_layer.weight, self.weight_dim, rank, world))
+        self.base_layer = _Weight(shard(base.weight, self.weight_dim, rank, world), bias)
         self.lora_A = nn.ModuleDict(
             {a: _Weight(shard(source.lora_A[a].weight, self.lora_A_dim, rank, world))}
         )
@@ -93,9 +99,9 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.lora:
-            return F.linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
         a = self.adapter
-        out = F.linear(x, self.base_layer.weight)
+        out = F.linear(x, self.base_layer.weight, self.base_layer.bias)
         lora = F.linear(F.linear(self.lora_dropout[a](x), self.lora_A[a].weight), self.lora_B[a].weight)
         return out + lora * self.scaling  # PEFT's order of operations, for bit-level parity
 
@@ -133,4 +139,9 @@ def shard_projections(lm: nn.Module, rank: int, world: int) -> None:
             parent_path, name = path.rsplit(".", 1)
             parent = layer.get_submodule(parent_path)
             cls = ColumnParallelLinear if style == "column" else RowParallelLinear
-            setattr(parent, name, cls(getattr(parent, name), rank, world))
+            source = getattr(parent, name)
+            if style == "row" and getattr(getattr(source, "base_layer", source), "bias", None) is not None:
+                raise ValueError(
+                    f"tp-sp: the row-parallel {path} has a bias, which a partial sum cannot carry"
+                )
+            setattr(parent, name, cls(source, rank, world))

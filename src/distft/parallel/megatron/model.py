@@ -1,4 +1,4 @@
-"""The Qwen3 forward under Megatron TP (+ SP), with every collective written out where it runs.
+"""The decoder forward under Megatron TP (+ SP), with every collective written out where it runs.
 
 Activations run sequence-first, (seq, batch, hidden), as in Megatron-LM, so the sequence is dim 0
 and every gather or scatter is a contiguous buffer. Sharded: each block's projections (`layers.py`);
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # every family's
 
 from distft.data import document_ids
 from distft.model import summed_loss
@@ -57,7 +57,9 @@ class MegatronLM(nn.Module):
     """The `SummaryLM` (kept as `.module`, where `unwrap` finds it) run as Megatron TP (+ SP).
 
     The HF submodules (embedding, norms, rotary, q_norm/k_norm, MLP activation) are called as they
-    are; only the decoder layer's wiring is written out here, with the collectives in view.
+    are; only the decoder layer's wiring is written out here, with the collectives in view. It is
+    the wiring every family shares (Qwen3, Llama, Qwen2, Mistral); what differs, q/k norms and
+    q/k/v biases, lives in the modules it calls.
     """
 
     def __init__(
@@ -130,7 +132,7 @@ class MegatronLM(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """One Qwen3 decoder layer. x: (S/N, B, H) with SP, (S, B, H) without; mask: packed rows'
+        """One decoder layer (every family's: q/k norms and q/k/v biases where it has them). x: (S/N, B, H) with SP, (S, B, H) without; mask: packed rows'
         block-diagonal causal mask, None for plain causal attention."""
         attn, mlp = layer.self_attn, layer.mlp
         h = self.enter(layer.input_layernorm(x))  # (S, B, H)
@@ -139,8 +141,8 @@ class MegatronLM(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:  # (S, B, n * d) -> (B, n, S, d)
             return t.view(seq, batch, -1, attn.head_dim).permute(1, 2, 0, 3)
 
-        q = heads(attn.q_norm(attn.q_proj(h).view(seq, batch, -1, attn.head_dim)).flatten(2))
-        k = heads(attn.k_norm(attn.k_proj(h).view(seq, batch, -1, attn.head_dim)).flatten(2))
+        q = heads(head_norm(attn, "q_norm", attn.q_proj(h).view(seq, batch, -1, attn.head_dim)).flatten(2))
+        k = heads(head_norm(attn, "k_norm", attn.k_proj(h).view(seq, batch, -1, attn.head_dim)).flatten(2))
         v = heads(attn.v_proj(h))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         o = F.scaled_dot_product_attention(
@@ -158,6 +160,12 @@ class MegatronLM(nn.Module):
 
         h = self.enter(layer.post_attention_layernorm(x))
         return x + self.leave(mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h)))
+
+
+def head_norm(attn: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3's RMSNorm over each head of q or k; the identity for the families without one."""
+    norm = getattr(attn, name, None)
+    return x if norm is None else norm(x)
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 What is sharded: the decoder layers, by stage (`Layout.layers_of`). Stage 0 also holds the
 embedding, the last stage the final norm, lm_head and the loss. Every stage recomputes what
-Qwen3Model.forward computes once: the mask, position ids and rotary cos/sin (a non-persistent
+the family's Model.forward computes once: the mask, position ids and rotary cos/sin (a non-persistent
 buffer, so each stage holds a copy). A padded batch carries a 2-D attention mask, a packed one
 (docs/packing.md) per-document position ids and no mask; either is a keyword argument of the
 step, which torch splits per micro-batch and hands to every stage. From the attention mask come
@@ -22,17 +22,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from distft.model import summed_loss
-from distft.model.attention import FLEX, packed_attention_masks
+from distft.model.lm import run_layers
 from distft.parallel.pipeline.layout import SCHEDULES, SINGLE_STAGE, Layout
 
 Action = tuple[str, int, int]  # (kind F|B|W, stage, micro-batch)
 
 
 class StageModule(nn.Module):
-    """The part of Qwen3 one stage runs, built from the (PEFT-wrapped) model's own modules.
+    """The part of the model one stage runs, built from the (PEFT-wrapped) model's own modules.
 
     forward(x, labels, attention_mask | position_ids): x is input_ids (batch, seq) on the first stage and the
     hidden states (batch, seq, hidden) elsewhere; returns the hidden states, or on the last stage
@@ -62,43 +61,16 @@ class StageModule(nn.Module):
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
     ) -> torch.Tensor:
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-        # What Qwen3Model.forward computes once, every stage recomputes: positions (0..S-1 with right
-        # padding), the mask, and rotary cos/sin (a decoder layer without them fails).
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        if attention_mask is None and self.config._attn_implementation == FLEX:  # packed, flex
-            masks = packed_attention_masks(self.config, position_ids)
-        else:
-            masks = self.transformers_masks(hidden, attention_mask, position_ids)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        for index, layer in self.layers.items():
-            hidden = layer(
-                hidden,
-                attention_mask=masks[self.config.layer_types[int(index)]],
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-            )
+        # What the family's forward computes once (positions, masks, rotary cos/sin), every stage
+        # recomputes (`run_layers`): a decoder layer without them fails.
+        layers = ((int(index), layer) for index, layer in self.layers.items())
+        hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
         if self.lm_head is None:
             return hidden
         # Shape (1,), not a scalar: torch's eval() concatenates the last stage's outputs.
         # A fresh tensor, not a view of the scalar: FSDP (fsdp+pp) warns that its backward hook on a
         # view would be lost to an in-place op.
         return summed_loss(self.norm(hidden), self.lm_head, labels).reshape(1).clone()
-
-    def transformers_masks(self, hidden, attention_mask, position_ids) -> dict:
-        """What Qwen3Model builds: causal + padding, or (packed, no mask) block-diagonal from the
-        position ids' restarts."""
-        mask_args = {
-            "config": self.config,
-            "inputs_embeds": hidden,
-            "attention_mask": attention_mask,  # None: packed, read from the position ids
-            "cache": None,
-            "position_ids": position_ids,
-        }
-        masks = {"full_attention": create_causal_mask(**mask_args)}
-        if "sliding_attention" in self.config.layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_args)
-        return masks
 
 
 class PipelineModel(nn.Module):
