@@ -60,13 +60,15 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
+from distft.model.families import PROJECTIONS
 from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Strategy
 
-# Which projections of a decoder layer are column- and row-parallel: the one source (tp, tp-sp,
-# fsdp+tp and the planner read them). Column: weight split on out (dim 0); row: on in (dim 1).
-COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-ROW = ("self_attn.o_proj", "mlp.down_proj")
+# Which projections of a decoder layer are column- and row-parallel, from the families' one
+# description (tp, tp-sp, fsdp+tp and the planner read them). Column: weight split on out (dim 0);
+# row: on in (dim 1).
+COLUMN = tuple(path for path, style in PROJECTIONS if style == "column")
+ROW = tuple(path for path, style in PROJECTIONS if style == "row")
 
 
 def partition_dim(p: torch.Tensor) -> int | None:

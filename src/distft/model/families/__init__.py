@@ -24,57 +24,24 @@ walks through it, and tests/model/test_families.py fails for a family without pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from transformers import PretrainedConfig
 
 from distft.errors import ConfigError
+from distft.model.families import llama, mistral, qwen2, qwen3
+from distft.model.families.family import PROJECTIONS, Family
 
-# The projections of a decoder layer every family here shares: (module path, tensor-parallel style).
-# Column: the weight is split on `out` (dim 0); row: on `in` (dim 1) (`distft.parallel.tensor_parallel`).
-PROJECTIONS: tuple[tuple[str, str], ...] = (
-    ("self_attn.q_proj", "column"),
-    ("self_attn.k_proj", "column"),
-    ("self_attn.v_proj", "column"),
-    ("self_attn.o_proj", "row"),
-    ("mlp.gate_proj", "column"),
-    ("mlp.up_proj", "column"),
-    ("mlp.down_proj", "row"),
-)
+__all__ = [
+    "FAMILIES",
+    "PROJECTIONS",
+    "Family",
+    "check_sequence_length",
+    "family_of",
+    "layer_types",
+    "sliding_window",
+]
 
-
-@dataclass(frozen=True)
-class Family:
-    """One architecture family as transformers builds it."""
-
-    name: str  # distft's name, also transformers' `model_type`
-    title: str  # for people: "Llama 3 / 3.1 / 3.2"
-    config_class: type[PretrainedConfig]
-    qk_norm: bool  # q_norm / k_norm: RMSNorm over each head of q and k
-    qkv_bias: bool  # q_proj, k_proj and v_proj carry a bias
-    # What every checkpoint of the family shares, for the random presets (rope, eps, activation).
-    defaults: dict = field(default_factory=dict)
-    # Where a real checkpoint's released chat template ends an assistant turn (for the docs and
-    # the end-of-turn check; the template itself comes from the model's directory).
-    end_of_turn: str = ""
-
-    @property
-    def biased(self) -> tuple[str, ...]:
-        """Projection names that carry a bias."""
-        return ("q_proj", "k_proj", "v_proj") if self.qkv_bias else ()
-
-    def build_config(self, **fields) -> PretrainedConfig:
-        """A config of this family: its defaults, then `fields` on top."""
-        return self.config_class(**{**self.defaults, **fields})
-
-
-def _families() -> dict[str, Family]:
-    from distft.model.families import llama, mistral, qwen2, qwen3
-
-    return {f.FAMILY.name: f.FAMILY for f in (qwen3, llama, qwen2, mistral)}
-
-
-FAMILIES: dict[str, Family] = _families()
+# The registry: a new family is one file beside this one and one entry here.
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY)}
 
 
 def family_of(config: PretrainedConfig, model: str = "") -> Family:

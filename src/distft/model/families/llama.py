@@ -3,7 +3,7 @@
 
 from transformers import LlamaConfig
 
-from distft.model.families import Family
+from distft.model.families.family import Family
 
 # Llama 3.1 / 3.2's rope scaling, as in their released config.json.
 LLAMA3_ROPE = {

@@ -3,7 +3,7 @@ sliding window of 4096 tokens, v0.3 (the presets' shape) has none."""
 
 from transformers import MistralConfig
 
-from distft.model.families import Family
+from distft.model.families.family import Family
 
 FAMILY = Family(
     name="mistral",

@@ -4,7 +4,7 @@ leaves off."""
 
 from transformers import Qwen2Config
 
-from distft.model.families import Family
+from distft.model.families.family import Family
 
 FAMILY = Family(
     name="qwen2",

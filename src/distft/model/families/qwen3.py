@@ -2,7 +2,7 @@
 
 from transformers import Qwen3Config
 
-from distft.model.families import Family
+from distft.model.families.family import Family
 
 FAMILY = Family(
     name="qwen3",

@@ -1,0 +1,44 @@
+"""What a model family is: the `Family` dataclass every family file fills in (`distft.model.families`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PretrainedConfig
+
+# The projections of a decoder layer every family here shares: (module path, tensor-parallel style).
+# Column: the weight is split on `out` (dim 0); row: on `in` (dim 1) (`distft.parallel.tensor_parallel`).
+PROJECTIONS: tuple[tuple[str, str], ...] = (
+    ("self_attn.q_proj", "column"),
+    ("self_attn.k_proj", "column"),
+    ("self_attn.v_proj", "column"),
+    ("self_attn.o_proj", "row"),
+    ("mlp.gate_proj", "column"),
+    ("mlp.up_proj", "column"),
+    ("mlp.down_proj", "row"),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture family as transformers builds it."""
+
+    name: str  # distft's name, also transformers' `model_type`
+    title: str  # for people: "Llama 3 / 3.1 / 3.2"
+    config_class: type[PretrainedConfig]
+    qk_norm: bool  # q_norm / k_norm: RMSNorm over each head of q and k
+    qkv_bias: bool  # q_proj, k_proj and v_proj carry a bias
+    # What every checkpoint of the family shares, for the random presets (rope, eps, activation).
+    defaults: dict = field(default_factory=dict)
+    # Where a real checkpoint's released chat template ends an assistant turn (for the docs and
+    # the end-of-turn check; the template itself comes from the model's directory).
+    end_of_turn: str = ""
+
+    @property
+    def biased(self) -> tuple[str, ...]:
+        """Projection names that carry a bias."""
+        return ("q_proj", "k_proj", "v_proj") if self.qkv_bias else ()
+
+    def build_config(self, **fields) -> PretrainedConfig:
+        """A config of this family: its defaults, then `fields` on top."""
+        return self.config_class(**{**self.defaults, **fields})
