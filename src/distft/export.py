@@ -27,9 +27,9 @@ from distft.data import MeetingRow, data_name, validation_rows
 from distft.errors import ConfigError, DataError
 from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
-from distft.io.export import save_merged_model
 from distft.io.lineage import describe, is_random
 from distft.io.preflight import check_output_path
+from distft.io.save import save_merged_model
 from distft.model import DTYPES, is_preset
 from distft.text import plural
 
