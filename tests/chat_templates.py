@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from distft.data.tokenizer import qwen3_tokenizer
 
@@ -43,12 +43,17 @@ STYLES = {
 }
 
 
-def tokenizer_dir(style: str, out: Path) -> Path:
-    """A tokenizer directory in `style`: the bundled vocabulary, the family's special tokens added
-    (ids above Qwen3's, inside the presets' 151,936 embedding rows) and its chat template."""
+def styled_tokenizer(style: str) -> PreTrainedTokenizerBase:
+    """The bundled vocabulary in `style`: the family's special tokens added (ids above Qwen3's,
+    inside the presets' 151,936 embedding rows) and its chat template."""
     template, added, named = STYLES[style]
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer().name_or_path)  # a copy: the shared one stays
     tokenizer.add_special_tokens({"additional_special_tokens": added, **named})
     tokenizer.chat_template = template
-    tokenizer.save_pretrained(str(out))
+    return tokenizer
+
+
+def tokenizer_dir(style: str, out: Path) -> Path:
+    """`styled_tokenizer(style)` saved as a model directory holds it."""
+    styled_tokenizer(style).save_pretrained(str(out))
     return out
