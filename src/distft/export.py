@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from distft.config import Config, load_config
-from distft.data import MeetingRow, data_name, validation_rows
+from distft.data import MeetingRow, data_name, end_of_turn, validation_rows
 from distft.errors import ConfigError, DataError
 from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
-from distft.io.export import save_merged_model
 from distft.io.lineage import describe, is_random
 from distft.io.preflight import check_output_path
+from distft.io.save import save_merged_model
 from distft.model import DTYPES, is_preset
 from distft.text import plural
 
@@ -107,12 +107,22 @@ def merged_model(model: nn.Module, has_adapter: bool, dtype: str) -> nn.Module:
     return model.to(DTYPES[dtype]).eval()
 
 
-def stop_on_end_of_turn(model: nn.Module, tokenizer) -> None:
-    """`generate()` on the export stops at `<|im_end|>` (the end of the assistant's turn), as Qwen3's
-    own generation_config.json says; a preset base has no such file."""
+def stop_on_end_of_turn(model: nn.Module, tokenizer) -> list[int]:
+    """`generate()` on the export stops at the end of the assistant's turn: the chat template's
+    end-of-turn token (Qwen's `<|im_end|>`, Llama 3's `<|eot_id|>`, Mistral's `</s>`), the
+    tokenizer's end of text and padding (Qwen's `<|endoftext|>`), and whatever a released
+    checkpoint's generation_config.json names already (a preset base has no such file). Returns
+    the ids it stops at."""
     config = model.generation_config
-    config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id]
+    try:
+        turn = [end_of_turn(tokenizer).id]
+    except ConfigError:  # no chat template: a model trained on plain text ends at end of text
+        turn = []
+    named = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    stops = [*turn, *named, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    config.eos_token_id = list(dict.fromkeys(i for i in stops if i is not None))  # in order, once
     config.pad_token_id = tokenizer.pad_token_id
+    return config.eos_token_id
 
 
 # ---- the model card ----------------------------------------------------------------------------
@@ -213,11 +223,16 @@ def _usage(cfg: Config, fmt: str) -> list[str]:
 
 
 def model_card(
-    cfg: Config, run_dir: Path, dtype: str, where: str = "PATH_OR_REPO", lineage: dict | None = None
+    cfg: Config,
+    run_dir: Path,
+    dtype: str,
+    where: str = "PATH_OR_REPO",
+    lineage: dict | None = None,
+    thinking: bool = True,
 ) -> str:
     """README.md of the export: hub metadata, what was trained on what (the whole chain from a
     random preset, `lineage`), the final losses, and how to load it from `where` (the hub
-    repository or the directory)."""
+    repository or the directory). `thinking`: the chat template has Qwen3's thinking switch."""
     from huggingface_hub import ModelCardData
 
     hub_base = not is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir()
@@ -268,7 +283,8 @@ def model_card(
             f"model = AutoModelForCausalLM.from_pretrained({where!r})",
             f"tokenizer = AutoTokenizer.from_pretrained({where!r})",
             *_usage(cfg, fmt),
-            "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False,",
+            "ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,"
+            + (" enable_thinking=False," if thinking else ""),
             '                                    return_tensors="pt", return_dict=True)',
             "out = model.generate(**ids, max_new_tokens=128)",
             'print(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))',
@@ -300,7 +316,8 @@ def export_run(
     with torch.no_grad():
         model = merged_model(loaded.model, loaded.has_adapter, dtype)
     stop_on_end_of_turn(model, loaded.tokenizer)
-    card = model_card(cfg, run_dir, dtype, where=push_to_hub or str(out), lineage=loaded.lineage)
+    thinking = "enable_thinking" in (loaded.tokenizer.chat_template or "")
+    card = model_card(cfg, run_dir, dtype, push_to_hub or str(out), loaded.lineage, thinking)
     save_merged_model(model, loaded.tokenizer, out, card, loaded.lineage)
     if push_to_hub:
         push(out, push_to_hub, private)

@@ -31,6 +31,7 @@ from distft.data.formats import (
 from distft.data.mixture import data_name
 from distft.data.rows import LOCAL_SUFFIXES, load_rows, validation_rows
 from distft.data.store import CachedSplit
+from distft.data.template import EndOfTurn, check_chat_template, end_of_turn
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 from distft.tensors import document_ids  # packed rows' documents (the model layer needs it too)
 
@@ -41,17 +42,20 @@ __all__ = [
     "CachedSplit",
     "ChatFormatter",
     "ChatRow",
+    "EndOfTurn",
     "Example",
     "MeetingRow",
     "Message",
     "Row",
     "TokenCache",
     "TokenizedSplit",
+    "check_chat_template",
     "collate",
     "count_label_tokens",
     "data_name",
     "detect_format",
     "document_ids",
+    "end_of_turn",
     "global_batch_indices",
     "iter_file",
     "label_positions",

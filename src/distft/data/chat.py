@@ -1,12 +1,14 @@
-"""Rows -> Qwen3 chat tokens with label masks: only the assistant's words carry loss.
+"""Rows -> chat tokens with label masks: only the assistant's words carry loss.
 
 Every row is a conversation (`distft.data.formats.messages_of`): a meeting becomes [system],
 user = instruction + transcript, assistant = summary; a chat row is its own turns. The model's
-chat template (`tokenizer.apply_chat_template`, Qwen3's by default) renders it with a marker in
-place of each text, so the template's own tokens and each text are tokenised apart and every
-token knows where it came from. What carries loss: each assistant turn's content and its closing
-`<|im_end|>`, and with `data.enable_thinking` the think block the template opens the final answer
-with (the generation prompt then stops before it). System and user turns never carry loss.
+chat template (`tokenizer.apply_chat_template`: the model directory's own, Qwen3's for presets)
+renders it with a marker in place of each text, so the template's own tokens and each text are
+tokenised apart and every token knows where it came from. What carries loss: each assistant
+turn's content and the template's text after it up to its end-of-turn token (`<|im_end|>`,
+`<|eot_id|>`, `</s>`: read from the template, `distft.data.template`), and whatever the template
+opens an answer with beyond the generation prompt (Qwen3's think block with
+`data.enable_thinking`). System and user turns never carry loss.
 
 Truncation is a policy, counted per row: a chat drops its earliest exchanges first (never the
 last user turn or the final answer); then the longest prompt text (the transcript, a prompt,
@@ -29,16 +31,17 @@ import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from distft.config import DataConfig
 from distft.data.formats import MeetingRow, Message, Row, TextRow, messages_of
+from distft.data.template import EndOfTurn, end_of_turn, marker, opening, render
 from distft.errors import DataError
 
 IGNORE = -100
 MIN_PROMPT_TOKENS = 32  # below this, what is left of a cut prompt text is meaningless
-_SLOT = re.compile("\x00(\\d+):(\\d+)\x00")  # the marker of part j of message i
-_END = "<|im_end|>"
+_SLOT = re.compile("\x00(\\d+):(\\d+)\x00")  # the marker of part j of message i (`template.marker`)
 
 
 class RowTooLong(DataError):
@@ -68,11 +71,19 @@ class ChatFormatter:
     def __init__(self, tokenizer: Any, cfg: DataConfig):
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.end_id = tokenizer.convert_tokens_to_ids(_END)
         # The template only ever sees markers, so what it renders is a function of the chat's shape
         # (each message's role and part count): rendered, cut and tokenised once per shape.
         self._plans: dict[tuple, list[_Piece | tuple[int, int]]] = {}
         self._known: dict[str, Sequence[int]] = {}  # the texts of the rows `encode_many` is encoding
+
+    @cached_property
+    def end(self) -> EndOfTurn:
+        """The template's end-of-turn token, read once it is needed (plain text needs none)."""
+        return end_of_turn(self.tokenizer)
+
+    @property
+    def end_id(self) -> int:
+        return self.end.id
 
     # ---- rendering ----------------------------------------------------------------------------
 
@@ -88,18 +99,22 @@ class ChatFormatter:
         plan = self._plans.get(shape)
         if plan is None:
             slots = [
-                {"role": m.role, "content": "\n\n".join(f"\x00{i}:{j}\x00" for j in range(len(m.parts)))}
+                {"role": m.role, "content": "\n\n".join(marker(i, j) for j in range(len(m.parts)))}
                 for i, m in enumerate(messages)
             ]
-            text = self.tokenizer.apply_chat_template(
-                slots, tokenize=False, add_generation_prompt=generation, enable_thinking=self.cfg.enable_thinking
-            )  # fmt: skip
+            thinking = self.cfg.enable_thinking
+            text = render(self.tokenizer, slots, generation, thinking)
+            openings = {  # a generation prompt trains nothing: its answers' openings do not matter
+                i: opening(self.tokenizer, slots, i, text, thinking)
+                for i, m in enumerate(messages)
+                if m.role == "assistant" and not generation
+            }
             chunks = _SLOT.split(text)  # literal, i, j, literal, i, j, ..., literal
             plan = []
             for k in range(0, len(chunks), 3):
                 before = (int(chunks[k - 2]), int(chunks[k - 1])) if k else None
                 after = (int(chunks[k + 1]), int(chunks[k + 2])) if k + 1 < len(chunks) else None
-                plan += self._template_text(chunks[k], messages, before, after)
+                plan += self._template_text(chunks[k], messages, before, after, openings)
                 if after is not None:
                     plan.append(after)
             if len(self._plans) < 10_000:  # shapes are few; a bound all the same
@@ -117,25 +132,28 @@ class ChatFormatter:
                 answer = messages[i].role == "assistant"
                 pieces.append(_Piece(self._ids(messages[i].parts[j]), answer, None if answer else item))
         while not generation and pieces and not pieces[-1].target:
-            pieces.pop()  # the template's "\n" after the last <|im_end|> predicts nothing
+            pieces.pop()  # the template's "\n" after the last end-of-turn token predicts nothing
         return pieces
 
-    def _template_text(self, text: str, messages: list[Message], before, after) -> list[_Piece]:
-        """Template text between two message texts. Closing an answer, it starts with that answer's
-        `<|im_end|>` (a target); opening one with thinking on, it ends with the think block (a target)."""
+    def _template_text(
+        self, text: str, messages: list[Message], before, after, openings: dict[int, str]
+    ) -> list[_Piece]:
+        """Template text between two message texts. Closing an answer, it starts with the text up to
+        that answer's end-of-turn token (a target); opening one, it ends with the answer's opening
+        (a target: Qwen3's think block with thinking on)."""
         in_answer = before and after and before[0] == after[0] and messages[before[0]].role == "assistant"
         if in_answer:
             return [_Piece(self._ids(text), target=True)]
         head = ""
-        if before and messages[before[0]].role == "assistant" and _END in text:
-            cut = text.index(_END) + len(_END)
+        end = self.end.token
+        if before and messages[before[0]].role == "assistant" and end in text:
+            cut = text.index(end) + len(end)
             head, text = text[:cut], text[cut:]
-        think = ""
-        if self.cfg.enable_thinking and after and messages[after[0]].role == "assistant":
-            start = text.find("<think>", text.rfind("<|im_start|>"))
-            if start >= 0:
-                text, think = text[:start], text[start:]
-        pieces = [_Piece(self._ids(head), True), _Piece(self._ids(text)), _Piece(self._ids(think), True)]
+        start = openings.get(after[0], "") if after and after[1] == 0 else ""
+        if not text.endswith(start):  # the opening follows the end of an earlier turn: none here
+            start = ""
+        text = text[: len(text) - len(start)]
+        pieces = [_Piece(self._ids(head), True), _Piece(self._ids(text)), _Piece(self._ids(start), True)]
         return [p for p in pieces if p.ids]
 
     # ---- truncation ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from distft.data.qwen3_template import QWEN3_CHAT_TEMPLATE
+from distft.errors import ConfigError
 from distft.hub import hub_offline
 
 log = logging.getLogger(__name__)
@@ -162,18 +163,31 @@ def _load_qwen3_cache(final: str) -> PreTrainedTokenizerFast:
 
 
 def _finish(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
-    """Right padding; a model without a chat template of its own (a base checkpoint) gets Qwen3's."""
-    if not tokenizer.chat_template:
+    """Right padding, and a pad token where the model names none (Llama 3's end of text). A Qwen
+    base checkpoint without a chat template gets Qwen3's, whose tokens its vocabulary holds; any
+    other family keeps none, and a chat row is refused before launch (`distft.data.template`)."""
+    vocabulary = tokenizer.get_vocab()
+    if not tokenizer.chat_template and "<|im_start|>" in vocabulary and "<|im_end|>" in vocabulary:
         tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = "<|endoftext|>"
+        tokenizer.pad_token = "<|endoftext|>" if "<|endoftext|>" in vocabulary else tokenizer.eos_token
     tokenizer.padding_side = "right"
     return tokenizer
 
 
+def _embeds_qwen3_ids(model_dir: Path) -> bool:
+    """Whether a model directory's embeddings hold every id of the bundled Qwen3 tokenizer (a Qwen
+    checkpoint, or a preset's weights saved alone), so that tokenizer may stand in for a missing one."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and int(config.get("vocab_size") or 0) >= FIRST_ADDED_ID + len(_ADDED)
+
+
 def load_tokenizer(model_path: str | None, revision: str = "") -> PreTrainedTokenizerFast:
-    """The tokenizer of a local model directory or hub id (at `revision`); the offline build for
-    presets (None)."""
+    """The tokenizer of a local model directory or hub id (at `revision`), with its own chat
+    template; the offline build for presets (None)."""
     if model_path is None:
         return qwen3_tokenizer()
     if Path(model_path).is_dir():
@@ -181,6 +195,11 @@ def load_tokenizer(model_path: str | None, revision: str = "") -> PreTrainedToke
             Path(model_path) / "tokenizer_config.json"
         ).is_file():
             return _finish(AutoTokenizer.from_pretrained(model_path))
+        if not _embeds_qwen3_ids(Path(model_path)):  # another family's ids: Qwen3's would be nonsense
+            raise ConfigError(
+                f"{model_path} has no tokenizer files (tokenizer.json, tokenizer_config.json), and its "
+                "vocabulary is not Qwen's. Copy the tokenizer files of the checkpoint it came from into it."
+            )
         log.warning("%s has no tokenizer files; using the offline Qwen3 tokenizer", model_path)
         return qwen3_tokenizer()
     try:

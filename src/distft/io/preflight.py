@@ -15,7 +15,7 @@ from torch import nn
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.io.checkpoint import latest_checkpoint
-from distft.io.export import base_weights_written
+from distft.io.save import base_weights_written
 from distft.model import DTYPES
 
 if TYPE_CHECKING:

@@ -27,9 +27,9 @@ from distft.config import Config
 from distft.distributed import shutdown
 from distft.health.stragglers import StepArrivals
 from distft.io.checkpoint import latest_checkpoint, resume_hint, save_training_state
-from distft.io.export import save_adapter, save_full_model
 from distft.io.files import atomic_write_text
 from distft.io.lock import run_lock
+from distft.io.save import save_adapter, save_full_model
 from distft.measure.step import StepMeasurements
 from distft.model import DTYPES, causal_lm
 from distft.model.nf4 import quantization

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from distft.config import Config
-from distft.data import data_name, load_tokenizer, skipped_line, tokenized_splits
+from distft.data import check_chat_template, data_name, load_tokenizer, skipped_line, tokenized_splits
 from distft.model import is_preset
 
 
@@ -29,6 +29,7 @@ def prepare_data(cfg: Config) -> None:
     """Every row read and tokenised before launch, so a bad one is refused here; with `data.cache`
     into the token cache, which the ranks then only open (docs/data.md, "Data at scale")."""
     tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
+    check_chat_template(tokenizer, cfg.data)  # the model's own template: can it close a turn, think?
     start = time.perf_counter()
     next_line = start + 30
 

@@ -29,9 +29,9 @@ from distft.io.checkpoint import (
     resume_hint,
     set_aside_newer,
 )
-from distft.io.export import base_weights_written, save_base
 from distft.io.files import atomic_write_text
 from distft.io.lineage import run_lineage, write_lineage
+from distft.io.save import base_weights_written, save_base
 from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.model.attention import resolve_attention
@@ -130,7 +130,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     if env.is_main:
         atomic_write_text(out / "config.toml", to_toml(cfg))
         write_lineage(out, lineage)
-        if recipe is not None:  # the recipe always; the weights when small (`io.export`)
+        if recipe is not None:  # the recipe always; the weights when small (`io.save`)
             save_base(base, tokenizer, out / "base", recipe, weights=base_weights_written(cfg))
     base_ref = str((out / "base").resolve()) if is_preset(cfg.model.name) else cfg.model.name
 

@@ -1,4 +1,4 @@
-"""What a finished run exports, each directory written atomically (`distft.io.files`).
+"""What a run saves, each directory written atomically (`distft.io.files`).
 
 - `DIR/adapter/`: a standard PEFT adapter (adapter_config.json + adapter_model.safetensors) that
   `PeftModel.from_pretrained` loads in a plain Python process, whatever strategy trained it.
@@ -8,7 +8,8 @@
   tokenizer, plus its random weights for the small CPU presets, so their adapters load anywhere
   with plain peft. A real-size preset's base (8 GB for Qwen3-4B) is never written: the recipe
   rebuilds it bit for bit (`distft.model.build.rebuild_base`).
-- `distft export`'s directory: the merged model, tokenizer and model card (`distft.export`).
+- `distft export`'s directory: the merged model, tokenizer and model card (the command is
+  `distft.export`; its directory is written here, `save_merged_model`).
 """
 
 from __future__ import annotations
