@@ -93,23 +93,20 @@ class ModelSpec:
         return projection_shapes(self)
 
     def layer_tensors(self, layer: int) -> list[TensorSpec]:
-        """One decoder layer, in the order transformers registers its parameters."""
+        """One decoder layer, in the order transformers registers its parameters: attention (each
+        projection's weight, then its bias; then q/k norms), the MLP, the two norms."""
         out = []
         for name, shape in self.projection_shapes().items():
             column = name in COLUMN
             out.append(TensorSpec(f"layers.{layer}.{name}", shape, "linear", 0 if column else 1, layer, name))
-            if name in self.biased:  # registered right after its weight; split with the weight's rows
+            if name in self.biased:  # split with its weight's rows (a row projection's would be whole)
                 bias = f"layers.{layer}.{name}.bias"
                 out.append(TensorSpec(bias, shape[:1], "bias", 0 if column else None, layer, name))
-        if self.qk_norm:
-            out += [
-                TensorSpec(f"layers.{layer}.q_norm", (self.head_dim,), "qk_norm", None, layer),
-                TensorSpec(f"layers.{layer}.k_norm", (self.head_dim,), "qk_norm", None, layer),
-            ]
-        out += [
-            TensorSpec(f"layers.{layer}.input_layernorm", (self.hidden_size,), "norm", None, layer),
-            TensorSpec(f"layers.{layer}.post_attention_layernorm", (self.hidden_size,), "norm", None, layer),
-        ]
+            if name == "o_proj" and self.qk_norm:  # the last module of self_attn
+                for norm in ("q_norm", "k_norm"):
+                    out.append(TensorSpec(f"layers.{layer}.{norm}", (self.head_dim,), "qk_norm", None, layer))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out.append(TensorSpec(f"layers.{layer}.{norm}", (self.hidden_size,), "norm", None, layer))
         return out
 
     def tensors(self) -> list[TensorSpec]:
