@@ -7,9 +7,10 @@ tagged with what it is and how tensor parallelism splits it. A `Linear` weight i
 torch's convention; column-parallel projections split `out` (dim 0), row-parallel ones split `in`
 (dim 1). A bias (Qwen2's q/k/v) is (out,) and follows its weight's rows.
 
-No fact about an architecture is written here: sizes come from a transformers config (a preset's
-`Preset.to_config()`, a config.json), and what a layer holds beyond its projections (q/k norms,
-biases) from the model family (`distft.model.families`). A config of a type distft has no family
+Sizes come from a transformers config (a preset's `Preset.to_config()`, a config.json), and what a
+layer holds beyond its projections (q/k norms, biases) from the model family
+(`distft.model.families`): the only sizes written here are the few released Llama configs no
+preset mirrors (`EXTRA_SIZES`), and they too are built through the llama family's config. A config of a type distft has no family
 for is still planned as a plain dense layer (no q/k norm, no biases), named by its `model_type`.
 
 Where an architecture comes from (`resolve_model`, in this order):
@@ -227,8 +228,9 @@ def preset_spec(key: str, name: str | None = None, source: str = "preset") -> Mo
     return spec_from_config(PRESETS[key].to_config().to_dict(), name or key, source)
 
 
-@functools.cache
+@functools.cache  # specs are frozen: built once per process
 def _table() -> dict[str, ModelSpec]:
+    """Lower-cased hub id or alias -> architecture (`builtin_table`'s, shared)."""
     table = {
         p.hub_id.lower(): preset_spec(key, p.hub_id, "built-in table")
         for key, p in PRESETS.items()
