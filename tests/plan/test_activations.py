@@ -1,7 +1,8 @@
 """The activation model against the bytes autograd really saves: one process, and the real pipeline.
 
 Measured with `SavedActivations` (a saved-tensor hook; each storage counted once, parameters
-excluded) on the real forward of the `micro` preset: eager attention (the S x S scores), bf16
+excluded) on the real forward of the `micro` preset (the single-process and autocast cases on
+every family's micro preset: no q/k norms outside Qwen3, Qwen2's biases): eager attention (the S x S scores), bf16
 (fp32 norm internals beside bf16 tensors), activation checkpointing (each layer keeps its input),
 and pipeline stages: a hand-built stage (a contiguous slice of layers) run for every micro-batch
 a schedule keeps in flight (GPipe: all m; 1F1B: min(m, p - s)), and the real `pp` strategy's
@@ -25,6 +26,7 @@ from distft.plan.activations import activation_bytes
 from distft.plan.model_spec import resolve_model
 from distft.plan.setup import PRECISIONS, Parallelism, Training, rank_layers
 from tests.helpers import distft
+from tests.plan import MICROS
 
 SPEC = resolve_model("micro")
 TOLERANCE = 0.15  # the brief's bound; the model is exact on these cases (see test output)
@@ -43,11 +45,17 @@ def batch(b: int, s: int, labels: int, pad: int = 0, seed: int = 0) -> dict[str,
     return {"input_ids": ids, "attention_mask": mask, "labels": target}
 
 
-def build(method: str, dtype: str = "float32", attn: str = "sdpa", checkpointing: bool = False) -> SummaryLM:
+def build(
+    method: str,
+    dtype: str = "float32",
+    attn: str = "sdpa",
+    checkpointing: bool = False,
+    preset: str = "micro",
+) -> SummaryLM:
     cfg = load_config(
         None,
         [
-            "model.name=micro",
+            f"model.name={preset}",
             f"train.method={method}",
             f"model.dtype={dtype}",
             f"model.attn_implementation={attn}",
@@ -94,9 +102,15 @@ CASES = [  # (method, dtype, attention, checkpointing, batch, seq, labels, pad)
 ]
 
 
-@pytest.mark.parametrize("method,dtype,attn,ckpt,b,s,labels,pad", CASES)
-def test_single_process_cases(method, dtype, attn, ckpt, b, s, labels, pad):
-    model = build(method, dtype, attn, ckpt)
+# Every case on Qwen3's micro; on the other families' both methods, both dtypes and checkpointing.
+FAMILY_CASES = [(*case, "micro") for case in CASES] + [
+    (*CASES[i], preset) for preset in MICROS if preset != "micro" for i in (0, 3, 5)
+]
+
+
+@pytest.mark.parametrize("method,dtype,attn,ckpt,b,s,labels,pad,preset", FAMILY_CASES)
+def test_single_process_cases(method, dtype, attn, ckpt, b, s, labels, pad, preset):
+    model = build(method, dtype, attn, ckpt, preset)
     got = measured(model, batch(b, s, labels, pad))
     precision = PRECISIONS["fp32" if dtype == "float32" else "bf16-pure"]
     t = training(
@@ -109,9 +123,9 @@ def test_single_process_cases(method, dtype, attn, ckpt, b, s, labels, pad):
         activation_checkpointing=ckpt,
         padded=pad > 0,
     )
-    predicted = activation_bytes(SPEC, t, Parallelism("single"))
+    predicted = activation_bytes(resolve_model(preset), t, Parallelism("single"))
     want = predicted.saved
-    print(f"{method} {dtype} {attn} ckpt={ckpt} b={b} s={s}: measured {got} predicted {want}")
+    print(f"{preset} {method} {dtype} {attn} ckpt={ckpt} b={b} s={s}: measured {got} predicted {want}")
     assert abs(want - got) <= TOLERANCE * got
     # Exact on CPU for these kernels (a drift means a kernel changed what it saves), but for rotary
     # cos/sin under checkpointing: real memory, held by the checkpoint's closure, unseen by the hook.
@@ -164,16 +178,17 @@ def test_pipeline_stage_in_flight(method, schedule, m):
         assert abs(want.saved - probe.bytes) <= TOLERANCE * probe.bytes
 
 
+@pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method,b,s,labels", [("lora", 1, 256, 4), ("full", 2, 128, 4)])
-def test_bf16_autocast(method, b, s, labels):
+def test_bf16_autocast(method, b, s, labels, preset):
     """distft autocasts to bf16 on CUDA; CPU autocast casts linears the same way and stands in for it.
     Under autocast PEFT's fp32 adapters keep bf16 copies of their inputs and of their own weights."""
-    model = build(method, "bfloat16")
+    model = build(method, "bfloat16", preset=preset)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = measured(model, batch(b, s, labels))
     t = training(method, b, s, labels, precision=PRECISIONS["bf16-pure"], padded=False)
-    want = activation_bytes(SPEC, replace(t, autocast=True), Parallelism("single")).saved
-    print(f"autocast {method} b={b} s={s}: measured {got} predicted {want}")
+    want = activation_bytes(resolve_model(preset), replace(t, autocast=True), Parallelism("single")).saved
+    print(f"autocast {preset} {method} b={b} s={s}: measured {got} predicted {want}")
     assert abs(want - got) <= 0.01 * got
 
 

@@ -3,11 +3,13 @@ against what gloo ranks really moved) for the same model, batch and layout.
 
 The runtime's formulas (`distft.measure.expected`) sum the tensors a built model holds; the
 planner's (`distft.plan.traffic`) multiply shapes from a `ModelSpec`. Both are evaluated here on
-the micro model, in one process: the runtime's need only a strategy's facts, given as a namespace.
+every family's micro model (Qwen3's q/k norms, Qwen2's biases, untied Llama and Mistral), in one
+process: the runtime's need only a strategy's facts, given as a namespace.
 """
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -21,23 +23,25 @@ from distft.plan.hardware import Link
 from distft.plan.model_spec import resolve_model
 from distft.plan.setup import PRECISIONS, Parallelism, Training, rank_layers
 from distft.plan.traffic import dp_collectives, replica_collectives, tp_collectives
+from tests.plan import MICROS
 
 WORLD, RANK, SEQ, MICRO_BATCHES = 2, 5, 32, 3  # odd LoRA rank: FSDP2 pads lora_A's rows
 LINK = Link("test", "a test link", bandwidth=1e9, efficiency=1.0, latency_s=0.0)
 
 
-def _built(method: str):
-    cfg = load_config(None, ["model.name=micro", f"train.method={method}", f"lora.rank={RANK}"])
+@functools.cache  # one build per model and method: the formulas only read it
+def _built(method: str, preset: str):
+    cfg = load_config(None, [f"model.name={preset}", f"train.method={method}", f"lora.rank={RANK}"])
     torch.manual_seed(0)
     return cfg, SummaryLM(apply_method(load_base_model(cfg.model), cfg))
 
 
 def _planned(
-    method: str, layout: Parallelism, dimension: str | None = None, collectives=None
+    method: str, preset: str, layout: Parallelism, dimension: str | None = None, collectives=None
 ) -> dict[str, float]:
     """The planner's bytes of rank 0 along `dimension` (default: dp if there is one, else tp), or
     from `collectives` (HSDP's replicate dimension)."""
-    spec = resolve_model("micro")
+    spec = resolve_model(preset)
     training = Training(
         method=method, precision=PRECISIONS["fp32"], lora_rank=RANK, seq_len=SEQ, autocast=False
     )
@@ -56,61 +60,71 @@ def _batches() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": torch.zeros(1, SEQ, dtype=torch.long)} for _ in range(MICRO_BATCHES)]
 
 
+@pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_ddp_gradients(method):
-    cfg, model = _built(method)
+def test_ddp_gradients(preset, method):
+    cfg, model = _built(method, preset)
     facts = SimpleNamespace(cfg=cfg)
     runtime = expected.ddp(facts, model, _batches())["all_reduce"] - 4  # less the loss scalar
-    planned = _planned(method, Parallelism("ddp", dp=WORLD, microbatches=MICRO_BATCHES))
+    planned = _planned(method, preset, Parallelism("ddp", dp=WORLD, microbatches=MICRO_BATCHES))
     assert planned == {"all_reduce": runtime}
 
 
+@pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
 @pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
-def test_fsdp_gathers_and_scatters(method, reshard):
-    cfg, model = _built(method)
+def test_fsdp_gathers_and_scatters(preset, method, reshard):
+    cfg, model = _built(method, preset)
     facts = SimpleNamespace(cfg=cfg, env=SimpleNamespace(world_size=WORLD), reshard_after_forward=reshard)
     runtime = expected.fsdp(facts, model, _batches())
     layout = Parallelism(
         "fsdp", dp=WORLD, shard="full", reshard_after_forward=reshard, microbatches=MICRO_BATCHES
     )
-    planned = _planned(method, layout)
+    planned = _planned(method, preset, layout)
     assert planned == {"all_gather": runtime["all_gather"], "reduce_scatter": runtime["reduce_scatter"]}
 
 
+@pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_tp_activations(method):
-    cfg, model = _built(method)
+def test_tp_activations(preset, method):
+    cfg, model = _built(method, preset)
     runtime = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches())
-    planned = _planned(method, Parallelism("tp", tp=WORLD, tp_impl="dtensor", microbatches=MICRO_BATCHES))
+    planned = _planned(
+        method, preset, Parallelism("tp", tp=WORLD, tp_impl="dtensor", microbatches=MICRO_BATCHES)
+    )
     assert planned == {"all_reduce": runtime}
 
 
+@pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_zero1_all_reduce_and_broadcasts(method):
-    cfg, model = _built(method)
+def test_zero1_all_reduce_and_broadcasts(preset, method):
+    cfg, model = _built(method, preset)
     runtime = expected.zero1(SimpleNamespace(cfg=cfg), model, _batches())
-    planned = _planned(method, Parallelism("zero1", dp=WORLD, shard="optimizer", microbatches=MICRO_BATCHES))
+    planned = _planned(
+        method, preset, Parallelism("zero1", dp=WORLD, shard="optimizer", microbatches=MICRO_BATCHES)
+    )
     assert planned == {"all_reduce": runtime["all_reduce"] - 4, "broadcast": runtime["broadcast"]}
 
 
+@pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_hsdp_bytes_per_mesh_dimension(method):
+def test_hsdp_bytes_per_mesh_dimension(preset, method):
     """HSDP over 2 shard groups of 2: the shard dimension's gathers and scatters (padded to 2 rows),
     the replicate dimension's all-reduce of the gradient shards."""
-    cfg, model = _built(method)
+    cfg, model = _built(method, preset)
     runtime = expected.hsdp_by_dim(SimpleNamespace(cfg=cfg, shard=WORLD), model, _batches())
     layout = Parallelism("hsdp", dp=2 * WORLD, shard="full", dp_shard=WORLD, microbatches=MICRO_BATCHES)
-    assert _planned(method, layout) == runtime["shard"]
-    assert _planned(method, layout, collectives=replica_collectives) == runtime["replicate"]
+    assert _planned(method, preset, layout) == runtime["shard"]
+    assert _planned(method, preset, layout, collectives=replica_collectives) == runtime["replicate"]
 
 
+@pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_fsdp_pipeline_gathers_and_scatters_once_per_step(method):
+def test_fsdp_pipeline_gathers_and_scatters_once_per_step(preset, method):
     """fsdp+pp, stage 0 of 2 (the embedding, layers 0-1): its units gathered once per step and its
     trainable gradients reduce-scattered once, whatever the micro-batch count: torch's stage keeps
     the stage gathered and defers the reduction to its last backward."""
-    cfg, model = _built(method)
+    cfg, model = _built(method, preset)
     lay = Layout("1f1b", 2, 1, MICRO_BATCHES, 1)
     stage = StageModule(model.backbone, model.lm_head, lay.layers_of(0, 4), first=True, last=False)
     facts = SimpleNamespace(
@@ -127,20 +141,21 @@ def test_fsdp_pipeline_gathers_and_scatters_once_per_step(method):
     layout = Parallelism(
         "fsdp+pp", dp=WORLD, pp=2, shard="full", reshard_after_forward=False, microbatches=MICRO_BATCHES
     )
-    planned = _planned(method, layout)
+    planned = _planned(method, preset, layout)
     assert planned == {"all_gather": runtime["all_gather"], "reduce_scatter": runtime["reduce_scatter"]}
 
 
+@pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_tp_inside_a_pipeline_stage(method):
+def test_tp_inside_a_pipeline_stage(preset, method):
     """fsdp+tp+pp, stage 0 of 2: TP's all-reduces for its own two layers (rank 0's; the planner models
     rank 0), the first of which skips q, k and v's backward one under LoRA."""
-    cfg, model = _built(method)
+    cfg, model = _built(method, preset)
     runtime = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=2)
     layout = Parallelism(
         "fsdp+tp+pp", dp=2, tp=WORLD, pp=2, shard="full", tp_impl="dtensor", microbatches=MICRO_BATCHES
     )
-    assert _planned(method, layout, dimension="tp") == {"all_reduce": runtime}
+    assert _planned(method, preset, layout, dimension="tp") == {"all_reduce": runtime}
     # A later stage's input needs its gradient (it is sent back): 3 more per micro-batch with LoRA.
     later = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=2, input_needs_grad=True)
     hidden = model.backbone.config.hidden_size

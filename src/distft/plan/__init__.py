@@ -1,7 +1,8 @@
 """`distft plan`: how much GPU memory each strategy needs, what it moves, and which one to use.
 
 Imports run one way, top to bottom:
-- `model_spec`: the architecture as a list of weight tensors (presets, built-in table, config.json);
+- `model_spec`: the architecture as a list of weight tensors, from a transformers config and its
+  model family (presets, hub ids known offline, config.json);
 - `setup`: precision, what trains (`Training`) and how ranks split it (`Parallelism`, whose
   pipeline is the runtime's `distft.parallel.pipeline.Layout`);
 - `hardware`: GPU and link profiles, ring-collective volumes, `comm_time`;
@@ -86,7 +87,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="preset, hub id (Qwen/Qwen3-4B, llama-3-70b ...), directory or config.json",
+        help="preset, hub id (Qwen/Qwen3-4B, meta-llama/Llama-3.1-8B, llama-3-70b ...), directory or config.json",
     )
     p.add_argument(
         "--method", default="lora", choices=["full", "lora", "qlora"], help="what trains (default lora)"

@@ -1,9 +1,10 @@
 """Activations: what autograd saves for backward on one rank, per layer and per pipeline stage.
 
-The activation model, per Qwen3 decoder layer and micro-batch (T = batch x seq tokens, h hidden,
+The activation model, per decoder layer and micro-batch (T = batch x seq tokens, h hidden,
 I MLP width, nq/nkv query/KV heads of d, c bytes of the compute dtype, r the LoRA rank). Each
 term is a tensor autograd keeps, counted once even when several ops save it:
-- RMSNorm (input_layernorm, post_attention_layernorm, q_norm, k_norm): the fp32 upcast input
+- RMSNorm (input_layernorm, post_attention_layernorm, and Qwen3's q_norm, k_norm; the llama,
+  qwen2 and mistral families have no q/k norm, `ModelSpec.qk_norm`): the fp32 upcast input
   (4 T w) and the fp32 reciprocal RMS (4 T per row) when its input needs a gradient; with a
   trainable weight also the normalised input in the compute dtype (c T w). The norm's output is
   kept by the projections that read it when their weights (or LoRA adapters) train: c T h once.
@@ -13,6 +14,7 @@ term is a tensor autograd keeps, counted once even when several ops save it:
   the fp32 softmax (4 B nq S^2) and its compute-dtype copy (c B nq S^2 unless c = 4), repeated k
   and v, and the output's contiguous copy.
 - MLP: gate output, SiLU output, up output and their product (4 c T I).
+- biases (Qwen2's q/k/v): nothing; a bias's gradient is its output's gradient, summed over tokens.
 - LoRA: each adapted projection keeps lora_A's output (T r). lora_A's input is the projection's
   input, shared, when adapters and activations have the same dtype; PEFT casts the input to the
   adapters' fp32, so over a bf16 base each adapter keeps its own copy of its input (4 T in, or

@@ -3,8 +3,9 @@
 Five components, in bytes per rank:
 
 1. Parameters. Every weight in the model dtype (`Precision.param`: 2 for bf16). QLoRA stores
-   the projections in NF4, exactly as the runtime does (`distft.model.nf4.nf4_bytes`: torchao's
-   NF4Tensor, scales in the model dtype); embeddings, norms and lm_head stay 16-bit.
+   the projections' weights in NF4, exactly as the runtime does (`distft.model.nf4.nf4_bytes`:
+   torchao's NF4Tensor, scales in the model dtype); embeddings, norms, biases (Qwen2's q/k/v) and
+   lm_head stay 16-bit.
 2. Gradients. Trainable weights only, in `Precision.grad`: the whole model for full finetuning,
    the adapters alone for (Q)LoRA.
 3. Optimizer state. AdamW keeps two moments per trainable element (`Precision.state` bytes each)
@@ -31,8 +32,9 @@ How layouts divide the first three (`state_bytes`; `Layout` says which applies):
   (rank r: min(ceil(d0/N), d0 - r ceil(d0/N)) rows).  ZeRO-2 persists the same shards as
   ZeRO-3; the difference is a transient buffer: it keeps every layer gathered from forward to
   backward.
-- TP, TP+SP, FSDP x TP: each projection split on dim 0 (q, k, v, gate, up) or dim 1 (o, down); embeddings,
-  norms and lm_head replicated. LoRA adapters follow their base (`ModelSpec.lora_tensors`).
+- TP, TP+SP, FSDP x TP: each projection split on dim 0 (q, k, v, gate, up) or dim 1 (o, down), a
+  bias with its weight's rows; embeddings, norms and lm_head replicated. LoRA adapters follow their
+  base (`ModelSpec.lora_tensors`). FSDP2 pads each tensor on its own, biases included.
 - PP: a rank holds the layers of its stages (the runtime's `Layout.layers_of`); the rank of the
   first stage the embeddings, that of the last stage the final norm and lm_head (a tied lm_head
   is a copy of the embedding there).
@@ -64,10 +66,10 @@ def nf4_tensor_bytes(numel: int, quant: NF4Spec, itemsize: int, shards: int = 1)
 
 
 def qlora_base_bytes(spec: ModelSpec, quant: NF4Spec | None = None, unquantized_bytes: int = 2) -> int:
-    """The frozen base of a QLoRA model: projections in NF4, everything else 16-bit.
+    """The frozen base of a QLoRA model: projection weights in NF4, everything else 16-bit.
 
-    Embeddings, norms and lm_head (the embedding itself when tied) stay in `unquantized_bytes`
-    per element, the NF4 scales too (torchao keeps them in the model dtype). Adapters are not
+    Embeddings, norms, biases and lm_head (the embedding itself when tied) stay in
+    `unquantized_bytes` per element, the NF4 scales too (torchao keeps them in the model dtype). Adapters are not
     included (`state_bytes` adds them).
     """
     quant = quant or NF4Spec()

@@ -2,14 +2,22 @@
 
 The memory model needs shapes, not weights: FSDP2 pads dim 0 of each tensor separately, tensor
 parallelism splits some tensors on dim 0 and others on dim 1, and QLoRA quantizes only the
-projections. So the model is described as the list of its tensors (`TensorSpec`), each tagged
-with what it is and how tensor parallelism splits it. A `Linear` weight is (out, in) in torch's
-convention; column-parallel projections split `out` (dim 0), row-parallel ones split `in` (dim 1).
+projections' weights. So the model is described as the list of its tensors (`TensorSpec`), each
+tagged with what it is and how tensor parallelism splits it. A `Linear` weight is (out, in) in
+torch's convention; column-parallel projections split `out` (dim 0), row-parallel ones split `in`
+(dim 1). A bias (Qwen2's q/k/v) is (out,) and follows its weight's rows.
+
+Sizes come from a transformers config (a preset's `Preset.to_config()`, a config.json), and what a
+layer holds beyond its projections (q/k norms, biases) from the model family
+(`distft.model.families`): the only sizes written here are the few released Llama configs no
+preset mirrors (`EXTRA_SIZES`), and they too are built through the llama family's config. A config of a type distft has no family
+for is still planned as a plain dense layer (no q/k norm, no biases), named by its `model_type`.
 
 Where an architecture comes from (`resolve_model`, in this order):
-1. a distft preset (`distft.model.PRESETS`: micro, tiny, qwen3-0.6b ... qwen3-32b);
-2. the built-in table below, offline: hub ids of Qwen3 (mapped to the presets) and the Llama sizes
-   the blog series' examples use (Llama-2-13B, Llama-3-8B, Llama-3-70B), plus short aliases;
+1. a distft preset (`distft.model.PRESETS`: micro, tiny, llama-micro ..., qwen3-4b, llama3-8b, ...);
+2. offline, a hub id: each preset's `hub_id` and a few aliases of it (instruct variants, short
+   names), and the Llama sizes the blog series' examples use (Llama-2 7B/13B/70B, Llama-3 70B),
+   config fields of the llama family (`EXTRA_SIZES`);
 3. a local directory holding config.json (or the config.json path itself);
 4. the hub, only when online (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset): config.json alone is
    fetched; any failure becomes a one-paragraph `ConfigError`.
@@ -17,13 +25,15 @@ Where an architecture comes from (`resolve_model`, in this order):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from distft.errors import ConfigError
-from distft.model import PRESETS, QWEN3_VOCAB
+from distft.model import PRESETS
+from distft.model.families import FAMILIES
 from distft.model.nf4 import projection_shapes
 from distft.parallel import tensor_parallel
 
@@ -38,7 +48,9 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    kind: str  # "embed", "lm_head", "norm", "qk_norm", "linear" (a projection), "lora_A", "lora_B", "lora_magnitude"
+    # "embed", "lm_head", "norm", "qk_norm", "linear" (a projection's weight), "bias" (a projection's),
+    # "lora_A", "lora_B", "lora_magnitude"
+    kind: str
     tp_dim: int | None = None  # dim split by tensor parallelism (None: replicated on TP ranks)
     layer: int | None = None  # decoder layer index; None for embeddings, final norm, lm_head
     module: str = ""  # projection name for linear / LoRA tensors (q_proj, ...)
@@ -53,7 +65,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A dense decoder-only transformer (Qwen3 or Llama), as far as memory is concerned."""
+    """A dense decoder-only transformer of one family, as far as memory is concerned."""
 
     name: str
     vocab_size: int
@@ -64,8 +76,9 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     tie_word_embeddings: bool
-    qk_norm: bool = True  # Qwen3 RMS-normalises q and k per head; Llama does not
-    family: str = "qwen3"
+    qk_norm: bool = True  # q_norm / k_norm per head (`Family.qk_norm`: Qwen3's)
+    biased: tuple[str, ...] = ()  # projections with a bias (`Family.biased`: Qwen2's q, k, v)
+    family: str = "qwen3"  # the family's name (`distft.model.families`), else the config's model_type
     source: str = "preset"  # where the architecture was read from
 
     @property
@@ -81,21 +94,20 @@ class ModelSpec:
         return projection_shapes(self)
 
     def layer_tensors(self, layer: int) -> list[TensorSpec]:
-        """One decoder layer, in the order transformers registers its parameters."""
+        """One decoder layer, in the order transformers registers its parameters: attention (each
+        projection's weight, then its bias; then q/k norms), the MLP, the two norms."""
         out = []
         for name, shape in self.projection_shapes().items():
-            out.append(
-                TensorSpec(f"layers.{layer}.{name}", shape, "linear", 0 if name in COLUMN else 1, layer, name)
-            )
-        if self.qk_norm:
-            out += [
-                TensorSpec(f"layers.{layer}.q_norm", (self.head_dim,), "qk_norm", None, layer),
-                TensorSpec(f"layers.{layer}.k_norm", (self.head_dim,), "qk_norm", None, layer),
-            ]
-        out += [
-            TensorSpec(f"layers.{layer}.input_layernorm", (self.hidden_size,), "norm", None, layer),
-            TensorSpec(f"layers.{layer}.post_attention_layernorm", (self.hidden_size,), "norm", None, layer),
-        ]
+            column = name in COLUMN
+            out.append(TensorSpec(f"layers.{layer}.{name}", shape, "linear", 0 if column else 1, layer, name))
+            if name in self.biased:  # split with its weight's rows (a row projection's would be whole)
+                bias = f"layers.{layer}.{name}.bias"
+                out.append(TensorSpec(bias, shape[:1], "bias", 0 if column else None, layer, name))
+            if name == "o_proj" and self.qk_norm:  # the last module of self_attn
+                for norm in ("q_norm", "k_norm"):
+                    out.append(TensorSpec(f"layers.{layer}.{norm}", (self.head_dim,), "qk_norm", None, layer))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out.append(TensorSpec(f"layers.{layer}.{norm}", (self.hidden_size,), "norm", None, layer))
         return out
 
     def tensors(self) -> list[TensorSpec]:
@@ -154,10 +166,14 @@ class ModelSpec:
 
     def describe(self) -> str:
         tied = "tied" if self.tie_word_embeddings else "untied"
+        extras = (["q/k norm"] if self.qk_norm else []) + (
+            [f"{'/'.join(self.biased)} bias"] if self.biased else []
+        )
         return (
-            f"{self.name}: {self.num_params() / 1e9:.2f}B parameters, {self.num_layers} layers, hidden "
-            f"{self.hidden_size}, MLP {self.intermediate_size}, {self.num_heads} query / {self.num_kv_heads} KV "
-            f"heads of {self.head_dim}, vocab {self.vocab_size:,} ({tied} embeddings)"
+            f"{self.name}: {self.num_params() / 1e9:.2f}B parameters, {self.family} family, {self.num_layers} "
+            f"layers, hidden {self.hidden_size}, MLP {self.intermediate_size}, {self.num_heads} query / "
+            f"{self.num_kv_heads} KV heads of {self.head_dim}{''.join(f', {e}' for e in extras)}, vocab "
+            f"{self.vocab_size:,} ({tied} embeddings)"
         )
 
 
@@ -165,81 +181,86 @@ class ModelSpec:
 # Where architectures come from
 # ---------------------------------------------------------------------------------------------
 
-
-def _from_preset(name: str, source: str = "preset") -> ModelSpec:
-    p = PRESETS[name]
-    return ModelSpec(
-        name=name,
-        vocab_size=QWEN3_VOCAB,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_layers=p.num_hidden_layers,
-        num_heads=p.num_attention_heads,
-        num_kv_heads=p.num_key_value_heads,
-        head_dim=p.head_dim,
-        tie_word_embeddings=p.tie_word_embeddings,
-        source=source,
-    )
-
-
-def _llama(name: str, vocab: int, hidden: int, inter: int, layers: int, heads: int, kv: int) -> ModelSpec:
-    return ModelSpec(
-        name,
-        vocab,
-        hidden,
-        inter,
-        layers,
-        heads,
-        kv,
-        hidden // heads,
-        False,
-        False,
-        "llama",
-        "built-in table",
-    )
-
-
-# Released configs (config.json on the hub), copied so the planner works offline.
-LLAMA = {
-    "meta-llama/llama-2-13b-hf": _llama("meta-llama/Llama-2-13b-hf", 32_000, 5120, 13_824, 40, 40, 40),
-    "meta-llama/llama-2-7b-hf": _llama("meta-llama/Llama-2-7b-hf", 32_000, 4096, 11_008, 32, 32, 32),
-    "meta-llama/llama-2-70b-hf": _llama("meta-llama/Llama-2-70b-hf", 32_000, 8192, 28_672, 80, 64, 8),
-    "meta-llama/meta-llama-3-8b": _llama("meta-llama/Meta-Llama-3-8B", 128_256, 4096, 14_336, 32, 32, 8),
-    "meta-llama/meta-llama-3-70b": _llama("meta-llama/Meta-Llama-3-70B", 128_256, 8192, 28_672, 80, 64, 8),
-}
+# Other names of the presets' released models, offline: instruct variants share the base's shapes.
 ALIASES = {
-    "llama-2-7b": "meta-llama/llama-2-7b-hf",
-    "llama-2-13b": "meta-llama/llama-2-13b-hf",
-    "llama-2-70b": "meta-llama/llama-2-70b-hf",
-    "llama-3-8b": "meta-llama/meta-llama-3-8b",
-    "llama-3-70b": "meta-llama/meta-llama-3-70b",
-    "meta-llama/llama-3.1-8b": "meta-llama/meta-llama-3-8b",  # same shapes as Llama 3
-    "meta-llama/llama-3.1-70b": "meta-llama/meta-llama-3-70b",
-    "meta-llama/meta-llama-3-8b-instruct": "meta-llama/meta-llama-3-8b",
-    "meta-llama/meta-llama-3-70b-instruct": "meta-llama/meta-llama-3-70b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama3-8b",
+    "meta-llama/Meta-Llama-3-8B": "llama3-8b",  # Llama 3: Llama 3.1's shapes without its rope scaling
+    "meta-llama/Meta-Llama-3-8B-Instruct": "llama3-8b",
+    "llama-3-8b": "llama3-8b",
+    "llama-3.1-8b": "llama3-8b",
+    "meta-llama/Llama-3.2-3B-Instruct": "llama3.2-3b",
+    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
+    "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
 }
+
+# Released Llama sizes the planner knows beyond the presets (the blog series' examples): config
+# fields on top of the llama family's, copied from each config.json. Nothing trains them offline.
+# fmt: off
+_LLAMA2 = {"vocab_size": 32_000, "max_position_embeddings": 4096,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}}
+_LLAMA3 = {"vocab_size": 128_256, "max_position_embeddings": 8192,  # Llama 3.0: no rope scaling
+           "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}}
+_70B = {"hidden_size": 8192, "intermediate_size": 28_672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8}
+EXTRA_SIZES: dict[str, dict] = {
+    "meta-llama/Llama-2-7b-hf": {**_LLAMA2, "hidden_size": 4096, "intermediate_size": 11_008,
+                                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32},
+    "meta-llama/Llama-2-13b-hf": {**_LLAMA2, "hidden_size": 5120, "intermediate_size": 13_824,
+                                  "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40},
+    "meta-llama/Llama-2-70b-hf": {**_LLAMA2, **_70B},
+    "meta-llama/Meta-Llama-3-70B": {**_LLAMA3, **_70B},
+    # Llama 3.1: the family's own rope scaling (its default) over 128K positions.
+    "meta-llama/Llama-3.1-70B": {**_70B, "vocab_size": 128_256, "max_position_embeddings": 131_072},
+}
+# fmt: on
+EXTRA_ALIASES = {
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama-2-13b": "meta-llama/Llama-2-13b-hf",
+    "llama-2-70b": "meta-llama/Llama-2-70b-hf",
+    "llama-3-70b": "meta-llama/Meta-Llama-3-70B",
+    "meta-llama/Meta-Llama-3-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
+    "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Llama-3.1-70B",
+}
+
+
+def preset_spec(key: str, name: str | None = None, source: str = "preset") -> ModelSpec:
+    """A preset's architecture, read from the config it builds (`Preset.to_config`)."""
+    return spec_from_config(PRESETS[key].to_config().to_dict(), name or key, source)
+
+
+@functools.cache  # specs are frozen: built once per process
+def _table() -> dict[str, ModelSpec]:
+    """Lower-cased hub id or alias -> architecture (`builtin_table`'s, shared)."""
+    table = {
+        p.hub_id.lower(): preset_spec(key, p.hub_id, "built-in table")
+        for key, p in PRESETS.items()
+        if p.hub_id
+    }
+    for hub_id, fields in EXTRA_SIZES.items():
+        config = FAMILIES["llama"].build_config(**fields).to_dict()
+        table[hub_id.lower()] = spec_from_config(config, hub_id, "built-in table")
+    for alias, key in ALIASES.items():
+        spec = preset_spec(key, alias if "/" in alias else PRESETS[key].hub_id, "built-in table")
+        table[alias.lower()] = spec
+    for alias, hub_id in EXTRA_ALIASES.items():
+        table[alias.lower()] = replace(table[hub_id.lower()], name=alias if "/" in alias else hub_id)
+    return table
 
 
 def builtin_table() -> dict[str, ModelSpec]:
     """Lower-cased hub id or alias -> architecture, for every model the planner knows offline."""
-    table = {
-        p.hub_id.lower(): replace(_from_preset(key, "built-in table"), name=p.hub_id)
-        for key, p in PRESETS.items()
-        if p.hub_id
-    }
-    table.update(LLAMA)
-    table.update({alias: LLAMA[target] for alias, target in ALIASES.items()})
-    return table
+    return dict(_table())
 
 
 def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
-    """A `ModelSpec` from the fields of a transformers config.json."""
+    """A `ModelSpec` from the fields of a transformers config (`config.json`, `to_dict()`)."""
     model_type = cfg.get("model_type", "")
     if "moe" in model_type or cfg.get("num_experts") or cfg.get("num_local_experts"):
         raise ConfigError(
             f"{name} is a mixture-of-experts model ({model_type}); the planner models dense decoder-only "
-            "transformers (Qwen3, Llama) only."
+            f"transformers only (the families {', '.join(FAMILIES)})."
         )
+    family = FAMILIES.get(model_type)  # None: a dense layer with neither q/k norms nor biases
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -253,7 +274,8 @@ def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=model_type.startswith("qwen3"),
+            qk_norm=family.qk_norm if family else False,
+            biased=family.biased if family else (),
             family=model_type or "unknown",
             source=source,
         )
@@ -274,8 +296,8 @@ def _offline() -> bool:
 def resolve_model(name: str) -> ModelSpec:
     """The architecture named by `name` (preset, hub id, alias, directory or config.json)."""
     if name in PRESETS:
-        return _from_preset(name)
-    table = builtin_table()
+        return preset_spec(name)
+    table = _table()
     if name.lower() in table:
         return table[name.lower()]
     path = Path(name)
@@ -286,13 +308,13 @@ def resolve_model(name: str) -> ModelSpec:
         if not config.is_file():
             raise ConfigError(f"Model directory {name} has no config.json.")
         return spec_from_config(json.loads(config.read_text()), name, "config.json")
-    known = ", ".join(sorted([*PRESETS, *ALIASES][:20]))
     if "/" not in name or _offline():
         why = "the hub is not consulted while offline" if "/" in name else "it is not a hub id (owner/name)"
+        known = ", ".join([*PRESETS, *(a for a in [*ALIASES, *EXTRA_ALIASES] if "/" not in a)])
         raise ConfigError(
             f"Unknown model {name!r}: it is not a preset, not in the built-in table, not a directory with a "
-            f"config.json, and {why}. Known offline: {known}, and the hub ids of the Qwen3 presets "
-            "(e.g. Qwen/Qwen3-4B); or point --model at a config.json."
+            f"config.json, and {why}. Known offline: {known}, and the presets' hub ids "
+            "(e.g. Qwen/Qwen3-4B, meta-llama/Llama-3.1-8B); or point --model at a config.json."
         )
     return _fetch_config(name)
 

@@ -22,6 +22,9 @@ convention; `hardware.wire_bytes` turns them into bytes on the wire):
   and, with LoRA, small (batch, seq, r) ones per adapter, as `parallel/tensor_parallel.py` counts.
 - PP: a (batch, seq, hidden) send forward and one backward per micro-batch and stage boundary;
   full finetuning of a tied embedding adds an all-reduce of its gradient (its FSDP shard).
+Every weight counts by its shape (`ModelSpec.tensors`), the family's own included: Qwen2's q/k/v
+biases travel with DDP's and FSDP's bytes (FSDP2 pads each on its own) and, split with their
+weight's rows under TP, have complete gradients; Qwen3's q/k norms are TP's partial gradients.
 
 Groups are laid out TP innermost, then data parallel (HSDP: its shard groups inside, its replicas
 across), then pipeline; a group longer than a node crosses the inter-node link. Compute per rank: 2 FLOPs per weight per token forward (plus
