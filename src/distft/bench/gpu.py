@@ -34,9 +34,11 @@ from distft.bench.harness import BenchSettings, environment, run_strategy
 from distft.data.sample import sample_path
 from distft.errors import ConfigError
 from distft.io.files import atomic_write_text
+from distft.model import PRESETS
 
 METHODS = ("lora", "qlora", "full")
-SMALL_MODELS = ("micro", "tiny")  # what --gpu runs without a CUDA device
+# What --gpu runs without a CUDA device: the random test sizes of every family (no released model).
+SMALL_MODELS = tuple(name for name, preset in PRESETS.items() if not preset.hub_id)
 TARGET_SHAPE = {"model": "qwen3-4b", "seq_len": 2048, "micro_batch_size": 2, "global_batch_size": 8}
 GIB = 2**30
 
@@ -85,7 +87,7 @@ def check_device(settings: GpuSuiteSettings, cuda: bool) -> None:
         raise ConfigError(
             f"distft bench --gpu: no CUDA device here, and --model {settings.model} is a full-size model "
             "(a step would take hours on a CPU). Run it on a machine with a GPU, or pass a small preset "
-            f"to check the suite itself: --model {' or '.join(SMALL_MODELS)} with a short --seq-len."
+            f"to check the suite itself: --model micro or tiny (or another family's, e.g. llama-micro) with a short --seq-len."
         )
 
 

@@ -118,9 +118,9 @@ def tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
 
 
 def fsdp_tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
-    """FSDP over dp (two all-gathers and one reduce-scatter of the TP-local units per micro-batch),
-    TP over tp (`tp_activation_bytes`), the loss, the gradient norm, full finetuning's partial
-    gradients."""
+    """FSDP over dp (two all-gathers and one reduce-scatter of the TP-local units per micro-batch;
+    nothing moves over one rank), TP over tp (`tp_activation_bytes`), the loss, the gradient norm,
+    full finetuning's partial gradients."""
     dp, policy = s.dims.dp, mixed_precision(s.cfg)
     param_dtype, reduce_dtype = policy.param_dtype, policy.reduce_dtype
     gathered = sum(
@@ -132,11 +132,11 @@ def fsdp_tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, in
         if trains
     )
     activations = tp_activation_bytes(s.cfg, causal_lm(unwrap(model).lm), batches)
-    return {
+    sharded = {
         "all_gather": len(batches) * fsdp_gathers_per_microbatch(reshard_after_forward=True) * gathered,
         "reduce_scatter": len(batches) * scattered,
-        "all_reduce": activations + local_bytes(s.partial_grads) + 4 + 8,
     }
+    return {**(sharded if dp > 1 else {}), "all_reduce": activations + local_bytes(s.partial_grads) + 4 + 8}
 
 
 def megatron(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:

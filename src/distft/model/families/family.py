@@ -30,9 +30,6 @@ class Family:
     qkv_bias: bool  # q_proj, k_proj and v_proj carry a bias
     # What every checkpoint of the family shares, for the random presets (rope, eps, activation).
     defaults: dict = field(default_factory=dict)
-    # Where a real checkpoint's released chat template ends an assistant turn (for the docs and
-    # the end-of-turn check; the template itself comes from the model's directory).
-    end_of_turn: str = ""
 
     @property
     def biased(self) -> tuple[str, ...]:

@@ -28,5 +28,4 @@ FAMILY = Family(
         "attention_bias": False,
         "mlp_bias": False,
     },
-    end_of_turn="<|eot_id|>",
 )

@@ -17,5 +17,4 @@ FAMILY = Family(
         "hidden_act": "silu",
         "sliding_window": None,
     },
-    end_of_turn="</s>",
 )

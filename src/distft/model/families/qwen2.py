@@ -18,5 +18,4 @@ FAMILY = Family(
         "hidden_act": "silu",
         "use_sliding_window": False,
     },
-    end_of_turn="<|im_end|>",
 )

@@ -16,5 +16,4 @@ FAMILY = Family(
         "hidden_act": "silu",
         "attention_bias": False,
     },
-    end_of_turn="<|im_end|>",
 )
