@@ -1,4 +1,4 @@
-"""distft: finetune Qwen3 on meeting transcripts with every parallel strategy."""
+"""distft: finetune Qwen3, Llama 3, Qwen2.5 and Mistral on meeting transcripts with every parallel strategy."""
 
 import logging
 

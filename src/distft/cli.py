@@ -70,7 +70,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="finetune a model (LoRA or full) with any strategy",
-        description="Finetune Qwen3 on meeting transcripts. With no arguments: the tiny preset on the "
+        description="Finetune Qwen3, Llama 3, Qwen2.5 or Mistral on meeting transcripts. With no arguments: the tiny preset on the "
         "bundled sample meetings, on CPU, in a few minutes. Settings come from the defaults, then "
         "--config, then section.key=value overrides, then the flags below.",
     )
@@ -78,7 +78,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--config", help="TOML file with [model], [data], [lora], [optim], [train], [parallel], [output]"
     )
     p.add_argument(
-        "--model", help="preset (tiny, micro, qwen3-4b, ...), local directory, or hub id (e.g. Qwen/Qwen3-4B)"
+        "--model",
+        help="preset (tiny, micro, llama-tiny, qwen3-4b, llama3-8b, ...), local directory, or hub id (e.g. Qwen/Qwen3-4B)",
     )
     p.add_argument(
         "--method",
@@ -272,7 +273,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="distft", description="Finetune Qwen3 with every parallel strategy."
+        prog="distft",
+        description="Finetune Qwen3, Llama 3, Qwen2.5 and Mistral with every parallel strategy.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)

@@ -4,6 +4,9 @@ The CUDA path compiles the blocks (`model.compile=auto` on CUDA); here `model.co
 same code on the CPU with the `aot_eager` backend (dynamo and AOT autograd, no code generation, so
 a run takes seconds, not minutes; fsdp and the pipeline with dynamo alone, `eager`). Every rank must report compiled graphs in `ranks.json`, the
 step records and the printed lines, while the byte counter (a dispatch mode) measures every step.
+Each strategy runs another family's micro preset (tests/model/test_compile.py compiles Qwen3's), so
+the blocks of every family compile: Llama's (rope scaling, untied head), Qwen2's (q/k/v biases,
+NF4 projections with a bias), Mistral's (untied head on the last pipeline stage).
 """
 
 import json
@@ -17,14 +20,15 @@ QLORA = ["--method", "qlora", "model.quant_scaler_block_size=4"]
 
 
 @pytest.mark.parametrize(
-    ("strategy", "extra"),
+    ("strategy", "model", "extra"),
     [
-        ("ddp", ["train.max_steps=2"]),  # LoRA, against the eager single-process reference
+        ("ddp", "llama-micro", ["train.max_steps=2"]),  # LoRA, against the eager single-process reference
         # QLoRA's NF4 projections and the pipeline's stages, with dynamo alone (the `eager` backend),
         # without AOT autograd's cost (tests/model/test_compile.py takes QLoRA blocks through it)
-        ("fsdp", [*QLORA, "train.max_steps=1", "model.compile_backend=eager"]),
+        ("fsdp", "qwen2-micro", [*QLORA, "train.max_steps=1", "model.compile_backend=eager"]),
         (
             "pp",
+            "mistral-micro",
             [
                 "parallel.schedule=1f1b",
                 "parallel.microbatches=2",
@@ -34,11 +38,10 @@ QLORA = ["--method", "qlora", "model.quant_scaler_block_size=4"]
         ),
     ],
 )
-def test_compiled_layers_run_on_every_rank(strategy, extra, reference, tmp_path):
+def test_compiled_layers_run_on_every_rank(strategy, model, extra, tmp_path):
     out = tmp_path / strategy
-    proc = distft(
-        "train", "--strategy", strategy, "--nproc", "2", *PARITY, *COMPILED, *extra, "--out", str(out)
-    )
+    settings = [*PARITY, "--model", model, *COMPILED, *extra]  # the last --model wins
+    proc = distft("train", "--strategy", strategy, "--nproc", "2", *settings, "--out", str(out))
 
     ranks = json.loads((out / "ranks.json").read_text())
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -51,8 +54,10 @@ def test_compiled_layers_run_on_every_rank(strategy, extra, reference, tmp_path)
     assert "decoder layers to compile with " in proc.stdout  # the header's promise
     assert "compiled decoder layers:" in proc.stdout  # what step 1 compiled
     assert "rank 1: " in proc.stdout and "no graph compiled" not in proc.stdout
-    if strategy == "ddp":  # bucketed rows, per-document attention: the reference's first two steps
-        for got, want in zip(records, metrics(reference)[:2], strict=True):
+    if strategy == "ddp":  # bucketed rows, per-document attention: an eager single process's two steps
+        reference = tmp_path / "eager"
+        distft("train", *PARITY, "--model", model, "train.max_steps=2", "--out", str(reference))
+        for got, want in zip(records, metrics(reference), strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 

@@ -1,6 +1,7 @@
-"""Qwen3 models: the preset table, building or loading a base, the method (LoRA/QLoRA/full), the loss head.
+"""Models: the families, the preset table, building or loading a base, the method (LoRA/QLoRA/full), the loss head.
 
-`presets` is the only architecture table; `build` makes the base and applies the method; `lm` is
+`families` says what each architecture family's decoder layer holds (Qwen3, Llama, Qwen2.5,
+Mistral); `presets` is the only architecture table; `build` makes the base and applies the method; `lm` is
 the loss head every strategy wraps; `nf4` stores QLoRA's frozen base in 4 bits.
 """
 

@@ -1,4 +1,4 @@
-"""Compiled decoder blocks: `torch.compile` per Qwen3 decoder layer, as torchtitan and torchtune do.
+"""Compiled decoder blocks: `torch.compile` per decoder layer (every family's), as torchtitan and torchtune do.
 
 Compiling each block rather than the whole model keeps compile time to one block's graph (every
 layer has the same shapes, so the compiled code is reused), leaves the embeddings, the loss head

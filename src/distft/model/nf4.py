@@ -273,7 +273,7 @@ def nf4_gather_bytes(p: torch.Tensor, shards: int) -> int:
 
 
 def projection_shapes(model_config: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each decoder projection of a Qwen3 architecture (torch's Linear convention)."""
+    """(out, in) of each decoder projection (every family's; torch's Linear convention)."""
     c = model_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
