@@ -30,11 +30,11 @@ from tests.helpers import adapter, assert_same_training, distft, metrics, run_cl
 
 WORLD = 2
 STRATEGIES = ["ddp", "zero1", "fsdp", "zero2", "tp", "tp-sp"]
-# 4 steps, a checkpoint after step 2; dropout on, so a resume that failed to restore any rank's
-# RNG would draw other dropout masks and show in the losses.
+# 3 steps, a checkpoint after step 2 (the last step writes none); dropout on, so a resume that
+# failed to restore any rank's RNG would draw other dropout masks and show in the losses.
 RUN = [
     "model.name=micro",
-    "train.max_steps=4",
+    "train.max_steps=3",
     "train.global_batch_size=4",
     "train.micro_batch_size=1",
     "train.eval_every=0",
@@ -53,7 +53,7 @@ NO_DROPOUT = ["lora.dropout=0.0"]
 
 
 def crash_after_step_2(full: Path, crashed: Path) -> None:
-    """What a crash during step 3 or 4 leaves: the run dir with everything after step 2 gone."""
+    """What a crash during step 3 leaves: the run dir with everything after step 2 gone."""
     shutil.copytree(full, crashed, ignore=shutil.ignore_patterns("adapter"))
     truncate_metrics(crashed / "metrics.jsonl", 2)
 
@@ -120,7 +120,7 @@ def test_resume_is_exact(runs, strategy):
     full, resumed = runs / strategy / "full", runs / strategy / "crashed"
     assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-000002"]
     got, want = metrics(resumed), metrics(full)
-    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert [m["step"] for m in got] == [1, 2, 3]
     assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in want]
     a, b = adapter(resumed), adapter(full)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
@@ -162,7 +162,7 @@ def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(runs, tmp_p
 
 def test_hung_rank_fails_within_the_timeout_naming_rank_and_operation(tmp_path):
     proc = run_cli(
-        "train", "--strategy", "ddp", "--nproc", "2", *RUN, "train.max_steps=3", "output.checkpoint_every=0",
+        "train", "--strategy", "ddp", "--nproc", "2", *RUN, "output.checkpoint_every=0",
         "parallel.timeout_s=3", "--out", str(tmp_path / "hung"),
         "train.straggler_window=0",  # else the peer waits in the arrival all-reduce before step 2
         env={"DISTFT_FAULT_HANG_AT_STEP": "2", "DISTFT_FAULT_HANG_S": "300"}, timeout=240,
@@ -178,7 +178,7 @@ def test_hung_rank_fails_within_the_timeout_naming_rank_and_operation(tmp_path):
 
 # ---- a diverged step: stop before the update (or skip it); the checkpoint stays good ----------
 
-SINGLE = [*RUN, "train.micro_batch_size=2"]
+SINGLE = [*RUN, "train.micro_batch_size=2", "train.max_steps=4"]
 
 
 def test_nonfinite_step_stops_then_resumes_and_skips(tmp_path, monkeypatch, capsys):

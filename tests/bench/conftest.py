@@ -1,0 +1,32 @@
+"""The bench's training runs, forked from the test server instead of started as new interpreters.
+
+`distft bench` starts each `distft train` as a fresh `python -m distft.cli` (`harness.run_train`):
+what a user measures includes the interpreter's start. The tests check the bench's machinery, not
+that start, and a fresh interpreter costs ~5 s of CPU on the suite's 2 cores, so here the same
+command runs forked from the server that imported distft once (`tests.helpers.run_cli`), with
+the same arguments, environment and exit code. `tests/bench/test_startup.py` keeps real starts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from distft.bench import harness
+from tests.helpers import run_cli
+
+
+def _forked_run(cmd, *args, env=None, **kwargs):
+    if list(cmd[:3]) != [sys.executable, "-m", "distft.cli"]:
+        return subprocess.run(cmd, *args, env=env, **kwargs)
+    return run_cli(*cmd[3:], env=env, timeout=600)
+
+
+@pytest.fixture(autouse=True)
+def forked_training_runs(request, monkeypatch):
+    if request.module.__name__.endswith("test_startup"):
+        return
+    monkeypatch.setattr(harness, "subprocess", SimpleNamespace(run=_forked_run))  # the harness's only
