@@ -66,17 +66,24 @@ RUNS = [(s, s, RUN) for s in STRATEGIES] + [
 ]
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+def _shared_port(path: Path, rank: int) -> int:
+    """A free port for the next run, picked by rank 0 just before it binds it and read by the
+    others from `path`: picked all at once up front, a port can be taken by another test's process
+    in the minute before its run binds it (EADDRINUSE)."""
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(str(port))
+        path.with_suffix(".tmp").rename(path)  # whole, or not there
+        return port
+    while not path.exists():
+        time.sleep(0.05)
+    return int(path.read_text())
 
 
-def _train_and_resume(rank: int, world: int, ports: list[int], root: str) -> None:
+def _train_and_resume(rank: int, world: int, root: str) -> None:
     """Each strategy: an uninterrupted run, then a resume of its crashed copy (same processes)."""
     from distft.train import train
 
@@ -97,9 +104,10 @@ def _train_and_resume(rank: int, world: int, ports: list[int], root: str) -> Non
                     time.sleep(0.05)
             # As torchrun would set them; `train` joins the group and leaves it at the end. A new
             # port each time: a rank done early would otherwise meet the last run's store.
+            port = _shared_port(out.parent / f"{out.name}.port", rank)
             os.environ.update(
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(ports.pop()),
+                MASTER_PORT=str(port),
                 RANK=str(rank),
                 WORLD_SIZE=str(world),
                 LOCAL_RANK=str(rank),
@@ -110,7 +118,7 @@ def _train_and_resume(rank: int, world: int, ports: list[int], root: str) -> Non
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("strategies")
-    mp.spawn(_train_and_resume, args=(WORLD, _free_ports(2 * len(RUNS)), str(root)), nprocs=WORLD, join=True)
+    mp.spawn(_train_and_resume, args=(WORLD, str(root)), nprocs=WORLD, join=True)
     return root
 
 
