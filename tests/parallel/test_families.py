@@ -15,8 +15,8 @@ columns, and no q/k norms in the tensor-parallel plans.
 
 Which pairs run (`PAIRS`): each family through the strategies whose own code meets what sets it
 apart from Qwen3: the hand-written Megatron layers (`tp-sp`) for all three; an untied head in
-FSDP's root unit (`fsdp`) and on the last pipeline stage (`pp`) for llama and mistral; q/k/v
-biases through the DTensor plan (`tp`) for qwen2. The other strategies are compositions of these
+FSDP's root unit (`fsdp`) and on the last pipeline stage (`pp`) for llama (mistral's layer is
+llama's without the rope scaling); q/k/v biases through the DTensor plan (`tp`) for qwen2. The other strategies are compositions of these
 pieces with family-blind collectives, run on Qwen3 in the other files. Every family through every
 registered strategy passes too (36 launches, about 2 minutes on two cores), but does not fit the
 suite's 10-minute budget: widen `PAIRS` to run it.
