@@ -5,8 +5,8 @@ which projections (and which of them carry a bias), whether q and k are RMS-norm
 whether long sequences meet a sliding window, and the config class random presets are built
 from. Everything that depends on the architecture reads it from here: the presets
 (`distft.model.presets`), the runtime's checks before launch, the tensor-parallel plans (q/k norms
-are partial-gradient parameters), the hand-written Megatron layers (biases, q/k norms), the
-planner's tensor list (`distft.plan.model_spec`) and the exporter.
+are partial-gradient parameters), the hand-written Megatron layers (biases, q/k norms) and the
+planner's tensor list (`distft.plan.model_spec`).
 
 What the four families differ in (every other piece, RMSNorm, SwiGLU MLP, rotary embeddings,
 grouped KV heads, is shared):
@@ -19,7 +19,7 @@ grouped KV heads, is shared):
 | mistral | no       | no         | no                   | theta 1e6 (v0.3)       | 4096 in v0.1, none in v0.3 |
 
 A fifth family is one file here (its `Family`) and one line in `FAMILIES`; docs/architecture.md
-walks through it, and tests/model/test_families.py fails for a family without parity coverage.
+walks through it, and tests/parallel/test_families.py fails for a family without parity coverage.
 """
 
 from __future__ import annotations
