@@ -19,8 +19,11 @@ length is symbolic from the first graph, no static-then-dynamic pair), and packe
 to a multiple of `SEQUENCE_BUCKET` tokens, at least two (`distft.data.batches.pack`): guards on
 the length's alignment hold for every row, and the block mask never has a tile dimension of size
 1, which dynamo would specialise. What remains is an enumerable set of variants: train and
-evaluation (grad mode) x several documents or one (a block mask or none) x the first layer or the
-rest (the first one's input needs no grad under LoRA): 6. On the CPU, where FlexAttention has no
+evaluation (grad mode) x several documents or one (a block mask or none): 4. Under LoRA the
+embedding is frozen, so the first layer's input would need no grad and every later layer's would:
+two graphs of every block, and on CUDA a second inductor compile in step 1. The embedding's output
+is marked as requiring grad instead (`_one_graph_for_every_layer`), which costs the first layer's
+input gradient (about 1/L of backward's input-gradient work) and saves that whole compile. On the CPU, where FlexAttention has no
 backward, training attention runs eagerly between graphs; the frames resumed after it repeat the
 same variants once more. The limit is raised to `RECOMPILE_LIMIT` to hold that with room; the
 tests drive every variant under `fail_on_recompile_limit_hit` and check new lengths compile nothing.
@@ -159,6 +162,13 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", strict: bool = F
     stats = CompileStats()
     fallback = FallbackBackend(backend, strict, stats)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    for layer in causal_lm(model).model.layers:
+    backbone = causal_lm(model).model
+    backbone.embed_tokens.register_forward_hook(_input_requires_grad)
+    for layer in backbone.layers:
         layer.compile(backend=fallback, dynamic=True)
     return stats
+
+
+def _input_requires_grad(module, args, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
