@@ -42,9 +42,11 @@ PARITY = [
 ]  # fmt: skip
 
 
-def distft(*args: str, timeout: int = 300, env: dict | None = None, fresh: bool = False):
+def distft(
+    *args: str, timeout: int = 300, env: dict | None = None, fresh: bool = False, cwd: Path | None = None
+):
     """`run_cli`, failing the test on a non-zero exit code."""
-    proc = run_cli(*args, timeout=timeout, env=env, fresh=fresh)
+    proc = run_cli(*args, timeout=timeout, env=env, fresh=fresh, cwd=cwd)
     if proc.returncode != 0:
         raise AssertionError(
             f"distft {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -53,20 +55,20 @@ def distft(*args: str, timeout: int = 300, env: dict | None = None, fresh: bool 
 
 
 def run_cli(
-    *args: str, timeout: int = 300, env: dict | None = None, fresh: bool = False
+    *args: str, timeout: int = 300, env: dict | None = None, fresh: bool = False, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """`distft ARGS` as a user runs it, in a process of its own, its output captured: forked from a
-    server that imported distft once, or with `fresh`, a new interpreter (for what a user sees from
-    start to end). A Python start with torch, transformers and peft costs ~5 s of CPU, and the suite
+    """`distft ARGS` as a user runs it, in a process of its own (in `cwd` if given), its output
+    captured: forked from a server that imported distft once, or with `fresh`, a new interpreter
+    (for what a user sees from start to end). A Python start with torch, transformers and peft costs ~5 s of CPU, and the suite
     runs hundreds of commands on 2 cores. A multi-process `distft train` forks its ranks from that
     process, as it does on any CPU (`distft.launch`)."""
     run_env = _environment(env)
     if fresh:
         cmd = [str(Path(sys.executable).parent / "distft"), *args]  # the console script users run
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=cwd)
     with tempfile.TemporaryDirectory(prefix="distft-run-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = _fork(_run_cli, list(args), run_env, str(out), str(err))
+        proc = _fork(_run_cli, list(args), run_env, str(out), str(err), str(cwd or Path.cwd()))
         proc.join(timeout)
         if proc.exitcode is None:
             stacks = _stop_hung(proc)
@@ -138,8 +140,10 @@ def _call(fn: Callable[..., Any], args: tuple, send) -> None:
         send.send((False, traceback.format_exc()))
 
 
-def _run_cli(args: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
-    """In the forked process: the environment, descriptors 1 and 2 on the files, then the CLI."""
+def _run_cli(args: list[str], env: dict[str, str], stdout: str, stderr: str, cwd: str | None = None) -> None:
+    """In the forked process: the environment, the directory, descriptors 1 and 2 on the files, then the CLI."""
+    if cwd:
+        os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, stdout), (2, stderr)):

@@ -74,7 +74,7 @@ def check_stopped(out: Path, code: int, stdout: str, stderr: str, sig_name: str,
 
 def resume_to_the_end(out: Path, step: int, *args: str) -> None:
     """`distft train --resume OUT` continues at step + 1 and finishes (two more steps)."""
-    proc = distft("train", "--resume", str(out), "--max-steps", str(step + 2), *args, fresh=True)
+    proc = distft("train", "--resume", str(out), "--max-steps", str(step + 2), *args)
     assert f"resuming from {out / 'checkpoints' / f'step-{step:06d}'} (step {step})" in proc.stdout
     assert [m["step"] for m in metrics(out)] == list(range(1, step + 3))
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
