@@ -2,7 +2,13 @@
 
 import pytest
 
-from distft.data.tokenizer import QWEN3_SPECIAL_TOKENS, build_qwen3_tokenizer, load_tokenizer, qwen3_tokenizer
+from distft.data.tokenizer import (
+    QWEN3_SPECIAL_TOKENS,
+    build_qwen3_tokenizer,
+    load_tokenizer,
+    qwen3_tokenizer,
+    save_tokenizer,
+)
 
 
 @pytest.mark.parametrize(
@@ -101,3 +107,14 @@ def test_load_tokenizer_from_a_saved_directory(tokenizer, tmp_path):
     again = load_tokenizer(str(tmp_path))
     assert again.encode("Hello world") == [9707, 1879]
     assert again.pad_token_id == 151643
+
+
+def test_saved_from_the_cache_are_the_bytes_save_pretrained_writes(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTFT_CACHE", str(tmp_path / "cache"))
+    tokenizer.save_pretrained(tmp_path / "plain")
+    for out in ("first", "again"):  # written into the cache, then copied from it
+        save_tokenizer(tokenizer, tmp_path / out)
+        names = sorted(p.name for p in (tmp_path / "plain").iterdir())
+        assert sorted(p.name for p in (tmp_path / out).iterdir()) == names
+        assert all((tmp_path / out / n).read_bytes() == (tmp_path / "plain" / n).read_bytes() for n in names)
+    assert len(list((tmp_path / "cache" / "saved-tokenizers").iterdir())) == 1  # no temporary left

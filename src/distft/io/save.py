@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from distft.config import Config
+from distft.data.tokenizer import save_tokenizer
 from distft.io.files import atomic_directory
 from distft.io.lineage import write_lineage
 from distft.model.build import RECIPE_FILE
@@ -70,7 +71,7 @@ def save_full_model(
     with atomic_directory(out) as tmp:
         lm.save_pretrained(str(tmp), state_dict=state)
         if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
+            save_tokenizer(tokenizer, tmp)
         write_lineage(tmp, lineage)
 
 
@@ -87,7 +88,7 @@ def save_base(lm: nn.Module, tokenizer: object, out: Path, recipe: dict, weights
     with atomic_directory(out) as tmp:
         if weights:
             lm.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, tmp)
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
 
 
@@ -99,6 +100,6 @@ def save_merged_model(
     `lineage.json` (so a run on the export still says it started random)."""
     with atomic_directory(out) as tmp:
         lm.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, tmp)
         (tmp / "README.md").write_text(card, encoding="utf-8")
         write_lineage(tmp, lineage)
