@@ -1,30 +1,29 @@
-"""Model families through the strategies: the same training as one process, and a resume.
+"""Model families through every strategy: the same training as one process, and a resume.
 
 For each family's micro preset (Qwen3's `micro` is covered strategy by strategy in the other files
-of this folder), the single-process reference trains 2 steps and checkpoints step 1. Then a
-strategy, on real gloo groups, resumes a copy of that run from its step-1 checkpoint
+of this folder), the single-process reference trains 2 steps and checkpoints step 1. Then every
+registered strategy, on real gloo groups, resumes a copy of that run from its step-1 checkpoint
 and trains step 2: its loss, gradient norm and exported adapter must equal the reference's
 (`assert_same_training`), and its collectives must move exactly the bytes of the strategy's
 formula (`comm_bytes_expected`). One launch per pair thus proves three things for the family: the
 strategy loads a checkpoint into its own layout (DCP reshards the single process's state), trains
 a step like one process (Adam's second step, which moves each adapter element by its own gradient
-history), and moves the bytes predicted. What the families make different, each exercised here:
-untied heads (llama, mistral) in FSDP's root unit and on the last pipeline stage, Llama 3.1's
-rope scaling in every stage and in the Megatron layers, Qwen2's q/k/v biases sharded with their
-columns, and no q/k norms in the tensor-parallel plans.
+history), and moves the bytes predicted. What the families make different meets the strategies'
+own code: untied heads (llama, mistral) in FSDP's root unit, the tensor-parallel vocabulary split
+and the last pipeline stage; Llama 3.1's rope scaling in every stage and in the Megatron layers;
+Qwen2's q/k/v biases sharded with their columns; no q/k norms in the tensor-parallel plans.
 
-Which pairs run (`PAIRS`): each family through the strategies whose own code meets what sets it
-apart from Qwen3: the hand-written Megatron layers (`tp-sp`) for all three; an untied head in
-FSDP's root unit (`fsdp`) and on the last pipeline stage (`pp`) for llama (mistral's layer is
-llama's without the rope scaling); q/k/v biases through the DTensor plan (`tp`) for qwen2. The other strategies are compositions of these
-pieces with family-blind collectives, run on Qwen3 in the other files. Every family through every
-registered strategy passes too (36 launches, about 2 minutes on two cores), but does not fit the
-suite's 10-minute budget: widen `PAIRS` to run it.
+`PAIRS` is every family x every registered strategy with LoRA, on the fewest ranks each layout
+runs on (2; 4 where two dimensions must each be 2). `METHOD_PAIRS` adds full finetuning (every
+weight trains: the untied head, the biases; compared by loss, gradient norm and the evaluation
+loss after the step's update) and QLoRA (NF4 base weights resharded by DCP) where the family's
+difference meets the method.
 """
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -39,13 +38,6 @@ FAMILY_PRESETS = {
     "llama": "llama-micro",
     "qwen2": "qwen2-micro",
     "mistral": "mistral-micro",
-}
-UNDER_TEST = [name for family, name in FAMILY_PRESETS.items() if family != "qwen3"]
-# Where each family's differences meet a strategy's own code (the module docstring says which).
-WHERE_IT_DIFFERS = {
-    "llama": ("fsdp", "tp-sp", "pp"),
-    "qwen2": ("tp-sp", "tp"),
-    "mistral": ("fsdp", "tp-sp", "pp"),
 }
 # The 2-D and 3-D layouts on the fewest ranks that are not a 1-D strategy (4 where both
 # dimensions must be 2; fsdp+tp runs on one FSDP rank, as test_fsdp_pp's 3D case does).
@@ -69,44 +61,79 @@ SETTINGS = [
 ]
 
 
-PAIRS = [(FAMILY_PRESETS[family], s) for family, strategies in WHERE_IT_DIFFERS.items() for s in strategies]
+PAIRS = [(FAMILY_PRESETS[f], s) for f in FAMILY_PRESETS if f != "qwen3" for s in STRATEGIES if s != "single"]
+# (preset, method, strategy): each family's trained head or biases, and its NF4 base, where a
+# strategy shards them its own way.
+METHOD_PAIRS = [
+    ("llama-micro", "full", "fsdp"),  # the untied head in FSDP's root unit, trained
+    ("llama-micro", "full", "pp"),  # the untied head on the last stage, the embedding on the first
+    ("qwen2-micro", "full", "tp-sp"),  # q/k/v biases trained, split with their Megatron columns
+    ("mistral-micro", "full", "tp"),  # the untied head's vocabulary split by the DTensor plan
+    ("llama-micro", "qlora", "fsdp"),  # NF4 projections (no q/k norms) sharded by fully_shard
+    ("qwen2-micro", "qlora", "fsdp+pp"),  # NF4 beside fp32 biases, per stage and FSDP unit
+]
 
 
 def test_every_family_and_strategy_has_parity_coverage():
-    """A new family (or strategy) fails here until it has a preset in this file's parity runs and
-    the strategies where it differs."""
+    """A new family (or strategy) fails here until it has a preset in this file's parity runs."""
     assert set(FAMILY_PRESETS) == set(FAMILIES)
     assert all(PRESETS[name].family == family for family, name in FAMILY_PRESETS.items())
     assert set(NPROC) == set(STRATEGIES) - {"single"}
-    assert set(WHERE_IT_DIFFERS) == set(FAMILIES) - {"qwen3"}
-    assert all("tp-sp" in strategies for strategies in WHERE_IT_DIFFERS.values())  # hand-written layers
+    others = [
+        name for family, name in FAMILY_PRESETS.items() if family != "qwen3"
+    ]  # Qwen3: a file per strategy
+    for name in others:
+        assert {s for m, s in PAIRS if m == name} == set(NPROC), name
+        assert "full" in {method for m, method, _ in METHOD_PAIRS if m == name}, name
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The single-process run of each family (2 steps, a checkpoint after step 1), trained on first use."""
+    """The single-process run of each family and method (2 steps, a checkpoint after step 1),
+    trained on first use."""
     runs = {}
 
-    def reference(model: str):
-        if model not in runs:
-            runs[model] = tmp_path_factory.mktemp(f"{model}-single")
-            distft("train", "--model", model, *SETTINGS, "--checkpoint-every", "1", "--out", str(runs[model]))
-        return runs[model]
+    def reference(model: str, method: str = "lora"):
+        if (model, method) not in runs:
+            runs[model, method] = tmp_path_factory.mktemp(f"{model}-{method}-single")
+            distft("train", "--model", model, "--method", method, *SETTINGS, *METHOD_SETTINGS[method],
+                   "--checkpoint-every", "1", "--out", str(runs[model, method]))  # fmt: skip
+        return runs[model, method]
 
     return reference
+
+
+METHOD_SETTINGS = {"lora": [], "full": [], "qlora": ["model.quant_scaler_block_size=4"]}
+
+
+def resume_step_2(reference: Path, out: Path, strategy: str) -> list[dict]:
+    """The run as a crash during step 2 leaves it (step 1's checkpoint and record, no adapter),
+    resumed under `strategy`; its step records."""
+    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("adapter"))
+    (out / "metrics.jsonl").write_text((reference / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    layout = ["--strategy", strategy, "--nproc", str(NPROC[strategy]), *LAYOUTS.get(strategy, [])]
+    proc = distft("train", "--resume", str(out), *layout)
+    assert "resuming from" in proc.stdout and "(step 1)" in proc.stdout
+    records = metrics(out)
+    assert records[1]["comm_bytes"] == records[1]["comm_bytes_expected"]
+    return records
 
 
 @pytest.mark.parametrize(("model", "strategy"), PAIRS)
 def test_resumes_and_trains_like_one_process(model, strategy, references, tmp_path):
     reference = references(model)
-    # The run as a crash during step 2 leaves it: step 1's checkpoint and record, no adapter.
-    out = tmp_path / "run"
-    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("adapter"))
-    (out / "metrics.jsonl").write_text((reference / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    resume_step_2(reference, tmp_path / "run", strategy)
+    assert_same_training(tmp_path / "run", reference)
 
-    layout = ["--strategy", strategy, "--nproc", str(NPROC[strategy]), *LAYOUTS.get(strategy, [])]
-    proc = distft("train", "--resume", str(out), *layout)
-    assert "resuming from" in proc.stdout and "(step 1)" in proc.stdout
-    assert_same_training(out, reference)
-    step_2 = metrics(out)[1]
-    assert step_2["comm_bytes"] == step_2["comm_bytes_expected"]
+
+@pytest.mark.parametrize(("model", "method", "strategy"), METHOD_PAIRS)
+def test_full_finetuning_and_qlora_train_like_one_process(model, method, strategy, references, tmp_path):
+    reference = references(model, method)
+    got = resume_step_2(reference, tmp_path / "run", strategy)
+    if method == "qlora":
+        assert_same_training(tmp_path / "run", reference)
+        return
+    # Full finetuning exports no adapter: step 2's loss and gradient norm, and the evaluation after
+    # its update, stand for every weight.
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert got[1][key] == pytest.approx(metrics(reference)[1][key], rel=1e-5), key
