@@ -1,11 +1,12 @@
-"""Model FLOPs per token against a hand count for `micro`, and a device name matched to its peak."""
+"""Model FLOPs per token against a hand count for `micro`, a device name matched to its peak, and
+the parts a predicted step time adds up from."""
 
 import pytest
 import torch
 
 from distft.config import load_config
 from distft.data.chat import IGNORE, Example
-from distft.measure.flops import ModelFlops, peak_flops
+from distft.measure.flops import ModelFlops, StepTime, peak_flops
 from distft.measure.gpus import gpu_for_device_name
 from distft.model import apply_method, load_base_model
 
@@ -36,6 +37,21 @@ def test_full_finetuning_is_6n_everywhere():
     flops = ModelFlops.from_model(micro("full"))
     assert (flops.frozen, flops.trainable, flops.head_trains) == (0, LAYERS * LAYER, True)
     assert flops.sequence(10, 10) == 10 * 6 * LAYERS * LAYER + 10 * 6 * HEAD + 6 * LAYERS * ATTN * 100
+
+
+def test_checkpointing_recomputes_the_layers_forward():
+    flops = ModelFlops.from_model(micro("full"))
+    assert flops.recompute(10) == 2 * 10 * LAYERS * LAYER + 2 * LAYERS * ATTN * 100
+    assert flops.layers_flops(10) + flops.head_flops(4) == flops.sequence(10, 4)
+
+
+def test_step_time_adds_compute_the_bubble_and_exposed_communication():
+    t = StepTime(compute_s=1.0, idle_fraction=0.2, blocking_s=0.1, overlapped_s=1.5, flops=100.0)
+    # The bubble is 0.2 of the step: 1.0 x 0.2 / 0.8; of the overlapped 1.5 s, 0.5 outlasts compute.
+    assert (t.bubble_s, t.exposed_comm_s) == (pytest.approx(0.25), pytest.approx(0.6))
+    assert t.seconds == pytest.approx(1.85)
+    # A step of half the FLOPs: compute and its bubble halve, the bytes (and their time) do not.
+    assert t.for_flops(50.0) == pytest.approx(0.5 + 0.125 + 0.1 + (1.5 - 0.5))
 
 
 def test_a_step_sums_its_sequences():

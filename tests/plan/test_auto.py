@@ -1,6 +1,7 @@
 """The planner on a training config (`distft.plan.auto`): `--strategy auto` resolves to a strategy
 the runtime runs and says why; `--dry-run` checks, prints the batch and the plan's estimate, and
-writes nothing; a run records the prediction beside what it measured (one real 2-process launch)."""
+writes nothing; a run records the prediction beside what it measured (memory, bytes and, in every
+step record, the step time: null on the CPU, which has no bf16 peak; one real 2-process launch)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 from distft.cli import build_parser, config_from_args, main
 from distft.parallel import STRATEGIES, check_config
 from distft.plan import predict
-from tests.helpers import distft
+from tests.helpers import distft, metrics
 
 SHORT = [
     "train.max_steps=1", "train.eval_every=0", "train.eval_batches=1", "data.max_length=256",
@@ -37,6 +38,8 @@ def test_prediction_is_the_layout_the_runtime_builds():
     assert p["layout"] == "FSDP x PP on 4 processes"
     assert p["peak_mem_bytes"] == sum(p["by_component"].values()) > 0
     assert p["comm_bytes"]["send"] > 0  # the pipeline's activations cross stages
+    # On the CPU there is no bf16 peak: no step time, and why.
+    assert p["step_time"] is None and p["step_time_note"] == "no bf16 peak for cpu"
 
 
 def test_dry_run_checks_and_estimates_and_writes_nothing(tmp_path, capsys):
@@ -63,6 +66,9 @@ def test_auto_run_records_predicted_beside_measured(tmp_path):
         "peak memory per process: predicted" in proc.stdout and "measured: unavailable on CPU" in proc.stdout
     )
     assert "collectives per process, step 1: predicted" in proc.stdout
+    assert "step time: predicted n/a (no bf16 peak for cpu), measured" in proc.stdout
+    for record in metrics(out):  # every step: the measured time, and the prediction (none on CPU)
+        assert record["step_time_s"] > 0 and record["step_time_predicted_s"] is None
     ranks = json.loads((out / "ranks.json").read_text())
     for r in ranks:
         assert r["memory"]["predicted_peak_bytes"] > 0 and r["memory"]["measured"] == "unavailable on CPU"

@@ -1,14 +1,17 @@
-"""Every record carries model FLOPs per token and MFU; the first, the start-up time; the header says why MFU is null."""
+"""Every record carries model FLOPs per token and MFU, and the predicted step time beside the
+measured one; the first, the start-up time; the header says why MFU is null."""
 
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
 
 from distft.config import load_config
 from distft.data import ChatFormatter, load_rows, load_tokenizer, tokenize_rows
-from distft.measure.flops import ModelFlops
+from distft.measure.flops import ModelFlops, StepTime
 from distft.model import apply_method, load_base_model
 from distft.train import train
+from distft.train.metrics import predicted_step_seconds, step_time_line
 from distft.train.step import global_batch
 from tests.helpers import metrics
 
@@ -48,4 +51,20 @@ def test_records_carry_flops_per_token_and_a_null_mfu_on_cpu(run, capsys):
     for record in records:
         examples = global_batch(data, record["step"])
         assert record["mfu"] is None
+        assert record["step_time_predicted_s"] is None and record["step_time_s"] > 0  # no prediction here
         assert record["flops_per_token"] == pytest.approx(flops.step(examples) / record["tokens"], rel=1e-12)
+
+
+def test_the_prediction_is_rescaled_to_each_steps_flops():
+    """`distft plan`'s step time (its parts, as `Config.prediction` carries them) for this step's FLOPs."""
+    prediction = {"step_time": asdict(StepTime(compute_s=2.0, blocking_s=0.5, flops=1000.0))}
+    assert predicted_step_seconds(prediction, 500.0) == pytest.approx(1.0 + 0.5)
+    assert (
+        predicted_step_seconds({"step_time": None, "step_time_note": "no bf16 peak for cpu"}, 500.0) is None
+    )
+    assert predicted_step_seconds(None, 500.0) is None
+    # The end-of-run line: medians over the steps after the first (compile, warm-up).
+    line = step_time_line(prediction, [9.0, 1.0, 3.0, 2.0], [1.4, 1.5, 1.6, 1.5])
+    assert line == "step time: predicted 1.5 s (distft plan), measured 2 s (median of steps 2-4)"
+    cpu = step_time_line({"step_time": None, "step_time_note": "no bf16 peak for cpu"}, [0.2], [None])
+    assert cpu == "step time: predicted n/a (no bf16 peak for cpu), measured 0.2 s (step 1)"

@@ -6,8 +6,9 @@ activations for the same model, LoRA rank, micro-batch, sequence length and stra
 precision distft runs in on this device (fp32 on the CPU: `model.dtype` follows the device).
 
 Projection (`project`), per strategy on a profile `NxGPU-LINK` (e.g. `2xrtx4090-pcie`):
-- compute per rank = the plan's FLOPs for this strategy's layout at N ranks (`traffic.step_flops`)
-  / (the GPU's dense bf16 peak x an assumed MFU, 0.4 by default): what the plan itself assumes;
+- compute per rank = the plan's FLOPs for this strategy's layout at N ranks (`timing.rank_flops`)
+  / (the GPU's dense bf16 peak x the plan's assumed MFU, `timing.ASSUMED_MFU`: distft's measured
+  37% for LoRA, 43% for full finetuning);
 - communication = the bytes and calls measured per collective kind on the first step (rank 0,
   logical sizes), through the profile's ring `comm_time` over N ranks; a recv is the other
   direction of a send and costs nothing extra. Logical bytes per step do not depend on N for
@@ -17,7 +18,7 @@ Projection (`project`), per strategy on a profile `NxGPU-LINK` (e.g. `2xrtx4090-
   whole compute (`exposed_comm`); results from before the measurement fall back to the plan's
   assumption (DDP's, ZeRO-2's and FSDP's collectives hide behind compute and only their excess
   shows; TP's, TP+SP's and the pipeline's sends sit on the critical path); a pipeline adds its bubble, the runtime's idle fraction f of the step, i.e. f / (1 - f) of the
-  compute (`traffic.bubble_seconds`, from `distft.parallel.pipeline.Layout`);
+  compute (`StepTime.bubble_s`, from `Parallelism.idle_fraction`);
 - tokens/s = the measured tokens per step / the projected step time.
 """
 
@@ -33,10 +34,8 @@ from distft.plan.estimate import Request, estimate, layout_for
 from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
 from distft.plan.model_spec import resolve_model
 from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Training
-from distft.plan.traffic import bubble_seconds
 
 OVERLAPPED = {"ddp", "zero2", "fsdp"}  # their collectives overlap backward (the plan's assumption)
-MFU = 0.4
 
 
 @dataclass(frozen=True)
@@ -95,10 +94,9 @@ def _request(
         gpu_memory=gpu.memory,
         gpus_per_node=gpus,
         nodes=1,
-        intra=intra_node_link(gpu, interconnect),
-        inter=intra_node_link(gpu, interconnect),
+        intra=intra_node_link(gpu, interconnect, gpus),
+        inter=intra_node_link(gpu, interconnect, gpus),
         pp_schedule=cfg.parallel.schedule if cfg.parallel.schedule in PLANNED_SCHEDULES else "1f1b",
-        mfu=MFU,
     )
 
 
@@ -166,7 +164,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
             for kind, b in r["comm_bytes"].items()
             if kind != "recv"
         )
-        bubble = bubble_seconds(compute, e.layout)
+        bubble = e.time.bubble_s
         overlap = r.get("extra", {}).get("overlap_fraction")  # measured; None: the plan's assumption
         exposed = exposed_comm(name, comm, compute, overlap)
         step = compute + bubble + exposed
@@ -191,7 +189,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
         "gpus": profile.gpus,
         "gpu": req.gpu.label,
         "link": link.label,
-        "mfu": MFU,
+        "mfu": req.assumed_mfu,
         "strategies": rows,
         "winner": best,
         "claims": claims(estimated, profile, link.name),

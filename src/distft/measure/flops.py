@@ -22,11 +22,18 @@ with N_* the decoder layers' Linear weights, N_head = hidden x vocab, c_head = 6
 trains (full finetuning) else 4, and L the layer count. `flops_per_token` = F / sum_i s_i; MFU =
 F / step time / (ranks x the GPU's peak dense bf16 FLOP/s), the GPU from `distft.measure.gpus`.
 Norms, rotary, softmax and the loss are elementwise, a few percent at most, and not counted.
+Activation checkpointing runs the layers' forward again in backward (`recompute`): real work, but
+not model FLOPs, so MFU leaves it out and a time estimate adds it.
+
+The planner builds the same `ModelFlops` from an architecture (`distft.plan.timing`), so a run
+and its plan count one formula. `StepTime` turns a plan's count into seconds: compute at an
+assumed MFU, the pipeline's idle share, and the communication no compute hides; a run rescales
+its compute to each step's own FLOPs (`for_flops`) to set a predicted time beside the measured one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -73,10 +80,22 @@ class ModelFlops:
     def sequence(self, tokens: int, labelled: int) -> int:
         """FLOPs of forward + backward over one sequence of `tokens` tokens, `labelled` of them
         with a loss."""
+        return self.layers_flops(tokens) + self.head_flops(labelled)
+
+    def layers_flops(self, tokens: int) -> int:
+        """The decoder layers' share of `sequence`: their matmuls and causal attention."""
         linear = tokens * (4 * self.frozen + 6 * self.trainable)
-        head = labelled * (6 if self.head_trains else 4) * self.head
         attention = 6 * self.layers * self.attn_dim * tokens * tokens
-        return linear + head + attention
+        return linear + attention
+
+    def head_flops(self, labelled: int) -> int:
+        """The LM head's share of `sequence`, on the labelled positions only."""
+        return labelled * (6 if self.head_trains else 4) * self.head
+
+    def recompute(self, tokens: int) -> int:
+        """The layers' forward once more (activation checkpointing): 2 N per token, attention's
+        2 d_attn s^2 per layer (causal)."""
+        return 2 * tokens * (self.frozen + self.trainable) + 2 * self.layers * self.attn_dim * tokens * tokens
 
     def step(self, examples: list[Example]) -> int:
         """FLOPs of one optimizer step over `examples` (the global batch), every rank together."""
@@ -92,3 +111,38 @@ def peak_flops(device: torch.device) -> tuple[float | None, str]:
     if gpu is None or gpu.bf16_tflops is None:
         return None, f"MFU is null: {name} has no peak bf16 figure in distft.measure.gpus"
     return gpu.bf16_tflops * 1e12, f"MFU against {gpu.label}'s {gpu.bf16_tflops:g} TFLOP/s dense bf16 peak"
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted time of one optimizer step, in parts (the planner fills it, `distft.plan.timing`).
+
+    seconds = compute + the pipeline's bubble + blocking + max(0, overlapped - compute): a
+    pipeline idles `idle_fraction` of the step (so the bubble is compute x f / (1 - f)),
+    collectives on the critical path add their whole time, and those that overlap compute
+    show only where they outlast it."""
+
+    compute_s: float  # the busiest rank's FLOPs / (peak x assumed MFU)
+    idle_fraction: float = 0.0  # the pipeline's bubble as a share of the step (0 without one)
+    blocking_s: float = 0.0  # communication on the critical path (TP's, ZeRO-1's broadcast)
+    overlapped_s: float = 0.0  # communication that overlaps compute (DDP's, FSDP's, a pipeline's sends)
+    flops: float = 0.0  # model FLOPs of the step it was computed for, every rank together
+
+    @property
+    def bubble_s(self) -> float:
+        return self.compute_s * self.idle_fraction / (1 - self.idle_fraction)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return self.blocking_s + max(0.0, self.overlapped_s - self.compute_s)
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.bubble_s + self.exposed_comm_s
+
+    def for_flops(self, flops: float) -> float:
+        """The time of a step of `flops` model FLOPs (shorter sequences, fewer labels): compute
+        scales with the FLOPs, communication keeps its bytes."""
+        if not self.flops:
+            return self.seconds
+        return replace(self, compute_s=self.compute_s * flops / self.flops).seconds

@@ -3,29 +3,41 @@ records beside what it measured.
 
 `request_for(cfg)` is the `distft plan` question a `distft train` command asks: its model, method,
 dtype, sequence length, micro-batch, LoRA rank, checkpointing and attention, on `--nproc` x
-`--nnodes` devices of the memory this machine has (a CUDA device's, read from the device; on the
-CPU each process's share of the host's). `resolve_auto` walks the decision tree (`decide`) and
+`--nnodes` devices of the memory this machine has (a CUDA device's, read from the device, with its
+row of the GPU table for the peak that times a step; on the CPU each process's share of the
+host's, and no peak: no time). `resolve_auto` walks the decision tree (`decide`) and
 applies its answer to the settings the user left unset; `predict` estimates the layout the config
 runs (`layout_of`: the runtime's own degrees, shard groups and pipeline) for `Config.prediction`,
-which ranks.json and the end-of-run summary set beside the measured peak memory and counted bytes.
+which ranks.json and the end-of-run summary set beside the measured peak memory and counted bytes,
+and every step record beside its measured time (`step_time`, the parts of `StepTime`; null on a
+device with no bf16 peak).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import psutil
 import torch
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.measure.flops import StepTime
+from distft.measure.gpus import gpu_for_device_name
 from distft.parallel import STRATEGIES, check_config
 from distft.parallel.derive import derive_defaults, derived_line
 from distft.parallel.dims import ParallelDims
 from distft.plan.decide import decide
 from distft.plan.estimate import LABELS, Request, estimate, layout_for
-from distft.plan.hardware import format_bytes, generic_gpu, inter_node_link, intra_node_link
+from distft.plan.hardware import (
+    GPU,
+    format_bytes,
+    format_seconds,
+    generic_gpu,
+    inter_node_link,
+    intra_node_link,
+)
 from distft.plan.model_spec import resolve_model
 from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Training
 from distft.text import plural
@@ -52,10 +64,19 @@ def device_memory(cfg: Config) -> tuple[int, str]:
     )
 
 
+def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
+    """This machine's device as a GPU row: the table's (its peak times a step) with the device's
+    memory; a GPU the table lacks, or the CPU, as a row without a peak."""
+    if on_cuda(cfg):
+        row = gpu_for_device_name(torch.cuda.get_device_name(0))
+        return replace(row, memory=memory) if row else replace(generic_gpu(memory), label=where.split(",")[0])
+    return replace(generic_gpu(memory), label="cpu")
+
+
 def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int = 1) -> tuple[Request, str]:
     """The planner's question for `cfg` on this machine, and the memory's source."""
     memory, where = device_memory(cfg)
-    gpu = replace(generic_gpu(memory), label=where.split(",")[0])
+    gpu = device_gpu(cfg, memory, where)
     training = Training(
         method=cfg.train.method,
         precision=PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
@@ -76,7 +97,7 @@ def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int =
         gpu_memory=memory,
         gpus_per_node=par.nproc,
         nodes=par.nnodes,
-        intra=intra_node_link(gpu, None),
+        intra=intra_node_link(gpu, None, par.nproc),
         inter=inter_node_link(None),
         grad_accum=accumulation,
         pp_schedule=par.schedule if par.schedule in PLANNED_SCHEDULES else "1f1b",
@@ -180,6 +201,8 @@ def predict(cfg: Config) -> dict:
         "fits": est.fits,
         "usable_bytes": req.usable,
         "comm_bytes": dict(comm),
+        "step_time": asdict(est.time) if est.time else None,  # `distft.measure.flops.StepTime`'s fields
+        "step_time_note": req.no_time,  # why step_time is null (no bf16 peak), else null
     }
 
 
@@ -197,10 +220,12 @@ def prediction_line(prediction: dict) -> str:
     )
     comm = sum(prediction["comm_bytes"].values())
     verdict = "fits" if prediction["fits"] else "does NOT fit"
+    time = prediction.get("step_time")
+    step = format_seconds(StepTime(**time).seconds) if time else f"n/a ({prediction.get('step_time_note')})"
     return (
         f"plan for {prediction['layout']} ({prediction['device']}): {format_bytes(prediction['peak_mem_bytes'])} "
         f"per process at the fullest ({parts}); {verdict} in {format_bytes(prediction['usable_bytes'])} usable; "
-        f"{format_bytes(comm)} of collectives per process per step"
+        f"{format_bytes(comm)} of collectives per process per step; step time {step}"
     )
 
 

@@ -4,7 +4,8 @@ Only strategies in the runtime's registry get one (`estimate.runnable`). The com
 setting the estimate assumed, because `distft train`'s defaults (fp32, micro-batch 4, 768 tokens)
 are not the plan's: the model dtype, the micro-batch and the global batch it implies, the sequence
 length, activation checkpointing, the attention kernel, the LoRA rank, the mesh degrees of the 2-D
-strategies, HSDP's shard degree and the pipeline's schedule and micro-batches. Then what the
+strategies, HSDP's shard degree, the pipeline's schedule and micro-batches, and the steps the plan
+timed (`--steps`, or `--tokens` x `--epochs` over the layout's tokens per step). Then what the
 estimate did not need but a run does: the learning rate for this base and method
 (`distft.parallel.derive.default_lr`) and `--data`: the bundled sample for the small CPU presets,
 a placeholder to replace for a real model (a preset mirroring a released model is named by its hub
@@ -49,6 +50,9 @@ def run_overrides(req: Request, method: str, ckpt: bool, par: Parallelism) -> di
     if par.pp > 1:
         out["parallel.schedule"] = par.schedule
         out["parallel.microbatches"] = str(par.microbatches)
+    # The run the plan timed: --steps, or --tokens x --epochs at this layout's tokens per step.
+    if steps := req.run.steps_for(t.micro_batch * t.seq_len * par.microbatches * par.dp):
+        out["train.max_steps"] = str(steps)
     return out
 
 

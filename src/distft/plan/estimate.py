@@ -4,7 +4,8 @@
 rank 0 holds the largest chunk, pipeline stage 0 the most in-flight activations unless the last
 stage's loss outweighs it), whether it fits in the GPU's memory minus a fixed overhead (CUDA
 context, cuBLAS/NCCL workspaces, allocator slack: `Request.overhead`), bytes on the wire per
-step and the time they take, and a rough step time. Multi-dimensional layouts (FSDP x TP, DDP
+step and the time they take, the time of a step and of the whole run (`timing`: model FLOPs
+at an assumed MFU, the bubble, exposed communication). Multi-dimensional layouts (FSDP x TP, DDP
 or FSDP x PP, FSDP x TP x PP) try every factorisation of the GPUs, TP inside a node and the
 pipeline across nodes, and keep the one that fits with the shortest estimated step.
 
@@ -17,20 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from distft.measure.flops import StepTime
 from distft.parallel import STRATEGIES as RUNTIME
 from distft.plan.activations import activation_bytes
 from distft.plan.hardware import GPU, GiB, Link
 from distft.plan.memory import comm_buffer_bytes, state_bytes
 from distft.plan.model_spec import ModelSpec
 from distft.plan.setup import Parallelism, Training
-from distft.plan.traffic import (
-    Collective,
-    Topology,
-    compute_seconds,
-    step_collectives,
-    step_flops,
-    step_seconds,
-)
+from distft.plan.timing import ASSUMED_MFU, RunLength, no_time_reason, step_time
+from distft.plan.traffic import Collective, Topology, step_collectives
 
 # Every layout the planner models, in the order the report lists them (a superset of the registry).
 MODELLED = (
@@ -75,8 +71,9 @@ class Request:
     grad_accum: int = 1
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None  # default: max(grad_accum, 2 x stages)
-    mfu: float = 0.4
+    mfu: float | None = None  # model FLOPs utilisation assumed; None: `timing.ASSUMED_MFU` for the method
     overhead: int = 1 * GiB
+    run: RunLength = field(default_factory=RunLength)  # the run's length, for the time to train
 
     @property
     def world(self) -> int:
@@ -89,6 +86,15 @@ class Request:
     @property
     def topology(self) -> Topology:
         return Topology(self.gpus_per_node, self.nodes, self.intra, self.inter)
+
+    @property
+    def assumed_mfu(self) -> float:
+        return self.mfu or ASSUMED_MFU[self.training.method]
+
+    @property
+    def no_time(self) -> str | None:
+        """Why no step gets a time (no bf16 peak), or None."""
+        return no_time_reason(self.gpu, self.training)
 
 
 @dataclass
@@ -108,9 +114,9 @@ class Estimate:
     activation_detail: dict[str, int] = field(default_factory=dict)
     buffer_detail: dict[str, int] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
-    compute_s: float | None = None
-    step_s: float | None = None
+    time: StepTime | None = None  # the step's predicted time, in parts (None: no bf16 peak)
     tokens_per_step: int = 0
+    run_steps: int | None = None  # optimizer steps of the run (None: its length is unknown)
 
     @property
     def total(self) -> int:
@@ -135,8 +141,21 @@ class Estimate:
         return sum(c.seconds for c in self.collectives)
 
     @property
+    def compute_s(self) -> float | None:
+        return self.time.compute_s if self.time else None
+
+    @property
+    def step_s(self) -> float | None:
+        return self.time.seconds if self.time else None
+
+    @property
     def tokens_per_s(self) -> float | None:
         return self.tokens_per_step / self.step_s if self.step_s else None
+
+    @property
+    def train_s(self) -> float | None:
+        """Seconds for the whole run: step time x steps (None without either)."""
+        return self.step_s * self.run_steps if self.step_s and self.run_steps else None
 
     @property
     def min_global_batch(self) -> int:
@@ -229,9 +248,9 @@ def estimate(req: Request, par: Parallelism, strategy: str | None = None) -> Est
     est.buffers, est.buffer_detail = sum(buffers.values()), buffers
     est.fits = est.total <= req.usable
     est.collectives = step_collectives(req.model, req.training, par, req.topology)
-    est.compute_s = compute_seconds(step_flops(req.model, req.training, par), req.gpu.bf16_tflops, req.mfu)
-    est.step_s = step_seconds(est.compute_s, est.collectives, par)
+    est.time = step_time(req.model, req.training, par, est.collectives, req.gpu, req.assumed_mfu)
     est.tokens_per_step = req.training.micro_batch * req.training.seq_len * par.microbatches * par.dp
+    est.run_steps = req.run.steps_for(est.tokens_per_step)
     if par.tp > req.gpus_per_node:
         est.note = "TP group spans nodes"
     return est

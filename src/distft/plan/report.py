@@ -1,4 +1,9 @@
-"""The plan as a rich table and a walk through the decision tree, or as one JSON document."""
+"""The plan as a rich table and a walk through the decision tree, or as one JSON document.
+
+Each layout's row gives its step time, tokens/s and, when the run's length is known (`--tokens`
+with `--epochs`, or `--steps`), the hours of the whole run; the recommendation says the same in
+a sentence (`timing` has the model and its assumptions). A device with no bf16 peak gets "n/a"
+and the reason, never a number."""
 
 from __future__ import annotations
 
@@ -6,10 +11,16 @@ import json
 from dataclasses import asdict, replace
 
 from distft.plan.commands import run_command
-from distft.plan.estimate import Estimate, Request, max_micro_batch
+from distft.plan.estimate import Estimate, Request, estimate, max_micro_batch
 from distft.plan.explain import Recommendation
 from distft.plan.hardware import format_bytes, format_seconds
 from distft.plan.memory import trainable_params
+from distft.plan.timing import MFU_SOURCE, format_duration
+
+OVERLAP = (
+    "DDP's, FSDP's and HSDP's collectives and a pipeline's sends overlap compute and only their excess "
+    "shows; TP's and TP+SP's, ZeRO-1's broadcast and partial-gradient all-reduces add their whole time"
+)
 
 
 def _command(req: Request, rec: Recommendation) -> str | None:
@@ -22,6 +33,63 @@ def largest_micro_batch(req: Request, rec: Recommendation) -> int | None:
         return None
     t = replace(req.training, method=rec.method, activation_checkpointing=rec.activation_checkpointing)
     return max_micro_batch(replace(req, training=t), rec.layout, rec.strategy)
+
+
+def recommended(req: Request, rec: Recommendation) -> Estimate | None:
+    """The recommendation's own estimate (its method and checkpointing may differ from the request's)."""
+    if rec.strategy is None or rec.layout is None:
+        return None
+    t = replace(req.training, method=rec.method, activation_checkpointing=rec.activation_checkpointing)
+    return estimate(replace(req, training=t), rec.layout, rec.strategy)
+
+
+def time_model(req: Request) -> dict:
+    """The time model's inputs and assumptions (JSON)."""
+    return {
+        "mfu_assumed": req.assumed_mfu,
+        "mfu_source": "--mfu" if req.mfu else MFU_SOURCE,
+        "peak_bf16_tflops": req.gpu.bf16_tflops,
+        "overlap": OVERLAP,
+        "tokens": req.run.tokens,
+        "epochs": req.run.epochs,
+        "steps": req.run.steps,
+        "unavailable": req.no_time,  # why no layout has a time (None: they all do)
+    }
+
+
+def time_dict(e: Estimate) -> dict | None:
+    """One layout's predicted time (JSON); None without a bf16 peak."""
+    t = e.time
+    if t is None:
+        return None
+    return {
+        "step_seconds": t.seconds,
+        "compute_seconds": t.compute_s,
+        "bubble_seconds": t.bubble_s,
+        "exposed_communication_seconds": t.exposed_comm_s,
+        "idle_fraction": t.idle_fraction,
+        "model_flops_per_step": t.flops,
+        "tokens_per_second": e.tokens_per_s,
+        "steps": e.run_steps,
+        "train_seconds": e.train_s,
+        "train_hours": e.train_s / 3600 if e.train_s else None,
+    }
+
+
+def time_line(req: Request, e: Estimate | None) -> str:
+    """The recommendation's time, as a sentence."""
+    if req.no_time:
+        return f"n/a ({req.no_time})"
+    if e is None or e.step_s is None:
+        return "n/a"
+    line = f"{format_seconds(e.step_s)} per step, {e.tokens_per_s:,.0f} tokens/s"
+    if e.run_steps is None:
+        return line + f"; {req.run.describe()}"
+    per_step = "" if req.run.steps else f" / {e.tokens_per_step:,} tokens per step"
+    return (
+        line + f"; {e.run_steps:,} steps ({req.run.describe()}{per_step}): {format_duration(e.train_s)} "
+        f"on {req.world} GPU{'s' if req.world > 1 else ''}"
+    )
 
 
 def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> dict:
@@ -55,13 +123,14 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
             "nodes": req.nodes,
             "intra_node_link": asdict(req.intra),
             "inter_node_link": asdict(req.inter) if req.nodes > 1 else None,
-            "mfu_assumed": req.mfu,
+            "mfu_assumed": req.assumed_mfu,
             "vendor_figures": {
                 "gpu": list(type(req.gpu).VENDOR_FIELDS) if req.gpu.vendor else [],
                 "links": list(type(req.intra).VENDOR_FIELDS),
                 "assumed": [*type(req.intra).ASSUMED_FIELDS, "mfu_assumed", "overhead_bytes"],
             },
         },
+        "time_model": time_model(req),
         "strategies": [_estimate_dict(e) for e in estimates.values()],
         "recommendation": {
             "strategy": rec.strategy,
@@ -74,6 +143,7 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
             "alternatives": rec.alternatives,
             "command": _command(req, rec),
             "max_micro_batch": largest_micro_batch(req, rec),
+            "time": time_dict(chosen) if (chosen := recommended(req, rec)) else None,
         },
     }
 
@@ -122,6 +192,7 @@ def _estimate_dict(e: Estimate) -> dict:
         "tokens_per_step": e.tokens_per_step,
         "tokens_per_second": e.tokens_per_s,
         "min_global_batch": e.min_global_batch,
+        "time": time_dict(e),
     }
 
 
@@ -131,35 +202,19 @@ def print_json(req: Request, estimates: dict[str, Estimate], rec: Recommendation
 
 COLUMNS = (
     "strategy", "params", "grads", "optimizer", "activations", "buffers", "total", "fits",
-    "comm/step", "comm time", "tokens/s", "distft",
+    "comm/step", "comm time", "step", "tokens/s", "run", "distft",
 )  # fmt: skip
 
 
-def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> None:
-    from rich.console import Console
+def rich_table(req: Request, estimates: dict[str, Estimate]):
+    """One row per applicable layout (`COLUMNS`; "run" only when the run's length is known), and
+    the layouts that do not apply, with why."""
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 150))
-    t = req.training
-    console.print(f"[bold]model[/] {req.model.describe()} [dim](from {req.model.source})[/]")
-    trained = trainable_params(req.model, t)
-    console.print(
-        f"[bold]training[/] {t.method}, {trained / 1e6:,.1f}M trainable, {t.precision.name} precision "
-        f"({t.precision.description}), seq {t.seq_len} x micro-batch {t.micro_batch} x accumulation "
-        f"{req.grad_accum}, loss on {min(t.label_tokens, t.seq_len)} positions per sequence, {t.attention} attention, "
-        f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
-    )
-    links = req.intra.label + (f" within nodes, {req.inter.label} between" if req.nodes > 1 else "")
-    tflops = f", {req.gpu.bf16_tflops:g} bf16 TFLOP/s peak" if req.gpu.bf16_tflops else ""
-    console.print(
-        f"[bold]hardware[/] {req.world} x {req.gpu.label} ({req.nodes} node{'s' if req.nodes > 1 else ''}){tflops}; "
-        f"{format_bytes(req.gpu_memory)} "
-        f"each, {format_bytes(req.usable)} usable after {format_bytes(req.overhead)} overhead; {links}"
-    )
     table = Table(
-        title="bytes per GPU (the fullest rank) and traffic per optimizer step", title_justify="left"
+        title="bytes per GPU (the fullest rank), traffic and time per optimizer step", title_justify="left"
     )
-    for col in COLUMNS:
+    for col in (c for c in COLUMNS if c != "run" or req.run.known):
         if col == "strategy":
             table.add_column(col, no_wrap=True)
             continue
@@ -181,9 +236,35 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
             fits,
             format_bytes(e.comm_bytes),
             format_seconds(e.comm_s),
+            "n/a" if req.no_time else format_seconds(e.step_s),
             f"{e.tokens_per_s:,.0f}" if e.tokens_per_s else "-",
+            *([format_duration(e.train_s)] if req.run.known else []),
             e.in_distft,
         )
+    return table, skipped
+
+
+def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> None:
+    from rich.console import Console
+
+    console = Console(width=max(Console().width, 185))
+    t = req.training
+    console.print(f"[bold]model[/] {req.model.describe()} [dim](from {req.model.source})[/]")
+    trained = trainable_params(req.model, t)
+    console.print(
+        f"[bold]training[/] {t.method}, {trained / 1e6:,.1f}M trainable, {t.precision.name} precision "
+        f"({t.precision.description}), seq {t.seq_len} x micro-batch {t.micro_batch} x accumulation "
+        f"{req.grad_accum}, loss on {min(t.label_tokens, t.seq_len)} positions per sequence, {t.attention} attention, "
+        f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
+    )
+    links = req.intra.label + (f" within nodes, {req.inter.label} between" if req.nodes > 1 else "")
+    tflops = f", {req.gpu.bf16_tflops:g} bf16 TFLOP/s peak" if req.gpu.bf16_tflops else ""
+    console.print(
+        f"[bold]hardware[/] {req.world} x {req.gpu.label} ({req.nodes} node{'s' if req.nodes > 1 else ''}){tflops}; "
+        f"{format_bytes(req.gpu_memory)} "
+        f"each, {format_bytes(req.usable)} usable after {format_bytes(req.overhead)} overhead; {links}"
+    )
+    table, skipped = rich_table(req, estimates)
     console.print(table)
     if skipped:
         console.print(f"[dim]not applicable: {'; '.join(skipped)}[/]", highlight=False)
@@ -199,6 +280,8 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
     console.print(f"[bold green]recommendation: {rec.label}{method}{ckpt}[/] {rec.reason}", highlight=False)
     for a in rec.alternatives:
         console.print(f"  [dim]alternative:[/] {a}", highlight=False)
+    if rec.strategy:
+        console.print(f"  [dim]time:[/] {time_line(req, recommended(req, rec))}", highlight=False)
     command = _command(req, rec)
     if command:
         console.print(f"  [dim]run:[/] {command}", highlight=False)
@@ -210,7 +293,9 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
             "(train.micro_batch_size, with train.global_batch_size a multiple of it)",
             highlight=False,
         )
+    mfu = f"MFU ({req.assumed_mfu:.0%}" + (")" if req.mfu else f", {MFU_SOURCE})")
     console.print(
         "[dim]Vendor peak figures for memory, TFLOP/s and links; collective efficiency "
-        f"({req.intra.efficiency:.0%} of {req.intra.label}) and MFU ({req.mfu:.0%}) are assumptions.[/]"
+        f"({req.intra.efficiency:.0%} of {req.intra.label}) and {mfu} are assumptions; {OVERLAP}.[/]",
+        highlight=False,
     )

@@ -27,14 +27,10 @@ biases travel with DDP's and FSDP's bytes (FSDP2 pads each on its own) and, spli
 weight's rows under TP, have complete gradients; Qwen3's q/k norms are TP's partial gradients.
 
 Groups are laid out TP innermost, then data parallel (HSDP: its shard groups inside, its replicas
-across), then pipeline; a group longer than a node crosses the inter-node link. Compute per rank: 2 FLOPs per weight per token forward (plus
-attention's 2 B S^2 nq d per layer, causal), backward twice that for full finetuning and once
-for LoRA (no weight gradients for the frozen base), one more forward with checkpointing;
-divided by the GPU's dense bf16 peak times an assumed model-FLOPs utilisation (`mfu`).
-Exposed communication: TP's collectives sit on the critical path; DDP's, ZeRO's and FSDP's
-overlap compute and only the excess shows; a pipeline idles the runtime's theoretical share of
-the step (`distft.parallel.pipeline.Layout.theoretical_idle_fraction`, (p - 1) / (V m + p - 1)),
-so the step is compute / (1 - idle).
+across), then pipeline; a group longer than a node crosses the inter-node link. Each collective
+says whether it can overlap compute (`Collective.overlapped`): TP's sit on the critical path,
+DDP's, FSDP's and a pipeline's sends overlap it. What that costs a step, with the compute they
+hide behind, is `distft.plan.timing`'s.
 
 The collective counts come from the runtime's own functions in `distft.measure.counts`
 (`tp_activation_calls`, `megatron_crossings`, `fsdp_gathers_per_microbatch`), the ones the parity
@@ -257,52 +253,3 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism) ->
         embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
         return (qk + norms + embed) * g
     return qk * g
-
-
-# ---------------------------------------------------------------------------------------------
-# Compute
-# ---------------------------------------------------------------------------------------------
-
-
-def step_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
-    """FLOPs one rank runs per optimizer step (its micro-batches, its share of the model)."""
-    B, S = training.micro_batch, training.seq_len
-    tokens = B * S
-    layers = len(rank_layers(spec.num_layers, par, 0))
-    linear = sum(o * i for o, i in spec.projection_shapes().values())
-    forward = 2 * tokens * linear * layers / par.tp
-    forward += (
-        2 * B * S * S * spec.num_heads * spec.head_dim * layers / par.tp
-    )  # causal: half of 4 B S^2 nq d
-    labels = B * min(training.label_tokens, S)
-    forward += 2 * labels * spec.vocab_size * spec.hidden_size / (par.tp if par.sp else 1)
-    if training.lora:
-        adapters = sum(t.numel for t in spec.lora_tensors(training.lora_rank, training.lora_targets))
-        forward += 2 * tokens * adapters * layers / spec.num_layers / par.tp
-        backward = forward  # activation gradients only; adapter weight gradients are negligible
-    else:
-        backward = 2 * forward
-    recompute = forward if training.activation_checkpointing else 0
-    return (forward + backward + recompute) * par.microbatches
-
-
-def compute_seconds(flops: float, tflops: float | None, mfu: float) -> float | None:
-    if not tflops:
-        return None
-    return flops / (tflops * 1e12 * mfu)
-
-
-def bubble_seconds(compute: float, par: Parallelism) -> float:
-    """Idle time a pipeline adds to `compute`: the runtime's idle fraction f of the step, i.e.
-    compute x f / (1 - f) = compute x (p - 1) / (V m)."""
-    idle = par.idle_fraction()
-    return compute * idle / (1 - idle)
-
-
-def step_seconds(compute: float | None, collectives: list[Collective], par: Parallelism) -> float | None:
-    """Compute, the bubble, and the communication that does not hide behind compute."""
-    if compute is None:
-        return None
-    blocking = sum(c.seconds for c in collectives if not c.overlapped)
-    hidden = sum(c.seconds for c in collectives if c.overlapped)
-    return compute + bubble_seconds(compute, par) + blocking + max(0.0, hidden - compute)

@@ -45,6 +45,7 @@ from distft.train.metrics import (
     speed_line,
     startup_seconds,
     step_record,
+    step_time_line,
     truncate_metrics,
 )
 from distft.train.optim import training_lines
@@ -57,12 +58,23 @@ from distft.train.tracking import Trackers
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # measured, seconds per step
+    predicted_step_times: list[float | None] = field(default_factory=list)  # the planner's (None: no peak)
     eval_losses: dict[int, float] = field(default_factory=dict)
     output_dir: Path | None = None
     model: torch.nn.Module | None = None  # this rank's trained `SummaryLM` (unwrapped)
     stopped_by: int | None = None  # the signal that stopped the run early (`distft.signals`)
     stopped_after: int = 0  # ... after this step
     checkpoint: Path | None = None  # ... having written this checkpoint (None: none written)
+
+    def add(self, record: dict) -> None:
+        """One step's figures (its `metrics.jsonl` record): its loss, measured and predicted time."""
+        self.losses.append(record["loss"])
+        self.step_times.append(record["step_time_s"])
+        self.predicted_step_times.append(record["step_time_predicted_s"])
+
+    def time_line(self, prediction: dict | None) -> str:
+        return step_time_line(prediction, self.step_times, self.predicted_step_times)
 
     def stopped_line(self, max_steps: int) -> str:
         """The one line a run stopped by a signal ends with: where, what was saved, how to go on."""
@@ -136,7 +148,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
                 record["startup_s"] = startup_s
                 if progress.enabled:
                     progress.console.print(speed_line(run, record), soft_wrap=True)
-            result.losses.append(loss)
+            result.add(record)
             if not updated:
                 record["skipped"] = True  # non-finite loss or gradient norm (train.on_nonfinite=skip)
                 if progress.enabled:
@@ -170,7 +182,8 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     if env.is_main:
         metrics.close()
         trackers.finish()
-        progress.done(run.out, [compile_line(ranks), *prediction_lines(ranks)])
+        lines = [compile_line(ranks), *prediction_lines(ranks), result.time_line(cfg.prediction)]
+        progress.done(run.out, lines)
     result.model = unwrap(run.model)
     return result
 

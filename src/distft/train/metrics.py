@@ -1,7 +1,9 @@
 """What a run records: `metrics.jsonl` (one record per logged step) and `ranks.json` (per rank).
 
 A step's record holds its loss, learning rate, gradient norm, throughput (tokens/s, model FLOPs
-per token and MFU, `distft.measure.flops`; `mfu` is null off a known GPU) and peak memory, plus
+per token and MFU, `distft.measure.flops`; `mfu` is null off a known GPU), its measured time and
+the planner's prediction for it (`step_time_predicted_s`: `distft plan`'s step time rescaled to
+this step's FLOPs; null on a device with no bf16 peak, or without a prediction) and peak memory, plus
 what `distft.train.measure` adds (collective bytes, saved activations, a pipeline's timeline),
 `skipped` for a step whose update was skipped, and `eval_loss` where the run evaluated.
 """
@@ -12,6 +14,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import time
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from distft.data import Example
 from distft.distributed import DistEnv
 from distft.io.files import atomic_write_text
+from distft.measure.flops import StepTime
 from distft.tensors import local_bytes
 from distft.text import plural
 from distft.train.setup import Run
@@ -89,9 +93,35 @@ def step_record(
         "flops_per_token": flops / tokens,
         "mfu": flops / step_time / peak if peak else None,
         "step_time_s": step_time,
+        "step_time_predicted_s": predicted_step_seconds(run.cfg.prediction, flops),
         "peak_mem_bytes": peak_memory_bytes(run.env),
         **compile_record(run),
     }
+
+
+def predicted_step_seconds(prediction: dict | None, flops: float) -> float | None:
+    """The planner's time for a step of `flops` model FLOPs (`Config.prediction`'s `step_time`,
+    the parts of `StepTime`: its compute rescaled to these FLOPs), or None without one."""
+    parts = (prediction or {}).get("step_time")
+    return StepTime(**parts).for_flops(flops) if parts else None
+
+
+def step_time_line(prediction: dict | None, measured: list[float], predicted: list[float | None]) -> str:
+    """The end-of-run line: predicted against measured step time, medians over the steps after
+    the first (which compiles and warms up) when there are several."""
+    if not measured:
+        return "step time: no step ran"
+    start = 1 if len(measured) > 1 else 0
+    which = (
+        f"median of steps {start + 1}-{len(measured)}" if len(measured) > start + 1 else f"step {start + 1}"
+    )
+    got = f"measured {statistics.median(measured[start:]):.3g} s ({which})"
+    if prediction is None:
+        return f"step time: no prediction (the planner could not model this model), {got}"
+    times = [t for t in predicted[start:] if t is not None]
+    if not times:
+        return f"step time: predicted n/a ({prediction.get('step_time_note') or 'no estimate'}), {got}"
+    return f"step time: predicted {statistics.median(times):.3g} s (distft plan), {got}"
 
 
 def compile_record(run: Run) -> dict:
