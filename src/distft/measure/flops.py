@@ -22,6 +22,9 @@ with N_* the decoder layers' Linear weights, N_head = hidden x vocab, c_head = 6
 trains (full finetuning) else 4, and L the layer count. `flops_per_token` = F / sum_i s_i; MFU =
 F / step time / (ranks x the GPU's peak dense bf16 FLOP/s), the GPU from `distft.measure.gpus`.
 Norms, rotary, softmax and the loss are elementwise, a few percent at most, and not counted.
+The pieces are the pipeline's stage cost model's (`distft.parallel.pipeline.cost`: `matmul`,
+`attention`), which also splits them into forward, input and weight gradient; here they are
+counted from the real model's weights (what trains, whatever the method), there from its config.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from distft.data import Example
 from distft.data.chat import IGNORE
 from distft.measure.gpus import gpu_for_device_name
 from distft.model import causal_lm
+from distft.parallel.pipeline.cost import attention, matmul
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,9 @@ class ModelFlops:
     def sequence(self, tokens: int, labelled: int) -> int:
         """FLOPs of forward + backward over one sequence of `tokens` tokens, `labelled` of them
         with a loss."""
-        linear = tokens * (4 * self.frozen + 6 * self.trainable)
-        head = labelled * (6 if self.head_trains else 4) * self.head
-        attention = 6 * self.layers * self.attn_dim * tokens * tokens
-        return linear + head + attention
+        linear = matmul(self.frozen, False, tokens).total + matmul(self.trainable, True, tokens).total
+        head = matmul(self.head, self.head_trains, labelled).total
+        return linear + head + self.layers * attention(self.attn_dim, tokens).total
 
     def step(self, examples: list[Example]) -> int:
         """FLOPs of one optimizer step over `examples` (the global batch), every rank together."""
