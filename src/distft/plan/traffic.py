@@ -222,7 +222,7 @@ def step_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, topo: Topology
 ) -> list[Collective]:
     """Every collective of one optimizer step on rank 0. Groups: TP innermost, then DP, then PP."""
-    layers = len(rank_layers(spec.num_layers, par, 0))
+    layers = len(rank_layers(spec, training, par, 0))
     out: list[Collective] = []
     if par.dp > 1:  # HSDP: shard groups of neighbouring ranks, replicas `shard` groups apart
         out += dp_collectives(spec, training, par, topo.link(par.shard_degree, par.tp), layers)
@@ -239,7 +239,7 @@ def step_collectives(
 def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     """Replicated trainable weights whose gradients each TP rank has only in part (summed once per step)."""
     g = training.precision.grad
-    layers = rank_layers(spec.num_layers, par, 0)
+    layers = rank_layers(spec, training, par, 0)
     if par.tp_impl == "dtensor":
         # parallelize_module: only q_norm / k_norm's (full finetuning; DTensor completes LoRA's own
         # gradients), sharded over dp under FSDP (`parallel/tensor_parallel.py`).
@@ -268,7 +268,7 @@ def step_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     """FLOPs one rank runs per optimizer step (its micro-batches, its share of the model)."""
     B, S = training.micro_batch, training.seq_len
     tokens = B * S
-    layers = len(rank_layers(spec.num_layers, par, 0))
+    layers = len(rank_layers(spec, training, par, 0))
     linear = sum(o * i for o, i in spec.projection_shapes().values())
     forward = 2 * tokens * linear * layers / par.tp
     forward += (
