@@ -44,6 +44,7 @@ up a stage give the same float and an exhaustive search agrees with it exactly
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -225,6 +226,11 @@ def balanced_cut(
     to even among those, then the smallest tuple (the module docstring). `layer_costs`: each
     decoder layer's cost; `first`, `last`: what stage 0 and the last stage hold besides layers.
     Modelled (`CostModel`) or measured costs alike."""
+    return _balanced_cut(tuple(layer_costs), stages, first, last)
+
+
+@functools.lru_cache(maxsize=256)  # the planner asks for the same cut once per rank and per figure
+def _balanced_cut(layer_costs: tuple[float, ...], stages: int, first: float, last: float) -> tuple[int, ...]:
     n, S = len(layer_costs), stages
     if not 1 <= S <= n:
         raise ValueError(f"cannot cut {n} layers into {S} stages of at least one layer")
