@@ -27,6 +27,36 @@ def test_file_then_overrides(tmp_path):
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
 
 
+def test_the_pipeline_split_is_a_name_or_a_list(tmp_path):
+    """parallel.pp_split: balanced (default), even, or layers per stage, from TOML, an override as
+    TOML ([5,3]) or comma-separated (5,3); it round-trips through the saved config."""
+    assert load_config().parallel.pp_split == "balanced"
+    path = tmp_path / "run.toml"
+    path.write_text("[parallel]\npp_split = [5, 3]\n")
+    assert load_config(path).parallel.pp_split == [5, 3]
+    for override in ("parallel.pp_split=[2,1,1]", "parallel.pp_split=2,1,1"):
+        assert load_config(None, [override]).parallel.pp_split == [2, 1, 1]
+    cfg = load_config(None, ["parallel.pp_split=even"])
+    assert cfg.parallel.pp_split == "even"
+    path.write_text(to_toml(load_config(path)))
+    assert load_config(path).parallel.pp_split == [5, 3]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("count", "`parallel.pp_split` is 'count'; choose balanced, even, or a list"),
+        ("[4,0]", "`parallel.pp_split` is [4, 0]: every pipeline stage needs at least one decoder layer"),
+        ("[2.5,1]", "`parallel.pp_split` must be an integer, got 2.5"),
+        ("[true]", "`parallel.pp_split` must be an integer, got True"),
+    ],
+)
+def test_a_bad_pipeline_split_is_refused(value, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"parallel.pp_split={value}"])
+    assert str(err.value).startswith(message), err.value
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["optim.lr=5e-4", 'data.system_prompt=Say "hi"\\n', "output.dir=runs/x"])
     path = tmp_path / "config.toml"

@@ -17,7 +17,16 @@ import pytest
 
 from distft.bench.startup import write_synthetic_rows
 from distft.config import DataConfig
-from distft.data import ChatFormatter, collate, global_batch_indices, open_or_build, pack, tokenized_splits
+from distft.data import (
+    IGNORE,
+    ChatFormatter,
+    collate,
+    global_batch_indices,
+    mean_label_tokens,
+    open_or_build,
+    pack,
+    tokenized_splits,
+)
 from distft.data import cache as cache_module
 from distft.data.cache import cache_key, cache_path
 from distft.data.store import META
@@ -158,6 +167,12 @@ def test_the_cache_gives_the_batches_memory_gives(tmp_path, tokenizer, source, s
     for got, want in zip(cached[:2], memory[:2], strict=True):
         same_examples(got, want)
     train, reference = cached[0], memory[0]
+    # The labelled positions per row, which a pipeline cuts its stages by: alike, and not counted
+    # as reads (ranks.json's examples_read counts the batches').
+    reads = train.reads
+    labelled = [sum(t != IGNORE for t in e.labels) for e in reference.examples]
+    assert [train.label_count(i) for i in range(len(train))] == labelled
+    assert mean_label_tokens(train) == mean_label_tokens(reference) > 0 and train.reads == reads
     for step in range(3):
         idx = global_batch_indices(step, len(train), 4, seed=3)
         for layout in (collate, pack):

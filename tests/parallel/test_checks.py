@@ -22,6 +22,7 @@ FAMILIES = {  # setting prefix -> the classes whose strategies read it
     "parallel.schedule": (PipelineParallel,),
     "parallel.microbatches": (PipelineParallel,),
     "parallel.stages_per_rank": (PipelineParallel,),
+    "parallel.pp_split": (PipelineParallel,),
 }
 
 

@@ -32,13 +32,19 @@ def test_matches_single_process(tmp_path):
     assert_same_training(out, reference)
     assert metrics(out)[-1]["eval_loss"] == pytest.approx(metrics(reference)[-1]["eval_loss"], rel=1e-5)
 
-    # Rank 0 = pipeline rank 0 of replica 0: stage 0, layers 0 and 1 of micro's 4.
+    # Rank 0 = pipeline rank 0 of replica 0: stage 0, layers 0-2 of micro's 4 (the balanced cut:
+    # lm_head on the labelled positions outweighs micro's layers, so the last stage keeps one).
     first = metrics(out)[0]
     assert first["comm_bytes"] == first["comm_bytes_expected"]
+    ranks = json.loads((out / "ranks.json").read_text())
+    assert [r["pipeline"]["cut"]["layers_per_stage"] for r in ranks] == [[3, 1]] * 4  # every replica
+    assert ranks[0]["pipeline"]["stages"] == {"0": [0, 1, 2]}
     exported = load_file(out / "adapter" / "adapter_model.safetensors")
     assert {name.split("layers.")[1].split(".")[0] for name in exported} == {"0", "1", "2", "3"}
     stage_grads = sum(
-        t.numel() * t.element_size() for n, t in exported.items() if ".layers.0." in n or ".layers.1." in n
+        t.numel() * t.element_size()
+        for n, t in exported.items()
+        if any(f".layers.{i}." in n for i in (0, 1, 2))
     )
     activations = 2 * 256 * 32 * 4  # 2 micro-batches of (1, 256, hidden 32), fp32, one boundary
     assert first["comm_bytes"] == {

@@ -62,8 +62,13 @@ def planned_bytes(req: Request, lay: Parallelism) -> dict[str, int]:
     return planned
 
 
-def stage0_bytes(run_dir, reference, layers=("0", "1")) -> tuple[int, int]:
-    """(weights, adapter) bytes of stage 0 of 2 on micro: the embedding and layers 0-1, counted
+# Stage 0 of 2 on micro: the embedding and layers 0-2 (the balanced cut: lm_head on the labelled
+# positions outweighs micro's layers, so the last stage keeps one; ranks.json records it).
+STAGE_0 = ("0", "1", "2")
+
+
+def stage0_bytes(run_dir, reference, layers=STAGE_0) -> tuple[int, int]:
+    """(weights, adapter) bytes of stage 0 of 2 on micro: the embedding and its layers, counted
     from the files the runs wrote (no padding: every dim 0 of micro is even)."""
     base = load_file(reference / "base" / "model.safetensors")
     held = [t for n, t in base.items() if "embed_tokens" in n or any(f"layers.{i}." in n for i in layers)]
@@ -110,10 +115,11 @@ def test_fsdp_pp_trains_like_one_process(fsdp_pp, reference):
             r["grad_bytes"],
             r["optimizer_bytes"],
         )
-    # Units: layers 0 and 1 and the stage (its embedding); the embedding is frozen: no reduce-scatter.
+    assert json.loads((out / "ranks.json").read_text())[0]["pipeline"]["stages"] == {"0": [0, 1, 2]}
+    # Units: layers 0-2 and the stage (its embedding); the embedding is frozen: no reduce-scatter.
     assert first["comm_calls"] == {
-        "all_gather": 3,
-        "reduce_scatter": 2,
+        "all_gather": 4,
+        "reduce_scatter": 3,
         "send": 2,
         "recv": 2,
         "all_reduce": 2,
@@ -146,10 +152,12 @@ def test_3d_on_a_mesh_with_one_fsdp_rank(reference, tmp_path):
     tp = first["comm_bytes"]["all_reduce"] - 4 - 8  # TP's all-reduces inside stage 0's layers
     assert first["comm_bytes"] == {"send": activations, "recv": activations, "all_reduce": tp + 12}
     assert planned_bytes(req, lay) == {"all_reduce": tp, "send": 2 * activations}  # none over one FSDP rank
-    # Per micro-batch, layers 0-1: 2 x 2 forward + 5 x 2 backward - 3 (layer 0's q, k, v input is
-    # the frozen embedding's output) activation all-reduces, and one (1, 384, r=16) per adapter:
-    # 2 row projections in forward, 5 column ones in backward.
-    assert tp == 4 * 4 * SEQ * (HIDDEN * (4 + 10 - 3) + 16 * 2 * 7)
+    # Per micro-batch, stage 0's n = 3 layers: 2 n forward + 5 n backward - 3 (layer 0's q, k, v
+    # input is the frozen embedding's output) activation all-reduces, and one (1, 384, r=16) per
+    # adapter: 2 row projections in forward, 5 column ones in backward.
+    n = len(json.loads((out / "ranks.json").read_text())[0]["pipeline"]["stages"]["0"])
+    assert n == len(STAGE_0)
+    assert tp == 4 * 4 * SEQ * (HIDDEN * (2 * n + 5 * n - 3) + 16 * n * 7)
 
 
 def test_3d_on_eight_processes(reference, tmp_path):

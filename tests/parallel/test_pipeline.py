@@ -91,6 +91,13 @@ def test_timeline_is_written_and_well_formed(runs):
         assert timeline["step"] == cfg.train.max_steps
         assert timeline["idle_fraction_theory"] == pytest.approx(lay.theoretical_idle_fraction())
         assert 0 <= timeline["idle_fraction"] < 1
+        # The modelled figures of the cut the run used (balanced: micro's head outweighs a layer,
+        # so with 2 stages the last keeps one), beside the measured stage imbalance.
+        assert timeline["layers_per_stage"] == ([3, 1] if lay.num_stages == 2 else [1, 1, 1, 1])
+        assert timeline["modelled"]["cut"]["layers_per_stage"] == timeline["layers_per_stage"]
+        assert 0 <= timeline["idle_fraction_modelled"] < 1
+        assert timeline["stage_imbalance"] >= 1 and timeline["stage_imbalance_modelled"] >= 1
+        assert len(timeline["stage_busy_s"]) == lay.num_stages
         # The replay follows the schedule's own action order: it completes for every schedule.
         assert 0 <= timeline["idle_fraction_replayed"] < 1
         assert 0 <= timeline["idle_fraction_imbalance_floor"] < 1
@@ -110,6 +117,7 @@ def test_timeline_is_written_and_well_formed(runs):
         for record in metrics(out):
             assert 0 <= record["idle_fraction"] < 1
             assert record["idle_fraction_theory"] == timeline["idle_fraction_theory"]
+            assert record["idle_fraction_modelled"] == timeline["idle_fraction_modelled"]
 
 
 def _logits(base_dir, adapter_dir) -> torch.Tensor:
@@ -167,6 +175,43 @@ def test_full_finetune_sums_the_tied_embedding(tmp_path):
         assert (a[name] - b[name]).norm() <= 1e-5 * b[name].norm(), name
 
 
+# PARITY over 2 steps of shorter rows, no base weights written (the adapters compare as tensors).
+SPLIT_RUN = [
+    *(a for a in PARITY if a not in ("train.max_steps=3", "data.max_length=384")),
+    "train.max_steps=2",
+    "data.max_length=256",
+    "output.save_base=false",
+]
+
+
+def test_an_uneven_split_trains_like_one_process_and_resumes_under_another(tmp_path):
+    """parallel.pp_split=[1,3] (stage 0: the embedding and layer 0; stage 1: layers 1-3 and the
+    head) trains exactly like one process. Its step-1 checkpoint then resumes under the balanced
+    cut, [3,1]: DCP keys are the single model's parameter names, so each rank loads the layers
+    its new stage holds, wherever they were saved from, and step 2 ends as one process ends it."""
+    reference, run, resumed = tmp_path / "single", tmp_path / "pp", tmp_path / "resumed"
+    assert main(["train", *SPLIT_RUN, "--out", str(reference)]) == 0
+    pp = ["--strategy", "pp", "--nproc", str(WORLD)]
+    split = ["parallel.pp_split=[1,3]", "--checkpoint-every", "1"]
+    proc = distft("train", *pp, *SPLIT_RUN, *split, "--out", str(run))
+    assert "pipeline cut (parallel.pp_split=[1, 3]): layers 1/3" in proc.stdout
+    assert_same_training(run, reference)
+    ranks = json.loads((run / "ranks.json").read_text())
+    assert [r["pipeline"]["stages"] for r in ranks] == [{"0": [0]}, {"1": [1, 2, 3]}]
+    assert ranks[0]["pipeline"]["even"]["layers_per_stage"] == [2, 2]
+
+    # The run as a crash during step 2 leaves it: step 1's checkpoint, no adapter.
+    shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("adapter"))
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-000001"]
+    proc = distft("train", "--resume", str(resumed), "parallel.pp_split=balanced")
+    assert "resuming from" in proc.stdout and "(step 1)" in proc.stdout
+    assert "pipeline cut (parallel.pp_split=balanced): layers 3/1" in proc.stdout
+    assert_same_training(resumed, reference)
+    record = metrics(resumed)[-1]
+    assert record["stage_imbalance_modelled"] < 2  # the head's stage, over the mean of two
+    assert 0 <= record["idle_fraction_modelled"] < 1 and record["stage_imbalance"] >= 1
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -181,6 +226,8 @@ def test_full_finetune_sums_the_tied_embedding(tmp_path):
         ),
         (["parallel.schedule=pipedream"], "choose one of"),
         (["--nproc", "1"], "--nproc 2 or more"),
+        (["parallel.pp_split=[1,1,2]"], "gives 3 stages, but parallel.schedule=1f1b"),
+        (["parallel.pp_split=[3,2]"], "places 5 decoder layers, but micro has 4"),
     ],
 )
 def test_impossible_pipelines_fail_before_launch(overrides, message, capsys):
@@ -202,7 +249,8 @@ def test_layout():
     looped, v_shaped = lay("interleaved-1f1b"), lay("zbv")
     assert [looped.stages_of(r) for r in range(2)] == [[0, 2], [1, 3]]
     assert [v_shaped.stages_of(r) for r in range(2)] == [[0, 3], [1, 2]]
-    assert [list(lay("gpipe", nproc=3).layers_of(s, 4)) for s in range(3)] == [[0, 1], [2], [3]]
+    # The cut (parallel.pp_split) needs the architecture: tests/parallel/test_pipeline_cost.py.
+    assert lay("gpipe", nproc=3).layers_per_stage == ()
     # tiny's default global batch 8 / micro-batch 4: m = 2; microbatches=4 makes the micro-batch 2.
     assert (lay("1f1b").microbatches, lay("1f1b", microbatches=4).micro_batch_size) == (2, 2)
     assert lay("gpipe", microbatches=4).theoretical_idle_fraction() == pytest.approx(1 / 5)

@@ -161,7 +161,7 @@ def test_pipeline_stage_in_flight(method, schedule, m):
     layout = Parallelism("pp", pp=pp, schedule=schedule, microbatches=m)
     t = training(method, b, s, labels)
     for stage in range(pp):
-        layers = rank_layers(SPEC.num_layers, layout, stage)  # the runtime's Layout.layers_of
+        layers = rank_layers(SPEC, t, layout, stage)  # the runtime's Layout.layers_of, cut alike
         first, last = stage == 0, stage == pp - 1
         want = activation_bytes(SPEC, t, layout, stage)
         outputs = []

@@ -74,7 +74,7 @@ def test_communication_and_the_bubble_add_as_stated():
     par = layout_for(req, "pp", pp=2)
     pp = estimate(req, par)
     busiest = max(  # the slowest stage sets the pace; the bubble is the layout's own idle share
-        model_flops(HAND, FULL, rank_layers(2, par, r), holds_last_stage(par, r)).sequence(128, 128)
+        model_flops(HAND, FULL, rank_layers(HAND, FULL, par, r), holds_last_stage(par, r)).sequence(128, 128)
         for r in range(2)
     )
     assert pp.compute_s == pytest.approx(busiest * 2 * par.microbatches / (989e12 * 0.5))

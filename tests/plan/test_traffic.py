@@ -21,7 +21,7 @@ from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
 from distft.parallel.pipeline import Layout, StageModule
 from distft.plan.hardware import Link
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PRECISIONS, Parallelism, Training, rank_layers
+from distft.plan.setup import PRECISIONS, Parallelism, Training, pipeline_layout, rank_layers
 from distft.plan.traffic import dp_collectives, replica_collectives, tp_collectives
 from tests.plan import MICROS
 
@@ -36,16 +36,23 @@ def _built(method: str, preset: str):
     return cfg, SummaryLM(apply_method(load_base_model(cfg.model), cfg))
 
 
+def _training(method: str) -> Training:
+    return Training(method=method, precision=PRECISIONS["fp32"], lora_rank=RANK, seq_len=SEQ, autocast=False)
+
+
+def _stage_0_layers(method: str, preset: str, layout: Parallelism) -> range:
+    """The layers of stage 0 as the planner cuts the pipeline (parallel.pp_split=balanced: the
+    runtime's cut, `distft.parallel.pipeline.cost`)."""
+    return pipeline_layout(resolve_model(preset), _training(method), layout).layers_of(0)
+
+
 def _planned(
     method: str, preset: str, layout: Parallelism, dimension: str | None = None, collectives=None
 ) -> dict[str, float]:
     """The planner's bytes of rank 0 along `dimension` (default: dp if there is one, else tp), or
     from `collectives` (HSDP's replicate dimension)."""
-    spec = resolve_model(preset)
-    training = Training(
-        method=method, precision=PRECISIONS["fp32"], lora_rank=RANK, seq_len=SEQ, autocast=False
-    )
-    layers = len(rank_layers(spec.num_layers, layout, 0))  # pipeline rank 0's, or all
+    spec, training = resolve_model(preset), _training(method)
+    layers = len(rank_layers(spec, training, layout, 0))  # pipeline rank 0's, or all
     if collectives is None:
         dim = dimension or ("dp" if layout.dp > 1 else "tp")
         collectives = dp_collectives if dim == "dp" else tp_collectives
@@ -121,12 +128,18 @@ def test_hsdp_bytes_per_mesh_dimension(preset, method):
 @pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_fsdp_pipeline_gathers_and_scatters_once_per_step(preset, method):
-    """fsdp+pp, stage 0 of 2 (the embedding, layers 0-1): its units gathered once per step and its
-    trainable gradients reduce-scattered once, whatever the micro-batch count: torch's stage keeps
-    the stage gathered and defers the reduction to its last backward."""
+    """fsdp+pp, stage 0 of 2 (the embedding and its layers, 0-2 of 4 as the balanced cut takes
+    them): its units gathered once per step and its trainable gradients reduce-scattered once,
+    whatever the micro-batch count: torch's stage keeps the stage gathered and defers the
+    reduction to its last backward."""
     cfg, model = _built(method, preset)
-    lay = Layout("1f1b", 2, 1, MICRO_BATCHES, 1)
-    stage = StageModule(model.backbone, model.lm_head, lay.layers_of(0, 4), first=True, last=False)
+    layout = Parallelism(
+        "fsdp+pp", dp=WORLD, pp=2, shard="full", reshard_after_forward=False, microbatches=MICRO_BATCHES
+    )
+    layers = _stage_0_layers(method, preset, layout)
+    assert len(layers) == 3  # lm_head on 32 labelled positions outweighs micro's layers
+    lay = Layout("1f1b", 2, 1, MICRO_BATCHES, 1, (len(layers), 4 - len(layers)))
+    stage = StageModule(model.backbone, model.lm_head, lay.layers_of(0), first=True, last=False)
     facts = SimpleNamespace(
         cfg=cfg,
         dims=SimpleNamespace(dp=WORLD, tp=1),
@@ -138,9 +151,6 @@ def test_fsdp_pipeline_gathers_and_scatters_once_per_step(preset, method):
         gathers_per_step=lambda stage: 1,
     )
     runtime = expected.fsdp_pipeline(facts, SimpleNamespace(module=model), _batches())
-    layout = Parallelism(
-        "fsdp+pp", dp=WORLD, pp=2, shard="full", reshard_after_forward=False, microbatches=MICRO_BATCHES
-    )
     planned = _planned(method, preset, layout)
     assert planned == {"all_gather": runtime["all_gather"], "reduce_scatter": runtime["reduce_scatter"]}
 
@@ -148,15 +158,18 @@ def test_fsdp_pipeline_gathers_and_scatters_once_per_step(preset, method):
 @pytest.mark.parametrize("preset", MICROS)
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_tp_inside_a_pipeline_stage(preset, method):
-    """fsdp+tp+pp, stage 0 of 2: TP's all-reduces for its own two layers (rank 0's; the planner models
+    """fsdp+tp+pp, stage 0 of 2: TP's all-reduces for its own layers (rank 0's; the planner models
     rank 0), the first of which skips q, k and v's backward one under LoRA."""
     cfg, model = _built(method, preset)
-    runtime = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=2)
     layout = Parallelism(
         "fsdp+tp+pp", dp=2, tp=WORLD, pp=2, shard="full", tp_impl="dtensor", microbatches=MICRO_BATCHES
     )
+    layers = len(_stage_0_layers(method, preset, layout))
+    runtime = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=layers)
     assert _planned(method, preset, layout, dimension="tp") == {"all_reduce": runtime}
     # A later stage's input needs its gradient (it is sent back): 3 more per micro-batch with LoRA.
-    later = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=2, input_needs_grad=True)
+    later = counts.tp_activation_bytes(
+        cfg, causal_lm(model.lm), _batches(), layers=layers, input_needs_grad=True
+    )
     hidden = model.backbone.config.hidden_size
     assert later - runtime == (3 * MICRO_BATCHES * SEQ * hidden * 4 if method == "lora" else 0)

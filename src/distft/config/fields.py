@@ -75,6 +75,7 @@ def check_fields(cfg: Config) -> None:
             "installed and runs FlexAttention elsewhere."
         )
     check_choice(cfg.parallel.fsdp_wrap, ("layer", "model"), "parallel.fsdp_wrap")
+    _check_pp_split(cfg.parallel.pp_split)
     check_ranges(cfg)
     _check_relations(cfg)
     _check_optim(cfg)
@@ -135,6 +136,21 @@ def _check_targets(targets: list[str]) -> None:
         raise ConfigError(
             f"`lora.target_modules` {targets}: the preset {named[0]!r} stands alone; give either one "
             f"preset ({', '.join(presets)}) or a list of module names such as q_proj, v_proj."
+        )
+
+
+def _check_pp_split(split: str | list[int]) -> None:
+    """balanced, even, or layers per stage, each at least one (their count and sum need the pipeline
+    and the model: `distft.parallel.pipeline.layout.cut_layers`)."""
+    if isinstance(split, str):
+        if split not in ("balanced", "even"):
+            raise ConfigError(
+                f"`parallel.pp_split` is {split!r}; choose balanced, even, or a list of decoder layers per "
+                "stage such as [5, 3] (parallel.pp_split=[5,3])."
+            )
+    elif not split or min(split) < 1:
+        raise ConfigError(
+            f"`parallel.pp_split` is {split}: every pipeline stage needs at least one decoder layer."
         )
 
 

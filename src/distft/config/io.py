@@ -51,8 +51,15 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             str(k): v if value_type is Any else _coerce(v, value_type, f"{where}.{k}")
             for k, v in value.items()
         }
-    if origin in (typing.Union, types.UnionType):
-        raise TypeError(f"union types are not supported in config ({where})")
+    if origin in (typing.Union, types.UnionType):  # a setting of two forms, e.g. "balanced" or [5, 3]
+        forms = typing.get_args(annotation)
+        listed = [a for a in forms if typing.get_origin(a) in (list, typing.List)]  # noqa: UP006
+        scalar = [a for a in forms if a not in listed]
+        if len(listed) != 1 or len(scalar) != 1:
+            raise TypeError(f"config unions are one scalar type and one list type ({where})")
+        # A list, or a string with a comma ("5,3" on the command line), takes the list form.
+        as_list = isinstance(value, list) or (isinstance(value, str) and "," in value)
+        return _coerce(value, listed[0] if as_list else scalar[0], where)
     if annotation is bool:
         if isinstance(value, bool):
             return value

@@ -277,6 +277,11 @@ class ParallelConfig:
     train.micro_batch_size to global_batch_size / m. 0: keep train.micro_batch_size (m = global_batch_size / micro_batch_size)."""
     stages_per_rank: int = 0
     """pp: virtual stages per rank (V). 0: 2 for interleaved-1f1b and zbv, 1 for the others."""
+    pp_split: str | list[int] = "balanced"
+    """pp: decoder layers per stage. balanced: the contiguous cut whose slowest stage costs least in
+    modelled FLOPs (the last stage also runs lm_head and the loss, stage 0 the embedding:
+    `distft.parallel.pipeline.cost`); even: by layer count (the first L mod S stages take one more);
+    or a list, one count per stage in stage order, e.g. [5, 3] (`parallel.pp_split=[5,3]`)."""
     dp: int = 0
     """2D and 3D strategies (fsdp+tp, ddp+pp, fsdp+pp, fsdp+tp+pp): data-parallel degree; 0: world
     size / (tp x pp)."""

@@ -30,7 +30,7 @@ from distft.data.formats import (
 )
 from distft.data.mixture import data_name
 from distft.data.rows import LOCAL_SUFFIXES, load_rows, validation_rows
-from distft.data.store import CachedSplit
+from distft.data.store import CachedSplit, mean_label_tokens
 from distft.data.template import EndOfTurn, check_chat_template, end_of_turn
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 from distft.tensors import document_ids  # packed rows' documents (the model layer needs it too)
@@ -61,6 +61,7 @@ __all__ = [
     "label_positions",
     "load_rows",
     "load_tokenizer",
+    "mean_label_tokens",
     "messages_of",
     "micro_batch",
     "open_or_build",

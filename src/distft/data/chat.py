@@ -318,6 +318,10 @@ class TokenizedSplit:
         self.reads += 1
         return self.examples[i]
 
+    def label_count(self, i: int) -> int:
+        """Positions of example `i` that carry a label (not counted as a read)."""
+        return sum(t != IGNORE for t in self.examples[i].labels)
+
     def summary(self) -> dict[str, float]:
         return split_summary(
             [len(e.input_ids) for e in self.examples],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from array import array
 from dataclasses import dataclass
 from itertools import chain
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distft.data.chat import IGNORE, Example, split_summary
+from distft.data.chat import IGNORE, Example, TokenizedSplit, split_summary
 
 STORE_VERSION = 1  # bump when the files above change
 META = "meta.json"
@@ -57,6 +58,12 @@ class CachedSplit:
         labels[:-1] = np.where(self.labelled[start : end - 1] != 0, ids[1:], IGNORE)
         self.reads += 1
         return Example(ids.tolist(), labels.tolist(), int(self.truncated[k]))
+
+    def label_count(self, i: int) -> int:
+        """Positions of example `i` that carry a label (not counted as a read)."""
+        k = int(self.index[i])
+        start, end = int(self.offsets[k]), int(self.offsets[k + 1])
+        return int(np.count_nonzero(self.labelled[start : end - 1]))  # as `__getitem__` reads them
 
     def summary(self) -> dict[str, float]:
         return dict(self.stats)
@@ -157,3 +164,13 @@ def open_store(folder: Path) -> dict[str, CachedSplit]:
         )
         for name, rows in meta["splits"].items()
     }
+
+
+def mean_label_tokens(split: CachedSplit | TokenizedSplit, sample: int = 512) -> float | None:
+    """Mean labelled positions per example over up to `sample` examples spread evenly through
+    `split` (in memory or memory-mapped); None for an empty split. What a pipeline's last stage
+    runs lm_head on, per row (`distft.parallel.pipeline.cost`)."""
+    if not len(split):
+        return None
+    picked = range(0, len(split), max(1, len(split) // sample))
+    return statistics.mean(split.label_count(i) for i in picked)

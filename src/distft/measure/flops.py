@@ -22,6 +22,9 @@ with N_* the decoder layers' Linear weights, N_head = hidden x vocab, c_head = 6
 trains (full finetuning) else 4, and L the layer count. `flops_per_token` = F / sum_i s_i; MFU =
 F / step time / (ranks x the GPU's peak dense bf16 FLOP/s), the GPU from `distft.measure.gpus`.
 Norms, rotary, softmax and the loss are elementwise, a few percent at most, and not counted.
+The pieces are the pipeline's stage cost model's (`distft.parallel.pipeline.cost`: `matmul`,
+`attention`), which also splits them into forward, input and weight gradient; here they are
+counted from the real model's weights (what trains, whatever the method), there from its config.
 Activation checkpointing runs the layers' forward again in backward (`recompute`): real work, but
 not model FLOPs, so MFU leaves it out and a time estimate adds it.
 
@@ -42,6 +45,7 @@ from distft.data import Example
 from distft.data.chat import IGNORE
 from distft.measure.gpus import gpu_for_device_name
 from distft.model import causal_lm
+from distft.parallel.pipeline.cost import attention, matmul
 
 
 @dataclass(frozen=True)
@@ -84,18 +88,17 @@ class ModelFlops:
 
     def layers_flops(self, tokens: int) -> int:
         """The decoder layers' share of `sequence`: their matmuls and causal attention."""
-        linear = tokens * (4 * self.frozen + 6 * self.trainable)
-        attention = 6 * self.layers * self.attn_dim * tokens * tokens
-        return linear + attention
+        linear = matmul(self.frozen, False, tokens).total + matmul(self.trainable, True, tokens).total
+        return linear + self.layers * attention(self.attn_dim, tokens).total
 
     def head_flops(self, labelled: int) -> int:
         """The LM head's share of `sequence`, on the labelled positions only."""
-        return labelled * (6 if self.head_trains else 4) * self.head
+        return matmul(self.head, self.head_trains, labelled).total
 
     def recompute(self, tokens: int) -> int:
-        """The layers' forward once more (activation checkpointing): 2 N per token, attention's
-        2 d_attn s^2 per layer (causal)."""
-        return 2 * tokens * (self.frozen + self.trainable) + 2 * self.layers * self.attn_dim * tokens * tokens
+        """The layers' forward once more (activation checkpointing)."""
+        forward = matmul(self.frozen + self.trainable, False, tokens).forward
+        return forward + self.layers * attention(self.attn_dim, tokens).forward
 
     def step(self, examples: list[Example]) -> int:
         """FLOPs of one optimizer step over `examples` (the global batch), every rank together."""

@@ -10,6 +10,13 @@ stage times, `Layout.theoretical_idle_fraction`); on the last step rank 0 also w
 `DIR/pipeline_timeline.json` with the events, the imbalance floor (1 - mean busy / max busy: no
 schedule beats its busiest rank) and the schedule replayed with measured pass times and free
 messages (`replay`). The file's format and how to read it: docs/pp.md.
+
+Beside the measured figures, the modelled ones of the cut the run uses (`ModelledCut`, from the
+stage cost model `distft.parallel.pipeline.cost`) and of the even cut: each stage's share of the
+modelled cost, the stage imbalance (slowest / mean stage) and the idle fraction of the schedule
+replayed with modelled pass times. Every step records `stage_imbalance` (slowest / mean of the
+stages' measured busy time) beside `stage_imbalance_modelled`, and `idle_fraction_modelled`
+beside `idle_fraction` and `idle_fraction_theory`.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,6 +33,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from distft.io.files import atomic_write_text
 from distft.parallel.pipeline import PipelineParallel
+from distft.parallel.pipeline.cost import CostModel, even_cut, imbalance, pass_times
+from distft.parallel.pipeline.layout import SPLIT_BACKWARD, Layout
 from distft.parallel.pipeline.stages import Action
 
 PASSES = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W"))
@@ -39,6 +49,8 @@ class PipelineTimeline:
         self.events: list[dict] = []  # this step's passes (perf_counter seconds)
         self.step_start = self.step_time = 0.0
         self._recording = False  # inside a training step (evaluation does not use the schedule)
+        self.modelled = modelled_cuts(strategy.layout, strategy.costs, strategy.actions())
+        self.modelled["pp_split"] = strategy.cfg.parallel.pp_split
         for stage in strategy.stages:
             self._time_passes(stage)
         self._time_steps(strategy.schedule)
@@ -105,6 +117,15 @@ class PipelineTimeline:
         dist.all_gather_object(ranks, self.rank_timeline())
         measured = statistics.mean(r["idle_fraction"] for r in ranks)
         theory = lay.theoretical_idle_fraction()
+        stages = stage_busy(ranks, lay.num_stages)
+        cut = self.modelled["cut"]
+        figures = {
+            "idle_fraction": measured,
+            "idle_fraction_theory": theory,
+            "idle_fraction_modelled": cut["idle_fraction"],
+            "stage_imbalance": imbalance(stages) if min(stages) > 0 else None,
+            "stage_imbalance_modelled": cut["stage_imbalance"],
+        }
         if env.is_main and step == strategy.cfg.train.max_steps:
             busy = [r["busy_s"] for r in ranks]
             timeline = {
@@ -114,15 +135,17 @@ class PipelineTimeline:
                 "V": lay.stages_per_rank,
                 "step": step,
                 "step_time_s": max(r["step_time_s"] for r in ranks),
-                "idle_fraction": measured,
-                "idle_fraction_theory": theory,
+                **figures,
                 # No schedule beats the busiest rank: the others idle at least this much on average.
                 "idle_fraction_imbalance_floor": 1 - statistics.mean(busy) / max(busy),
                 "idle_fraction_replayed": replay(strategy.actions(), mean_durations(ranks)),
+                "layers_per_stage": list(lay.layers_per_stage),
+                "stage_busy_s": stages,
+                "modelled": self.modelled,
                 "ranks": ranks,
             }
             atomic_write_text(self.path, json.dumps(timeline, indent=1))
-        return {"idle_fraction": measured, "idle_fraction_theory": theory}
+        return figures
 
 
 def simulate(
@@ -179,3 +202,63 @@ def mean_durations(ranks: list[dict]) -> dict[tuple[int, str], float]:
         for e in r["events"]:
             spans.setdefault((e["stage"], e["kind"]), []).append(e["end"] - e["start"])
     return {key: statistics.mean(v) for key, v in spans.items()}
+
+
+def stage_busy(ranks: list[dict], num_stages: int) -> list[float]:
+    """Each stage's measured busy time in a step (all its passes), averaged over the pipeline
+    replicas that hold it (ddp+pp, fsdp+pp: every rank of a stage's mesh column)."""
+    busy, holders = [0.0] * num_stages, [0] * num_stages
+    for r in ranks:
+        for s in r["stages"]:
+            holders[s] += 1
+        for e in r["events"]:
+            busy[e["stage"]] += e["end"] - e["start"]
+    return [b / h for b, h in zip(busy, holders, strict=True)]
+
+
+def modelled_cut(lay: Layout, costs: CostModel, actions: list[list[Action]]) -> dict:
+    """What the cost model says of `lay`'s cut: each stage's share of the modelled cost, the stage
+    imbalance (slowest / mean stage) and the idle fraction of `actions` replayed with modelled pass
+    times (`cost.pass_times`: forward 1, backward 2; B and W as their FLOPs split)."""
+    cut = lay.layers_per_stage
+    stage = costs.stage_costs(cut)
+    total = sum(stage)
+    passes = pass_times(costs.stage_passes(cut), lay.schedule in SPLIT_BACKWARD)
+    return {
+        "layers_per_stage": list(cut),
+        "stage_cost_share": [c / total for c in stage],
+        "stage_imbalance": imbalance(stage),
+        "idle_fraction": replay(actions, passes),
+    }
+
+
+def modelled_cuts(lay: Layout, costs: CostModel, actions: list[list[Action]]) -> dict:
+    """`modelled_cut` of the cut the run uses and of the even one (the same schedule: its action
+    list does not depend on the cut), and the cost model's figures."""
+    even = replace(lay, layers_per_stage=even_cut(costs.num_layers, lay.num_stages))
+    return {
+        "cut": modelled_cut(lay, costs, actions),
+        "even": modelled_cut(even, costs, actions),
+        "cost_model": costs.describe(),
+    }
+
+
+def cut_lines(modelled: dict) -> list[str]:
+    """The header's lines: the cut, each stage's share of the modelled cost, the imbalance and the
+    modelled idle fraction, for the cut used and the even one."""
+
+    def describe(c: dict) -> str:
+        layers = "/".join(str(n) for n in c["layers_per_stage"])
+        shares = "/".join(f"{x:.0%}" for x in c["stage_cost_share"])
+        idle = f"{c['idle_fraction']:.0%}" if c["idle_fraction"] is not None else "n/a"
+        return (
+            f"layers {layers}, modelled cost {shares}, slowest/mean stage {c['stage_imbalance']:.2f}, "
+            f"modelled idle {idle}"
+        )
+
+    model = modelled["cost_model"]
+    return [
+        f"pipeline cut (parallel.pp_split={modelled['pp_split']}): {describe(modelled['cut'])}",
+        f"  even cut: {describe(modelled['even'])} (cost model: {model['tokens_per_sequence']} tokens "
+        f"per row, {model['label_tokens_per_sequence']:.0f} labelled; distft.parallel.pipeline.cost)",
+    ]

@@ -7,8 +7,9 @@
   its first synced backward).
 - Saved activations (`distft.measure.activations.SavedActivations`) of the first step's first
   micro-batch.
-- A pipeline's timeline of every step (`distft.measure.pipeline.PipelineTimeline`): idle fractions,
-  and `DIR/pipeline_timeline.json`.
+- A pipeline's timeline of every step (`distft.measure.pipeline.PipelineTimeline`): idle fractions
+  and stage imbalance, measured and modelled, and `DIR/pipeline_timeline.json`; its modelled cut
+  also goes to the header (`header_lines`) and ranks.json (`rank_record`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from distft.measure.activations import SavedActivations
 from distft.measure.expected import expected_comm_bytes, expected_comm_bytes_by_dim
 from distft.measure.overlap import CommTimeline
-from distft.measure.pipeline import PipelineTimeline
+from distft.measure.pipeline import PipelineTimeline, cut_lines
 from distft.parallel import Strategy
 from distft.parallel.pipeline import PipelineParallel
 
@@ -47,6 +48,19 @@ class StepMeasurements:
         self._every_step = every == "every" or (every == "auto" and strategy.env.device.type == "cpu")
         self._first = False
         self._measured = False
+
+    def header_lines(self) -> list[str]:
+        """What the run's header says of the measurements set up: a pipeline's cut, modelled."""
+        return cut_lines(self.timeline.modelled) if self.timeline else []
+
+    def rank_record(self) -> dict:
+        """This rank's part of ranks.json: a pipeline's cut (its stages, their layers, the modelled
+        figures of the cut and of the even one)."""
+        if not self.timeline:
+            return {}
+        lay = self.strategy.layout
+        held = {s: list(lay.layers_of(s)) for s in self.strategy.stage_ids}
+        return {"pipeline": {"stages": held, **self.timeline.modelled}}
 
     @contextlib.contextmanager
     def watch(self, step: int) -> Iterator[None]:

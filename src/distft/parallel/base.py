@@ -98,6 +98,9 @@ class Strategy:
         self.env = env
         # Set by the loop for one step: wraps the first micro-batch's forward (activation bytes).
         self.activation_probe: contextlib.AbstractContextManager | None = None
+        # Set by the loop's set-up before `parallelize`: the mean labelled positions per training
+        # row (None: not measured). A pipeline cuts its stages by the cost of lm_head on them.
+        self.label_tokens: float | None = None
         self.dp_size = self.data_parallel_size(cfg)
         self.dp_rank = env.rank if self.dp_size > 1 else 0
 

@@ -76,6 +76,7 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "parallel.schedule": _PIPELINES,
     "parallel.microbatches": _PIPELINES,
     "parallel.stages_per_rank": _PIPELINES,
+    "parallel.pp_split": _PIPELINES,
     "parallel.timeout_s": _PROCESS_GROUP,
     "parallel.health_check": _PROCESS_GROUP,
     "parallel.health_timeout_s": _PROCESS_GROUP,

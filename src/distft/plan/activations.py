@@ -269,7 +269,7 @@ def activation_bytes(spec: ModelSpec, training: Training, par: Parallelism, stag
     """Activations one rank holds (the peak over a step), following the module docstring."""
     x = _Layer(spec, training, par)
     first, last = holds_first_stage(par, stage), holds_last_stage(par, stage)
-    layers = rank_layers(spec.num_layers, par, stage)
+    layers = rank_layers(spec, training, par, stage)
     # Residual stream entering this rank needs a gradient unless the embeddings are frozen and
     # no adapter came before (LoRA's first layer). On later stages something earlier trained.
     grad = training.method == "full" or not first

@@ -28,6 +28,7 @@ from distft.measure.gpus import gpu_for_device_name
 from distft.parallel import STRATEGIES, check_config
 from distft.parallel.derive import derive_defaults, derived_line
 from distft.parallel.dims import ParallelDims
+from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS
 from distft.plan.decide import decide
 from distft.plan.estimate import LABELS, Request, estimate, layout_for
 from distft.plan.hardware import (
@@ -85,7 +86,7 @@ def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int =
         autocast=on_cuda(cfg) and cfg.model.autocast,
         seq_len=cfg.data.max_length,
         micro_batch=micro_batch or cfg.train.micro_batch_size,
-        label_tokens=min(256, cfg.data.max_length),
+        label_tokens=min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
         activation_checkpointing=cfg.model.activation_checkpointing,
         attention=cfg.model.attn_implementation,
     )
@@ -174,7 +175,13 @@ def layout_of(cfg: Config, req: Request) -> Parallelism:
         par = replace(par, dp_shard=cls.shard_degree(cfg))
     if hasattr(cls, "pipeline_layout"):
         lay = cls.pipeline_layout(cfg)
-        par = replace(par, microbatches=lay.microbatches, stages_per_rank=lay.stages_per_rank)
+        split = cfg.parallel.pp_split
+        par = replace(
+            par,
+            microbatches=lay.microbatches,
+            stages_per_rank=lay.stages_per_rank,
+            pp_split=split if isinstance(split, str) else tuple(split),
+        )
     return par
 
 

@@ -105,7 +105,7 @@ def stage_tensors(
     spec: ModelSpec, training: Training, par: Parallelism, stage: int
 ) -> list[tuple[TensorSpec, bool]]:
     """(tensor, trainable) held by pipeline rank `stage` (the whole model when pp == 1)."""
-    layers = set(rank_layers(spec.num_layers, par, stage))
+    layers = set(rank_layers(spec, training, par, stage))
     first, last = holds_first_stage(par, stage), holds_last_stage(par, stage)
     full = training.method == "full"
     out = []

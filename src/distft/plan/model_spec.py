@@ -89,6 +89,10 @@ class ModelSpec:
     def num_key_value_heads(self) -> int:
         return self.num_kv_heads
 
+    @property
+    def num_hidden_layers(self) -> int:  # transformers' name, for the stage cost model
+        return self.num_layers
+
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each projection of a decoder layer: the runtime's `projection_shapes`."""
         return projection_shapes(self)

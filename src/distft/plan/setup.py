@@ -3,8 +3,11 @@
 - `Precision` / `PRECISIONS`: bytes per weight, gradient, master copy, AdamW moment, activation;
 - `Training`: the method, batch shape, LoRA settings and NF4 storage (the runtime's `NF4Spec`);
 - `Parallelism`: the degrees (dp, tp, pp), what data parallelism shards, which TP implementation,
-  and the pipeline schedule. Its `pipeline()` is the runtime's own `distft.parallel.pipeline.Layout`,
-  so stage placement (`rank_layers`) and the bubble are the ones `distft train` runs.
+  and the pipeline schedule and cut. Its `pipeline()` is the runtime's own
+  `distft.parallel.pipeline.Layout`, cut by `pipeline_layout` with the runtime's own stage cost
+  model (`cost_model`: the same FLOPs, with `Training.label_tokens` labelled positions per
+  sequence where the runtime measures its data's), so stage placement (`rank_layers`) and the
+  bubble are the ones `distft train` runs.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from dataclasses import dataclass, field
 from distft.model.nf4 import NF4Spec
 from distft.parallel.pipeline import SCHEDULES
 from distft.parallel.pipeline import Layout as PipelineLayout
-from distft.plan.model_spec import DEFAULT_LORA_TARGETS
+from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS, CostModel
+from distft.plan.model_spec import DEFAULT_LORA_TARGETS, ModelSpec
 
 # The schedules whose in-flight activations the planner models (all of them run in distft).
 PLANNED_SCHEDULES = tuple(s for s in ("gpipe", "1f1b", "interleaved-1f1b") if s in SCHEDULES)
@@ -68,7 +72,8 @@ class Training:
     autocast: bool = True  # bf16 autocast around forward/backward (distft on CUDA; off on CPU)
     seq_len: int = 2048
     micro_batch: int = 1
-    label_tokens: int = 256  # positions per sequence that carry the loss (distft: the summary)
+    # Positions per sequence that carry the loss (distft: the summary); the runtime measures its data's.
+    label_tokens: int = DEFAULT_LABEL_TOKENS
     activation_checkpointing: bool = False
     attention: str = "auto"  # auto | flex | flash (no dense mask) | sdpa (dense mask when padded) | eager
     padded: bool | None = None  # a padding mask reaches attention; None: micro_batch > 1
@@ -102,6 +107,7 @@ class Parallelism:
     schedule: str = "1f1b"  # parallel.schedule
     microbatches: int = 1  # micro-batches per optimizer step on each pipeline / replica
     stages_per_rank: int = 0  # parallel.stages_per_rank; 0: the schedule's default (SCHEDULES)
+    pp_split: str | tuple[int, ...] = "balanced"  # parallel.pp_split: balanced, even, or layers per stage
 
     @property
     def world(self) -> int:
@@ -133,10 +139,30 @@ class Parallelism:
         return self.pipeline().theoretical_idle_fraction() if self.pp > 1 else 0.0
 
 
-def rank_layers(num_layers: int, par: Parallelism, rank: int) -> list[int]:
+def cost_model(spec: ModelSpec, training: Training) -> CostModel:
+    """The runtime's stage cost model (`distft.parallel.pipeline.cost`) of `spec` trained as
+    `training` says, with its `label_tokens` labelled positions per sequence."""
+    return CostModel.from_config(
+        spec,
+        training.method,
+        training.lora_rank,
+        training.lora_targets,
+        training.seq_len,
+        training.label_tokens,
+    )
+
+
+def pipeline_layout(spec: ModelSpec, training: Training, par: Parallelism) -> PipelineLayout:
+    """The runtime's pipeline for these degrees, its layers cut as `par.pp_split` says."""
+    return par.pipeline().cut(cost_model(spec, training), par.pp_split, spec.name)
+
+
+def rank_layers(spec: ModelSpec, training: Training, par: Parallelism, rank: int) -> list[int]:
     """Decoder layers pipeline rank `rank` holds: those of every stage the runtime places on it."""
-    lay = par.pipeline()
-    return [i for s in lay.stages_of(rank) for i in lay.layers_of(s, num_layers)]
+    if par.pp == 1:
+        return list(range(spec.num_layers))
+    lay = pipeline_layout(spec, training, par)
+    return [i for s in lay.stages_of(rank) for i in lay.layers_of(s)]
 
 
 def holds_first_stage(par: Parallelism, rank: int) -> bool:

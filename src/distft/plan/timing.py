@@ -98,7 +98,7 @@ def rank_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     S = training.seq_len
     busiest = 0.0
     for rank in range(par.pp):
-        f = model_flops(spec, training, rank_layers(spec.num_layers, par, rank), holds_last_stage(par, rank))
+        f = model_flops(spec, training, rank_layers(spec, training, par, rank), holds_last_stage(par, rank))
         layers = f.layers_flops(S) + (f.recompute(S) if training.activation_checkpointing else 0)
         head = f.head_flops(labelled(training))
         busiest = max(busiest, layers / par.tp + head / (par.tp if par.sp else 1))

@@ -218,7 +218,7 @@ def step_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, topo: Topology
 ) -> list[Collective]:
     """Every collective of one optimizer step on rank 0. Groups: TP innermost, then DP, then PP."""
-    layers = len(rank_layers(spec.num_layers, par, 0))
+    layers = len(rank_layers(spec, training, par, 0))
     out: list[Collective] = []
     if par.dp > 1:  # HSDP: shard groups of neighbouring ranks, replicas `shard` groups apart
         out += dp_collectives(spec, training, par, topo.link(par.shard_degree, par.tp), layers)
@@ -235,7 +235,7 @@ def step_collectives(
 def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     """Replicated trainable weights whose gradients each TP rank has only in part (summed once per step)."""
     g = training.precision.grad
-    layers = rank_layers(spec.num_layers, par, 0)
+    layers = rank_layers(spec, training, par, 0)
     if par.tp_impl == "dtensor":
         # parallelize_module: only q_norm / k_norm's (full finetuning; DTensor completes LoRA's own
         # gradients), sharded over dp under FSDP (`parallel/tensor_parallel.py`).

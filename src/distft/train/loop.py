@@ -113,10 +113,10 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     # ---- outputs --------------------------------------------------------------------------
     cfg, env, tc = run.cfg, run.env, run.cfg.train
     progress = TrainingProgress(enabled=run.strategy.is_logging_rank(), total_steps=tc.max_steps)
-    metrics = start_outputs(run, progress)
-    trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
     batches = partial(rank_batches, strategy=run.strategy, cfg=cfg, pad_id=run.pad_id)
     measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, batches, run.out)
+    metrics = start_outputs(run, progress, measure.header_lines())
+    trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
     result = TrainResult(output_dir=run.out)
     names = [str(p) for p in run.health.places] if run.health else None
     stragglers = StepArrivals.start(
@@ -176,7 +176,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
 
     # ---- export ---------------------------------------------------------------------------
     straggler = stragglers.of(env.rank) if stragglers else None
-    summary = rank_summary(run, measure.saved_activation_bytes)
+    summary = rank_summary(run, measure.saved_activation_bytes) | measure.rank_record()
     summary |= {"straggler": straggler, **prediction_record(run, measure.first_comm_bytes)}
     ranks = export(run, summary)
     if env.is_main:
@@ -191,8 +191,9 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
 # ---- the loop's helpers -------------------------------------------------------------------
 
 
-def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
-    """Print the header (and where a resume starts); open `metrics.jsonl` on the main rank."""
+def start_outputs(run: Run, progress: TrainingProgress, layout: list[str]) -> MetricsWriter | None:
+    """Print the header (and where a resume starts; `layout`: lines on how the strategy placed the
+    model, a pipeline's cut); open `metrics.jsonl` on the main rank."""
     cfg, env = run.cfg, run.env
     progress.header(
         cfg,
@@ -205,6 +206,7 @@ def start_outputs(run: Run, progress: TrainingProgress) -> MetricsWriter | None:
         lineage=run.lineage,
         kernels=kernels_line(run),
         training=training_lines(run.cfg, len(run.train_set)),
+        layout=layout,
     )
     if run.health is not None and progress.enabled:
         progress.console.print(run.health.summary(), soft_wrap=True)

@@ -43,6 +43,7 @@ class TrainingProgress:
         lineage: dict | None = None,
         kernels: str = "",
         training: list[str] | None = None,
+        layout: list[str] | None = None,
     ) -> None:
         if not self.enabled:
             return
@@ -59,6 +60,8 @@ class TrainingProgress:
         c.print(
             f"strategy {cfg.parallel.strategy}: {plural(world_size, 'process')} on {device}, backend {backend}"
         )
+        for line in layout or []:  # how the strategy placed the model (a pipeline's cut)
+            c.print(line, soft_wrap=True, markup=False)
         if kernels:
             c.print(kernels, soft_wrap=True)
         if cfg.model.trust_remote_code:

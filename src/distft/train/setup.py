@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from distft.config import Config, to_toml
-from distft.data import CachedSplit, TokenizedSplit, tokenized_splits
+from distft.data import CachedSplit, TokenizedSplit, mean_label_tokens, tokenized_splits
 from distft.data.rows import memory_source
 from distft.data.tokenizer import load_tokenizer
 from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
@@ -146,6 +146,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
         compiled = compile_blocks(lm, cfg.model.compile_backend, strict=cfg.model.compile == "true")
     nf4_compiled = dequantize_compiled_wanted(cfg.model.compile, env.device)  # QLoRA: one kernel per weight
     compiled_nf4 = use_compiled_dequantize(lm, nf4_compiled) if nf4_compiled else 0
+    strategy.label_tokens = mean_label_tokens(train_set)  # a pipeline cuts its stages by them
     model = strategy.parallelize(SummaryLM(lm))
     param_bytes = storage_layout(model)  # NF4 parts apart (distft.model.nf4)
     # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,

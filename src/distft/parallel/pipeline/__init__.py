@@ -1,6 +1,7 @@
 """Pipeline parallelism: the layer stack cut into stages on different ranks (torch.distributed.pipelining).
 
 - `layout.py`: which rank holds which stage and which layers, the schedules, the bubble formula;
+- `cost.py`: the modelled cost of a stage, and the cut of the layers that balances the stages;
 - `stages.py`: a stage's module, this rank's stages and their torch schedule;
 - `strategy.py`: `PipelineParallel`, the `pp` strategy (one step, evaluation, gradients, export).
 

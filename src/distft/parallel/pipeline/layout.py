@@ -1,15 +1,22 @@
-"""Which rank holds which stage and which layers: a pure function of the config, nothing distributed.
+"""Which rank holds which stage and which layers: a pure function of the config and the
+architecture, nothing distributed.
 
 The model is cut into S = p x V stages (p pipeline ranks, V stages per rank) of contiguous decoder
-layers, balanced by layer count. Looped schedules put stage s on rank s mod p; V-shaped ones (zbv)
-go down the ranks and back, so rank 0 holds the first and the last stage. Nothing is sent here:
-`Layout` only answers where things live, and `theoretical_idle_fraction` is the one bubble formula
-(equal stage times, free messages) that the strategy's timeline and the planner both report.
+layers. How many layers each stage takes is `parallel.pp_split` (`cut_layers`): balanced (the
+default) by the modelled cost of each stage (`distft.parallel.pipeline.cost`: the head makes the
+last stage heavier than its layers), even by layer count, or a list given by hand. `layout(cfg)`
+checks the schedule and the batch before launch, when the architecture may not be known yet;
+`Layout.cut` then fixes the layers, the same way wherever the architecture is known (the strategy,
+the planner). Looped schedules put stage s on rank s mod p; V-shaped ones (zbv) go down the ranks
+and back, so rank 0 holds the first and the last stage. Nothing is sent here: `Layout` only answers
+where things live, and `theoretical_idle_fraction` is the one bubble formula (equal stage times,
+free messages) that the strategy's timeline and the planner both report.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from torch.distributed.pipelining import (
     Schedule1F1B,
@@ -21,6 +28,7 @@ from torch.distributed.pipelining import (
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.parallel.pipeline.cost import CostModel, even_cut
 
 # schedule name -> (torch class, stages per rank when parallel.stages_per_rank is 0, V-shaped placement)
 SCHEDULES: dict[str, tuple[type, int, bool]] = {
@@ -56,6 +64,7 @@ class Layout:
     stages_per_rank: int  # V
     microbatches: int  # m
     micro_batch_size: int  # sequences per micro-batch
+    layers_per_stage: tuple[int, ...] = ()  # the cut (`cut`); empty until the architecture is known
 
     @property
     def num_stages(self) -> int:
@@ -75,11 +84,16 @@ class Layout:
     def stages_of(self, rank: int) -> list[int]:
         return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
 
-    def layers_of(self, stage: int, num_layers: int) -> range:
-        """Contiguous layers, balanced by count; the first L mod S stages take one more."""
-        base, extra = divmod(num_layers, self.num_stages)
-        start = stage * base + min(stage, extra)
-        return range(start, start + base + (stage < extra))
+    def layers_of(self, stage: int) -> range:
+        """The decoder layers of `stage`: contiguous, as many as the cut gives it."""
+        if not self.layers_per_stage:
+            raise ValueError("this layout is not cut into layers yet: Layout.cut(costs, parallel.pp_split)")
+        start = sum(self.layers_per_stage[:stage])
+        return range(start, start + self.layers_per_stage[stage])
+
+    def cut(self, costs: CostModel, split: str | Sequence[int], model: str = "the model") -> Layout:
+        """This layout with its layers cut as `split` (parallel.pp_split) says, by `costs`."""
+        return replace(self, layers_per_stage=cut_layers(split, costs, self.num_stages, model))
 
     def theoretical_idle_fraction(self) -> float:
         """This pipeline's bubble with equal stage times (`theoretical_idle_fraction`)."""
@@ -125,7 +139,43 @@ def layout(cfg: Config, ranks: int | None = None, replicas: int = 1) -> Layout:
             f"{what} cannot be cut into {m} equal micro-batches: parallel.microbatches must divide it."
         )
     _check_microbatches(par.schedule, p, m)
+    if isinstance(par.pp_split, list) and len(par.pp_split) != p * v:
+        raise ConfigError(
+            f"parallel.pp_split={par.pp_split} gives {len(par.pp_split)} stages, but parallel.schedule="
+            f"{par.schedule} on {p} pipeline ranks x {v} stages per rank has {p * v}: list {p * v} layer "
+            "counts, or use parallel.pp_split=balanced (or even)."
+        )
     return Layout(par.schedule, p, v, m, batch // m)
+
+
+def cut_layers(
+    split: str | Sequence[int], costs: CostModel, stages: int, model: str = "the model"
+) -> tuple[int, ...]:
+    """Layers per stage as parallel.pp_split says: `balanced` by modelled cost (`cost.balanced_cut`),
+    `even` by count, or the list itself, which must give every one of `stages` stages a layer and
+    place every one of `model`'s layers exactly once (a ConfigError names the numbers)."""
+    layers = costs.num_layers
+    if stages > layers:
+        raise ConfigError(
+            f"{stages} pipeline stages need at least one decoder layer each, but {model} has {layers}."
+        )
+    if split == "balanced":
+        return costs.balanced_cut(stages)
+    if split == "even":
+        return even_cut(layers, stages)
+    cut = tuple(split)
+    if len(cut) != stages:
+        raise ConfigError(
+            f"parallel.pp_split={list(cut)} gives {len(cut)} stages, but the pipeline has {stages}: list "
+            f"{stages} layer counts, or use parallel.pp_split=balanced (or even)."
+        )
+    if min(cut) < 1 or sum(cut) != layers:
+        raise ConfigError(
+            f"parallel.pp_split={list(cut)} places {sum(cut)} decoder layers, but {model} has {layers}: "
+            f"give each of the {stages} stages at least one layer, {layers} in all "
+            f"(e.g. {list(even_cut(layers, stages))})."
+        )
+    return cut
 
 
 def _check_stages(schedule: str, v: int) -> None:

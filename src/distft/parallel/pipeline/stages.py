@@ -1,9 +1,9 @@
 """A pipeline stage's module, this rank's stages built from the (PEFT-wrapped) model, their schedule.
 
-What is sharded: the decoder layers, by stage (`Layout.layers_of`). Stage 0 also holds the
-embedding, the last stage the final norm, lm_head and the loss. Every stage recomputes what
-the family's Model.forward computes once: the mask, position ids and rotary cos/sin (a non-persistent
-buffer, so each stage holds a copy). A padded batch carries a 2-D attention mask, a packed one
+What is sharded: the decoder layers, by stage (`Layout.layers_of`, as `parallel.pp_split` cuts
+them). Stage 0 also holds the embedding, the last stage the final norm, lm_head and the loss.
+Every stage recomputes what the family's Model.forward computes once: the mask, position ids
+and rotary cos/sin (a non-persistent buffer, so each stage holds a copy). A padded batch carries a 2-D attention mask, a packed one
 (docs/packing.md) per-document position ids and no mask; either is a keyword argument of the
 step, which torch splits per micro-batch and hands to every stage. From the attention mask come
 positions 0..T-1 and the causal + padding mask; from packed position ids, the document block mask
@@ -119,7 +119,7 @@ def build_stages(
     last = lay.num_stages - 1
     stages, owned = [], []
     for s in lay.stages_of(rank):
-        layers = lay.layers_of(s, len(backbone.layers))
+        layers = lay.layers_of(s)
         module = StageModule(backbone, lm_head, layers, s == 0, s == last).to(device)
         owned += module.owned()
         wrap(module, s)

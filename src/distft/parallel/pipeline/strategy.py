@@ -1,7 +1,10 @@
 """Pipeline parallelism (`pp`): the layer stack cut into stages, micro-batches flowing through them.
 
 What is sharded: the decoder layers, by stage (`layout.py`), with their gradients and AdamW state;
-stage 0 also holds the embedding, the last stage norm, lm_head and the loss. Only stage 0's rank
+stage 0 also holds the embedding, the last stage norm, lm_head and the loss. How many layers each
+stage holds is `parallel.pp_split`, by default the cut that balances the stages' modelled cost
+(`cost.py`), computed in `parallelize` from the architecture, the run's settings and the labelled
+positions per row the set-up measured on the training split (`label_tokens`). Only stage 0's rank
 reads input_ids and only the last stage's rank the labels.
 
 What is sent when. During the step, per micro-batch and per stage boundary that crosses ranks:
@@ -34,6 +37,7 @@ from distft.config import Config
 from distft.data import Example, micro_batch
 from distft.errors import ConfigError
 from distft.parallel.base import Batch, Strategy
+from distft.parallel.pipeline.cost import CostModel
 from distft.parallel.pipeline.layout import Layout, layout
 from distft.parallel.pipeline.stages import Action, build_schedule, build_stages, schedule_actions
 from distft.tensors import local
@@ -54,6 +58,16 @@ class PipelineParallel(Strategy):
         return layout(cfg)
 
     @classmethod
+    def cut_layout(
+        cls, cfg: Config, model_config: PretrainedConfig, label_tokens: float | None = None
+    ) -> tuple[Layout, CostModel]:
+        """This strategy's pipeline with its layers cut (parallel.pp_split), and the cost model the
+        cut was made by: the run's method and rows, `label_tokens` labelled positions per row
+        (None, before the data is read: `cost.DEFAULT_LABEL_TOKENS`)."""
+        costs = CostModel.for_run(cfg, model_config, label_tokens)
+        return cls.pipeline_layout(cfg).cut(costs, cfg.parallel.pp_split, cfg.model.name), costs
+
+    @classmethod
     def validate_config(cls, cfg: Config) -> None:
         cls.pipeline_layout(cfg)  # raises ConfigError for a pipeline that cannot run
 
@@ -71,6 +85,7 @@ class PipelineParallel(Strategy):
                 f"{lay.num_stages} stages of at least one decoder layer, but {cfg.model.name} has {layers}. "
                 "Use fewer processes or parallel.stages_per_rank."
             )
+        cls.cut_layout(cfg, model_config)  # a parallel.pp_split list that does not add up to the layers
         super().validate_model(cfg, model_config)  # NF4 blocks that shard (fsdp+pp's QLoRA)
 
     @classmethod
@@ -87,7 +102,8 @@ class PipelineParallel(Strategy):
         return None
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        self.layout = lay = self.pipeline_layout(self.cfg)
+        self.layout, self.costs = self.cut_layout(self.cfg, model.backbone.config, self.label_tokens)
+        lay = self.layout
         pipelines = self.pipelines()
         # This rank's pipeline (global ranks by pipeline rank) and its place in it. Layout methods
         # speak pipeline ranks; p2p outside the schedule (evaluation) maps them through pp_ranks.
