@@ -47,6 +47,9 @@ def test_compiled_layers_run_on_every_rank(strategy, model, extra, reference, tm
     for r in ranks:
         assert r["compiled_graphs"] > 0, r
         assert r["attention"] == "flex" and "compile_fallback" not in r
+        # One graph per variant for every layer (the first one's input requires grad too), and
+        # none for the evaluation, which runs the blocks eagerly instead of compiling them again.
+        assert r["recompiles"] == 0, r
     records = metrics(out)
     assert all(m["compiled_graphs"] > 0 and m["attention"] == "flex" for m in records)
     assert all(m["comm_bytes"] for m in records)  # measured while compiled

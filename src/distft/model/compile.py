@@ -19,14 +19,17 @@ length is symbolic from the first graph, no static-then-dynamic pair), and packe
 to a multiple of `SEQUENCE_BUCKET` tokens, at least two (`distft.data.batches.pack`): guards on
 the length's alignment hold for every row, and the block mask never has a tile dimension of size
 1, which dynamo would specialise. What remains is an enumerable set of variants: train and
-evaluation (grad mode) x several documents or one (a block mask or none): 4. Under LoRA the
-embedding is frozen, so the first layer's input would need no grad and every later layer's would:
-two graphs of every block, and on CUDA a second inductor compile in step 1. The embedding's output
-is marked as requiring grad instead (`_one_graph_for_every_layer`), which costs the first layer's
-input gradient (about 1/L of backward's input-gradient work) and saves that whole compile. On the CPU, where FlexAttention has no
-backward, training attention runs eagerly between graphs; the frames resumed after it repeat the
-same variants once more. The limit is raised to `RECOMPILE_LIMIT` to hold that with room; the
-tests drive every variant under `fail_on_recompile_limit_hit` and check new lengths compile nothing.
+evaluation (grad mode) x several documents or one (a block mask or none): 4. The training loop's
+evaluation runs under `eager_on_recompile` (`distft.train.step.evaluate`): a few batches without
+grad run the blocks eagerly instead of compiling each one again. Under LoRA the embedding is
+frozen, so the first layer's input would need no grad and every later layer's would: two graphs
+of every block, and on CUDA a second inductor compile in step 1. The embedding's output is marked
+as requiring grad instead (`_one_graph_for_every_layer`), which costs the first layer's input
+gradient (about 1/L of backward's input-gradient work) and saves that whole compile. On the CPU,
+where FlexAttention has no backward, training attention runs eagerly between graphs; the frames
+resumed after it repeat the same variants once more. The limit is raised to `RECOMPILE_LIMIT` to
+hold that with room; the tests drive every variant under `fail_on_recompile_limit_hit` and check
+new lengths compile nothing.
 
 A fallback (`model.compile`): `auto` (on CUDA where the strategy takes compiled blocks; off on the
 CPU, where inductor's C++ code buys little and costs minutes) falls back to eager when the backend

@@ -111,10 +111,13 @@ def evaluate(run: Run) -> float:
     gb = run.cfg.train.global_batch_size
     n_batches = min(run.cfg.train.eval_batches, len(examples) // gb)
     loss_sum, n_tokens = torch.zeros((), device=run.env.device), 0
-    for b in range(max(n_batches, 1)):
-        batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
-        n_tokens += count_label_tokens(batch)
-        with run.autocast:
-            loss_sum += strategy.forward_only(model, rank_batches(batch, strategy, run.cfg, run.pad_id))
+    # Compiled blocks hold training graphs; without grad every guard fails. A few batches run
+    # eagerly rather than pay a second compile of every block (tens of seconds on a GPU).
+    with torch.compiler.set_stance("eager_on_recompile"):
+        for b in range(max(n_batches, 1)):
+            batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
+            n_tokens += count_label_tokens(batch)
+            with run.autocast:
+                loss_sum += strategy.forward_only(model, rank_batches(batch, strategy, run.cfg, run.pad_id))
     model.train()
     return strategy.reduce_loss(loss_sum).item() / n_tokens
