@@ -5,7 +5,15 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.ticker import MaxNLocator
 
-from distft.bench.plots import plot_comm, plot_losses, plot_memory, plot_pp_idle, plot_throughput
+from distft.bench.plots import (
+    plot_comm,
+    plot_losses,
+    plot_memory,
+    plot_pp_gantt,
+    plot_pp_idle,
+    plot_throughput,
+)
+from tests.bench.fabricated import sweep_run
 
 
 def _result(strategy: str, comm_bytes: dict[str, int], tokens: float) -> dict:
@@ -75,3 +83,17 @@ def test_pipeline_idle_plot_ticks_the_measured_micro_batch_counts(tmp_path):
     assert list(fig.axes[0].get_xticks()) == [4, 8]
     assert fig.axes[0].get_ylim() == pytest.approx((0, 1))
     _legends_clear_of_the_data(fig)
+
+
+def test_pipeline_idle_plot_has_a_panel_per_split_with_the_model_beside_the_measurement(tmp_path):
+    sweep = [sweep_run(s, m, split, [2, 2] if split == "even" else [3, 1], idle=(0.45, 0.4), step=(1, 1, 1))
+             for s in ("gpipe", "zbv") for m in (2, 4) for split in ("even", "balanced")]  # fmt: skip
+    fig = plot_pp_idle(sweep, tmp_path / "idle.png")
+    assert [ax.get_title() for ax in fig.axes] == ["even cut", "balanced cut"]
+    for ax in fig.axes:  # per schedule: measured, modelled, theory
+        assert len(ax.get_lines()) == 2 * 3 and list(ax.get_xticks()) == [2, 4]
+    assert fig.axes[1].get_legend() is not None
+    _legends_clear_of_the_data(fig)
+    fig = plot_pp_gantt(sweep[1]["timeline"], tmp_path / "gantt.png")  # gpipe at m = 2, balanced
+    assert "balanced cut 3/1" in fig.axes[0].get_title() and "(cost model: 40%)" in fig.axes[0].get_title()
+    assert 0 < (tmp_path / "gantt.png").stat().st_size < 150_000

@@ -17,8 +17,8 @@ from distft.bench.harness import (
     add_predictions,
     loss_agreement,
     run_bench,
-    sweep_losses,
 )
+from distft.bench.pp_sweep import DEFAULT_SPLITS, parse_splits, sweep_losses
 from distft.bench.report import write_report
 from distft.bench.startup import StartupSettings, run_startup_bench, write_startup_report
 from distft.bench.study import STUDIES, run_study
@@ -65,18 +65,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="--gpu: write the run record DIR/RECORD.md (date, command, versions, device, every figure); "
         "default on CUDA docs/reports/gpu/DEVICE, none on the CPU",
     )
-    p.add_argument(
-        "--pp-sweep",
-        nargs="?",
-        const=PP_SCHEDULES,
-        default="",
-        metavar="SCHEDULES",
-        help=f"also run pp for each schedule (default with no value: {PP_SCHEDULES}) and each --pp-microbatches: "
-        "idle fraction vs micro-batches against theory, and a Gantt chart per schedule",
-    )
-    p.add_argument(
-        "--pp-microbatches", default="4,8", help="micro-batch counts of the pipeline sweep (default 4,8)"
-    )
+    _add_pp_sweep_arguments(p)
     p.add_argument(
         "--project",
         default="",
@@ -110,6 +99,30 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "(with this command's --project profiles)",
     )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every `distft train`")
+
+
+def _add_pp_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """`distft bench --pp-sweep`: pp per schedule, micro-batch count and cut (`bench.pp_sweep`)."""
+    p.add_argument(
+        "--pp-sweep",
+        nargs="?",
+        const=PP_SCHEDULES,
+        default="",
+        metavar="SCHEDULES",
+        help=f"also run pp for each schedule (default with no value: {PP_SCHEDULES}), each --pp-microbatches "
+        "and each --pp-splits: idle fraction vs micro-batches, measured against the cost model and theory, "
+        "and a Gantt chart per schedule and split",
+    )
+    p.add_argument(
+        "--pp-microbatches", default="4,8", help="micro-batch counts of the pipeline sweep (default 4,8)"
+    )
+    p.add_argument(
+        "--pp-splits",
+        default=DEFAULT_SPLITS,
+        metavar="SPLITS",
+        help=f"cuts of the layers the pipeline sweep runs (parallel.pp_split; default {DEFAULT_SPLITS}): "
+        "balanced, even, or layers per stage joined by '-', e.g. 3-1",
+    )
 
 
 def _add_startup_arguments(p: argparse.ArgumentParser) -> None:
@@ -226,6 +239,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         overrides=list(args.overrides),
         pp_schedules=_names(args.pp_sweep),
         pp_microbatches=microbatches,
+        pp_splits=parse_splits(args.pp_splits),
         project=_names(args.project),
         repeats=args.repeats,
     )

@@ -20,6 +20,14 @@ from pathlib import Path
 
 import torch
 
+from distft.bench.pp_sweep import (
+    STEP_FIGURES,
+    check_split_stages,
+    run_name,
+    split_override,
+    sweep_entry,
+    sweep_losses,
+)
 from distft.bench.predict import parse_profile, plan_memory, project
 from distft.bench.reference import time_plain_loop
 from distft.errors import ConfigError
@@ -43,6 +51,7 @@ class BenchSettings:
     overrides: list[str] = field(default_factory=list)
     pp_schedules: list[str] = field(default_factory=list)  # the pipeline sweep (empty: none)
     pp_microbatches: list[int] = field(default_factory=lambda: [4, 8])
+    pp_splits: list[str] = field(default_factory=lambda: ["balanced", "even"])  # `pp_sweep.parse_split`
     project: list[str] = field(default_factory=list)  # hardware profiles, e.g. 2xrtx4090-pcie
     repeats: int = 1  # runs per strategy (or study configuration), interleaved
 
@@ -54,6 +63,18 @@ class BenchSettings:
             f"train.global_batch_size={self.global_batch_size}", f"train.micro_batch_size={self.micro_batch_size}",
             f"data.max_length={self.seq_len}", f"train.seed={self.seed}", "train.eval_every=0", "train.log_every=1",
             *self.overrides, *extra,
+        ]  # fmt: skip
+
+    def argv(self, out: Path) -> list[str]:
+        """`distft` arguments that run this bench again, every setting spelled out."""
+        sweep = ["--pp-sweep", ",".join(self.pp_schedules), "--pp-microbatches", ",".join(map(str, self.pp_microbatches)),
+                 "--pp-splits", ",".join(self.pp_splits)] if self.pp_schedules else []  # fmt: skip
+        return [
+            "bench", "--strategies", ",".join(self.strategies), "--nproc", str(self.nproc), "--model", self.model,
+            "--steps", str(self.steps), "--warmup", str(self.warmup), "--global-batch", str(self.global_batch_size),
+            "--micro-batch", str(self.micro_batch_size), "--seq-len", str(self.seq_len), *sweep,
+            *(["--project", ",".join(self.project)] if self.project else []),
+            *(["--repeats", str(self.repeats)] if self.repeats != 1 else []), "--out", str(out), *self.overrides,
         ]  # fmt: skip
 
 
@@ -140,9 +161,10 @@ def run_strategy(
     measured = records[settings.warmup :] or records
     first = records[0]
     extra = {k: v for k, v in records[-1].items() if k.startswith("pp_")}
-    for key in ("idle_fraction", "idle_fraction_theory"):  # pipeline bubble, measured and in theory
-        if key in measured[-1]:
-            extra[key] = statistics.median(r[key] for r in measured)
+    for key in STEP_FIGURES:  # pipeline bubble and stage imbalance: measured, in theory, modelled
+        values = [r[key] for r in measured if r.get(key) is not None]
+        if values:
+            extra[key] = statistics.median(values)
     if "startup_s" in first:  # command start to step 1, and step 1 itself (compilation runs there)
         extra.update(startup_s=first["startup_s"], first_step_s=first["step_time_s"])
     for key in OVERLAP_KEYS:  # distft.measure.overlap
@@ -168,35 +190,26 @@ def run_strategy(
 
 
 def run_pp_sweep(settings: BenchSettings, out: Path) -> tuple[list[dict], dict[str, str]]:
-    """`pp` once per schedule and micro-batch count: measured idle fraction against theory, and
-    the last step's timeline (`pipeline_timeline.json`) for the Gantt charts."""
+    """`pp` once per schedule, micro-batch count and split (`parallel.pp_split`): measured idle
+    fraction against theory and the cost model, and the last step's timeline
+    (`pipeline_timeline.json`) for the Gantt charts."""
     sweep, failures = [], {}
     for schedule in settings.pp_schedules:
         for m in settings.pp_microbatches:
-            name = f"pp-{schedule}-m{m}"
-            print(f"bench: {name} ...", flush=True)
-            run_dir = out / "runs" / name
-            try:
-                r = run_strategy(
-                    settings, "pp", run_dir, (f"parallel.schedule={schedule}", f"parallel.microbatches={m}")
-                )
-            except RuntimeError as err:
-                failures[name] = str(err)
-                print(f"bench: {err}", flush=True)
-                continue
-            timeline = json.loads((run_dir / "pipeline_timeline.json").read_text())
-            sweep.append({
-                "schedule": schedule, "microbatches": m, "step_time_s": r.step_time_s, "losses": r.losses,
-                "idle_fraction": r.extra.get("idle_fraction"), "idle_fraction_theory": r.extra.get("idle_fraction_theory"),
-                "idle_fraction_replayed": timeline.get("idle_fraction_replayed"),
-                "idle_fraction_imbalance_floor": timeline.get("idle_fraction_imbalance_floor"),
-                "timeline": timeline,
-            })  # fmt: skip
+            for split in settings.pp_splits:
+                name = run_name(schedule, m, split)
+                print(f"bench: {name} ...", flush=True)
+                run_dir = out / "runs" / name
+                cell = (f"parallel.schedule={schedule}", f"parallel.microbatches={m}", split_override(split))
+                try:
+                    r = run_strategy(settings, "pp", run_dir, cell)
+                except RuntimeError as err:
+                    failures[name] = str(err)
+                    print(f"bench: {err}", flush=True)
+                    continue
+                timeline = json.loads((run_dir / "pipeline_timeline.json").read_text())
+                sweep.append(sweep_entry((schedule, m, split), r.step_time_s, r.losses, r.extra, timeline))
     return sweep, failures
-
-
-def sweep_losses(sweep: list[dict]) -> dict[str, list[float]]:
-    return {f"pp-{s['schedule']}-m{s['microbatches']}": s["losses"] for s in sweep}
 
 
 def loss_agreement(
@@ -256,6 +269,7 @@ def run_bench(settings: BenchSettings, out: Path) -> dict:
     bad = [s for s in settings.pp_schedules if s not in SCHEDULES]
     if bad:
         raise ConfigError(f"Unknown pipeline schedules {', '.join(bad)}; available: {', '.join(SCHEDULES)}.")
+    check_split_stages(settings.pp_splits, settings.pp_schedules, settings.nproc, settings.overrides)
     if settings.warmup < 0 or settings.steps < 1:
         raise ConfigError("--steps must be at least 1 and --warmup cannot be negative.")
     if settings.repeats < 1:

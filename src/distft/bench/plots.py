@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from distft.io.files import atomic_path
@@ -180,28 +181,43 @@ SCHEDULE_COLORS = {"gpipe": "#4C72B0", "1f1b": "#DD8452", "interleaved-1f1b": "#
 KIND_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
+# The idle plot's lines per schedule: (sweep key, line style, label); a key a sweep lacks draws nothing.
+IDLE_LINES = [
+    ("idle_fraction", "o-", "measured"),
+    ("idle_fraction_modelled", "s--", "cost model, this cut"),
+    ("idle_fraction_theory", "x:", "theory, equal stages"),
+]
+
+
 def plot_pp_idle(sweep: list[dict], path: Path) -> Figure:
-    """Measured idle fraction against micro-batches, one line per schedule, theory dashed."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for schedule in dict.fromkeys(s["schedule"] for s in sweep):
-        runs = sorted((s for s in sweep if s["schedule"] == schedule), key=lambda s: s["microbatches"])
-        m = [s["microbatches"] for s in runs]
-        color = SCHEDULE_COLORS.get(schedule)
-        ax.plot(m, [s["idle_fraction"] for s in runs], "o-", color=color, label=f"{schedule} measured")
-        ax.plot(
-            m,
-            [s["idle_fraction_theory"] for s in runs],
-            "x--",
-            color=color,
-            alpha=0.7,
-            label=f"{schedule} theory",
-        )
-    ax.set_xticks(sorted({s["microbatches"] for s in sweep}))  # the measured m, integers
-    ax.set_xlabel("micro-batches per step (m)")
-    ax.set_ylabel("idle fraction (mean over ranks)")
-    ax.set_ylim(0, 1)
-    ax.set_title("Pipeline bubble: measured (solid) vs equal-stage theory (dashed)", fontsize=10)
-    legend_outside(ax)
+    """Idle fraction against micro-batches, one panel per split of the layers (balanced, even, ...):
+    per schedule (one colour each) the measured idle, the cost model's for the run's cut and the
+    equal-stage theory. Runs recorded before splits and modelled figures share one panel, without
+    the modelled line."""
+    splits = list(dict.fromkeys(s.get("split") for s in sweep))
+    fig, axes = plt.subplots(1, len(splits), figsize=(2.4 + 3.6 * len(splits), 4), sharey=True, squeeze=False)
+    for ax, split in zip(axes[0], splits, strict=True):
+        of_split = [s for s in sweep if s.get("split") == split]
+        for schedule in dict.fromkeys(s["schedule"] for s in of_split):
+            runs = sorted((s for s in of_split if s["schedule"] == schedule), key=lambda s: s["microbatches"])
+            m = [s["microbatches"] for s in runs]
+            for key, style, _ in IDLE_LINES:
+                values = [s.get(key) for s in runs]
+                if any(v is not None for v in values):  # None (a replay that failed) leaves a gap
+                    ax.plot(m, [float("nan") if v is None else v for v in values], style,
+                            color=SCHEDULE_COLORS.get(schedule), alpha=1.0 if key == "idle_fraction" else 0.7)  # fmt: skip
+        ax.set_xticks(sorted({s["microbatches"] for s in sweep}))  # the measured m, integers
+        ax.set_xlabel("micro-batches per step (m)")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{split} cut" if split else "cut not recorded", fontsize=9)
+    axes[0][0].set_ylabel("idle fraction (mean over ranks)")
+    schedules = list(dict.fromkeys(s["schedule"] for s in sweep))
+    handles = [Line2D([], [], color=SCHEDULE_COLORS.get(name), linewidth=3) for name in schedules]
+    handles += [
+        Line2D([], [], color="black", linestyle=style[1:], marker=style[0]) for _, style, _ in IDLE_LINES
+    ]
+    legend_outside(axes[0][-1], handles, schedules + [label for _, _, label in IDLE_LINES])
+    fig.suptitle("Pipeline bubble per cut: measured vs the cost model vs equal-stage theory", fontsize=10)
     return save(fig, path)
 
 
@@ -244,6 +260,17 @@ def _gantt(ax, rows: list[list[dict]], title: str, unit: str) -> None:
     ax.set_title(title, fontsize=9)
 
 
+def cut_label(timeline: dict) -> str:
+    """The title's words for the run's cut, e.g. `, balanced cut 3/1`: the split it asked for and the
+    layers per stage it got (nothing for a timeline made before cuts were recorded)."""
+    layers = timeline.get("layers_per_stage")
+    if not layers:
+        return ""
+    split = (timeline.get("modelled") or {}).get("pp_split")
+    name = f"{split} cut " if isinstance(split, str) else "cut "  # a list is the layers themselves
+    return f", {name}{'/'.join(map(str, layers))}"
+
+
 def plot_pp_gantt(timeline: dict, path: Path) -> Figure:
     """The last step's passes per rank as measured, beside the schedule's ideal (equal stage times)."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * len(timeline["ranks"]) * 2))
@@ -251,9 +278,14 @@ def plot_pp_gantt(timeline: dict, path: Path) -> Figure:
         [{**e, "start": e["start"] * 1e3, "end": e["end"] * 1e3} for e in r["events"]]
         for r in timeline["ranks"]
     ]
-    head = f"{timeline['schedule']} (p={timeline['p']}, m={timeline['m']}, V={timeline['V']})"
+    head = f"{timeline['schedule']} (p={timeline['p']}, m={timeline['m']}, V={timeline['V']}{cut_label(timeline)})"
+    modelled = timeline.get("idle_fraction_modelled")  # absent from timelines made before the cost model
+    model = "" if modelled is None else f" (cost model: {modelled:.0%})"
     _gantt(
-        top, measured, f"{head}: measured, idle {timeline['idle_fraction']:.0%}", "ms from the step's start"
+        top,
+        measured,
+        f"{head}: measured, idle {timeline['idle_fraction']:.0%}{model}",
+        "ms from the step's start",
     )
     _gantt(bottom, ideal_timeline(timeline), f"{head}: ideal, idle {timeline['idle_fraction_theory']:.0%} "
            "(torch's order, equal stage times)", "units (forward = 1)")  # fmt: skip

@@ -15,6 +15,7 @@ from distft.bench.plots import (
     plot_pp_idle,
     plot_throughput,
 )
+from distft.bench.pp_report import gantt_charts, pipeline_section
 from distft.bench.spread import ranking_sentence
 from distft.io.files import atomic_write_text
 
@@ -44,36 +45,6 @@ def memory_section(summary: dict) -> list[str]:
             cells = [mib(m[label]) for _, _, label in COMPONENTS]
             lines.append(f"| {r['strategy']} | {rank['rank']} | {' | '.join(cells)} | {' | '.join(pcells)} |")
     lines += ["", "MiB. ![memory](memory.png)", ""]
-    return lines
-
-
-def pipeline_section(sweep: list[dict]) -> list[str]:
-    if not sweep:
-        return []
-    lines = [
-        "## Pipeline schedules: idle fraction vs micro-batches (measured vs theory)",
-        "",
-        "Idle fraction = 1 - busy / step time per rank, mean over ranks, median over the measured steps. "
-        "Theory assumes equal stage times and free messages (`parallel/pipeline.py`); the imbalance floor "
-        "is what unequal stages force (1 - mean busy / max busy); replayed is torch's order replayed with "
-        "the measured pass times.",
-        "",
-        "| schedule | m | step time (s, median) | idle measured | idle theory | imbalance floor | replayed |",
-        "|---|---|---|---|---|---|---|",
-    ]
-
-    def pct(x):
-        return "-" if x is None else f"{x:.0%}"
-
-    for s in sweep:
-        lines.append(
-            f"| {s['schedule']} | {s['microbatches']} | {s['step_time_s']['median']:.3f} | {pct(s['idle_fraction'])} "
-            f"| {pct(s['idle_fraction_theory'])} | {pct(s['idle_fraction_imbalance_floor'])} "
-            f"| {pct(s['idle_fraction_replayed'])} |"
-        )
-    lines += ["", "![idle fraction vs micro-batches](pp_idle.png)", ""]
-    for schedule in dict.fromkeys(s["schedule"] for s in sweep):
-        lines += [f"![{schedule} timeline](pp_gantt_{schedule}.png)", ""]
     return lines
 
 
@@ -136,7 +107,7 @@ def write_report(summary: dict, out: Path) -> Path:
         *comm_section(summary),
         *overlap_section(summary),
         *agreement_section(summary),
-        *pipeline_section(summary.get("pp_sweep") or []),
+        *pipeline_section(summary, out),
         *overhead_section(summary),
         *projection_section(summary.get("projections") or []),
     ]
@@ -156,11 +127,8 @@ def write_plots(summary: dict, out: Path) -> None:
     sweep = summary.get("pp_sweep") or []
     if sweep:
         plot_pp_idle(sweep, out / "pp_idle.png")
-        first = {}
-        for run in sorted(sweep, key=lambda s: s["microbatches"]):
-            first.setdefault(run["schedule"], run)  # the smallest m: fewest bars, most readable
-        for schedule, run in first.items():
-            plot_pp_gantt(run["timeline"], out / f"pp_gantt_{schedule}.png")
+        for name, run in gantt_charts(sweep).items():
+            plot_pp_gantt(run["timeline"], out / name)
 
 
 def header_section(summary: dict) -> list[str]:
@@ -210,8 +178,10 @@ def throughput_section(summary: dict) -> list[str]:
     for r in results:
         if "idle_fraction" in r.get("extra", {}):
             x = r["extra"]
+            modelled = x.get("idle_fraction_modelled")  # absent from results made before the cost model
+            model = "" if modelled is None else f", {modelled:.0%} by the cost model for its cut"
             lines += ["", f"{r['strategy']}: each rank idles {x['idle_fraction']:.0%} of the step (median over the "
-                      f"measured steps; {x['idle_fraction_theory']:.0%} in theory with equal stages)."]  # fmt: skip
+                      f"measured steps; {x['idle_fraction_theory']:.0%} in theory with equal stages{model})."]  # fmt: skip
     return [*lines, "", "![throughput](throughput.png)", ""]
 
 
