@@ -277,6 +277,21 @@ def _finished_run(tmp: Path) -> str:
     return str(run)
 
 
+PP = ["--strategy", "pp", "--nproc", "2"]
+
+
+def _timeline(tmp: Path, cut: list[int], busy: bool = True) -> str:
+    """A pipeline run's directory holding only its timeline: `cut` layers per stage, 0.1 s a layer
+    (busy=False: a timeline from before each stage's busy time was recorded)."""
+    run = tmp / "measured"
+    run.mkdir(exist_ok=True)
+    timeline = {"schedule": "1f1b", "ranks": [], "layers_per_stage": cut}
+    if busy:
+        timeline["stage_busy_s"] = [0.1 * n for n in cut]
+    (run / "pipeline_timeline.json").write_text(json.dumps(timeline), encoding="utf-8")
+    return str(run)
+
+
 def _no_network(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
@@ -510,6 +525,38 @@ BAD_INPUTS = [
         None,
         "`lora.target_modules` names qkv_proj, which micro does not have: its Linear layers are down_proj, "
         "gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj.",
+    ),
+    # `--calibrate RUN`: the pipeline's cut from a run's measured stage times.
+    (
+        "calibrate without a pipeline",
+        lambda t: ["--strategy", "ddp", "--nproc", "2", "--calibrate", _timeline(t, [3, 1])],
+        None,
+        "re-cuts a pipeline's stages, but --strategy ddp has none: use --strategy pp, ddp+pp",
+    ),
+    (
+        "calibrate from a run without a timeline",
+        lambda t: [*PP, "--calibrate", str(t)],
+        None,
+        "no pipeline_timeline.json there. Every pipeline run (--strategy pp, ddp+pp, fsdp+pp or "
+        "fsdp+tp+pp) writes it on its last step",
+    ),
+    (
+        "calibrate from an older timeline",
+        lambda t: [*PP, "--calibrate", _timeline(t, [3, 1], busy=False)],
+        None,
+        "has no stage_busy_s: it comes from a distft from before pipeline runs recorded",
+    ),
+    (
+        "calibrate from a model of another depth",
+        lambda t: [*PP, "--calibrate", _timeline(t, [3, 3])],
+        None,
+        "that run's model has 6 decoder layers, micro has 4",
+    ),
+    (
+        "calibrate and pp_split",
+        lambda t: [*PP, "--calibrate", _timeline(t, [3, 1]), "parallel.pp_split=[2,2]"],
+        None,
+        "and parallel.pp_split=[2,2] both set parallel.pp_split: keep one",
     ),
 ]
 

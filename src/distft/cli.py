@@ -38,6 +38,7 @@ from distft.model import model_config
 from distft.model.build import check_weight_files
 from distft.parallel import STRATEGIES, check_config, check_model, ignored_settings
 from distft.parallel.derive import notes_for_ranks, read_rank_notes
+from distft.parallel.pipeline.calibrate import calibrate
 from distft.text import plural
 from distft.train import train
 from distft.train.metrics import START_ENV
@@ -119,6 +120,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, with its config"
     )
     p.add_argument(
+        "--calibrate",
+        metavar="RUN",
+        help="cut the pipeline's stages (parallel.pp_split) by the pass times RUN measured: its "
+        "pipeline_timeline.json, which every pipeline run writes (docs/pp.md)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="every check, the batch and the plan's memory estimate; no training",
@@ -160,6 +167,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         for line in plan.complete(cfg):
             print(line, flush=True)
     check_config(cfg)  # the strategy's checks: before anything is launched
+    if getattr(args, "calibrate", None):  # the pipeline's cut from a run's measured stage times
+        calibration = calibrate(cfg, args.calibrate, args.overrides)
+        calibration.apply(cfg)
+        print(calibration.line(), flush=True)
     return cfg
 
 

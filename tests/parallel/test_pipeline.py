@@ -120,6 +120,18 @@ def test_timeline_is_written_and_well_formed(runs):
             assert record["idle_fraction_modelled"] == timeline["idle_fraction_modelled"]
 
 
+def test_calibrating_from_a_run_cuts_the_next_one(runs, tmp_path, capsys):
+    """`--calibrate RUN --dry-run` (nothing launched): the zbv run's 4 measured stages fitted,
+    which separates the embedding, the layers and the head, and a 2-stage 1f1b run cut by them."""
+    run = runs["zbv"]
+    args = [*PARITY, "--strategy", "pp", "--nproc", str(WORLD), "--calibrate", str(run), "--dry-run"]
+    assert main(["train", *args, "--out", str(tmp_path / "next")]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("calibrated from")]
+    assert line.startswith(f"calibrated from {run} (zbv, cut [1, 1, 1, 1]): ")
+    assert " ms per layer, last stage +" in line and "(2 stages" not in line
+    assert "-> parallel.pp_split=[" in line and line.endswith("even [2, 2])")
+
+
 def _logits(base_dir, adapter_dir) -> torch.Tensor:
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
     ids = torch.randint(0, 5000, (2, 24), generator=torch.Generator().manual_seed(0))

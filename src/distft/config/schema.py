@@ -338,6 +338,10 @@ class Config:
     prediction: ClassVar[dict[str, Any] | None] = None
     """The planner's prediction for this layout (`distft.plan.auto`): peak memory and bytes per
     rank, written beside the measured figures in ranks.json."""
+    calibration: ClassVar[dict[str, Any] | None] = None
+    """Where `parallel.pp_split` came from when `distft train --calibrate RUN` set it: the measured
+    run and its fitted costs (`distft.parallel.pipeline.calibrate`), in ranks.json's `pipeline`
+    record as `calibrated_from`."""
 
     @property
     def world_size(self) -> int:

@@ -16,7 +16,8 @@ stage cost model `distft.parallel.pipeline.cost`) and of the even cut: each stag
 modelled cost, the stage imbalance (slowest / mean stage) and the idle fraction of the schedule
 replayed with modelled pass times. Every step records `stage_imbalance` (slowest / mean of the
 stages' measured busy time) beside `stage_imbalance_modelled`, and `idle_fraction_modelled`
-beside `idle_fraction` and `idle_fraction_theory`.
+beside `idle_fraction` and `idle_fraction_theory`. A cut that `distft train --calibrate RUN` set
+from another run's timeline (`distft.parallel.pipeline.calibrate`) is recorded as `calibrated_from`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class PipelineTimeline:
         self._recording = False  # inside a training step (evaluation does not use the schedule)
         self.modelled = modelled_cuts(strategy.layout, strategy.costs, strategy.actions())
         self.modelled["pp_split"] = strategy.cfg.parallel.pp_split
+        self.modelled["calibrated_from"] = strategy.cfg.calibration  # `distft train --calibrate RUN`
         for stage in strategy.stages:
             self._time_passes(stage)
         self._time_steps(strategy.schedule)
@@ -257,8 +259,10 @@ def cut_lines(modelled: dict) -> list[str]:
         )
 
     model = modelled["cost_model"]
+    source = modelled.get("calibrated_from")
+    calibrated = f", calibrated from {source['run']}" if source else ""
     return [
-        f"pipeline cut (parallel.pp_split={modelled['pp_split']}): {describe(modelled['cut'])}",
+        f"pipeline cut (parallel.pp_split={modelled['pp_split']}{calibrated}): {describe(modelled['cut'])}",
         f"  even cut: {describe(modelled['even'])} (cost model: {model['tokens_per_sequence']} tokens "
         f"per row, {model['label_tokens_per_sequence']:.0f} labelled; distft.parallel.pipeline.cost)",
     ]

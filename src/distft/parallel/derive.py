@@ -224,8 +224,10 @@ NOTES_ENV = "DISTFT_RUN_NOTES"  # what was derived and predicted, for the ranks'
 @contextmanager
 def notes_for_ranks(cfg: Config) -> Iterator[None]:
     """The launched ranks read the config from a file, which holds values, not where they came from:
-    `Config.derived` and `Config.prediction` travel in the environment while they start."""
-    os.environ[NOTES_ENV] = json.dumps({"derived": cfg.derived, "prediction": cfg.prediction})
+    `Config.derived`, `Config.prediction` and `Config.calibration` travel in the environment while
+    they start."""
+    notes = {"derived": cfg.derived, "prediction": cfg.prediction, "calibration": cfg.calibration}
+    os.environ[NOTES_ENV] = json.dumps(notes)
     try:
         yield
     finally:
@@ -233,7 +235,9 @@ def notes_for_ranks(cfg: Config) -> Iterator[None]:
 
 
 def read_rank_notes(cfg: Config) -> None:
-    """In a rank: `Config.derived` and `Config.prediction` as the launching command set them."""
+    """In a rank: `Config.derived`, `Config.prediction` and `Config.calibration` as the launching
+    command set them."""
     notes = json.loads(os.environ.get(NOTES_ENV) or "{}")
     cfg.derived = notes.get("derived") or {}
     cfg.prediction = notes.get("prediction")
+    cfg.calibration = notes.get("calibration")
