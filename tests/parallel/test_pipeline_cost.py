@@ -103,15 +103,15 @@ def run_costs(name: str, tokens: int = 256, label_tokens: float = 61) -> CostMod
 @pytest.mark.parametrize("name", list(PRESETS))
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_balanced_cut_is_the_brute_force_one_on_every_preset(name, method):
-    """Stage counts up to 8, 12 and 16 (up to the layers), the head heavy, absent and on every
-    token; every cut scored where there are at most 5,000 of them, else the exhaustive search."""
+    """Stage counts 1-5, 8 and 16 (up to the layers), the head heavy, absent and on every
+    token; every cut scored where there are at most 2,000 of them, else the exhaustive search."""
     config = PRESETS[name].to_config()
     for tokens, labelled in ((256, 61), (768, 61), (256, 0), (64, 64)):
         costs = CostModel.from_config(config, method, tokens=tokens, label_tokens=labelled)
         args = (costs.layer_costs(), costs.first.total, costs.last.total)
-        for stages in [s for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16) if s <= costs.num_layers]:
+        for stages in [s for s in (1, 2, 3, 4, 5, 8, 16) if s <= costs.num_layers]:
             want = exhaustive(args[0], stages, *args[1:])
-            if math.comb(costs.num_layers - 1, stages - 1) <= 5000:
+            if math.comb(costs.num_layers - 1, stages - 1) <= 2000:
                 assert brute_force(args[0], stages, *args[1:]) == want
             assert costs.balanced_cut(stages) == want, (tokens, labelled, stages)
 
