@@ -302,6 +302,17 @@ def test_rich_output(capsys):
     assert "TP + SP" in out and "recommendation:" in out and "1. Does it fit on one GPU?" in out
 
 
+def test_pipelined_layouts_print_their_cut_against_the_even_one(capsys):
+    """qwen3-4b on 8 GPUs: every pipelined layout's cut, its modelled slowest / mean stage within
+    1.10 (one stage per rank), and the even cut's figure beside it."""
+    assert main(["plan", "--model", "qwen3-4b", "--gpus", "8", "--gpu", "h100"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "stages, cut" in line]
+    assert {line.split(":")[0] for line in lines} >= {"pp", "ddp+pp", "fsdp+pp"}
+    for line in lines:
+        balanced, even = (float(part.rsplit(" ", 1)[1].rstrip(";")) for part in line.split("; even cut "))
+        assert balanced <= min(even, 1.10), line
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 
+from distft.parallel.pipeline.cost import even_cut, imbalance
 from distft.plan.commands import run_command
 from distft.plan.estimate import Estimate, Request, estimate, max_micro_batch
 from distft.plan.explain import Recommendation
 from distft.plan.hardware import format_bytes, format_seconds
 from distft.plan.memory import trainable_params
+from distft.plan.setup import cost_model, pipeline_layout
 from distft.plan.timing import MFU_SOURCE, format_duration
 
 OVERLAP = (
@@ -244,6 +246,25 @@ def rich_table(req: Request, estimates: dict[str, Estimate]):
     return table, skipped
 
 
+def pipeline_cuts(req: Request, estimates: dict[str, Estimate]) -> list[str]:
+    """Per pipelined layout: the cut the runtime makes (`parallel.pp_split`) and its modelled
+    slowest / mean stage cost, beside the even cut's (`distft.parallel.pipeline.cost`)."""
+    lines = []
+    for e in estimates.values():
+        par = e.layout
+        if not e.applicable or par.pp < 2:
+            continue
+        costs = cost_model(req.model, req.training)
+        lay = pipeline_layout(req.model, req.training, par)
+        cut, even = lay.layers_per_stage, even_cut(costs.num_layers, lay.num_stages)
+        lines.append(
+            f"{e.strategy}: {lay.schedule}, {lay.num_stages} stages, cut {'/'.join(map(str, cut))} "
+            f"(parallel.pp_split={par.pp_split}): slowest / mean stage {imbalance(costs.stage_costs(cut)):.3f}; "
+            f"even cut {'/'.join(map(str, even))}: {imbalance(costs.stage_costs(even)):.3f}"
+        )
+    return lines
+
+
 def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> None:
     from rich.console import Console
 
@@ -268,6 +289,8 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
     console.print(table)
     if skipped:
         console.print(f"[dim]not applicable: {'; '.join(skipped)}[/]", highlight=False)
+    for line in pipeline_cuts(req, estimates):
+        console.print(f"[dim]{line}[/]", highlight=False)
     console.print("[bold]decision[/]")
     for s in rec.steps:
         console.print(f"  [bold]{s.question}[/] {s.answer}", highlight=False)
