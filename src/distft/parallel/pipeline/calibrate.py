@@ -53,7 +53,8 @@ from distft.parallel.pipeline.cost import CostModel, balanced_cut, even_cut, imb
 from distft.parallel.registry import STRATEGIES
 
 TIMELINE = "pipeline_timeline.json"  # what every pipeline run writes on its last step
-PIPELINES = "--strategy pp, ddp+pp, fsdp+pp or fsdp+tp+pp"
+_PIPELINED = [name for name, strategy in STRATEGIES.items() if hasattr(strategy, "pipeline_layout")]
+PIPELINES = f"--strategy {', '.join(_PIPELINED[:-1])} or {_PIPELINED[-1]}"  # every registered pipeline
 
 
 @dataclass(frozen=True)
