@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import torch
 from safetensors.torch import load_file
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from distft.cli import main
 from distft.data import qwen3_tokenizer
@@ -93,6 +94,9 @@ def _environment(extra: dict | None) -> dict[str, str]:
 _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(["tests.helpers"])
 qwen3_tokenizer()  # loaded once here (~1 s), inherited by every run forked from the server
+# transformers' table of checkpoint renamings, which peft builds at a process's first adapter
+# (~0.2 s of CPU): built here once instead of in every rank of every run.
+get_checkpoint_conversion_mapping("qwen3")
 
 
 def _start_server() -> None:
@@ -131,6 +135,20 @@ def in_forked_process(fn: Callable[..., Any], *args: Any, timeout: int = 300) ->
     if not ok:
         raise AssertionError(f"{fn.__name__} failed in its process:\n{value}")
     return value
+
+
+def spawn(fn: Callable[..., None], args: tuple, nprocs: int, timeout: int = 300) -> None:
+    """`fn(rank, *args)` in `nprocs` processes forked from the server, as `torch.multiprocessing.spawn`
+    runs it in fresh interpreters (each ~5 s of CPU in imports). Fails the test if any process
+    fails (its traceback is on stderr) or they run past `timeout` (with their stacks)."""
+    procs = [_fork(fn, rank, *args) for rank in range(nprocs)]
+    _wait(procs, timeout, grace=30)
+    hung = [_stop_hung(p) for p in procs if p.exitcode is None]
+    for p in procs:
+        p.join()
+    if hung or any(p.exitcode for p in procs):
+        codes = [p.exitcode for p in procs]
+        raise AssertionError(f"{fn.__name__} failed (exit codes by rank: {codes})\n" + "\n".join(hung))
 
 
 def _call(fn: Callable[..., Any], args: tuple, send) -> None:

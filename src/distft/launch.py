@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None, fork: bool = False) -> int:
     # SIGINT and SIGTERM are `distft.signals`' (below), torch's handler keeps the other two.
     args.signals_to_handle = "SIGHUP,SIGQUIT"
     try:
-        with _stopping_ranks():
+        with _stopping_ranks(), _without_rendezvous_skew(args.standalone):
             if not fork:
                 run(args)
                 return 0
@@ -162,6 +162,24 @@ def _forking() -> Iterator[None]:
         gc.unfreeze()
         os.environ.clear()
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _without_rendezvous_skew(one_node: bool) -> Iterator[None]:
+    """torchrun's c10d rendezvous begins with a random 0-0.3 s sleep, which spreads the nodes'
+    first requests to the store; a run on one node has no other to spread from."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    if not one_node or delay is None:
+        yield
+        return
+    # A (low, high) range is that first skew; a plain number (polling the store) still sleeps.
+    dynamic_rendezvous._delay = lambda seconds: None if isinstance(seconds, tuple) else delay(seconds)
+    try:
+        yield
+    finally:
+        dynamic_rendezvous._delay = delay
 
 
 @contextlib.contextmanager

@@ -6,12 +6,10 @@ backward the gradient the dense computation gives for that piece. Bytes follow `
 
 import datetime
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from distft.measure.comm import CommCounter
 from distft.parallel.megatron.collectives import (
@@ -21,19 +19,14 @@ from distft.parallel.megatron.collectives import (
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
+from tests.helpers import free_port, spawn
 
 WORLD = 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn, world: int = WORLD) -> None:
-    """Run `fn(rank, world)` in `world` fresh processes joined in a gloo group; fail if any fails."""
-    mp.spawn(_init_and_run, args=(fn, world, free_port()), nprocs=world, join=True)
+def run_group(fn, world: int = WORLD) -> None:
+    """Run `fn(rank, world)` in `world` processes joined in a gloo group; fail if any fails."""
+    spawn(_init_and_run, (fn, world, free_port()), nprocs=world)
 
 
 def _init_and_run(rank: int, fn, world: int, port: int) -> None:
@@ -117,4 +110,4 @@ def _chunks(seq: int, world: int) -> list[slice]:
 
 
 def test_collectives_match_dense():
-    spawn(_check_collectives)
+    run_group(_check_collectives)

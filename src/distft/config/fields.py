@@ -229,7 +229,7 @@ RANGES: dict[str, Range] = {
     "train.global_batch_size": COUNT,
     "train.micro_batch_size": COUNT,
     "train.eval_every": NON_NEGATIVE,
-    "train.eval_batches": COUNT,
+    "train.eval_batches": NON_NEGATIVE,
     "train.log_every": COUNT,
     "train.seed": SEED,
     "train.straggler_window": NON_NEGATIVE,  # 0: no straggler monitor

@@ -10,6 +10,7 @@ and column, unknown keys with the nearest valid one, wrong types, values out of 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from pathlib import Path
@@ -95,6 +96,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     raise TypeError(f"unsupported config type {annotation} ({where})")
 
 
+@functools.cache
+def _field_types(section_type: type) -> dict[str, Any]:
+    # Resolving the annotations evaluates them again on every call: a config sets ~200 fields.
+    return typing.get_type_hints(section_type)
+
+
 def _apply(cfg: Config, section: str, key: str, value: Any) -> str:
     """Set one field; returns its dotted name."""
     if section not in _SECTION_TYPES:
@@ -102,7 +109,7 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> str:
             f"Unknown config section `{one_line(section)}`.{nearest(section, list(_SECTION_TYPES))}"
         )
     section_obj = getattr(cfg, section)
-    hints = typing.get_type_hints(type(section_obj))
+    hints = _field_types(type(section_obj))
     if key not in hints:
         raise ConfigError(f"Unknown config key `{section}.{one_line(key)}`.{nearest(key, list(hints))}")
     setattr(section_obj, key, _coerce(value, hints[key], f"{section}.{key}"))

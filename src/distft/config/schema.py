@@ -190,7 +190,7 @@ class TrainConfig:
     eval_every: int = 25
     """Validation loss every N steps (0: only at the end)."""
     eval_batches: int = 4
-    """Validation micro-batches per evaluation."""
+    """Validation global batches per evaluation (0: no validation at all, not even at the end)."""
     log_every: int = 1
     """Write a metrics line every N steps."""
     seed: int = 0

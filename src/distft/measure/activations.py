@@ -46,13 +46,16 @@ class SavedActivations:
         self.bytes = 0
         self._seen: set[int] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        # Every module's parameter dict, found once: walking the module tree at every pack costs
+        # (modules x saved tensors), over a second on the first step of a 36-layer model.
+        self._parameter_dicts = [m._parameters for m in model.modules()]
 
     def _parameter_storages(self) -> set[int]:
-        # Read at pack time: FSDP swaps gathered parameters in and out of the modules.
+        # Read at pack time: FSDP swaps gathered parameters in and out of these dicts.
         return {
             ptr
-            for m in self.model.modules()
-            for p in m._parameters.values()
+            for parameters in self._parameter_dicts
+            for p in parameters.values()
             if p is not None
             for ptr in _data_ptrs(p)
         }

@@ -154,7 +154,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
                 if progress.enabled:
                     progress.console.print(f"step {step}: loss {loss}, grad_norm {grad_norm}: skipped")
             last = step == tc.max_steps
-            if (tc.eval_every and step % tc.eval_every == 0) or last:
+            if tc.eval_batches and ((tc.eval_every and step % tc.eval_every == 0) or last):
                 with run.collective(f"the all-reduce of the validation loss after step {step}"):
                     record["eval_loss"] = result.eval_losses[step] = evaluate(run)
             if metrics and (step % tc.log_every == 0 or last or "eval_loss" in record):
