@@ -28,7 +28,7 @@ demo: install  ## two-stage training of the tiny Qwen3 on the bundled meetings (
 test: install  ## lint, then the whole suite (CPU, gloo; GPU tests skip without CUDA)
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
-	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers: most of a test is single-threaded start-up
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder  # two workers, longest files first (tests/conftest.py)
 
 reports: install  ## regenerate the committed CPU reports under docs/reports/cpu/ (about an hour: docs/reports/README.md)
 	DISTFT=$(VENV)/bin/distft docs/reports/regenerate-cpu.sh

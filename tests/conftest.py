@@ -1,6 +1,7 @@
 """Fixtures shared across test files, and one setting for the whole suite."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,3 +35,38 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     distft("train", *PARITY, "--out", str(out))
     return out
+
+
+# The files that take longest on the 2-core machine (`pytest --durations=0`, summed per file),
+# longest first. `make test` runs two workers with `--dist loadfile --no-loadscope-reorder`: each
+# worker takes whole files in this order, so no long file starts last and keeps one worker busy
+# while the other has nothing left to do. Every other file follows in collection order.
+LONGEST_FIRST = [
+    "parallel/test_families.py",
+    "test_reliability.py",
+    "parallel/test_compiled.py",
+    "parallel/test_fsdp_pp.py",
+    "test_infer.py",
+    "parallel/test_data_parallel.py",
+    "model/test_compile.py",
+    "parallel/test_pipeline.py",
+    "parallel/test_multi_node.py",
+    "test_checkpoint.py",
+    "parallel/test_packing_parity.py",
+    "bench/test_bench.py",
+    "parallel/test_tensor_parallel.py",
+    "test_export_families.py",
+    "bench/test_gpu_suite.py",
+    "test_signals.py",
+    "model/test_qlora.py",
+    "test_demo.py",
+    "test_export.py",
+    "parallel/test_hsdp.py",
+    "model/test_build.py",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    place = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.relative_to(tests).as_posix(), len(place)))

@@ -139,16 +139,37 @@ def in_forked_process(fn: Callable[..., Any], *args: Any, timeout: int = 300) ->
 
 def spawn(fn: Callable[..., None], args: tuple, nprocs: int, timeout: int = 300) -> None:
     """`fn(rank, *args)` in `nprocs` processes forked from the server, as `torch.multiprocessing.spawn`
-    runs it in fresh interpreters (each ~5 s of CPU in imports). Fails the test if any process
-    fails (its traceback is on stderr) or they run past `timeout` (with their stacks)."""
-    procs = [_fork(fn, rank, *args) for rank in range(nprocs)]
-    _wait(procs, timeout, grace=30)
-    hung = [_stop_hung(p) for p in procs if p.exitcode is None]
-    for p in procs:
-        p.join()
+    runs it in fresh interpreters (each ~5 s of CPU in imports). Their output comes back to this
+    process's stdout and stderr, rank by rank. Fails the test if any process fails (its traceback
+    is on stderr) or they run past `timeout` (with their stacks)."""
+    with tempfile.TemporaryDirectory(prefix="distft-spawn-") as tmp:
+        files = [(Path(tmp, f"{rank}.out"), Path(tmp, f"{rank}.err")) for rank in range(nprocs)]
+        procs = [_fork(_with_output_in, str(o), str(e), fn, rank, *args) for rank, (o, e) in enumerate(files)]
+        _wait(procs, timeout, grace=30)
+        hung = [_stop_hung(p) for p in procs if p.exitcode is None]
+        for p in procs:
+            p.join()
+        for out, err in files:
+            sys.stdout.write(out.read_text())
+            sys.stderr.write(err.read_text())
     if hung or any(p.exitcode for p in procs):
         codes = [p.exitcode for p in procs]
         raise AssertionError(f"{fn.__name__} failed (exit codes by rank: {codes})\n" + "\n".join(hung))
+
+
+def _with_output_in(stdout: str, stderr: str, fn: Callable[..., None], *args: Any) -> None:
+    _redirect(stdout, stderr)
+    fn(*args)
+
+
+def _redirect(stdout: str, stderr: str) -> None:
+    """Descriptors 1 and 2 on these files, and Python's streams on them."""
+    for fd, path in ((1, stdout), (2, stderr)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(file, fd)
+        os.close(file)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
 
 
 def _call(fn: Callable[..., Any], args: tuple, send) -> None:
@@ -164,12 +185,7 @@ def _run_cli(args: list[str], env: dict[str, str], stdout: str, stderr: str, cwd
         os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path in ((1, stdout), (2, stderr)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(file, fd)
-        os.close(file)
-    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)  # noqa: SIM115
+    _redirect(stdout, stderr)
     sys.exit(main(args))
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.conftest import LONGEST_FIRST
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lower layers never import higher ones; a package may import its own modules. Keep in step with
@@ -151,3 +153,10 @@ def test_size_limits():
                 if length > 80:
                     too_long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}(): {length} lines")
     assert not too_long, "\n".join(too_long)
+
+
+def test_the_longest_files_named_for_scheduling_exist():
+    """`make test` starts the files of `LONGEST_FIRST` first; a renamed one would start last."""
+    tests = Path(__file__).parent
+    assert [name for name in LONGEST_FIRST if not (tests / name).is_file()] == []
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)

@@ -26,7 +26,7 @@ from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
 from distft.parallel.base import unwrap
 from distft.parallel.megatron import MegatronTPSP, all_gather_dim, partition_dim
 from tests.helpers import PARITY, assert_same_training, distft, metrics
-from tests.parallel.test_collectives import spawn
+from tests.parallel.test_collectives import run_group
 
 WORLD = 2
 RTOL = 1e-5  # fp32: sharded matmuls sum in another order (~1e-7 relative)
@@ -138,7 +138,7 @@ def _check_against_one_process(rank: int, world: int) -> None:
 
 
 def test_matches_one_process_in_every_gradient(capfd):
-    spawn(_check_against_one_process)
+    run_group(_check_against_one_process)
     per_rank = json.loads(capfd.readouterr().out.split("SAVED_ACTIVATION_BYTES")[1].splitlines()[0])
     assert len(per_rank) == WORLD
 

@@ -18,7 +18,7 @@ from distft.distributed import DistEnv
 from distft.model import apply_method, load_base_model
 from distft.parallel.zero1 import ZeRO1
 from tests.helpers import PARITY, assert_same_training, distft, metrics
-from tests.parallel.test_collectives import spawn
+from tests.parallel.test_collectives import run_group
 
 WORLD = 2
 
@@ -79,4 +79,4 @@ def _fused_step(rank: int, world: int) -> None:
 def test_fused_adamw_runs_on_each_partition():
     """The flag `setup.adamw` sets on CUDA (fused=True) reaches each rank's AdamW, whose updates,
     broadcast, equal one fused AdamW over every tensor (torch has a fused CPU kernel too)."""
-    spawn(_fused_step)
+    run_group(_fused_step)

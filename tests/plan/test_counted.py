@@ -33,7 +33,7 @@ from distft.plan.activations import activation_bytes
 from distft.plan.memory import state_bytes
 from distft.plan.model_spec import resolve_model
 from distft.plan.setup import PRECISIONS, Parallelism, Training
-from tests.parallel.test_collectives import spawn
+from tests.parallel.test_collectives import run_group
 from tests.plan.test_activations import batch
 
 WORLD = 2
@@ -165,7 +165,7 @@ def _count(env, spec, method, name, layout, world, overrides=(), extra=None, lab
 
 
 def test_components_exact_and_activations_close(capfd):
-    spawn(_count_and_measure)
+    run_group(_count_and_measure)
     out = capfd.readouterr().out
     rows = json.loads(out.split("PLAN_ROWS")[1].splitlines()[0])
 
