@@ -3,25 +3,33 @@ loss curves, and the pipeline sweep's idle fractions and Gantt charts (measured 
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from typing import TYPE_CHECKING
 
 from distft.io.files import atomic_path
 from distft.measure.pipeline import simulate
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all"]
 
 
 DPI = 100  # committed under docs/: keep each PNG small
 LOG_SPAN = 100  # bytes spanning more than this factor get a log axis
+
+
+def pyplot() -> types.ModuleType:
+    """matplotlib's pyplot, drawing to files only, imported when a plot is drawn: imported with the
+    CLI, it would add ~0.5 s to the start of every distft command."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def mib(n: float) -> str:
@@ -31,6 +39,7 @@ def mib(n: float) -> str:
 def save(fig: Figure, path: Path) -> Figure:
     """Write the figure (legends sit outside the axes, so crop to everything drawn) and return it,
     closed, for tests to read its axes."""
+    plt = pyplot()
     fig.tight_layout()
     with atomic_path(path) as tmp:  # a report never holds half a PNG
         fig.savefig(tmp, dpi=DPI, bbox_inches="tight")
@@ -46,6 +55,7 @@ def legend_outside(ax: Axes, *args, **kwargs) -> None:
 def plot_throughput(results: list[dict], path: Path) -> Figure:
     """Tokens/s per strategy: bar at the median, whiskers min-max (over the repeats' medians with
     --repeats, else over one run's measured steps), a dot per repeat; zero-based."""
+    plt = pyplot()
     names = [r["strategy"] for r in results]
     med = [r["tokens_per_s"]["median"] for r in results]
     low = [m - r["tokens_per_s"]["min"] for m, r in zip(med, results, strict=True)]
@@ -84,6 +94,7 @@ def measured_components(rank: dict) -> dict[str, float]:
 def plot_memory(results: list[dict], path: Path, plan: dict | None = None) -> Figure:
     """Per rank, measured bytes stacked by component; beside each strategy the plan's prediction.
     Stacked bars need a linear, zero-based axis."""
+    plt = pyplot()
     plan = (plan or {}).get("strategies", {})
     fig, ax = plt.subplots(figsize=(max(8, 0.8 * sum(len(r["ranks"]) + 1 for r in results)), 4))
     labels, x, bars = [], 0.0, []
@@ -121,6 +132,7 @@ def plot_comm(results: list[dict], path: Path) -> Figure:
     """Bytes per optimizer step on rank 0 by collective: stacked on a zero-based axis, or side by
     side on a log axis when the strategies' totals span more than `LOG_SPAN` (DDP's LoRA gradients
     against FSDP's gathered base: three orders of magnitude)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.5))
     names = [r["strategy"] for r in results]
     kinds = [k for k in KINDS if any(r["comm_bytes"].get(k, 0) for r in results)]
@@ -163,12 +175,13 @@ MARKERS = ["o", "s", "^", "v", "D", "x", "+", "*"]
 def plot_losses(results: list[dict], path: Path) -> Figure:
     """Every strategy's loss per optimizer step (integer ticks). Curves that train the same thing
     coincide: each has its own line style and marker so that every one stays visible."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.5))
     for i, r in enumerate(results):
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["strategy"], alpha=0.8,
                 linestyle=LINESTYLES[i % len(LINESTYLES)], marker=MARKERS[i % len(MARKERS)],
                 markersize=9 - i, markerfacecolor="none")  # fmt: skip
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     ax.set_title("Loss curves (they lie on top of each other when they agree)", fontsize=10)
@@ -194,6 +207,7 @@ def plot_pp_idle(sweep: list[dict], path: Path) -> Figure:
     per schedule (one colour each) the measured idle, the cost model's for the run's cut and the
     equal-stage theory. Runs recorded before splits and modelled figures share one panel, without
     the modelled line."""
+    plt = pyplot()
     splits = list(dict.fromkeys(s.get("split") for s in sweep))
     fig, axes = plt.subplots(1, len(splits), figsize=(2.4 + 3.6 * len(splits), 4), sharey=True, squeeze=False)
     for ax, split in zip(axes[0], splits, strict=True):
@@ -212,9 +226,9 @@ def plot_pp_idle(sweep: list[dict], path: Path) -> Figure:
         ax.set_title(f"{split} cut" if split else "cut not recorded", fontsize=9)
     axes[0][0].set_ylabel("idle fraction (mean over ranks)")
     schedules = list(dict.fromkeys(s["schedule"] for s in sweep))
-    handles = [Line2D([], [], color=SCHEDULE_COLORS.get(name), linewidth=3) for name in schedules]
+    handles = [plt.Line2D([], [], color=SCHEDULE_COLORS.get(name), linewidth=3) for name in schedules]
     handles += [
-        Line2D([], [], color="black", linestyle=style[1:], marker=style[0]) for _, style, _ in IDLE_LINES
+        plt.Line2D([], [], color="black", linestyle=style[1:], marker=style[0]) for _, style, _ in IDLE_LINES
     ]
     legend_outside(axes[0][-1], handles, schedules + [label for _, _, label in IDLE_LINES])
     fig.suptitle("Pipeline bubble per cut: measured vs the cost model vs equal-stage theory", fontsize=10)
@@ -273,6 +287,7 @@ def cut_label(timeline: dict) -> str:
 
 def plot_pp_gantt(timeline: dict, path: Path) -> Figure:
     """The last step's passes per rank as measured, beside the schedule's ideal (equal stage times)."""
+    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * len(timeline["ranks"]) * 2))
     measured = [
         [{**e, "start": e["start"] * 1e3, "end": e["end"] * 1e3} for e in r["events"]]

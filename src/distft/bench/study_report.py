@@ -5,12 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt
-
-from distft.bench.plots import save
+from distft.bench.plots import pyplot, save
 from distft.io.files import atomic_write_text
 
 
@@ -31,6 +26,7 @@ def plot_study(summary: dict, path: Path) -> None:
     rows = summary["rows"][::-1]  # first configuration on top
     labels = [r["label"] for r in rows]
     y = range(len(rows))
+    plt = pyplot()
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 0.55 * len(rows) + 1.6), sharey=True)
     med = [r["step_time_s"]["median"] for r in rows]
     err = [[m - r["step_time_s"]["min"] for m, r in zip(med, rows, strict=True)],
