@@ -160,3 +160,16 @@ def test_the_longest_files_named_for_scheduling_exist():
     tests = Path(__file__).parent
     assert [name for name in LONGEST_FIRST if not (tests / name).is_file()] == []
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+
+
+def test_matplotlib_is_imported_only_where_a_plot_is_drawn():
+    """Every distft command imports the CLI, and with it every module: matplotlib at module level
+    would add ~0.8 s to each start (`distft.bench.plots.pyplot` imports it when a plot is drawn)."""
+    found = []
+    for path in sorted((SRC / "distft").rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(name.split(".")[0] == "matplotlib" for name in names):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert found == []

@@ -23,7 +23,7 @@ LOG_SPAN = 100  # bytes spanning more than this factor get a log axis
 
 def pyplot() -> types.ModuleType:
     """matplotlib's pyplot, drawing to files only, imported when a plot is drawn: imported with the
-    CLI, it would add ~0.5 s to the start of every distft command."""
+    CLI, it would add ~0.8 s to the start of every distft command."""
     import matplotlib
 
     matplotlib.use("Agg")
