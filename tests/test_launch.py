@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
 from distft import launch
 from distft.config import ParallelConfig
 from distft.distributed import FORKED_ENV
@@ -23,6 +25,21 @@ def test_several_nodes_meet_at_node_zero():
         "--nproc-per-node=8", "--max-restarts=2", "--shutdown-timeout=600", "--nnodes=2", "--node-rank=1",
         "--master-addr=10.0.0.1", "--master-port=29500",
     ]  # fmt: skip
+
+
+def test_one_node_skips_the_rendezvous_skew_and_several_keep_it(monkeypatch):
+    """The skew is torchrun's first `_delay((low, high))`; polling the store (`_delay(seconds)`)
+    still sleeps. A torch that renamed it fails here rather than silently sleeping again."""
+    slept = []
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", slept.append)
+    original = dynamic_rendezvous._delay
+    with launch._without_rendezvous_skew(one_node=True):
+        dynamic_rendezvous._delay((0, 0.3))
+        dynamic_rendezvous._delay(1)
+    assert slept == [1] and dynamic_rendezvous._delay is original
+    with launch._without_rendezvous_skew(one_node=False):
+        dynamic_rendezvous._delay((0, 0.3))
+    assert slept == [1, (0, 0.3)]
 
 
 def test_cuda_ranks_are_execd_through_distft_launch(monkeypatch):
