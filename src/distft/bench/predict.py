@@ -16,9 +16,10 @@ Projection (`project`), per strategy on a profile `NxGPU-LINK` (e.g. `2xrtx4090-
 - overlap, measured where the run has it: the median `overlap_fraction` of its measured steps
   (`distft.measure.overlap`) is the share of the communication that hides, at most behind the
   whole compute (`exposed_comm`); results from before the measurement fall back to the plan's
-  assumption (DDP's, ZeRO-2's and FSDP's collectives hide behind compute and only their excess
-  shows; TP's, TP+SP's and the pipeline's sends sit on the critical path); a pipeline adds its bubble, the runtime's idle fraction f of the step, i.e. f / (1 - f) of the
-  compute (`StepTime.bubble_s`, from `Parallelism.idle_fraction`);
+  assumption (a layout whose planned collectives all overlap compute, as DDP's, FSDP's and
+  HSDP's do, shows only their excess; one with any on the critical path, as TP's or ZeRO-1's
+  broadcasts, shows all of it); a pipeline adds its bubble, the runtime's idle fraction f of
+  the step, i.e. f / (1 - f) of the compute (`StepTime.bubble_s`, from `Parallelism.idle_fraction`);
 - tokens/s = the measured tokens per step / the projected step time.
 """
 
@@ -27,15 +28,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from distft.config import load_config, lora_target_names
+from distft.config import load_config
 from distft.errors import ConfigError
-from distft.parallel import master_weights
+from distft.parallel import STRATEGIES
+from distft.plan.auto import training_of
 from distft.plan.estimate import Request, estimate, layout_for
 from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Training
-
-OVERLAPPED = {"ddp", "zero2", "fsdp"}  # their collectives overlap backward (the plan's assumption)
+from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,9 @@ def _request(
 ) -> Request:
     cfg = load_config(None, [f"model.name={settings.model}", *settings.overrides])
     gpu = find_gpu(gpu_name) if gpu_name else generic_gpu(64 * GiB)
-    training = Training(
-        method=cfg.train.method,
-        precision=PRECISIONS[precision],
-        lora_rank=cfg.lora.rank,
-        lora_targets=tuple(lora_target_names(cfg.lora.target_modules)),
-        dora=cfg.lora.variant == "dora",
-        fp32_masters=master_weights(cfg) == "fp32",
+    training = training_of(
+        cfg,
+        PRECISIONS[precision],
         autocast=precision != "fp32",
         seq_len=settings.seq_len,
         micro_batch=settings.micro_batch_size,
@@ -101,19 +97,21 @@ def _request(
 
 
 def _estimate(req: Request, settings, strategy: str, n: int):
-    """The plan's estimate of `strategy` on n ranks with the bench's global batch."""
-    n = 1 if strategy == "single" else n
-    dp = n if strategy in ("ddp", "zero1", "zero2", "fsdp") else 1
+    """The plan's estimate of `strategy` on n ranks with the bench's global batch: n ranks on its
+    one mesh dimension (a multi-dimensional strategy is measured, not projected)."""
+    dims = STRATEGIES[strategy].dims
+    if len(dims) > 1:
+        raise ConfigError(f"{strategy} spans {len(dims)} mesh dimensions; projections model one")
+    degrees = {d: n for d in dims}
+    dp = degrees.get("dp", 1)
     accum = settings.global_batch_size // (settings.micro_batch_size * dp)
     if accum < 1:
         raise ConfigError(
             f"a global batch of {settings.global_batch_size} cannot feed {dp} replicas a micro-batch of "
             f"{settings.micro_batch_size} each"
         )
-    req = replace(req, grad_accum=accum, pp_microbatches=accum if strategy == "pp" else None)
-    degrees = {"ddp": "dp", "zero1": "dp", "zero2": "dp", "fsdp": "dp", "tp": "tp", "tp-sp": "tp", "pp": "pp"}
-    kwargs = {degrees[strategy]: n} if strategy in degrees else {}
-    return estimate(req, layout_for(req, strategy, **kwargs), strategy)
+    req = replace(req, grad_accum=accum, pp_microbatches=accum if "pp" in dims else None)
+    return estimate(req, layout_for(req, strategy, **degrees), strategy)
 
 
 def plan_memory(
@@ -148,7 +146,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
     rows = {}
     for r in results:
         name = r["strategy"]
-        n = 1 if name == "single" else profile.gpus
+        n = profile.gpus if name in STRATEGIES and STRATEGIES[name].dims else 1
         try:
             e = _estimate(req, settings, name, n)
         except ConfigError as err:
@@ -166,7 +164,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
         )
         bubble = e.time.bubble_s
         overlap = r.get("extra", {}).get("overlap_fraction")  # measured; None: the plan's assumption
-        exposed = exposed_comm(name, comm, compute, overlap)
+        exposed = exposed_comm(all(c.overlapped for c in e.collectives), comm, compute, overlap)
         step = compute + bubble + exposed
         tokens = r.get("tokens_per_step") or r["tokens_per_s"]["median"] * r["step_time_s"]["median"]
         rows[name] = {
@@ -196,14 +194,15 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
     }
 
 
-def exposed_comm(name: str, comm: float, compute: float, overlap: float | None) -> float:
+def exposed_comm(hidden: bool, comm: float, compute: float, overlap: float | None) -> float:
     """The communication the projected step waits for. With a measured overlap fraction (the share
     of communication time the run computed under, `distft.measure.overlap`): that share hides, at
     most behind the whole compute. Without one (results from before the measurement): the plan's
-    assumption, DDP's and ZeRO's collectives hide behind compute entirely, the others not at all."""
+    assumption, `hidden` when every collective the plan lists for the layout overlaps compute
+    (`plan.traffic.Collective.overlapped`: DDP's, FSDP's), none of it otherwise."""
     if overlap is not None:
         return comm - min(overlap * comm, compute)
-    return max(0.0, comm - compute) if name in OVERLAPPED else comm
+    return max(0.0, comm - compute) if hidden else comm
 
 
 def claims(rows: dict, profile: Profile, link: str) -> list[dict]:

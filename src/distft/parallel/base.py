@@ -37,6 +37,30 @@ Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, labels: each (micr
 
 class Strategy:
     name: ClassVar[str]
+    # -- what the strategy is: its one description, read by the planner (`distft.plan`), bench, the
+    # checks before launch and the docs' strategy table (`distft.parallel.describe`) -----------------
+    label: ClassVar[str]  # how reports name it ("FSDP / ZeRO-3")
+    holds: ClassVar[str]  # what each rank holds
+    moves: ClassVar[str]  # the collectives of one optimizer step
+    page: ClassVar[str] = ""  # its page under docs/ (with an #anchor where it shares one)
+    # The mesh dimensions it splits the ranks over, of "dp" (distinct data), "tp" (each layer's
+    # weights) and "pp" (consecutive layers); () runs in one process. More than one: the user sets
+    # the degrees (parallel.dp / tp / pp, `ParallelDims`); one: it takes every rank.
+    dims: ClassVar[tuple[str, ...]] = ("dp",)
+    shards: ClassVar[str] = "none"  # what data parallelism shards: none | optimizer (ZeRO-1) | full (FSDP2)
+    # FSDP2 frees a layer's gathered weights after its forward and gathers them again in backward
+    # (ZeRO-3); False keeps them (ZeRO-2, and a pipeline's stages for the whole step).
+    reshard_after_forward: ClassVar[bool] = True
+    tensor_parallel: ClassVar[str] = ""  # how tp splits a layer: dtensor (parallelize_module) | megatron
+    wraps: ClassVar[str] = ""  # the torch wrapper whose parallel.* settings it reads: ddp | fully_shard
+    mesh_degrees: ClassVar[bool] = False  # derived: takes parallel.dp / tp / pp (more than one dim)
+    pipelined: ClassVar[bool] = False  # derived: runs a pipeline schedule (parallel.schedule, ...)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.mesh_degrees = len(cls.dims) > 1
+        cls.pipelined = "pp" in cls.dims
+
     distributed: ClassVar[bool] = True  # needs a process group (launched through torchrun)
     fixed_sequence_length: ClassVar[bool] = False  # pad every batch to data.max_length (pipelines)
     # The model's forward takes `label_positions` (`SummaryLM`): the loss head gathers the labelled
@@ -55,7 +79,6 @@ class Strategy:
     # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held
     # in fp32, computed in bf16 (bf16 autocast on single / ddp / zero1; FSDP2's param dtype).
     fp32_masters: ClassVar[bool] = False
-    mesh_degrees: ClassVar[bool] = False  # takes parallel.dp / tp / pp (multi-dimensional strategies)
     shard_groups: ClassVar[bool] = False  # takes parallel.shard (hsdp: ranks sharding each parameter)
     # Takes the whole model on this rank's device (single, DDP): the base is built there directly,
     # in its dtype. The others receive it on the CPU and place or shard it themselves.

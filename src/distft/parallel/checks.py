@@ -10,6 +10,7 @@ them again in every rank, where they are cheap and pure: nothing here changes th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -55,10 +56,14 @@ def check_model(cfg: Config, model_config: PretrainedConfig) -> None:
 # Settings that only some strategies read, and which: set away from its default under another
 # strategy, a setting does nothing, and `ignored_settings` says so before launch (a warning: the
 # run is still valid). parallel.dp/tp/pp, shard and max_restarts are refused instead (`_check_layout`).
-_DDP = ("ddp", "zero1")  # torch's DistributedDataParallel
-_FSDP = ("fsdp", "zero2", "hsdp", "fsdp+tp", "fsdp+pp", "fsdp+tp+pp")  # fully_shard (`fsdp.shard_units`)
-_PIPELINES = ("pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp")  # a pipeline schedule (`pipeline.layout`)
-_PROCESS_GROUP = tuple(name for name, cls in STRATEGIES.items() if cls.distributed)
+def _strategies(reads: Callable[[type[Strategy]], bool]) -> tuple[str, ...]:
+    return tuple(name for name, cls in STRATEGIES.items() if reads(cls))
+
+
+_DDP = _strategies(lambda c: c.wraps == "ddp")  # torch's DistributedDataParallel
+_FSDP = _strategies(lambda c: c.wraps == "fully_shard")  # `fsdp.shard_units`
+_PIPELINES = _strategies(lambda c: c.pipelined)  # a pipeline schedule (`pipeline.layout`)
+_PROCESS_GROUP = _strategies(lambda c: c.distributed)
 READ_BY: dict[str, tuple[str, ...]] = {
     "parallel.ddp_bucket_mb": _DDP,
     "parallel.ddp_find_unused_parameters": _DDP,
@@ -72,7 +77,7 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "parallel.fsdp_cpu_offload": _FSDP,
     "parallel.fsdp_prefetch": _FSDP,
     "parallel.fsdp_wrap": _FSDP,
-    "parallel.sequence_parallel": ("tp-sp",),
+    "parallel.sequence_parallel": _strategies(lambda c: c.tensor_parallel == "megatron"),
     "parallel.schedule": _PIPELINES,
     "parallel.microbatches": _PIPELINES,
     "parallel.stages_per_rank": _PIPELINES,
@@ -163,7 +168,8 @@ def master_weights(cfg: Config) -> str:
     """fp32 when a full finetune of a bf16 model keeps fp32 master weights (train.master_weights;
     auto: where the strategy can), else model: the weights train in the dtype they are stored in."""
     wanted = cfg.train.master_weights
-    fp32 = wanted == "fp32" or (wanted == "auto" and STRATEGIES[cfg.parallel.strategy].fp32_masters)
+    strategy = STRATEGIES.get(cfg.parallel.strategy)  # None: --strategy auto, not yet chosen
+    fp32 = wanted == "fp32" or (wanted == "auto" and strategy is not None and strategy.fp32_masters)
     return "fp32" if fp32 and cfg.train.method == "full" and cfg.model.dtype == "bfloat16" else "model"
 
 

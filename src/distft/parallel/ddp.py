@@ -47,6 +47,11 @@ from distft.parallel.base import Strategy
 
 class DDP(Strategy):
     name = "ddp"
+    label = "DDP"
+    holds = "a full replica"
+    moves = "one all-reduce of the trainable gradients"
+    page = "ddp.md"
+    wraps = "ddp"
     supports_qlora: ClassVar[bool] = True
     builds_on_device: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True

@@ -40,6 +40,12 @@ from distft.parallel.pipeline.replicas import MeshPipeline
 
 class DDPPipelineParallel(MeshPipeline):
     name = "ddp+pp"
+    label = "DDP x PP"
+    holds = (
+        "its pipeline rank's stage(s), as `pp`, whole; a (pp, dp) mesh, each replica reads 1/dp of the batch"
+    )
+    moves = "`pp`'s send/recv and grad-norm all-reduce inside each pipeline; one all-reduce of the stage's trainable gradients over dp"
+    page = "2d.md#ddppp-data-parallelism-across-pipeline-replicas"
     without_pp = "ddp"
 
     def after_backward(self, model: nn.Module) -> None:

@@ -47,7 +47,19 @@ class ParallelDims:
             )
 
     @classmethod
+    def of(cls, strategy_dims: tuple[str, ...], cfg: Config) -> ParallelDims:
+        """The degrees a strategy spanning `strategy_dims` (`Strategy.dims`) runs `cfg` with: the
+        user's parallel.dp / tp / pp on several dimensions, every rank on its one dimension, or one
+        process. The runtime's mesh and the planner's layout (`plan.auto.layout_of`) both read it."""
+        if len(strategy_dims) > 1:
+            return cls.from_config(cfg)
+        world = cfg.world_size
+        degrees = {"dp": 1, "tp": 1, "pp": 1} | {d: world for d in strategy_dims}
+        return cls(**degrees, world_size=world if strategy_dims else 1)
+
+    @classmethod
     def from_config(cls, cfg: Config) -> ParallelDims:
+        """The degrees a multi-dimensional strategy runs with (parallel.dp / tp / pp)."""
         p, world = cfg.parallel, cfg.world_size
         if p.tp < 1 or p.pp < 1 or p.dp < 0:
             raise ConfigError(

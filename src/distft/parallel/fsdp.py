@@ -101,6 +101,12 @@ def shard_units(
 
 class FSDP(Strategy):
     name = "fsdp"
+    label = "FSDP / ZeRO-3"
+    holds = "1/N of params, grads, optimizer state"
+    moves = "all-gather params (forward and backward), reduce-scatter grads"
+    page = "fsdp.md"
+    shards = "full"
+    wraps = "fully_shard"
     reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
     supports_qlora: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True  # each layer compiled before fully_shard wraps it
@@ -140,4 +146,7 @@ class ZeRO2(FSDP):
     """ZeRO-2: gradients and optimizer state sharded; parameters stay gathered from forward to backward."""
 
     name = "zero2"
+    label = "ZeRO-2 (FSDP2)"
+    holds = "1/N of grads and optimizer state"
+    moves = "all-gather params (forward), reduce-scatter grads"
     reshard_after_forward: ClassVar[bool] = False

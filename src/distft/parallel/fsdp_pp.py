@@ -60,6 +60,13 @@ ParamShapes = list[tuple[torch.Size, torch.dtype, bool]]
 
 class FSDPPipelineParallel(MeshPipeline):
     name = "fsdp+pp"
+    label = "FSDP x PP"
+    holds = "1/dp of its pipeline rank's stage(s) (FSDP2), gathered whole during a step; a (pp, dp) mesh"
+    moves = "`pp`'s send/recv inside each pipeline; over dp, one all-gather of each stage unit and one reduce-scatter of its gradients per step (torch's stage defers FSDP to the step's ends)"
+    page = "2d.md#fsdppp-fsdp-across-pipeline-replicas"
+    shards = "full"
+    reshard_after_forward = False
+    wraps = "fully_shard"
     without_pp = "fsdp"
     supports_qlora: ClassVar[bool] = True
     collectives = "the pipeline's send/recv (pp) or FSDP's all-gathers / reduce-scatters (dp)"

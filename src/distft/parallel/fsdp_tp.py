@@ -66,7 +66,14 @@ from distft.tensors import local, quiet_redistribute
 
 class FSDPTensorParallel(MeshStrategy, Strategy):
     name = "fsdp+tp"
-    mesh_degrees: ClassVar[bool] = True
+    label = "FSDP x TP"
+    holds = "1/(dp tp) of each projection, 1/dp of the rest; a (dp, tp) mesh"
+    moves = "FSDP's all-gather / reduce-scatter over dp, TP's activation all-reduces over tp"
+    page = "2d.md"
+    dims = ("dp", "tp")
+    shards = "full"
+    tensor_parallel = "dtensor"
+    wraps = "fully_shard"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     supports_dora: ClassVar[bool] = False
     dora_refusal: ClassVar[str] = DORA_TP_REFUSAL

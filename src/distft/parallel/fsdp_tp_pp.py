@@ -63,7 +63,12 @@ from distft.tensors import local, quiet_redistribute
 
 class FSDPTensorPipelineParallel(FSDPPipelineParallel):
     name = "fsdp+tp+pp"
-    takes_tp: ClassVar[bool] = True
+    label = "FSDP x TP x PP"
+    holds = "of its stage(s), 1/(dp tp) of each projection, 1/dp of the rest; a (pp, dp, tp) mesh"
+    moves = "TP's activation all-reduces inside each stage (tp), FSDP's per-step all-gather / reduce-scatter (dp), the pipeline's send/recv (pp)"
+    page = "3d.md"
+    dims = ("pp", "dp", "tp")
+    tensor_parallel = "dtensor"
     without_pp = "fsdp+tp"
     without_dp: ClassVar[str | None] = None  # dp = 1: TP x PP, a real 3D mesh with one FSDP rank
     supports_qlora: ClassVar[bool] = False

@@ -48,6 +48,10 @@ from distft.parallel.fsdp import FSDP, apply_fsdp
 
 class HSDP(FSDP):
     name = "hsdp"
+    label = "HSDP"
+    holds = "1/S of params, grads, optimizer state (S = `parallel.shard`, a node); replicas across nodes"
+    moves = "FSDP's all-gather / reduce-scatter inside each node; one all-reduce of the gradient shards across nodes per step"
+    page = "hsdp.md"
     shard_groups: ClassVar[bool] = True
     collectives = (
         "the all-gathers / reduce-scatters inside a shard group and the all-reduce across replicas (hsdp)"

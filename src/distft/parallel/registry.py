@@ -26,8 +26,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
         Single,
         DDP,
         ZeRO1,
-        FSDP,
         ZeRO2,
+        FSDP,
         HSDP,
         TensorParallel,
         MegatronTPSP,
@@ -38,3 +38,13 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FSDPTensorPipelineParallel,
     )
 }
+
+
+def strategy_table() -> str:
+    """The README's table of strategies, one row per registry entry, from each class's own
+    description (`holds`, `moves`, `page`): a test keeps the README equal to it."""
+    rows = ["| strategy | what each rank holds | collectives per step | docs |", "|---|---|---|---|"]
+    for name, cls in STRATEGIES.items():
+        page = f"[docs/{cls.page.split('#')[0]}](docs/{cls.page})" if cls.page else ""
+        rows.append(f"| `{name}` | {cls.holds} | {cls.moves} | {page} |".replace(" |  |", " | |"))
+    return "\n".join(rows)

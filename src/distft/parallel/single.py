@@ -16,6 +16,10 @@ from distft.parallel.base import Strategy
 
 class Single(Strategy):
     name = "single"
+    label = "one GPU"
+    holds = "everything"
+    moves = "none"
+    dims = ()
     distributed: ClassVar[bool] = False
     supports_qlora: ClassVar[bool] = True
     builds_on_device: ClassVar[bool] = True

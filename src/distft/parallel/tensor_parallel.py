@@ -151,6 +151,12 @@ DORA_TP_REFUSAL = (
 
 class TensorParallel(Strategy):
     name = "tp"
+    label = "TP"
+    holds = "1/N of every projection (heads, MLP features); the rest replicated"
+    moves = "all-reduce activations inside every layer (`parallelize_module`)"
+    page = "tp.md"
+    dims = ("tp",)
+    tensor_parallel = "dtensor"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     supports_dora: ClassVar[bool] = False
     dora_refusal: ClassVar[str] = DORA_TP_REFUSAL

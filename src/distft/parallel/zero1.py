@@ -45,6 +45,11 @@ from distft.parallel.ddp import DDP
 
 class ZeRO1(DDP):
     name = "zero1"
+    label = "ZeRO-1"
+    holds = "a full replica, 1/N of AdamW's state (whole tensors)"
+    moves = "DDP's all-reduce of the gradients; one broadcast per rank of its updated weights"
+    page = "zero1.md"
+    shards = "optimizer"
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")  # each rank's partition: a torch optimizer
     collectives = "the all-reduce of gradients / broadcasts of updated weights (zero1)"
 

@@ -21,16 +21,16 @@ from dataclasses import asdict, replace
 import psutil
 import torch
 
-from distft.config import Config
+from distft.config import Config, lora_target_names
 from distft.errors import ConfigError
 from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
-from distft.parallel import STRATEGIES, check_config
+from distft.parallel import STRATEGIES, check_config, master_weights
 from distft.parallel.derive import derive_defaults, derived_line
 from distft.parallel.dims import ParallelDims
 from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS
 from distft.plan.decide import decide
-from distft.plan.estimate import LABELS, Request, estimate, layout_for
+from distft.plan.estimate import LABELS, Request, estimate
 from distft.plan.hardware import (
     GPU,
     format_bytes,
@@ -40,7 +40,7 @@ from distft.plan.hardware import (
     intra_node_link,
 )
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Training
+from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Precision, Training
 from distft.text import plural
 
 
@@ -74,21 +74,36 @@ def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
     return replace(generic_gpu(memory), label="cpu")
 
 
+def training_of(cfg: Config, precision: Precision, **shape) -> Training:
+    """What `cfg` trains, as the planner models it: the method, the LoRA adapters (their module
+    names: a preset expanded) and variant, fp32 master weights where the run keeps them
+    (`master_weights`), sequence length, checkpointing and attention; `shape` overrides the rest
+    (micro-batch, autocast, labelled positions)."""
+    fields = {
+        "method": cfg.train.method,
+        "precision": precision,
+        "lora_rank": cfg.lora.rank,
+        "lora_targets": tuple(lora_target_names(cfg.lora.target_modules)),
+        "dora": cfg.lora.variant == "dora",
+        "fp32_masters": master_weights(cfg) == "fp32",
+        "seq_len": cfg.data.max_length,
+        "micro_batch": cfg.train.micro_batch_size,
+        "label_tokens": min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
+        "activation_checkpointing": cfg.model.activation_checkpointing,
+        "attention": cfg.model.attn_implementation,
+    }
+    return Training(**(fields | shape))
+
+
 def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int = 1) -> tuple[Request, str]:
     """The planner's question for `cfg` on this machine, and the memory's source."""
     memory, where = device_memory(cfg)
     gpu = device_gpu(cfg, memory, where)
-    training = Training(
-        method=cfg.train.method,
-        precision=PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
-        lora_rank=cfg.lora.rank,
-        lora_targets=tuple(cfg.lora.target_modules),
+    training = training_of(
+        cfg,
+        PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
         autocast=on_cuda(cfg) and cfg.model.autocast,
-        seq_len=cfg.data.max_length,
         micro_batch=micro_batch or cfg.train.micro_batch_size,
-        label_tokens=min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
-        activation_checkpointing=cfg.model.activation_checkpointing,
-        attention=cfg.model.attn_implementation,
     )
     par = cfg.parallel
     request = Request(
@@ -157,23 +172,19 @@ def resolve_auto(cfg: Config) -> str:
 
 
 def layout_of(cfg: Config, req: Request) -> Parallelism:
-    """The planner's `Parallelism` for the layout the runtime builds from `cfg`."""
-    name, world = cfg.parallel.strategy, cfg.world_size
-    cls, shape = STRATEGIES[name], check_config(cfg)
-    dp = tp = pp = 1
-    if cls.mesh_degrees:
-        dims = ParallelDims.from_config(cfg)
-        dp, tp, pp = dims.dp, dims.tp, dims.pp
-    elif name in ("tp", "tp-sp"):
-        tp = world
-    elif name == "pp":
-        pp = world
-    elif name != "single":
-        dp = world
-    par = replace(layout_for(req, name, dp=dp, tp=tp, pp=pp), microbatches=shape.accumulation_steps)
-    if cls.shard_groups:
-        par = replace(par, dp_shard=cls.shard_degree(cfg))
-    if hasattr(cls, "pipeline_layout"):
+    """The planner's `Parallelism` for the layout the runtime builds from `cfg`: the same degrees
+    (`ParallelDims.of`), shard groups, sequence parallelism and pipeline."""
+    cls, shape = STRATEGIES[cfg.parallel.strategy], check_config(cfg)
+    par = Parallelism.of(
+        cls,
+        ParallelDims.of(cls.dims, cfg),
+        microbatches=shape.accumulation_steps,
+        schedule=req.pp_schedule,
+        dp_shard=cls.shard_degree(cfg) if cls.shard_groups else 0,
+    )
+    if cls.tensor_parallel == "megatron":
+        par = replace(par, sp=cfg.parallel.sequence_parallel)
+    if cls.pipelined:
         lay = cls.pipeline_layout(cfg)
         split = cfg.parallel.pp_split
         par = replace(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from distft.parallel import STRATEGIES
 from distft.plan.estimate import Estimate, Request, best, estimate, evaluate, layout_for
 from distft.plan.explain import (
     METHOD_NAMES,
@@ -214,7 +215,10 @@ def _shard(walk: _Walk) -> Recommendation:
 
 
 def _pipelines(walk: _Walk) -> list[Estimate]:
-    return [walk.est[s] for s in ("fsdp+tp+pp", "fsdp+pp", "ddp+pp", "pp") if walk.est[s].applicable]
+    pipelines = [
+        name for name, cls in reversed(STRATEGIES.items()) if cls.pipelined
+    ]  # the most dimensions first
+    return [walk.est[s] for s in pipelines if walk.est[s].applicable]
 
 
 def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:

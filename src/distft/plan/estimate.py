@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from distft.measure.flops import StepTime
 from distft.parallel import STRATEGIES as RUNTIME
+from distft.parallel.dims import ParallelDims
 from distft.plan.activations import activation_bytes
 from distft.plan.hardware import GPU, GiB, Link
 from distft.plan.memory import comm_buffer_bytes, state_bytes
@@ -28,26 +29,10 @@ from distft.plan.setup import Parallelism, Training
 from distft.plan.timing import ASSUMED_MFU, RunLength, no_time_reason, step_time
 from distft.plan.traffic import Collective, Topology, step_collectives
 
-# Every layout the planner models, in the order the report lists them (a superset of the registry).
-MODELLED = (
-    "single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp-sp", "pp",
-    "fsdp+tp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp",
-)  # fmt: skip
-LABELS = {
-    "single": "one GPU",
-    "ddp": "DDP",
-    "zero1": "ZeRO-1",
-    "zero2": "ZeRO-2 (FSDP2)",
-    "fsdp": "FSDP / ZeRO-3",
-    "hsdp": "HSDP",
-    "tp": "TP",
-    "tp-sp": "TP + SP",
-    "pp": "PP",
-    "fsdp+tp": "FSDP x TP",
-    "ddp+pp": "DDP x PP",
-    "fsdp+pp": "FSDP x PP",
-    "fsdp+tp+pp": "FSDP x TP x PP",
-}
+# Every layout the planner models is a strategy distft runs, in the registry's order, named as its
+# class names itself (`Strategy.label`).
+MODELLED = tuple(RUNTIME)
+LABELS = {name: cls.label for name, cls in RUNTIME.items()}
 
 
 def runnable(strategy: str, method: str = "lora") -> bool:
@@ -129,7 +114,7 @@ class Estimate:
             return f"{LABELS[self.strategy]} (shard={lay.shard_degree}, replicas={lay.replicas})"
         degrees = [f"{k}={v}" for k, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp)) if v > 1]
         return f"{LABELS[self.strategy]}" + (
-            f" ({', '.join(degrees)})" if degrees and "+" in self.strategy else ""
+            f" ({', '.join(degrees)})" if degrees and RUNTIME[self.strategy].mesh_degrees else ""
         )
 
     @property
@@ -174,34 +159,15 @@ class Estimate:
 
 
 def layout_for(req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1) -> Parallelism:
-    """How `strategy` splits the work at these degrees (HSDP shards inside a node), as the runtime builds it."""
+    """How `strategy` splits the work at these degrees, as the runtime builds it (its class says
+    what it shards and how it splits a layer; HSDP shards inside a node)."""
+    cls = RUNTIME[strategy]
     m = req.grad_accum
     if pp > 1:
         m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
-    common = {"microbatches": m, "schedule": req.pp_schedule}
-    shapes = {
-        "single": {},
-        "ddp": {"dp": dp},
-        "ddp+pp": {"dp": dp, "pp": pp},
-        "zero1": {"dp": dp, "shard": "optimizer"},
-        "zero2": {"dp": dp, "shard": "full", "reshard_after_forward": False},
-        "fsdp": {"dp": dp, "shard": "full"},
-        "hsdp": {"dp": dp, "shard": "full", "dp_shard": req.gpus_per_node},
-        # The runtime's pipelines keep a stage gathered for the whole step (parallel/fsdp_pp.py).
-        "fsdp+pp": {"dp": dp, "pp": pp, "shard": "full", "reshard_after_forward": False},
-        "fsdp+tp+pp": {
-            **{"dp": dp, "tp": tp, "pp": pp, "shard": "full", "reshard_after_forward": False},
-            "tp_impl": "dtensor",  # parallelize_module TP inside each stage, as fsdp+tp
-        },
-        "tp": {"tp": tp, "tp_impl": "dtensor"},
-        "tp-sp": {"tp": tp, "sp": True},
-        # The runtime's fsdp+tp: parallelize_module TP inside (no sequence parallelism), FSDP2 over dp.
-        "fsdp+tp": {"dp": dp, "tp": tp, "shard": "full", "tp_impl": "dtensor"},
-        "pp": {"pp": pp},
-    }
-    if strategy not in shapes:
-        raise ValueError(strategy)
-    return Parallelism(strategy, **shapes[strategy], **common)
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp)
+    shard_group = req.gpus_per_node if cls.shard_groups else 0
+    return Parallelism.of(cls, dims, microbatches=m, schedule=req.pp_schedule, dp_shard=shard_group)
 
 
 def why_not(req: Request, par: Parallelism) -> str:
@@ -296,27 +262,18 @@ def best(candidates: list[Estimate]) -> Estimate | None:
 
 
 def candidate_layouts(req: Request, strategy: str) -> list[Parallelism]:
-    """Every factorisation of the GPUs `strategy` is tried with (one for the 1-D layouts)."""
-    n, g = req.world, req.gpus_per_node
-    if strategy == "single":
-        return [layout_for(req, strategy)]
-    if strategy in ("ddp", "zero1", "zero2", "fsdp", "hsdp"):  # hsdp: each node one shard group
-        return [layout_for(req, strategy, dp=n)]
-    if strategy in ("tp", "tp-sp"):
-        return [layout_for(req, strategy, tp=n)]
-    if strategy == "pp":
-        return [layout_for(req, strategy, pp=n)]
-    if strategy == "fsdp+tp":  # TP inside a node, FSDP over the rest
-        return [layout_for(req, strategy, dp=n // tp, tp=tp) for tp in _divisors(g) if n // tp >= 2]
-    if strategy == "fsdp+tp+pp":  # TP inside a node, the pipeline outermost, FSDP (2+ ranks) between
-        return [
-            layout_for(req, strategy, dp=n // (tp * pp), tp=tp, pp=pp)
-            for tp in _divisors(g)
-            for pp in _divisors(n // tp)
-            if n // (tp * pp) >= 2
-        ]
-    # the pipeline outermost (across nodes when there are several)
-    return [layout_for(req, strategy, dp=n // pp, pp=pp) for pp in _divisors(n) if n // pp >= 2]
+    """Every factorisation of the GPUs `strategy` is tried with: a strategy on one mesh dimension
+    takes every GPU on it; on several, TP stays inside a node, the pipeline is outermost (across
+    nodes when there are several) and 2+ data-parallel ranks sit between."""
+    dims, n = RUNTIME[strategy].dims, req.world
+    if len(dims) < 2:
+        return [layout_for(req, strategy, **{d: n for d in dims})]
+    return [
+        layout_for(req, strategy, dp=n // (tp * pp), tp=tp, pp=pp)
+        for tp in (_divisors(req.gpus_per_node) if "tp" in dims else [1])
+        for pp in (_divisors(n // tp) if "pp" in dims else [1])
+        if n // (tp * pp) >= 2
+    ]
 
 
 def evaluate(req: Request) -> dict[str, Estimate]:
@@ -330,7 +287,7 @@ def evaluate(req: Request) -> dict[str, Estimate]:
                 Parallelism(strategy),
                 applicable=False,
                 runnable=runnable(strategy, req.training.method),
-                note=f"needs {2 ** (strategy.count('+') + 1)}+ GPUs",  # 2 per dimension
+                note=f"needs {2 ** len(RUNTIME[strategy].dims)}+ GPUs",  # 2 per dimension
             )
             continue
         est = best([estimate(req, lay, strategy) for lay in layouts])

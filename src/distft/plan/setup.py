@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from distft.model.nf4 import NF4Spec
+from distft.parallel.base import Strategy
+from distft.parallel.dims import ParallelDims
 from distft.parallel.pipeline import SCHEDULES
 from distft.parallel.pipeline import Layout as PipelineLayout
 from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS, CostModel
@@ -108,6 +110,23 @@ class Parallelism:
     microbatches: int = 1  # micro-batches per optimizer step on each pipeline / replica
     stages_per_rank: int = 0  # parallel.stages_per_rank; 0: the schedule's default (SCHEDULES)
     pp_split: str | tuple[int, ...] = "balanced"  # parallel.pp_split: balanced, even, or layers per stage
+
+    @classmethod
+    def of(cls, strategy: type[Strategy], dims: ParallelDims, **schedule) -> Parallelism:
+        """How `strategy` (its class: what it shards, how it splits a layer) splits the work at
+        `dims`, the degrees the runtime builds its mesh from; `schedule`: micro-batches, pipeline
+        schedule and cut, and HSDP's shard group (`dp_shard`)."""
+        return cls(
+            strategy.name,
+            dp=dims.dp,
+            tp=dims.tp,
+            pp=dims.pp,
+            shard=strategy.shards,
+            reshard_after_forward=strategy.reshard_after_forward,
+            tp_impl=strategy.tensor_parallel or "megatron",
+            sp=strategy.tensor_parallel == "megatron",
+            **schedule,
+        )
 
     @property
     def world(self) -> int:

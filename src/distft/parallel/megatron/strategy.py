@@ -62,6 +62,12 @@ from distft.tensors import local
 
 class MegatronTPSP(Strategy):
     name = "tp-sp"
+    label = "TP + SP"
+    holds = "as `tp`, plus 1/N of the sequence between blocks"
+    moves = "all-gather / reduce-scatter activations along the sequence (hand-written Megatron)"
+    page = "tp-sp.md"
+    dims = ("tp",)
+    tensor_parallel = "megatron"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     supports_dora: ClassVar[bool] = False
     dora_refusal: ClassVar[str] = (

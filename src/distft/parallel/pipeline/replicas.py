@@ -26,8 +26,7 @@ from distft.parallel.pipeline.strategy import PipelineParallel
 
 
 class MeshPipeline(MeshStrategy, PipelineParallel):
-    mesh_degrees: ClassVar[bool] = True
-    takes_tp: ClassVar[bool] = False  # parallel.tp: 1 (ddp+pp, fsdp+pp) or 2+ (fsdp+tp+pp)
+    dims = ("pp", "dp")  # fsdp+tp+pp adds "tp": parallel.tp 2+ (ddp+pp, fsdp+pp: 1)
     # What the strategy is with one pipeline rank, and with one data-parallel replica (None: allowed).
     without_pp: ClassVar[str]
     without_dp: ClassVar[str | None] = "pp"
@@ -41,7 +40,7 @@ class MeshPipeline(MeshStrategy, PipelineParallel):
     def validate_config(cls, cfg: Config) -> None:
         dims = ParallelDims.from_config(cfg)  # dp x tp x pp = world size, else a ConfigError
         name, world = cls.name, cfg.world_size
-        if not cls.takes_tp and dims.tp != 1:
+        if "tp" not in cls.dims and dims.tp != 1:
             raise ConfigError(
                 f"--strategy {name} takes parallel.dp and parallel.pp; parallel.tp must be 1 (got {dims.tp})"
                 + (
@@ -50,7 +49,7 @@ class MeshPipeline(MeshStrategy, PipelineParallel):
                     else "."
                 )
             )
-        if cls.takes_tp and dims.tp < 2:
+        if "tp" in cls.dims and dims.tp < 2:
             raise ConfigError(
                 f"--strategy {name} needs parallel.tp of 2 or more (it is {dims.tp}); with one TP rank it is "
                 f"--strategy fsdp+pp."

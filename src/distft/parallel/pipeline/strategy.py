@@ -45,6 +45,11 @@ from distft.tensors import local
 
 class PipelineParallel(Strategy):
     name = "pp"
+    label = "PP"
+    holds = "a stage (or V stages) of consecutive decoder layers, cut where the modelled cost is equal (`parallel.pp_split`); the embedding on the first, the head and loss on the last"
+    moves = "send/recv of one hidden-state tensor per micro-batch per stage boundary forward, its gradient backward; all-reduce of loss and grad norm"
+    page = "pp.md"
+    dims = ("pp",)
     fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
     takes_label_positions: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True  # stages hold the compiled decoder layers as they are
