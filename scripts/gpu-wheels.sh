@@ -20,9 +20,9 @@ WHEELS="$ROOT/.whl"
 # On the box already, with whatever they depend on: shipping them again would shadow the box's
 # CUDA torch and the transformers stack it was tested with.
 BOX_HAS="torch transformers peft rich matplotlib safetensors numpy"
-# Needed only for a dataset from the hub, which an offline box cannot fetch anyway; it would bring
-# pyarrow and pandas (over 50 MB of wheels).
-SKIP="datasets"
+# Needed only for a dataset from the hub, which an offline box cannot fetch anyway, and for Parquet
+# files, which the GPU bench does not read: they would bring pyarrow and pandas (over 50 MB of wheels).
+SKIP="datasets pyarrow"
 
 usage() {
     sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'

@@ -24,7 +24,11 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from distft.cli import main
 from distft.data import qwen3_tokenizer
+from distft.train.hooks import HOOKS_VARIABLE
 from distft.train.metrics import START_ENV
+from tests import faults
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: `tests` is a package in it
 
 # Small enough for two CPU cores, big enough to exercise accumulation: global batch 4 = micro 1
 # x 2 accumulation steps x 2 ranks (and x 4 accumulation steps in the single-process reference).
@@ -82,9 +86,14 @@ def run_cli(
 
 def _environment(extra: dict | None) -> dict[str, str]:
     """This process's environment for a run: one thread, `extra` on top, no start stamp (the CLI
-    stamps its own start; each run has its own)."""
+    stamps its own start; each run has its own). A DISTFT_FAULT_* variable in `extra` installs the
+    faults of `tests.faults` through distft's `DISTFT_HOOKS`, with this checkout on PYTHONPATH for
+    ranks that start a fresh interpreter."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
     env.pop(START_ENV, None)
+    if any(name.startswith(faults.PREFIX) for name in extra or {}):
+        env[HOOKS_VARIABLE] = faults.HOOKS
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 
 

@@ -5,6 +5,7 @@ inside functions stay allowed. docs/architecture.md draws the same layers."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import LONGEST_FIRST
@@ -32,11 +33,10 @@ LAYERS = {
     "distft.measure": 5,
     "distft.train": 6,
     "distft.infer": 7,
-    "distft.faults": 7,
     "distft.plan": 7,
     "distft.bench": 8,
     "distft.export": 8,  # on top of distft.infer (7), whose load_trained it reuses
-    "distft.doctor": 8,  # the health check alone, with test-only faults (7) and plan's byte units (7)
+    "distft.doctor": 8,  # the health check alone, with plan's byte units (7) and the hooks of train (6)
     "distft.cli": 9,
     "distft.__main__": 10,
 }
@@ -173,3 +173,117 @@ def test_matplotlib_is_imported_only_where_a_plot_is_drawn():
             if any(name.split(".")[0] == "matplotlib" for name in names):
                 found.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert found == []
+
+
+# ---- docs/architecture.md names what exists, and every top-level module ------------------------
+
+DOC = SRC.parent / "docs" / "architecture.md"
+PACKAGE = SRC / "distft"
+
+
+def doc_parts() -> tuple[str, str, list[tuple[str, list[str], str]]]:
+    """The doc's text, its diagram (the first code block) and its layer table's rows as (layer,
+    the backticked names of its package column, its "holds" column)."""
+    text = DOC.read_text(encoding="utf-8")
+    diagram = text.split("```", 2)[1]
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) == 4 and cells[0].isdigit():
+            rows.append((cells[0], re.findall(r"`([^`]+)`", cells[1]), cells[2]))
+    return text, diagram, rows
+
+
+def defines(module: Path, name: str) -> bool:
+    """Whether `module` (a .py file) binds `name` at its top level."""
+    for node in ast.parse(module.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name:
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return True
+        imports = node.names if isinstance(node, ast.Import | ast.ImportFrom) else []
+        if any((a.asname or a.name).split(".")[0] == name for a in imports):
+            return True
+    return False
+
+
+def resolves(path: str, base: Path) -> bool:
+    """`path` (`io/`, `parallel/ddp.py`, `model/lm.run_layers`, `parallel/dims`) under `base`: a
+    folder, a module, or a name a module defines."""
+    if path.endswith("/"):
+        return (base / path).is_dir()
+    if path.endswith(".py"):
+        return (base / path).is_file()
+    if (base / f"{path}.py").is_file() or (base / path / "__init__.py").is_file():
+        return True
+    module, _, name = path.rpartition(".")
+    candidates = [base / f"{module}.py", base / module / "__init__.py"] if module else []
+    return any(c.is_file() and defines(c, name) for c in candidates)
+
+
+def module_path_problem(token: str, bases: list[Path]) -> str | None:
+    """Why backticked `token` names no file of the checkout, if it is a path or a module name at all
+    (`parallel/ddp.py`, `pipeline/cost.py` under a row's package, `distft.plan.memory`,
+    `tests/...`); None when it resolves or names something else (a setting, a class)."""
+    if token.startswith(("tests/", "docs/")):
+        return None if (SRC.parent / token.rstrip("/")).exists() else "no such file in the checkout"
+    if token.startswith("distft."):
+        token = token.removeprefix("distft.").replace(".", "/")
+        bases = [PACKAGE]
+    elif "/" not in token and not token.endswith(".py"):
+        return None  # `parallel.pp_split`, `Layout.cut`: settings and names, not module paths
+    if " " in token or any(part.removesuffix(".py").isupper() for part in token.split("/")):
+        return None  # `model/families/NAME.py`: a placeholder
+    token = token.removeprefix("src/distft/")
+    found = any(resolves(token, base) for base in bases)
+    return None if found else f"not found under {', '.join(str(b.relative_to(SRC)) for b in bases)}"
+
+
+def test_every_module_path_the_architecture_doc_names_exists():
+    text, diagram, rows = doc_parts()
+    anywhere = [PACKAGE, *sorted(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__")]
+    wrong = []
+    # A layer table row's bare names are files of its own packages (`step.py` in `measure/`).
+    row_text = set()
+    for layer, packages, holds in rows:
+        row_text.add(holds)
+        bases = [PACKAGE, *(PACKAGE / p for p in packages if p.endswith("/"))]
+        for token in [*packages, *re.findall(r"`([^`]+)`", holds)]:
+            if problem := module_path_problem(token, bases):
+                wrong.append(f"layer {layer}: `{token}`: {problem}")
+    # Elsewhere a bare name may be a file of any package (`fsdp_tp.py` beside `parallel/`).
+    rest = "\n".join(line for line in text.splitlines() if not any(h in line for h in row_text))
+    for token in re.findall(r"`([^`]+)`", rest):
+        if problem := module_path_problem(token, anywhere):
+            wrong.append(f"`{token}`: {problem}")
+    # The diagram names top-level modules and packages, unquoted.
+    for name in re.findall(r"(?<![\w/.])([a-z_0-9]+(?:\.py|/))", diagram):
+        if not resolves(name, PACKAGE):
+            wrong.append(f"the diagram's {name}: not in src/distft")
+    assert not wrong, "docs/architecture.md names what does not exist:\n" + "\n".join(wrong)
+
+
+def test_the_architecture_doc_draws_every_top_level_module_in_its_layer():
+    """Every module and package directly under src/distft is in the diagram and in the layer table,
+    in the row of its layer in `LAYERS`."""
+    _, diagram, rows = doc_parts()
+    drawn = set(re.findall(r"(?<![\w/.])([a-z_0-9]+(?:\.py|/))", diagram))
+    tabled = {name: int(layer) for layer, packages, _ in rows for name in packages}
+    wrong = []
+    for path in sorted(PACKAGE.iterdir()):
+        if path.name == "__init__.py" or path.name == "__pycache__":
+            continue
+        if path.suffix == ".py":
+            name, module = path.name, f"distft.{path.stem}"
+        elif (path / "__init__.py").is_file():
+            name, module = f"{path.name}/", f"distft.{path.name}"
+        else:
+            continue  # py.typed
+        if name not in drawn:
+            wrong.append(f"{name}: not in the diagram")
+        if name not in tabled:
+            wrong.append(f"{name}: not in the layer table")
+        elif tabled[name] != LAYERS[module]:
+            wrong.append(f"{name}: layer {tabled[name]} in the table, {LAYERS[module]} in LAYERS")
+    assert not wrong, "docs/architecture.md is missing or misplaces:\n" + "\n".join(wrong)

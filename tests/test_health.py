@@ -3,9 +3,9 @@ all-reduce that name a missing or slow rank, and `distft doctor`'s bandwidth tab
 
 The environment checks are pure functions of a dict, tested here without a network. The rank
 checks run for real: `distft doctor` under torchrun (no model is built, so each run costs only the
-launch), with a missing or late rank injected by the test-only DISTFT_FAULT_HEALTH_* variables
-(`distft.faults`). `distft train` runs the same check; tests/parallel/test_multi_node.py sees its
-line in every multi-node run.
+launch), with a missing or late rank injected by the DISTFT_FAULT_HEALTH_* variables of
+`tests.faults`. `distft train` runs the same check; tests/parallel/test_multi_node.py sees its line
+in every multi-node run.
 """
 
 from __future__ import annotations

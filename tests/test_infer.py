@@ -271,7 +271,7 @@ def test_a_chat_ending_with_a_user_turn_is_generated_for(loaded, monkeypatch):
 
     monkeypatch.setattr(loaded.model, "generate", spy)
     record = {"messages": [*CHATS[0]["messages"][:2], {"role": "user", "content": "And goodbye?"}]}
-    row = row_from_record(record, loaded.cfg.data, "x:1", need_summary=False)
+    row = row_from_record(record, loaded.cfg.data, "x:1", need_answer=False)
     result = generate(loaded, row, Sampling(max_new_tokens=3))
     text = loaded.tokenizer.decode(seen["prompt"])
     assert text.endswith(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from collections.abc import Callable
 from unittest import mock
 
 import pytest
@@ -171,21 +172,39 @@ def test_init_distributed_names_the_missing_gpu_before_touching_it(monkeypatch):
         init_distributed("auto")
 
 
+def in_threads(rank: Callable[[int], None], world_size: int, timeout_s: float = 60) -> None:
+    """`rank(r)` for every r, each in a thread (ranks meeting on one store). What a thread raises
+    is raised here, the lowest rank's first: a thread's own exception would only be printed, and
+    the test would pass."""
+    raised: dict[int, BaseException] = {}
+
+    def run(r: int) -> None:
+        try:
+            rank(r)
+        except BaseException as err:  # every failure, assertions included, goes back to the test
+            raised[r] = err
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), f"a rank still runs after {timeout_s} s"
+    if raised:
+        first = min(raised)
+        raise AssertionError(f"rank {first} of {world_size} raised {raised[first]!r}") from raised[first]
+
+
 def test_ranks_without_a_gpu_among_ranks_with_one_are_named_before_the_group():
     """Three ranks meet on one store (threads): rank 1 found no GPU. Every rank raises the same error."""
     store, errors = dist.HashStore(), {}
 
     def rank(r: int) -> None:
-        try:
+        with pytest.raises(HealthError) as err:
             agree_on_devices(store, r, 3, on_cuda=r != 1, timeout_s=10)
-        except HealthError as err:
-            errors[r] = str(err)
+        errors[r] = str(err.value)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(rank, 3)
     assert sorted(errors) == [0, 1, 2] and len(set(errors.values())) == 1, errors
     assert errors[0].startswith("rank 1 (host ")
     assert (
@@ -196,11 +215,7 @@ def test_ranks_without_a_gpu_among_ranks_with_one_are_named_before_the_group():
 
 def test_ranks_that_agree_pass_the_device_roll_call():
     store = dist.HashStore()
-    threads = [threading.Thread(target=agree_on_devices, args=(store, r, 2, False, 10)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(lambda r: agree_on_devices(store, r, 2, on_cuda=False, timeout_s=10), 2)
 
 
 # ---- stragglers -----------------------------------------------------------------------------------

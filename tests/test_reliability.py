@@ -1,7 +1,8 @@
 """Reliability (issue 8): exact resume for every strategy, a killed rank, a hung collective, a
 diverged step, a failed checkpoint write, and bad input refused before anything is launched.
 
-Faults are injected with the test-only DISTFT_FAULT_* variables (`distft.faults`). Launches are
+Faults are injected with the DISTFT_FAULT_* variables of `tests.faults` (through distft's
+`DISTFT_HOOKS`, which `tests.helpers` sets for a run that names one). Launches are
 grouped to keep the file short: one pair of forked processes trains and resumes every strategy in turn,
 and only the killed rank and the hung collective need torchrun for real.
 """
@@ -25,6 +26,7 @@ from distft.cli import main
 from distft.config import load_config, to_toml
 from distft.io.checkpoint import latest_checkpoint
 from distft.train.metrics import truncate_metrics
+from tests import faults
 from tests.helpers import adapter, assert_same_training, distft, metrics, run_cli, spawn
 
 WORLD = 2
@@ -190,6 +192,7 @@ SINGLE = [*RUN, "train.micro_batch_size=2", "train.max_steps=4"]
 
 def test_nonfinite_step_stops_then_resumes_and_skips(tmp_path, monkeypatch, capsys):
     out = tmp_path / "nan"
+    monkeypatch.setenv("DISTFT_HOOKS", faults.HOOKS)  # in this process: tests.helpers does not set it
     monkeypatch.setenv("DISTFT_FAULT_NAN_AT_STEP", "3")  # every gradient NaN after step 3's backward
     assert main(["train", *SINGLE, "--out", str(out)]) == 1
     err = capsys.readouterr().err
@@ -597,8 +600,8 @@ def test_settings_the_strategy_ignores_are_warned_before_launch(tmp_path, monkey
     assert main(["train", "--model", "micro", *argv, "train.device=cuda", "--out", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
-        "distft train: warning: parallel.fsdp_wrap=model does nothing under --strategy ddp: only fsdp, "
-        "zero2, hsdp, fsdp+tp, fsdp+pp, fsdp+tp+pp read it.",
+        "distft train: warning: parallel.fsdp_wrap=model does nothing under --strategy ddp: only zero2, "
+        "fsdp, hsdp, fsdp+tp, fsdp+pp, fsdp+tp+pp read it.",
         "distft train: warning: parallel.schedule=gpipe does nothing under --strategy ddp: only pp, ddp+pp, "
         "fsdp+pp, fsdp+tp+pp read it.",
         "distft train: error: train.device=cuda, but this machine has no CUDA device; use train.device=cpu or auto.",

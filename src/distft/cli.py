@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import distft.signals  # noqa: F401 (first: a Ctrl-C during the imports below is one line, `starting`)
-from distft import bench, faults, plan, signals
+from distft import bench, plan, signals
 from distft.config import Config, load_config, to_toml
 from distft.distributed import exit_worker, launched_by_torchrun, pick_device
 from distft.doctor import add_doctor_parser, cmd_doctor
@@ -41,6 +41,7 @@ from distft.parallel.derive import notes_for_ranks, read_rank_notes
 from distft.parallel.pipeline.calibrate import calibrate
 from distft.text import plural
 from distft.train import train
+from distft.train.hooks import from_environment as hooks_from_environment
 from distft.train.metrics import START_ENV
 from distft.train.optim import check_optimizer
 from distft.train.prepare import prepare_data, resolve_local_paths
@@ -243,7 +244,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def trained(cfg: Config) -> int:
     """Train in this process (the run, or one rank of it): 0, or the exit code of the signal that
     stopped it after the line saying where (`distft.signals`)."""
-    result = train(cfg, hooks=faults.from_environment())  # test-only faults, off unless DISTFT_FAULT_*
+    result = train(cfg, hooks=hooks_from_environment())  # DISTFT_HOOKS (how tests inject faults), else none
     if result.stopped_by is None:
         return 0
     if os.environ.get("RANK", "0") == "0":  # every rank stopped after the same step

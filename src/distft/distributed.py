@@ -118,32 +118,49 @@ def check_local_gpu(local_rank: int, gpus: int, visible: str | None) -> None:
 
 
 def agree_on_devices(store: dist.Store, rank: int, world_size: int, on_cuda: bool, timeout_s: float) -> None:
-    """Every rank counts itself in on the rendezvous store, saying whether it took a GPU; ranks
-    without one among ranks with one are named in a `HealthError` (all ranks raise it, rank 0
-    prints it). O(1) store operations per rank; each rank's place is read only to name them."""
+    """Every rank counts itself in on the rendezvous store (`roll_call`), saying whether it took a
+    GPU; ranks without one among ranks with one are named in a `HealthError` (all ranks raise it,
+    rank 0 prints it). O(1) store operations per rank; each rank's place is read only to name them."""
     store = dist.PrefixStore(f"distft/devices/{restart_count()}", store)
     place = {
         "host": socket.gethostname(),
         "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
         "cuda": on_cuda,
     }
-    store.set(f"rank/{rank}", json.dumps(place))
-    store.add("cuda", int(on_cuda))
-    if store.add("joined", 1) == world_size:
-        store.set("all", "1")
-    start, pause = time.perf_counter(), 0.001
-    while not store.check(["all"]):
-        if time.perf_counter() - start > timeout_s:
-            return  # a rank missing: init_process_group waits for it too, and times out naming it
-        time.sleep(pause)
-        pause = min(2 * pause, 0.1)
+    store.add("cuda", int(on_cuda))  # before answering: once all have answered, the count is whole
+    if roll_call(store, rank, world_size, place, timeout_s) is None:
+        return  # a rank missing: init_process_group waits for it too, and times out naming it
     gpus = store.add("cuda", 0)
     if gpus in (0, world_size):
         return
-    places = [json.loads(store.get(f"rank/{r}")) for r in range(world_size)]
+    places = [answered_place(store, r) for r in range(world_size)]
     error = HealthError(mixed_devices(places))
     error.every_rank = False
     raise error
+
+
+def roll_call(store: dist.Store, rank: int, world_size: int, place: dict, timeout_s: float) -> float | None:
+    """A barrier with a timeout on `store` (a fresh prefix per call): this rank writes its `place`
+    (read back with `answered_place`) and counts itself in; the last rank to answer opens the gate.
+    Seconds until every rank answered, or None after `timeout_s`. O(1) store operations per rank."""
+    start = time.perf_counter()
+    store.set(f"place/{rank}", json.dumps(place))
+    if store.add("answered", 1) == world_size:
+        store.set("all", "1")
+    # Polled rather than `store.wait(keys, timeout)`, whose timeout logs C++ warnings on every rank.
+    pause = 0.001
+    while not store.check(["all"]):
+        if time.perf_counter() - start > timeout_s:
+            return None
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+    return time.perf_counter() - start
+
+
+def answered_place(store: dist.Store, rank: int) -> dict | None:
+    """The place `rank` wrote in a `roll_call` on `store`, or None if it has not answered."""
+    key = f"place/{rank}"
+    return json.loads(store.get(key)) if store.check([key]) else None
 
 
 def mixed_devices(places: list[dict]) -> str:

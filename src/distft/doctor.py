@@ -22,7 +22,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from distft import faults
 from distft.config import ParallelConfig, load_config
 from distft.distributed import (
     DistEnv,
@@ -43,6 +42,7 @@ from distft.health.bandwidth import DEFAULT_SIZES
 from distft.health.facts import REMEDY
 from distft.launch import launch_ranks
 from distft.plan.hardware import format_bytes, parse_bytes
+from distft.train.hooks import from_environment as hooks_from_environment
 
 MAX_ROWS = 32  # ranks listed one by one; a larger job lists its latest-joining ones
 
@@ -99,7 +99,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def run_checks(args: argparse.Namespace, parallel: ParallelConfig, sizes: list[int]) -> int:
     """In every rank: the health check, the bandwidth per size, and rank 0's tables."""
     env = init_distributed(args.device, parallel.timeout_s, need_group=True)
-    hooks = faults.from_environment()  # test-only: a rank that misses the check, or joins late
+    hooks = hooks_from_environment()  # DISTFT_HOOKS: how tests make a rank miss the check, or join late
     # HealthError: a rank missing. Mixed ranks are named after the tables, as slow ones are.
     report = check_health(env, replace(parallel, allow_mixed=True), hooks.health if hooks else None)
     bandwidth = measure_all_reduce(env, sizes, args.iterations)

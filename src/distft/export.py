@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from distft.config import Config, load_config
-from distft.data import MeetingRow, data_name, end_of_turn, validation_rows
+from distft.data import SummaryRow, data_name, end_of_turn, validation_rows
 from distft.errors import ConfigError, DataError
 from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
@@ -206,7 +206,7 @@ def card_format(cfg: Config) -> str:
         (row,) = validation_rows(cfg.data, seed=cfg.train.seed, limit=1)
     except (DataError, OSError, ValueError):
         return "unknown"
-    return "summary" if isinstance(row, MeetingRow) else "chat"
+    return "summary" if isinstance(row, SummaryRow) else "chat"
 
 
 def _usage(cfg: Config, fmt: str) -> list[str]:

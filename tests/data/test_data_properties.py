@@ -55,10 +55,10 @@ CONFIGS = st.just(DataConfig()) | st.builds(  # the default (auto: every format 
 )
 
 
-def read_all(path, cfg=None, need_summary=True):
+def read_all(path, cfg=None, need_answer=True):
     """Every row of `path`, or the DataError reading it stops at; any other exception fails the test."""
     try:
-        return list(iter_file(path, cfg or DataConfig(), need_summary))
+        return list(iter_file(path, cfg or DataConfig(), need_answer))
     except DataError as err:
         assert "\n" not in str(err).strip(), err  # one paragraph
         return err
@@ -90,31 +90,31 @@ def test_any_bytes_read_or_refuse(tmp_path, suffix, data):
     read_all(path)
 
 
-@given(rows=st.lists(JSON, max_size=4), cfg=CONFIGS, need_summary=st.booleans())
-def test_any_json_lines_read_or_refuse(tmp_path, rows, cfg, need_summary):
+@given(rows=st.lists(JSON, max_size=4), cfg=CONFIGS, need_answer=st.booleans())
+def test_any_json_lines_read_or_refuse(tmp_path, rows, cfg, need_answer):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    result = read_all(path, cfg, need_summary)
+    result = read_all(path, cfg, need_answer)
     if not isinstance(result, DataError):
         assert len(result) == len(rows)
 
 
-@given(record=ROWS | JSON, cfg=CONFIGS, need_summary=st.booleans())
-def test_any_record_is_a_row_or_a_data_error(record, cfg, need_summary):
+@given(record=ROWS | JSON, cfg=CONFIGS, need_answer=st.booleans())
+def test_any_record_is_a_row_or_a_data_error(record, cfg, need_answer):
     try:
-        row_from_record(record, cfg, "rows.jsonl:1", need_summary)
+        row_from_record(record, cfg, "rows.jsonl:1", need_answer)
     except DataError as err:
         assert str(err).startswith("rows.jsonl:1: "), err  # says where
 
 
-@given(rows=st.lists(ROWS, min_size=1, max_size=4), need_summary=st.booleans())
-def test_any_parquet_rows_read_or_refuse(tmp_path, rows, need_summary):
+@given(rows=st.lists(ROWS, min_size=1, max_size=4), need_answer=st.booleans())
+def test_any_parquet_rows_read_or_refuse(tmp_path, rows, need_answer):
     path = tmp_path / "rows.parquet"
     try:
         pq.write_table(pa.Table.from_pylist(rows), path)
     except (pa.ArrowException, OverflowError):  # rows pyarrow cannot put in one Parquet table
         assume(False)
-    read_all(path, need_summary=need_summary)
+    read_all(path, need_answer=need_answer)
 
 
 @given(data=st.binary(max_size=300) | st.text(max_size=100).map(lambda t: t.encode("utf-16")))

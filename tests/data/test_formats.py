@@ -10,8 +10,8 @@ from distft.data import (
     IGNORE,
     ChatFormatter,
     ChatRow,
-    MeetingRow,
     Message,
+    SummaryRow,
     load_rows,
     prompt_and_reference,
     row_from_record,
@@ -63,7 +63,7 @@ def test_each_format_is_detected():
     alpaca = row_from_record({"instruction": "Say hi.", "output": "Hi!"}, DataConfig(), "x:3")
     assert alpaca.messages == (Message("user", ("Say hi.",)), Message("assistant", ("Hi!",)))
     assert isinstance(
-        row_from_record({"transcript": "A: hi", "summary": "Hi."}, DataConfig(), "x:4"), MeetingRow
+        row_from_record({"transcript": "A: hi", "summary": "Hi."}, DataConfig(), "x:4"), SummaryRow
     )
 
 
@@ -231,7 +231,7 @@ def test_a_row_to_generate_for_may_lack_its_answer(record, last_user):
     """As a meeting may lack its summary: a chat may end with a user turn (or an empty answer),
     a prompt lack its completion, an instruction its output."""
     cfg = DataConfig()
-    row = row_from_record(record, cfg, "x:1", need_summary=False)
+    row = row_from_record(record, cfg, "x:1", need_answer=False)
     prompt, reference = prompt_and_reference(row, cfg)
     assert prompt[-1].role == "user" and prompt[-1].content == last_user and reference == ""
     try:  # training: the row is refused, or its turns after the last answer dropped
@@ -249,7 +249,7 @@ def test_a_generation_prompt_is_cut_as_training_cuts(tokenizer):
         ]
     turns.append({"role": "user", "content": "Question 12?"})
     cfg = DataConfig(max_length=200)
-    row = row_from_record({"messages": turns}, cfg, "x:1", need_summary=False)
+    row = row_from_record({"messages": turns}, cfg, "x:1", need_answer=False)
     formatter = ChatFormatter(tokenizer, cfg)
     full = formatter.generation_ids(list(row.messages), reserve=-10_000)  # room for everything
     ids, dropped = formatter.generation_prompt(list(row.messages), reserve=40)

@@ -11,8 +11,8 @@ from distft.data import (
     IGNORE,
     ChatFormatter,
     ChatRow,
-    MeetingRow,
     Message,
+    SummaryRow,
     load_rows,
     row_from_record,
     skipped_line,
@@ -98,7 +98,7 @@ def test_alpaca_is_found_by_its_instruction_and_qmsum_stays_a_summary():
         Message("user", ("Translate to German.", "Good night")),
         Message("assistant", ("Gute Nacht",)),
     )
-    assert isinstance(row_from_record({"input": "A: hi", "output": "Hi."}, DataConfig(), "x:2"), MeetingRow)
+    assert isinstance(row_from_record({"input": "A: hi", "output": "Hi."}, DataConfig(), "x:2"), SummaryRow)
 
 
 # ---- rows too long to fit --------------------------------------------------------------------

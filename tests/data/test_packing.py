@@ -13,7 +13,7 @@ from transformers.masking_utils import create_causal_mask
 
 from distft.config import load_config
 from distft.data import IGNORE, Example, collate, document_ids, micro_batch, pack
-from distft.model import SummaryLM, apply_method, load_base_model
+from distft.model import LossLM, apply_method, load_base_model
 from distft.parallel.megatron.model import document_mask
 
 
@@ -59,14 +59,14 @@ def test_micro_batch_chooses_the_layout():
 def model(request):
     cfg = load_config(None, ["model.name=micro", f"model.attn_implementation={request.param}"])
     torch.manual_seed(0)
-    lm = SummaryLM(apply_method(load_base_model(cfg.model), cfg))
+    lm = LossLM(apply_method(load_base_model(cfg.model), cfg))
     for name, p in lm.named_parameters():  # lora_B starts at 0: give the adapters a real effect
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     return lm
 
 
-def hidden_states(model: SummaryLM, row: dict[str, torch.Tensor]) -> torch.Tensor:
+def hidden_states(model: LossLM, row: dict[str, torch.Tensor]) -> torch.Tensor:
     return model.backbone(input_ids=row["input_ids"], position_ids=row["position_ids"]).last_hidden_state[0]
 
 
@@ -83,7 +83,7 @@ def test_documents_do_not_see_each_other(model):
         assert not torch.allclose(before[9:], hidden_states(model, plain)[9:], atol=1e-4)
 
 
-def loss_and_grads(model: SummaryLM, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+def loss_and_grads(model: LossLM, batch: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     loss = model(**batch)
     loss.backward()

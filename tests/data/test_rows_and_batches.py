@@ -7,7 +7,7 @@ from distft.config import DataConfig
 from distft.data import (
     IGNORE,
     ChatFormatter,
-    MeetingRow,
+    SummaryRow,
     collate,
     count_label_tokens,
     global_batch_indices,
@@ -114,7 +114,7 @@ def test_validation_rows_hold_only_what_they_return(tmp_path):
 
 def test_labels_cover_exactly_the_summary(tokenizer):
     fmt = formatter(tokenizer)
-    row = MeetingRow("Anna: we pick yellow.\nTom: agreed.", "The team chose yellow.", "t:1")
+    row = SummaryRow("Anna: we pick yellow.\nTom: agreed.", "The team chose yellow.", "t:1")
     ex = fmt.encode(row)
     assert len(ex.input_ids) == len(ex.labels)
     targets = [t for t in ex.labels if t != IGNORE]
@@ -132,7 +132,7 @@ def test_labels_cover_exactly_the_summary(tokenizer):
 def test_truncation_keeps_the_summary(tokenizer, policy):
     fmt = formatter(tokenizer, max_length=160, truncation=policy)
     transcript = "\n".join(f"Speaker{i}: point number {i} about the budget." for i in range(100))
-    ex = fmt.encode(MeetingRow(transcript, "They discussed the budget.", "t:1"))
+    ex = fmt.encode(SummaryRow(transcript, "They discussed the budget.", "t:1"))
     assert len(ex.input_ids) == 160
     assert ex.truncated_tokens > 0
     assert tokenizer.decode([t for t in ex.labels if t != IGNORE]) == "They discussed the budget.<|im_end|>"
@@ -144,7 +144,7 @@ def test_truncation_keeps_the_summary(tokenizer, policy):
 def test_no_room_for_transcript_is_an_error(tokenizer):
     fmt = formatter(tokenizer, max_length=64)
     with pytest.raises(DataError, match=r"meetings.jsonl:7: .* Raise data.max_length"):
-        fmt.encode(MeetingRow("A: hi", "word " * 40, "meetings.jsonl:7"))
+        fmt.encode(SummaryRow("A: hi", "word " * 40, "meetings.jsonl:7"))
 
 
 def test_global_batches_are_deterministic_epochs():
@@ -158,7 +158,7 @@ def test_global_batches_are_deterministic_epochs():
 
 def test_rank_slices_partition_the_global_batch(tokenizer):
     fmt = formatter(tokenizer)
-    rows = [MeetingRow(f"A: item {i}", f"Item {i}.", f"t:{i}") for i in range(8)]
+    rows = [SummaryRow(f"A: item {i}", f"Item {i}.", f"t:{i}") for i in range(8)]
     examples = [fmt.encode(r) for r in rows]
     pieces = [mb for r in range(2) for mb in rank_micro_batches(examples, r, 2, micro_batch_size=2)]
     assert [e for mb in pieces for e in mb] == examples
@@ -167,8 +167,8 @@ def test_rank_slices_partition_the_global_batch(tokenizer):
 
 def test_collate_right_pads_without_loss(tokenizer):
     fmt = formatter(tokenizer)
-    a = fmt.encode(MeetingRow("A: short", "Short.", "t:1"))
-    b = fmt.encode(MeetingRow("A: a much longer transcript line here", "Longer summary here.", "t:2"))
+    a = fmt.encode(SummaryRow("A: short", "Short.", "t:1"))
+    b = fmt.encode(SummaryRow("A: a much longer transcript line here", "Longer summary here.", "t:2"))
     batch = collate([a, b], pad_id=tokenizer.pad_token_id)
     n = len(a.input_ids)
     assert batch["input_ids"].shape == (2, len(b.input_ids))

@@ -11,7 +11,7 @@ import pytest
 
 from distft.config import DataConfig
 from distft.data import ChatFormatter, check_chat_template, load_tokenizer
-from distft.data.formats import ChatRow, MeetingRow, Message
+from distft.data.formats import ChatRow, Message, SummaryRow
 from distft.errors import ConfigError
 from tests.chat_templates import tokenizer_dir
 from tests.data.test_formats import assert_shifted, targets
@@ -56,7 +56,7 @@ def test_labels_are_each_answer_and_its_end_of_turn(family_tokenizers, style):
 def test_llama3_meeting_keeps_its_system_prompt(family_tokenizers):
     tokenizer = family_tokenizers["llama3"]
     formatter = ChatFormatter(tokenizer, DataConfig(max_length=512))
-    example = formatter.encode(MeetingRow("Anna: we ship on Friday.", "Ships Friday.", "m:1"))
+    example = formatter.encode(SummaryRow("Anna: we ship on Friday.", "Ships Friday.", "m:1"))
     assert targets(tokenizer, example) == ["Ships Friday.<|eot_id|>"]
     assert tokenizer.decode(example.input_ids).startswith(
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful"
@@ -66,9 +66,9 @@ def test_llama3_meeting_keeps_its_system_prompt(family_tokenizers):
 def test_a_template_without_system_messages_is_refused_with_the_fix(family_tokenizers):
     formatter = ChatFormatter(family_tokenizers["mistral"], DataConfig(max_length=512))
     with pytest.raises(ConfigError, match=r'alternate.*data\.system_prompt=""'):
-        formatter.encode(MeetingRow("Anna: we ship on Friday.", "Ships Friday.", "m:1"))
+        formatter.encode(SummaryRow("Anna: we ship on Friday.", "Ships Friday.", "m:1"))
     meeting = ChatFormatter(family_tokenizers["mistral"], DataConfig(system_prompt="", max_length=512))
-    example = meeting.encode(MeetingRow("Anna: we ship on Friday.", "Ships Friday.", "m:1"))
+    example = meeting.encode(SummaryRow("Anna: we ship on Friday.", "Ships Friday.", "m:1"))
     assert targets(family_tokenizers["mistral"], example) == ["Ships Friday.</s>"]
 
 

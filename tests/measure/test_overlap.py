@@ -27,7 +27,7 @@ def test_summary_splits_communication_into_hidden_and_exposed():
 
 
 def test_projection_uses_the_measured_overlap():
-    assert exposed_comm(True, 1.0, 5.0, None) == 0.0  # the plan's assumption: all hidden
-    assert exposed_comm(True, 1.0, 5.0, 0.25) == pytest.approx(0.75)  # measured: a quarter hidden
-    assert exposed_comm(False, 1.0, 0.1, 0.5) == pytest.approx(0.9)  # never more than the compute
-    assert exposed_comm(False, 2.0, 1.0, None) == 2.0
+    assert exposed_comm(1.0, 5.0, 1.0) == 0.0  # all of it overlaps: hidden
+    assert exposed_comm(1.0, 5.0, 0.25) == pytest.approx(0.75)  # measured: a quarter hidden
+    assert exposed_comm(1.0, 0.1, 0.5) == pytest.approx(0.9)  # never more than the compute
+    assert exposed_comm(2.0, 1.0, 0.0) == 2.0  # on the critical path: all of it shows

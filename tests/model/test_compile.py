@@ -9,7 +9,7 @@ from distft.config import load_config
 from distft.data import IGNORE, Example, label_positions, pack
 from distft.errors import ConfigError
 from distft.measure.comm import CommCounter
-from distft.model import SummaryLM, apply_method, load_base_model
+from distft.model import LossLM, apply_method, load_base_model
 from distft.model.compile import (
     SEQUENCE_BUCKET,
     CompileError,
@@ -25,13 +25,13 @@ from distft.parallel import check_config
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
 
 
-def lora_micro() -> SummaryLM:
+def lora_micro() -> LossLM:
     cfg = load_config(None, ["model.name=micro", "lora.rank=4"])
     torch.manual_seed(0)
-    return SummaryLM(apply_method(load_base_model(cfg.model), cfg))
+    return LossLM(apply_method(load_base_model(cfg.model), cfg))
 
 
-def loss_and_grads(model: SummaryLM, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_grads(model: LossLM, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     loss = model(**batch)
     loss.backward()
@@ -142,9 +142,9 @@ def test_qlora_blocks_trace_through_aot_autograd(fresh_dynamo):
     loss and LoRA gradients as eager."""
     cfg = load_config(None, ["model.name=micro", "train.method=qlora", "model.quant_scaler_block_size=4"])
 
-    def qlora_micro() -> SummaryLM:  # built twice alike: NF4 tensors do not deep-copy
+    def qlora_micro() -> LossLM:  # built twice alike: NF4 tensors do not deep-copy
         torch.manual_seed(0)
-        return SummaryLM(apply_method(load_base_model(cfg.model), cfg))
+        return LossLM(apply_method(load_base_model(cfg.model), cfg))
 
     eager, compiled = qlora_micro(), qlora_micro()
     stats = compile_blocks(compiled.lm, backend="aot_eager", strict=True)

@@ -5,9 +5,9 @@ of this folder), the single-process reference trains 2 steps and checkpoints ste
 registered strategy, on real gloo groups, resumes a copy of that run from its step-1 checkpoint
 and trains step 2: its loss, gradient norm and exported adapter must equal the reference's
 (`assert_same_training`), and its collectives must move exactly the bytes of the strategy's
-formula (`comm_bytes_expected`). One launch per pair thus proves three things for the family: the
-strategy loads a checkpoint into its own layout (DCP reshards the single process's state), trains
-a step like one process (Adam's second step, which moves each adapter element by its own gradient
+formula (`comm_bytes_expected`) and of the planner's (`distft plan`'s prediction for the run). One
+launch per pair thus proves three things for the family: the strategy loads a checkpoint into its
+own layout (DCP reshards the single process's state), trains a step like one process (Adam's second step, which moves each adapter element by its own gradient
 history), and moves the bytes predicted. What the families make different meets the strategies'
 own code: untied heads (llama, mistral) in FSDP's root unit, the tensor-parallel vocabulary split
 and the last pipeline stage; Llama 3.1's rope scaling in every stage and in the Megatron layers;
@@ -22,6 +22,7 @@ difference meets the method.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -119,6 +120,11 @@ def resume_step_2(reference: Path, out: Path, strategy: str) -> list[dict]:
     assert "resuming from" in proc.stdout and "(step 1)" in proc.stdout
     records = metrics(out)
     assert records[1]["comm_bytes"] == records[1]["comm_bytes_expected"]
+    # Every row fills data.max_length, so the plan's shapes are the run's: the planner's bytes
+    # (`distft plan`'s formula, recorded at launch) equal what each rank counted, kind by kind.
+    for rank in json.loads((out / "ranks.json").read_text()):
+        comm = rank["comm_bytes_per_step"]
+        assert comm["predicted"] == comm["counted"], (strategy, rank["rank"], comm)
     return records
 
 

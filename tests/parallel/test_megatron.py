@@ -22,7 +22,7 @@ from distft.distributed import DistEnv
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
 from distft.measure.expected import expected_comm_bytes
-from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
+from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.parallel.base import unwrap
 from distft.parallel.megatron import MegatronTPSP, all_gather_dim, partition_dim
 from tests.helpers import PARITY, assert_same_training, distft, metrics
@@ -61,7 +61,7 @@ def build(method: str) -> tuple:
 
 
 def reference_step(lm, batch, n_tokens: int) -> tuple[float, dict[str, torch.Tensor], float]:
-    model = SummaryLM(copy.deepcopy(lm))
+    model = LossLM(copy.deepcopy(lm))
     loss = model(**batch)
     (loss / n_tokens).backward()
     grads = {n: p.grad for n, p in model.lm.named_parameters() if p.requires_grad}
@@ -89,11 +89,11 @@ def _check_against_one_process(rank: int, world: int) -> None:
     for method, modes in (("lora", (True, False)), ("full", (True,))):
         cfg, lm = build(method)
         want_loss, want_grads, want_norm = reference_step(lm, batch, n_tokens)
-        saved[f"{method}/single"] = saved_activation_bytes(SummaryLM(copy.deepcopy(lm)), batch)
+        saved[f"{method}/single"] = saved_activation_bytes(LossLM(copy.deepcopy(lm)), batch)
         for sequence_parallel in modes:
             cfg.parallel.sequence_parallel = sequence_parallel
             strategy = MegatronTPSP(cfg, env)
-            model = strategy.parallelize(SummaryLM(copy.deepcopy(lm)))
+            model = strategy.parallelize(LossLM(copy.deepcopy(lm)))
             where = f"{method}/{'tp-sp' if sequence_parallel else 'tp'}"
             saved[where] = saved_activation_bytes(model, batch)
 

@@ -26,8 +26,8 @@ from distft.parallel.pipeline.cost import (
 )
 from distft.parallel.pipeline.layout import cut_layers
 from distft.parallel.pipeline.stages import schedule_actions
+from distft.plan.inputs import Parallelism, Training, cost_model, pipeline_layout
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import Parallelism, Training, cost_model, pipeline_layout
 
 # micro: hidden 32, MLP 96, 4 heads x 8 (q/o 32 x 32), 2 KV heads (k/v 32 x 16): tests/measure/test_flops.py.
 LAYER = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 3 * 32 * 96  # 12,288 base weights per layer

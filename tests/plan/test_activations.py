@@ -21,10 +21,10 @@ from distft.config import load_config
 from distft.data import ChatFormatter, count_label_tokens, global_batch_indices, load_rows, tokenize_rows
 from distft.data.tokenizer import load_tokenizer
 from distft.measure.activations import SavedActivations
-from distft.model import SummaryLM, apply_method, causal_lm, load_base_model, summed_loss
+from distft.model import LossLM, apply_method, causal_lm, load_base_model, summed_loss
 from distft.plan.activations import activation_bytes
+from distft.plan.inputs import PRECISIONS, Parallelism, Training, rank_layers
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PRECISIONS, Parallelism, Training, rank_layers
 from tests.helpers import distft
 from tests.plan import MICROS
 
@@ -51,7 +51,7 @@ def build(
     attn: str = "sdpa",
     checkpointing: bool = False,
     preset: str = "micro",
-) -> SummaryLM:
+) -> LossLM:
     cfg = load_config(
         None,
         [
@@ -66,12 +66,12 @@ def build(
     lm = apply_method(load_base_model(cfg.model), cfg)
     if checkpointing:
         causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = SummaryLM(lm)
+    model = LossLM(lm)
     model.train()
     return model
 
 
-def measured(model: SummaryLM, data: dict[str, torch.Tensor]) -> int:
+def measured(model: LossLM, data: dict[str, torch.Tensor]) -> int:
     with SavedActivations(model) as probe:
         loss = model(**data)
     del loss
@@ -136,7 +136,7 @@ def test_single_process_cases(method, dtype, attn, ckpt, b, s, labels, pad, pres
 
 
 def run_stage(
-    model: SummaryLM, layers: list[int], first: bool, last: bool, data: dict, hidden: torch.Tensor | None
+    model: LossLM, layers: list[int], first: bool, last: bool, data: dict, hidden: torch.Tensor | None
 ):
     """A pipeline stage's forward as distft's pipeline runs it: embeddings on the first stage, cos/sin
     recomputed from position ids on every stage, the final norm and the loss on the last."""

@@ -20,10 +20,10 @@ from distft.plan.activations import inflight_microbatches
 from distft.plan.decide import decide
 from distft.plan.estimate import estimate, max_micro_batch
 from distft.plan.hardware import GB, LINKS, GiB, comm_time, parse_bytes, wire_bytes
+from distft.plan.inputs import PRECISIONS, Parallelism, Training
 from distft.plan.memory import chunk_rows, nf4_tensor_bytes, qlora_base_bytes, state_bytes
 from distft.plan.model_spec import resolve_model
 from distft.plan.report import largest_micro_batch
-from distft.plan.setup import PRECISIONS, Parallelism, Training
 
 
 def plan(command: str):

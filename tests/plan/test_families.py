@@ -23,14 +23,14 @@ from transformers import AutoModelForCausalLM
 from distft.cli import main
 from distft.config import load_config
 from distft.measure import expected
-from distft.model import PRESETS, SummaryLM, apply_method, load_base_model
+from distft.model import PRESETS, LossLM, apply_method, load_base_model
 from distft.model.nf4 import NF4Spec, parameter_bytes
+from distft.plan.inputs import PRECISIONS, Parallelism, Training
 from distft.plan.memory import state_bytes
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PRECISIONS, Parallelism, Training
 from tests.plan import MICROS
 from tests.plan.test_activations import batch
-from tests.plan.test_traffic import MICRO_BATCHES, _batches, _built, _planned
+from tests.plan.test_traffic import MICRO_BATCHES, _batches, _built, _facts, _planned
 
 RANK = 5
 
@@ -84,7 +84,7 @@ def test_state_bytes_are_what_the_built_model_holds(preset, method):
     and optimizer state equal the planner's single-layout figures exactly."""
     cfg = _config(preset, method)
     torch.manual_seed(0)
-    model = SummaryLM(apply_method(load_base_model(cfg.model), cfg))
+    model = LossLM(apply_method(load_base_model(cfg.model), cfg))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     model(**batch(1, 16, 2)).backward()
@@ -110,7 +110,7 @@ def test_fsdp_pads_each_bias_on_its_own():
     """3 FSDP ranks: Qwen2's q/k/v biases (32, 16 and 16 rows) are padded one by one, to 33 and 18
     rows, as FSDP2 pads every parameter; the planner's gathers and scatters equal the runtime's."""
     cfg, model = _built("full", "qwen2-micro")
-    facts = SimpleNamespace(cfg=cfg, env=SimpleNamespace(world_size=3), reshard_after_forward=True)
+    facts = _facts("fsdp", cfg=cfg, env=SimpleNamespace(world_size=3), reshard_after_forward=True)
     runtime = expected.fsdp(facts, model, _batches())
     planned = _planned(
         "full", "qwen2-micro", Parallelism("fsdp", dp=3, shard="full", microbatches=MICRO_BATCHES)

@@ -18,8 +18,8 @@ from distft.model import apply_method, load_base_model
 from distft.plan import evaluate, make_request
 from distft.plan.estimate import estimate, layout_for
 from distft.plan.hardware import GiB, find_gpu, format_seconds, generic_gpu
+from distft.plan.inputs import Training, holds_last_stage, rank_layers
 from distft.plan.model_spec import ModelSpec, resolve_model
-from distft.plan.setup import Training, holds_last_stage, rank_layers
 from distft.plan.timing import ASSUMED_MFU, RunLength, model_flops, parse_tokens, step_time
 from distft.plan.traffic import step_collectives
 
@@ -65,9 +65,14 @@ def test_step_time_on_one_gpu_is_flops_over_peak_times_mfu():
 def test_communication_and_the_bubble_add_as_stated():
     req = request(HAND, FULL, gpus=2, mfu=0.5)
     ddp = estimate(req, layout_for(req, "ddp", dp=2))  # overlapped: only what outlasts compute shows
-    comm = sum(c.seconds for c in ddp.collectives)
-    assert ddp.time.overlapped_s == pytest.approx(comm) and ddp.time.blocking_s == 0
-    assert ddp.step_s == pytest.approx(ddp.compute_s + max(0.0, comm - ddp.compute_s))
+    hidden = sum(c.seconds for c in ddp.collectives if c.overlapped)  # the gradients
+    loss = sum(c.seconds for c in ddp.collectives if not c.overlapped)  # the loss, after backward
+    assert (
+        loss > 0
+        and ddp.time.overlapped_s == pytest.approx(hidden)
+        and ddp.time.blocking_s == pytest.approx(loss)
+    )
+    assert ddp.step_s == pytest.approx(ddp.compute_s + max(0.0, hidden - ddp.compute_s) + loss)
     tp = estimate(req, layout_for(req, "tp-sp", tp=2))  # on the critical path: all of it shows
     assert tp.time.blocking_s == pytest.approx(sum(c.seconds for c in tp.collectives if not c.overlapped))
     assert tp.compute_s == pytest.approx(2 * PER_SEQUENCE / 2 / (989e12 * 0.5))  # SP splits the head too

@@ -17,11 +17,12 @@ import torch
 
 from distft.config import load_config
 from distft.measure import counts, expected
-from distft.model import SummaryLM, apply_method, causal_lm, load_base_model
+from distft.model import LossLM, apply_method, causal_lm, load_base_model
+from distft.parallel import STRATEGIES
 from distft.parallel.pipeline import Layout, StageModule
 from distft.plan.hardware import Link
+from distft.plan.inputs import PRECISIONS, Parallelism, Training, pipeline_layout, rank_layers
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PRECISIONS, Parallelism, Training, pipeline_layout, rank_layers
 from distft.plan.traffic import dp_collectives, replica_collectives, tp_collectives
 from tests.plan import MICROS
 
@@ -33,7 +34,7 @@ LINK = Link("test", "a test link", bandwidth=1e9, efficiency=1.0, latency_s=0.0)
 def _built(method: str, preset: str):
     cfg = load_config(None, [f"model.name={preset}", f"train.method={method}", f"lora.rank={RANK}"])
     torch.manual_seed(0)
-    return cfg, SummaryLM(apply_method(load_base_model(cfg.model), cfg))
+    return cfg, LossLM(apply_method(load_base_model(cfg.model), cfg))
 
 
 def _training(method: str) -> Training:
@@ -63,6 +64,11 @@ def _planned(
     return out
 
 
+def _facts(strategy: str, **facts) -> SimpleNamespace:
+    """What a runtime formula reads of a built strategy: its scalars' rule, its data-parallel degree."""
+    return SimpleNamespace(step_scalars=STRATEGIES[strategy].step_scalars, dp_size=WORLD, **facts)
+
+
 def _batches() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": torch.zeros(1, SEQ, dtype=torch.long)} for _ in range(MICRO_BATCHES)]
 
@@ -71,8 +77,9 @@ def _batches() -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_ddp_gradients(preset, method):
     cfg, model = _built(method, preset)
-    facts = SimpleNamespace(cfg=cfg)
-    runtime = expected.ddp(facts, model, _batches())["all_reduce"] - 4  # less the loss scalar
+    runtime = (
+        expected.ddp(_facts("ddp", cfg=cfg), model, _batches())["all_reduce"] - 4
+    )  # less the loss scalar
     planned = _planned(method, preset, Parallelism("ddp", dp=WORLD, microbatches=MICRO_BATCHES))
     assert planned == {"all_reduce": runtime}
 
@@ -82,7 +89,7 @@ def test_ddp_gradients(preset, method):
 @pytest.mark.parametrize("reshard", [True, False], ids=["zero3", "zero2"])
 def test_fsdp_gathers_and_scatters(preset, method, reshard):
     cfg, model = _built(method, preset)
-    facts = SimpleNamespace(cfg=cfg, env=SimpleNamespace(world_size=WORLD), reshard_after_forward=reshard)
+    facts = _facts("fsdp", cfg=cfg, env=SimpleNamespace(world_size=WORLD), reshard_after_forward=reshard)
     runtime = expected.fsdp(facts, model, _batches())
     layout = Parallelism(
         "fsdp", dp=WORLD, shard="full", reshard_after_forward=reshard, microbatches=MICRO_BATCHES
@@ -106,7 +113,7 @@ def test_tp_activations(preset, method):
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_zero1_all_reduce_and_broadcasts(preset, method):
     cfg, model = _built(method, preset)
-    runtime = expected.zero1(SimpleNamespace(cfg=cfg), model, _batches())
+    runtime = expected.zero1(_facts("zero1", cfg=cfg), model, _batches())
     planned = _planned(
         method, preset, Parallelism("zero1", dp=WORLD, shard="optimizer", microbatches=MICRO_BATCHES)
     )
@@ -119,7 +126,7 @@ def test_hsdp_bytes_per_mesh_dimension(preset, method):
     """HSDP over 2 shard groups of 2: the shard dimension's gathers and scatters (padded to 2 rows),
     the replicate dimension's all-reduce of the gradient shards."""
     cfg, model = _built(method, preset)
-    runtime = expected.hsdp_by_dim(SimpleNamespace(cfg=cfg, shard=WORLD), model, _batches())
+    runtime = expected.hsdp_by_dim(_facts("hsdp", cfg=cfg, shard=WORLD), model, _batches())
     layout = Parallelism("hsdp", dp=2 * WORLD, shard="full", dp_shard=WORLD, microbatches=MICRO_BATCHES)
     assert _planned(method, preset, layout) == runtime["shard"]
     assert _planned(method, preset, layout, collectives=replica_collectives) == runtime["replicate"]
@@ -140,7 +147,8 @@ def test_fsdp_pipeline_gathers_and_scatters_once_per_step(preset, method):
     assert len(layers) == 3  # lm_head on 32 labelled positions outweighs micro's layers
     lay = Layout("1f1b", 2, 1, MICRO_BATCHES, 1, (len(layers), 4 - len(layers)))
     stage = StageModule(model.backbone, model.lm_head, lay.layers_of(0), first=True, last=False)
-    facts = SimpleNamespace(
+    facts = _facts(
+        "fsdp+pp",
         cfg=cfg,
         dims=SimpleNamespace(dp=WORLD, tp=1),
         layout=lay,

@@ -75,7 +75,7 @@ def test_lora_plus_groups_rslora_scale_and_target_presets():
         (["parallel.strategy=zero1", "parallel.nproc=2", "optim.name=adamw-8bit"], "builds adamw or sgd"),
         (
             ["parallel.strategy=pp", "parallel.nproc=2", "train.method=full", "train.master_weights=fp32"],
-            "fp32 masters run with single, ddp, zero1, fsdp, zero2, hsdp",
+            "fp32 masters run with single, ddp, zero1, zero2, fsdp, hsdp",
         ),
     ],
 )

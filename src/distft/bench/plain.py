@@ -18,6 +18,7 @@ import json
 import resource
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -25,7 +26,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from distft.config import load_config
+from distft.config import PROJECTION_NAMES, load_config
 from distft.data import (
     IGNORE,
     ChatFormatter,
@@ -38,6 +39,7 @@ from distft.data import (
 from distft.data.tokenizer import load_tokenizer
 from distft.io.files import atomic_write_text
 from distft.measure.flops import ModelFlops, peak_flops
+from distft.model import peft_quietly
 from distft.model.presets import DTYPES, PRESETS
 
 
@@ -65,8 +67,17 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int, 
     else:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device)
     model.config.use_cache = False
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(PROJECTION_NAMES))
+    with peft_quietly():  # peft's own deprecation warning
+        return get_peft_model(model, config)
+
+
+def distft_rows(model: str, overrides: list[str], seed: int) -> tuple[list[Example], int]:
+    """(the training rows distft tokenizes for `model` under `overrides`, the pad id)."""
+    cfg = load_config(None, [f"model.name={model}", f"train.seed={seed}", *overrides])
+    tokenizer = load_tokenizer(None if model in PRESETS else model)
+    formatter = ChatFormatter(tokenizer, cfg.data)
+    return tokenize_rows(load_rows(cfg.data, seed=seed)["train"], formatter).examples, tokenizer.pad_token_id
 
 
 def plain_loss(model: torch.nn.Module, micro: list[Example], pad_id: int, device) -> torch.Tensor:
@@ -77,6 +88,52 @@ def plain_loss(model: torch.nn.Module, micro: list[Example], pad_id: int, device
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
 
 
+@dataclass
+class PlainSteps:
+    """What `train_plain` saw, one entry per step (warm-up included)."""
+
+    times: list[float] = field(default_factory=list)  # seconds, host-synced
+    losses: list[float] = field(default_factory=list)  # mean over the micro-batches
+    batches: list[list[Example]] = field(default_factory=list)  # the global batch it trained on
+
+
+def train_plain(
+    model: torch.nn.Module,
+    examples: list[Example],
+    pad_id: int,
+    device: torch.device,
+    steps: int,
+    global_batch: int,
+    micro_batch: int,
+    seed: int,
+    lr: float = 1e-4,
+) -> PlainSteps:
+    """`steps` optimizer steps of the plain loop over distft's seeded global batches of `examples`."""
+    # ---- the plain loop starts here ------------------------------------------------------
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, fused=device.type == "cuda" or None)
+    accumulation = global_batch // micro_batch
+    out = PlainSteps()
+    for step in range(steps):
+        rows = [examples[i] for i in global_batch_indices(step, len(examples), global_batch, seed)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start, total = time.perf_counter(), 0.0
+        for i in range(accumulation):
+            micro = rows[i * micro_batch : (i + 1) * micro_batch]
+            loss = plain_loss(model, micro, pad_id, device)
+            (loss / accumulation).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out.losses.append(float(total) / accumulation)  # the host sync
+        out.times.append(time.perf_counter() - start)
+        out.batches.append(rows)
+    # ---- and ends here -------------------------------------------------------------------
+    return out
+
+
 def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -84,40 +141,17 @@ def peak_memory(device: torch.device) -> int:
 
 
 def run(a: argparse.Namespace) -> dict:
-    overrides = [f"data.source={a.data}", f"data.max_length={a.seq_len}", f"train.seed={a.seed}"]
-    cfg = load_config(None, [f"model.name={a.model}", *overrides])
-    tokenizer = load_tokenizer(None if a.model in PRESETS else a.model)
-    examples = tokenize_rows(
-        load_rows(cfg.data, seed=a.seed)["train"], ChatFormatter(tokenizer, cfg.data)
-    ).examples
+    examples, pad_id = distft_rows(a.model, [f"data.source={a.data}", f"data.max_length={a.seq_len}"], a.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    # ---- the plain loop starts here ------------------------------------------------------
     model = build_model(a.model, DTYPES[a.dtype], device, a.seed, a.lora_rank)
     flops = ModelFlops.from_model(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda" or None)
-    accumulation = a.global_batch // a.micro_batch
-    times, tokens, step_flops, losses = [], [], [], []
     startup = time.time() - psutil.Process().create_time()
-    for step in range(a.warmup + a.steps):
-        rows = [examples[i] for i in global_batch_indices(step, len(examples), a.global_batch, a.seed)]
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start, total = time.perf_counter(), 0.0
-        for i in range(accumulation):
-            micro = rows[i * a.micro_batch : (i + 1) * a.micro_batch]
-            loss = plain_loss(model, micro, tokenizer.pad_token_id, device)
-            (loss / accumulation).backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total) / accumulation)  # the host sync
-        times.append(time.perf_counter() - start)
-        tokens.append(sum(len(e.input_ids) for e in rows))
-        step_flops.append(flops.step(rows))
-    # ---- and ends here -------------------------------------------------------------------
+    steps = train_plain(
+        model, examples, pad_id, device, a.warmup + a.steps, a.global_batch, a.micro_batch, a.seed
+    )
+    times = steps.times
+    tokens = [sum(len(e.input_ids) for e in rows) for rows in steps.batches]
+    step_flops = [flops.step(rows) for rows in steps.batches]
 
     peak, _ = peak_flops(device)
     measured = range(a.warmup, a.warmup + a.steps)
@@ -131,7 +165,7 @@ def run(a: argparse.Namespace) -> dict:
         "peak_mem_bytes": peak_memory(device),
         "startup_s": startup,
         "first_step_s": times[0],
-        "losses": losses,
+        "losses": steps.losses,
         "times": times,
     }
 

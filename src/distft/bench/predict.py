@@ -32,10 +32,10 @@ from distft.config import load_config
 from distft.errors import ConfigError
 from distft.parallel import STRATEGIES
 from distft.plan.auto import training_of
-from distft.plan.estimate import Request, estimate, layout_for
+from distft.plan.estimate import Estimate, Request, estimate, layout_for
 from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
+from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
         )
         bubble = e.time.bubble_s
         overlap = r.get("extra", {}).get("overlap_fraction")  # measured; None: the plan's assumption
-        exposed = exposed_comm(all(c.overlapped for c in e.collectives), comm, compute, overlap)
+        exposed = exposed_comm(comm, compute, planned_overlap(e) if overlap is None else overlap)
         step = compute + bubble + exposed
         tokens = r.get("tokens_per_step") or r["tokens_per_s"]["median"] * r["step_time_s"]["median"]
         rows[name] = {
@@ -194,15 +194,20 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
     }
 
 
-def exposed_comm(hidden: bool, comm: float, compute: float, overlap: float | None) -> float:
-    """The communication the projected step waits for. With a measured overlap fraction (the share
-    of communication time the run computed under, `distft.measure.overlap`): that share hides, at
-    most behind the whole compute. Without one (results from before the measurement): the plan's
-    assumption, `hidden` when every collective the plan lists for the layout overlaps compute
-    (`plan.traffic.Collective.overlapped`: DDP's, FSDP's), none of it otherwise."""
-    if overlap is not None:
-        return comm - min(overlap * comm, compute)
-    return max(0.0, comm - compute) if hidden else comm
+def planned_overlap(e: Estimate) -> float:
+    """The share of the plan's communication time that overlaps compute (`Collective.overlapped`:
+    DDP's and FSDP's gradients and weights, a pipeline's sends; not TP's activations, ZeRO-1's
+    broadcasts or the loss)."""
+    total = sum(c.seconds for c in e.collectives)
+    return sum(c.seconds for c in e.collectives if c.overlapped) / total if total else 0.0
+
+
+def exposed_comm(comm: float, compute: float, overlap: float) -> float:
+    """The communication the projected step waits for: the share `overlap` of it hides, at most
+    behind the whole compute. The share is the run's measured one (the communication time it
+    computed under, `distft.measure.overlap`), or for results from before the measurement the
+    plan's (`planned_overlap`)."""
+    return comm - min(overlap * comm, compute)
 
 
 def claims(rows: dict, profile: Profile, link: str) -> list[dict]:

@@ -3,7 +3,7 @@
 This package is a leaf: it imports nothing of distft but layer 0 (`distft.errors`, `distft.textfiles`).
 """
 
-from distft.config.choices import DTYPES, METHODS
+from distft.config.choices import DTYPES, METHODS, PROJECTION_NAMES
 from distft.config.fields import RANGES, Range, check_choice, check_fields, lora_target_names, nearest
 from distft.config.io import apply_override, config_differences, load_config, to_dict, to_toml
 from distft.config.schema import (
@@ -20,6 +20,7 @@ from distft.config.schema import (
 __all__ = [
     "DTYPES",
     "METHODS",
+    "PROJECTION_NAMES",
     "RANGES",
     "Config",
     "DataConfig",

@@ -2,10 +2,15 @@
 
 METHODS = ("lora", "qlora", "full")
 LORA_VARIANTS = ("lora", "dora", "rslora")
+# The projections of a decoder layer, every family's, in the order transformers registers them
+# (`distft.model.families.PROJECTIONS` adds their module paths and tensor-parallel styles).
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTION_NAMES = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 LORA_TARGET_PRESETS = {  # lora.target_modules = ["attention"], ...; all-linear is peft's own
-    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mlp": ["gate_proj", "up_proj", "down_proj"],
-    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "attention": list(ATTENTION_PROJECTIONS),
+    "mlp": list(MLP_PROJECTIONS),
+    "all": list(PROJECTION_NAMES),
 }
 OPTIMIZERS, SCHEDULERS = ("adamw", "adamw-8bit", "sgd"), ("cosine", "linear", "constant")
 MASTER_WEIGHTS = ("auto", "fp32", "model")

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from distft.config.choices import PROJECTION_NAMES
+
 # ---- Sections -------------------------------------------------------------------------------
 
 
@@ -122,9 +124,7 @@ class LoraConfig:
     """LoRA scaling numerator: updates are scaled by alpha / r."""
     dropout: float = 0.0
     """Dropout on the LoRA input (0 keeps runs exactly reproducible across strategies)."""
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: list(PROJECTION_NAMES))
     """Projections that get adapters: all attention and MLP projections by default. Module names, or
     one preset: attention (q, k, v, o), mlp (gate, up, down), all (both), all-linear (peft's own:
     every linear layer but the output head)."""

@@ -80,7 +80,7 @@ def pack(
 
 
 def label_positions(labels: torch.Tensor) -> torch.Tensor:
-    """Flat indices of the labelled positions of a host batch (`SummaryLM`'s `label_positions`),
+    """Flat indices of the labelled positions of a host batch (`LossLM`'s `label_positions`),
     read on the host where the batch is built, so the device never has to report a count."""
     flat = labels.flatten().tolist()
     return torch.tensor([i for i, t in enumerate(flat) if t != IGNORE], dtype=torch.long)

@@ -35,7 +35,7 @@ from functools import cached_property
 from typing import Any
 
 from distft.config import DataConfig
-from distft.data.formats import MeetingRow, Message, Row, TextRow, messages_of
+from distft.data.formats import Message, Row, SummaryRow, TextRow, messages_of
 from distft.data.template import EndOfTurn, end_of_turn, marker, opening, render
 from distft.errors import DataError
 
@@ -254,7 +254,7 @@ class ChatFormatter:
 
     def prompt_ids(self, transcript: str, reserve: int = 0) -> list[int]:
         """The generation prompt for a meeting `transcript`, leaving `reserve` tokens of max_length free."""
-        messages = messages_of(MeetingRow(transcript, "", "prompt"), self.cfg)
+        messages = messages_of(SummaryRow(transcript, "", "prompt"), self.cfg)
         return self.generation_ids(list(messages[:-1]), reserve)
 
 

@@ -64,7 +64,7 @@ def _first_bad_byte(path: Path) -> str:
     return f"{path} is not UTF-8 text; re-save it as UTF-8."  # a character cut by the end of the file
 
 
-def iter_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
+def iter_jsonl(path: Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:
     with _open(path) as f:
         _check_jsonl_head(path, f.read(HEAD_BYTES))
     # Text mode (fast); a byte that is not UTF-8 stops it, and then the bytes tell where.
@@ -74,7 +74,7 @@ def iter_jsonl(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterat
                 line = line.removeprefix("\ufeff") if line_no == 1 else line  # a byte-order mark
                 if line.strip():
                     record = _json_line(line, f"{path}:{line_no}")
-                    yield row_from_record(record, cfg, f"{path}:{line_no}", need_summary)
+                    yield row_from_record(record, cfg, f"{path}:{line_no}", need_answer)
         except UnicodeDecodeError:
             raise DataError(_first_bad_byte(path)) from None
 
@@ -102,21 +102,21 @@ def _parquet_records(path: Path) -> Iterator[dict]:
         ) from None
 
 
-def _iter_parquet(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
+def _iter_parquet(path: Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:
     for i, record in enumerate(_parquet_records(path)):
-        yield row_from_record(record, cfg, f"{path}[row {i}]", need_summary)
+        yield row_from_record(record, cfg, f"{path}[row {i}]", need_answer)
 
 
-def iter_local(path: Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
-    return (_iter_parquet if path.suffix == ".parquet" else iter_jsonl)(path, cfg, need_summary)
+def iter_local(path: Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:
+    return (_iter_parquet if path.suffix == ".parquet" else iter_jsonl)(path, cfg, need_answer)
 
 
-def iter_file(path: str | Path, cfg: DataConfig, need_summary: bool = True) -> Iterator[Row]:
+def iter_file(path: str | Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:
     """The rows of a local .jsonl/.parquet file, unsplit, one at a time (`distft eval --data`,
-    `distft infer --input`); with `need_summary=False` a meeting row may lack its summary ("")."""
+    `distft infer --input`); with `need_answer=False` a meeting row may lack its summary ("")."""
     path = Path(path)
     check_is_file(path)
-    return iter_local(path, cfg, need_summary)
+    return iter_local(path, cfg, need_answer)
 
 
 def check_is_file(path: Path) -> None:

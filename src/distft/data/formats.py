@@ -13,11 +13,11 @@
 than one format (alpaca's `input`/`output` are also qmsum-cleaned's transcript/summary) is
 refused rather than guessed, except two overlaps resolved by rule: a row with an `instruction` is
 alpaca, not qmsum's `{input, output}`; and `text` fits only a row that fits nothing else (many
-datasets carry a rendered `text` beside their `messages`). Every row becomes a `MeetingRow`
+datasets carry a rendered `text` beside their `messages`). Every row becomes a `SummaryRow`
 (summary), a `TextRow` (text) or a `ChatRow` (the rest); `messages_of` turns each into the
 conversation that is tokenised (a text row: one user turn, which is what generation starts from).
 
-Rows to generate for (`need_summary=False`: `distft infer --input FILE`) may lack their answer: a
+Rows to generate for (`need_answer=False`: `distft infer --input FILE`) may lack their answer: a
 meeting its summary, a prompt its completion, an alpaca row its output, and a chat may end with a
 user turn (or an empty assistant turn). `prompt_and_reference` splits any row into the prompt
 (the conversation up to its last assistant turn) and the reference (that turn's text, or "").
@@ -62,7 +62,7 @@ ANSWER = {"prompt_completion": "completion", "alpaca": "output"}  # optional in 
 
 
 @dataclass(frozen=True)
-class MeetingRow:
+class SummaryRow:
     transcript: str
     summary: str
     origin: str  # "file.jsonl:12" or "dataset[split][7]": where to look when something is wrong
@@ -95,7 +95,7 @@ class TextRow:
     origin: str
 
 
-Row = MeetingRow | ChatRow | TextRow
+Row = SummaryRow | ChatRow | TextRow
 
 
 def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
@@ -207,7 +207,7 @@ def _texts(record: dict, *names: str) -> bool:
     return all(isinstance(record.get(name), str) for name in names)
 
 
-def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_summary: bool) -> MeetingRow:
+def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_answer: bool) -> SummaryRow:
     if cfg.transcript_field or cfg.summary_field:
         fields = (cfg.transcript_field or "transcript", cfg.summary_field or "summary")
     else:  # the first schema both of whose fields are present, else one with one of them
@@ -217,7 +217,7 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_summ
         )
     texts = []
     for field in fields:
-        if field == fields[1] and field not in record and not need_summary:
+        if field == fields[1] and field not in record and not need_answer:
             texts.append("")  # inference: a meeting to summarise need not carry a summary
             continue
         if field not in record:
@@ -229,7 +229,7 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_summ
         if not text:
             raise DataError(f"{origin}: field `{field}` is empty.")
         texts.append(text)
-    return MeetingRow(texts[0], texts[1], origin)
+    return SummaryRow(texts[0], texts[1], origin)
 
 
 def _chat_row(record: dict[str, Any], origin: str, need_answer: bool = True) -> ChatRow:
@@ -305,21 +305,21 @@ def _text_row(record: dict[str, Any], origin: str) -> TextRow:
     return TextRow(_field(record, "text", origin), origin)
 
 
-def row_from_record(record: Any, cfg: DataConfig, origin: str, need_summary: bool = True) -> Row:
+def row_from_record(record: Any, cfg: DataConfig, origin: str, need_answer: bool = True) -> Row:
     """One dataset record as a row of `data.format` (detected when auto); bad rows name `origin`.
-    With `need_summary=False` (rows to generate for) a row may lack its answer: a meeting its
+    With `need_answer=False` (rows to generate for) a row may lack its answer: a meeting its
     summary, a prompt its completion, an alpaca row its output; a chat may end with a user turn."""
     if not isinstance(record, dict):
         raise DataError(f"{origin}: expected a JSON object, got {type(record).__name__}.")
-    fmt = detect_format(record, cfg, origin, need_summary) if cfg.format == "auto" else cfg.format
+    fmt = detect_format(record, cfg, origin, need_answer) if cfg.format == "auto" else cfg.format
     if fmt == "summary":
-        return _summary_row(record, cfg, origin, need_summary)
+        return _summary_row(record, cfg, origin, need_answer)
     if fmt == "chat":
-        return _chat_row(record, origin, need_summary)
+        return _chat_row(record, origin, need_answer)
     if fmt == "prompt_completion":
-        return _prompt_completion_row(record, origin, need_summary)
+        return _prompt_completion_row(record, origin, need_answer)
     if fmt == "sharegpt":
-        return _sharegpt_row(record, cfg, origin, need_summary)
+        return _sharegpt_row(record, cfg, origin, need_answer)
     if fmt == "text":
         return _text_row(record, origin)
-    return _alpaca_row(record, origin, need_summary)
+    return _alpaca_row(record, origin, need_answer)

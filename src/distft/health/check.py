@@ -31,7 +31,6 @@ all-reduce every rank waits for the slowest link alike; `distft doctor`'s bandwi
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from distft.config import ParallelConfig
-from distft.distributed import DistEnv, naming_collective, synchronize
+from distft.distributed import DistEnv, answered_place, naming_collective, roll_call, synchronize
 from distft.errors import HealthError
 from distft.health.facts import REMEDY, device_facts, mixed_facts
 from distft.health.network import failure_advice
@@ -62,7 +61,8 @@ def _same(rank: int, facts: dict) -> dict:
 
 @dataclass(frozen=True)
 class HealthHooks:
-    """Test-only fault points (`distft.faults` fills them from DISTFT_FAULT_*); no-ops by default."""
+    """Points inside the check where a test injects a fault (`TrainHooks.health`, installed through
+    `DISTFT_HOOKS`: `distft.train.hooks`); no-ops by default."""
 
     before_roll_call: Callable[[int], None] = _nothing
     """`before_roll_call(rank)`: as the check begins (a rank that sleeps here never joins)."""
@@ -141,7 +141,9 @@ def check_health(env: DistEnv, p: ParallelConfig, hooks: HealthHooks | None = No
     place = RankPlace(env.rank, env.node, socket.gethostname(), env.local_rank)
     store = _check_store(env)
     hooks.before_roll_call(env.rank)
-    roll_call_s = _roll_call(store, env, place, p.health_timeout_s)
+    roll_call_s = roll_call(store, env.rank, env.world_size, asdict(place), p.health_timeout_s)
+    if roll_call_s is None:
+        raise _missing_ranks(store, env, p.health_timeout_s)
     hooks.before_all_reduce(env.rank)
 
     def advice() -> str:
@@ -175,36 +177,16 @@ def _check_store(env: DistEnv) -> dist.Store:
     return dist.PrefixStore(f"distft/health/{check}", store)
 
 
-def _roll_call(store: dist.Store, env: DistEnv, place: RankPlace, timeout_s: float) -> float:
-    """Seconds until every rank answered; `HealthError` after `timeout_s`."""
-    start = time.perf_counter()
-    store.set(f"place/{env.rank}", json.dumps(asdict(place)))
-    if store.add("answered", 1) == env.world_size:
-        store.set("all", "1")  # the last rank to answer opens the gate
-    # Polled rather than `store.wait(keys, timeout)`, whose timeout logs C++ warnings on every rank.
-    pause = 0.001
-    while not store.check(["all"]):
-        if time.perf_counter() - start > timeout_s:
-            raise _missing_ranks(store, env, timeout_s)
-        time.sleep(pause)
-        pause = min(2 * pause, 0.1)
-    return time.perf_counter() - start
-
-
 def _missing_ranks(store: dist.Store, env: DistEnv, timeout_s: float) -> HealthError:
     """The error naming every rank that did not answer, raised by the lowest rank that did (the
     others raise it too, unprinted: reading every rank's key from every rank would flood the store)."""
-    if any(store.check([f"place/{r}"]) for r in range(env.rank)):
+    if any(answered_place(store, r) for r in range(env.rank)):
         error = HealthError(
             f"Rank {env.rank}: the health check's roll call timed out (a lower rank names who is missing)."
         )
         error.every_rank = False
         return error
-    answered = {
-        r: RankPlace(**json.loads(store.get(f"place/{r}")))
-        for r in range(env.world_size)
-        if store.check([f"place/{r}"])
-    }
+    answered = {r: RankPlace(**place) for r in range(env.world_size) if (place := answered_place(store, r))}
     hosts = {p.node: p.host for p in answered.values()}
     missing = [
         RankPlace(

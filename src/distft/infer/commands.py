@@ -25,9 +25,9 @@ from distft.config.choices import DATA_FORMATS
 from distft.data import (
     LOCAL_SUFFIXES,
     ChatRow,
-    MeetingRow,
     Message,
     Row,
+    SummaryRow,
     data_name,
     iter_file,
     prompt_and_reference,
@@ -149,7 +149,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
                 write(row, result)
             else:
                 _print_result(row, result, batch, loaded.cfg.data)
-            n, meetings = n + 1, meetings and isinstance(row, MeetingRow)
+            n, meetings = n + 1, meetings and isinstance(row, SummaryRow)
     if args.output:
         noun = ("summary", "summaries") if meetings else ("response", "responses")
         print(f"wrote {n} {noun[n != 1]} to {args.output}")
@@ -159,13 +159,13 @@ def cmd_infer(args: argparse.Namespace) -> int:
 def _text_row(text: str, origin: str, cfg: DataConfig) -> Row:
     """A plain-text input: a meeting transcript, or the user turn when the run trained on another format."""
     if cfg.format in ("auto", "summary"):
-        return MeetingRow(text, "", origin)
+        return SummaryRow(text, "", origin)
     return ChatRow((Message("user", (text.strip(),)),), origin)
 
 
 def _input_rows(loaded: Loaded, source: str | None, batch: bool, text: str | None) -> Iterable[Row]:
     if batch:
-        rows = iter_file(source, loaded.cfg.data, need_summary=False)
+        rows = iter_file(source, loaded.cfg.data, need_answer=False)
         first = next(rows, None)
         if first is None:
             raise ConfigError(f"--input {source} has no rows to generate for.")
@@ -173,7 +173,7 @@ def _input_rows(loaded: Loaded, source: str | None, batch: bool, text: str | Non
     if text is not None:  # --input FILE or -, read by `read_input`
         return [_text_row(text, "stdin" if source == "-" else source, loaded.cfg.data)]
     (row,) = validation_rows(loaded.cfg.data, seed=loaded.cfg.train.seed, limit=1)
-    if isinstance(row, MeetingRow):
+    if isinstance(row, SummaryRow):
         print("--- held-out meeting (first lines) ---")
         print("\n".join(row.transcript.splitlines()[:6]) + "\n...")
     else:
@@ -198,12 +198,12 @@ def _print_result(row: Row, result: Generated, batch: bool, cfg: DataConfig) -> 
     if batch:
         print(f"--- {row.origin} ---")
     else:
-        print("--- generated summary ---" if isinstance(row, MeetingRow) else "--- generated answer ---")
+        print("--- generated summary ---" if isinstance(row, SummaryRow) else "--- generated answer ---")
     print(result.summary)
     if batch:
         return
     # The held-out row's own answer, whatever its format (a user's --input has none).
-    meeting = isinstance(row, MeetingRow)
+    meeting = isinstance(row, SummaryRow)
     reference = row.summary if meeting else prompt_and_reference(row, cfg)[1]
     if reference:
         print(f"--- reference {'summary' if meeting else 'answer'} (held out, never trained on) ---")
@@ -244,7 +244,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rows = eval_rows(loaded, args.data, args.rows)
     scores = compare(loaded, args.run, rows, args.max_new_tokens)
     source = args.data or f"{data_name(loaded.cfg.data)} (validation split)"
-    what = "meetings" if all(isinstance(r, MeetingRow) for r in rows) else "rows"
+    what = "meetings" if all(isinstance(r, SummaryRow) for r in rows) else "rows"
     table = Table("model", "what", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} {what} of {source}")
     labels = model_labels(loaded)
     for name, s in scores.items():

@@ -33,7 +33,7 @@ from distft.errors import ConfigError
 from distft.infer.generate import Sampling, generate
 from distft.infer.load import Loaded, _load_base, load_trained
 from distft.io.lineage import is_random
-from distft.model import SummaryLM
+from distft.model import LossLM
 from distft.model.build import rebuild_base
 
 
@@ -58,7 +58,7 @@ def validation_loss(model: nn.Module, loaded: Loaded, rows: list[Row]) -> float:
     """Mean loss per answer token over `rows` (tokenised as in training), in micro-batches of the run's size."""
     formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
     examples = tokenize_rows(rows, formatter).examples
-    head = SummaryLM(model)
+    head = LossLM(model)
     loss, n = 0.0, 0
     mb = loaded.cfg.train.micro_batch_size
     for i in range(0, len(examples), mb):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from distft.config import DataConfig
-from distft.data import ChatFormatter, MeetingRow, Row, prompt_and_reference
+from distft.data import ChatFormatter, Row, SummaryRow, prompt_and_reference
 from distft.errors import ConfigError
 from distft.infer.load import Loaded
 from distft.io.files import atomic_text_file
@@ -103,7 +103,7 @@ class Generated:
 def generate(loaded: Loaded, source: str | Row, sampling: Sampling) -> Generated:
     """The answer to a row's prompt (its turns before the last assistant turn); a string is a
     meeting transcript to summarise."""
-    row = MeetingRow(source, "", "prompt") if isinstance(source, str) else source
+    row = SummaryRow(source, "", "prompt") if isinstance(source, str) else source
     formatter = ChatFormatter(loaded.tokenizer, loaded.cfg.data)
     messages, _ = prompt_and_reference(row, loaded.cfg.data)
     ids, dropped = formatter.generation_prompt(list(messages), reserve=sampling.max_new_tokens)
@@ -132,7 +132,7 @@ def truncation_notice(loaded: Loaded, row: Row, generated: Generated, sampling: 
     if not generated.dropped_tokens:
         return None
     data = loaded.cfg.data
-    what, answer = ("transcript", "summary") if isinstance(row, MeetingRow) else ("prompt", "answer")
+    what, answer = ("transcript", "summary") if isinstance(row, SummaryRow) else ("prompt", "answer")
     return (
         f"notice: {row.origin}: the {what} was truncated, {generated.dropped_tokens} of its tokens dropped "
         f"(data.truncation={data.truncation}), to fit the run's data.max_length={data.max_length} with "
@@ -149,7 +149,7 @@ def results_file(path: Path, cfg: DataConfig) -> Iterator[Callable[[Row, Generat
 
         def write(row: Row, result: Generated) -> None:
             generated = asdict(result)
-            text = "summary" if isinstance(row, MeetingRow) else "response"
+            text = "summary" if isinstance(row, SummaryRow) else "response"
             record = {"origin": row.origin, text: generated.pop("summary"), **generated}
             if reference := prompt_and_reference(row, cfg)[1]:
                 record["reference"] = reference

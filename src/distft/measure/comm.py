@@ -118,9 +118,6 @@ class CommStats:
         per_kind = self.by_dim.setdefault(dim, {})
         per_kind[kind] = per_kind.get(kind, 0) + nbytes
 
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
-
     def wire_bytes(self, world_size: int) -> float:
         return sum(WIRE_FACTOR[k](world_size) * b for k, b in self.bytes.items())
 

@@ -5,9 +5,8 @@ carries, per rank, summed by kind). The strategies expose the facts (their group
 gradients, what FSDP shards); the formulas live here. The tests check every one against the bytes
 the `CommCounter` saw, to the byte, and `distft bench` prints both side by side.
 
-Scalars every multi-rank step adds: the loss sum (fp32, 4 B) wherever ranks hold different parts of
-the batch or the sequence, and the squared gradient norm (float64, 8 B) wherever a gradient is
-sharded (`distft.parallel.grads`).
+Scalars every multi-rank step adds, the loss sum and the squared gradient norm, are the strategy's
+own rule (`Strategy.step_scalars`), which the planner counts with too.
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ def expected_comm_bytes(strategy: Strategy, model: nn.Module, batches: list[Batc
 
 def loss_only(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
     """single (nothing), or any data-parallel split: the loss, one fp32 scalar."""
-    return {"all_reduce": 4} if s.env.distributed and s.dp_size > 1 else {}
+    scalars = sum(s.step_scalars(s.dp_size)) if s.env.distributed else 0
+    return {"all_reduce": scalars} if scalars else {}
 
 
 def ddp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
@@ -58,7 +58,7 @@ def ddp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
     p = s.cfg.parallel
     synced = 1 if p.ddp_no_sync else len(batches)  # backwards that all-reduce; = forwards that sync
     trainable = [t for t in model.parameters() if t.requires_grad]
-    out = {"all_reduce": synced * trainable_bytes(model) + 4}
+    out = {"all_reduce": synced * trainable_bytes(model) + sum(s.step_scalars(s.dp_size))}
     if p.ddp_find_unused_parameters:
         out["all_reduce"] += synced * 4 * len(trainable)
     broadcast = 0
@@ -84,7 +84,7 @@ def fsdp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
     """Per micro-batch: all-gather every unit's parameters (twice under ZeRO-3: forward and
     backward; once under ZeRO-2) and reduce-scatter the trainable gradients."""
     out = fsdp_unit_bytes(s.cfg, model, s.env.world_size, len(batches), s.reshard_after_forward)
-    return {**out, "all_reduce": 4 + 8}  # the loss (fp32) and the gradient norm's sum of squares (float64)
+    return {**out, "all_reduce": sum(s.step_scalars(s.dp_size))}  # the loss and the gradient norm
 
 
 def hsdp_by_dim(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, dict[str, int]]:
@@ -99,7 +99,11 @@ def hsdp_by_dim(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str
         for p in model.parameters()
         if p.requires_grad
     )
-    return {"shard": inside, "replicate": {"all_reduce": shards}, "world": {"all_reduce": 4 + 8}}
+    return {
+        "shard": inside,
+        "replicate": {"all_reduce": shards},
+        "world": {"all_reduce": sum(s.step_scalars(s.dp_size))},
+    }
 
 
 def hsdp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
@@ -114,7 +118,7 @@ def hsdp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
 def tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
     """The activations' all-reduces, the partial gradients and the gradient norm."""
     activations = tp_activation_bytes(s.cfg, causal_lm(unwrap(model).lm), batches)
-    return {"all_reduce": activations + local_bytes(s.partial_grads) + 8}
+    return {"all_reduce": activations + local_bytes(s.partial_grads) + sum(s.step_scalars(s.dp_size))}
 
 
 def fsdp_tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
@@ -136,7 +140,10 @@ def fsdp_tp(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, in
         "all_gather": len(batches) * fsdp_gathers_per_microbatch(reshard_after_forward=True) * gathered,
         "reduce_scatter": len(batches) * scattered,
     }
-    return {**(sharded if dp > 1 else {}), "all_reduce": activations + local_bytes(s.partial_grads) + 4 + 8}
+    return {
+        **(sharded if dp > 1 else {}),
+        "all_reduce": activations + local_bytes(s.partial_grads) + sum(s.step_scalars(dp)),
+    }
 
 
 def megatron(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
@@ -163,7 +170,7 @@ def megatron(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, i
     # projection outputs (compute dtype), and their gradients back.
     enter_bytes, leave_bytes = tokens * hidden * model_size, tokens * hidden * compute_size
     partial = local_bytes(s.partial_grads)
-    scalars = 8 + (4 if sp else 0)  # float64 grad-norm square sum, fp32 loss
+    scalars = sum(s.step_scalars(s.dp_size, sequence_split=sp))
     if not sp:
         return {"all_reduce": leave_bytes * leaves + enter_bytes * enters_bwd + partial + scalars}
     return {
@@ -184,15 +191,8 @@ def pipeline(
     itemsize = itemsize or next(model.module.parameters()).element_size()
     rows, seq = batches[0]["input_ids"].shape  # (mb, seq) padded, (1, mb x seq) packed
     activation = rows * seq * hidden * itemsize  # one (rows, seq, hidden) tensor
-    send = recv = 0
-    for stage in range(lay.num_stages - 1):
-        src, dst = lay.rank_of(stage), lay.rank_of(stage + 1)
-        if src == dst:
-            continue  # V-shaped turn: the next stage is on this rank, no message
-        if me in (src, dst):  # activations one way, their gradients the other
-            send += lay.microbatches * activation
-            recv += lay.microbatches * activation
-    all_reduce = 4 + 8  # the loss sum (fp32) and the squared gradient norm (float64)
+    send = recv = lay.microbatches * activation * lay.boundaries_of(me)  # activations one way, gradients back
+    all_reduce = sum(s.step_scalars(s.dp_size))  # the loss sum and the squared gradient norm
     if s.tied_weight is not None:
         all_reduce += local_bytes([s.tied_weight])  # fsdp+pp: this rank's shard of it
     out = {"all_reduce": all_reduce}

@@ -22,9 +22,9 @@ with N_* the decoder layers' Linear weights, N_head = hidden x vocab, c_head = 6
 trains (full finetuning) else 4, and L the layer count. `flops_per_token` = F / sum_i s_i; MFU =
 F / step time / (ranks x the GPU's peak dense bf16 FLOP/s), the GPU from `distft.measure.gpus`.
 Norms, rotary, softmax and the loss are elementwise, a few percent at most, and not counted.
-The pieces are the pipeline's stage cost model's (`distft.parallel.pipeline.cost`: `matmul`,
-`attention`), which also splits them into forward, input and weight gradient; here they are
-counted from the real model's weights (what trains, whatever the method), there from its config.
+The pieces are the pipeline's stage cost model's (`distft.parallel.pipeline.cost`: `layers_cost`,
+`matmul`), which also splits them into forward, input and weight gradient; here the weights are
+counted from the real model (what trains, whatever the method), there from its config (`layer_weights`).
 Activation checkpointing runs the layers' forward again in backward (`recompute`): real work, but
 not model FLOPs, so MFU leaves it out and a time estimate adds it.
 
@@ -45,7 +45,7 @@ from distft.data import Example
 from distft.data.chat import IGNORE
 from distft.measure.gpus import gpu_for_device_name
 from distft.model import causal_lm
-from distft.parallel.pipeline.cost import attention, matmul
+from distft.parallel.pipeline.cost import PassCost, attention_dim, layers_cost, matmul
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class ModelFlops:
             head=head.in_features * head.out_features,
             head_trains=head.weight.requires_grad,
             layers=config.num_hidden_layers,
-            attn_dim=config.num_attention_heads * config.head_dim,
+            attn_dim=attention_dim(config),
         )
 
     def sequence(self, tokens: int, labelled: int) -> int:
@@ -88,8 +88,7 @@ class ModelFlops:
 
     def layers_flops(self, tokens: int) -> int:
         """The decoder layers' share of `sequence`: their matmuls and causal attention."""
-        linear = matmul(self.frozen, False, tokens).total + matmul(self.trainable, True, tokens).total
-        return linear + self.layers * attention(self.attn_dim, tokens).total
+        return self._layers(tokens).total
 
     def head_flops(self, labelled: int) -> int:
         """The LM head's share of `sequence`, on the labelled positions only."""
@@ -97,8 +96,10 @@ class ModelFlops:
 
     def recompute(self, tokens: int) -> int:
         """The layers' forward once more (activation checkpointing)."""
-        forward = matmul(self.frozen + self.trainable, False, tokens).forward
-        return forward + self.layers * attention(self.attn_dim, tokens).forward
+        return self._layers(tokens).forward
+
+    def _layers(self, tokens: int) -> PassCost:
+        return layers_cost(self.frozen, self.trainable, self.attn_dim, tokens, self.layers)
 
     def step(self, examples: list[Example]) -> int:
         """FLOPs of one optimizer step over `examples` (the global batch), every rank together."""

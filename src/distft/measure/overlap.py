@@ -7,8 +7,10 @@ timelines of one step on this rank:
   completes. A blocking c10d op (`async_op=False`: tp-sp's collectives, the loss and norm
   all-reduces) is its own call. An asynchronous one (DDP's reducer, FSDP2) returns a `Work`: the
   completion is the earliest of its future's callback and the return of a Python `Work.wait()` on
-  it (FSDP2's coalesced gloo works have no future; its waits are in Python); a work never seen
-  complete is stamped at the step's end if it reports completion then. Functional collectives (DTensor, `tp`)
+  it (FSDP2's coalesced gloo works have no future; its waits are in Python). Those waits are timed
+  by patching torch's `Work.wait` (`time_work_waits`), done as the first timeline is entered,
+  never on import; a work never seen complete is stamped at the step's end if it reports
+  completion then. Functional collectives (DTensor, `tp`)
   return a tensor that a later `wait_tensor` waits for: their interval ends when that wait returns
   (an upper bound: the work may have finished earlier).
 - **compute**: every other op this process dispatches, from call to return, on every thread the
@@ -90,6 +92,7 @@ class CommTimeline(CommCounter):
 
     def __enter__(self):
         global _ACTIVE
+        time_work_waits()  # once per process; the completion stamps of Python waits need it
         _ACTIVE = self
         return super().__enter__()
 
@@ -99,7 +102,7 @@ class CommTimeline(CommCounter):
         return super().__exit__(*exc)
 
     def waited(self, began: float, now: float) -> None:
-        """A Python `Work.wait()` blocked this thread from `began` to `now` (patched below). Every
+        """A Python `Work.wait()` blocked this thread from `began` to `now` (`time_work_waits`). Every
         collective issued before it began has completed by `now`: gloo runs a group's collectives
         in the order they were issued (and some of its works never report completion)."""
         self.blocked.append([began, now])
@@ -135,17 +138,9 @@ class CommTimeline(CommCounter):
         }
 
 
-def _is_async(func, args: tuple, kwargs: dict) -> bool:
-    """The c10d op's `async_op` argument (True where the schema has none: send, recv)."""
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.name == "async_op":
-            return bool(kwargs.get("async_op", args[i] if i < len(args) else True))
-    return True
-
-
 _ACTIVE: CommTimeline | None = None
 _WORK = torch._C._distributed_c10d.Work
-_work_wait = _WORK.wait
+_work_wait = _WORK.wait  # torch's own, which `_timed_wait` calls
 
 
 def _timed_wait(self, *args, **kwargs):
@@ -156,7 +151,13 @@ def _timed_wait(self, *args, **kwargs):
     return result
 
 
-_WORK.wait = _timed_wait  # every Python wait (FSDP2's unshard, torch.distributed's async handles)
+def time_work_waits() -> None:
+    """Route every Python `Work.wait()` (FSDP2's unshard, torch.distributed's async handles) through
+    `_timed_wait`, which stamps the active `CommTimeline`. torch's `Work` class is patched, for the
+    whole process, only here: importing distft changes nothing in torch. Idempotent; a wait outside
+    a timeline costs two clock reads. `CommTimeline.__enter__` calls it."""
+    if _WORK.wait is not _timed_wait:
+        _WORK.wait = _timed_wait
 
 
 def union(intervals: list[Interval]) -> list[Interval]:

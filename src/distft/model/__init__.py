@@ -6,15 +6,15 @@ the loss head every strategy wraps; `nf4` stores QLoRA's frozen base in 4 bits.
 """
 
 from distft.model.build import apply_method, load_base_model, model_config, peft_quietly
-from distft.model.lm import SummaryLM, causal_lm, count_parameters, summed_loss
+from distft.model.lm import LossLM, causal_lm, count_parameters, summed_loss
 from distft.model.presets import DTYPES, PRESETS, QWEN3_VOCAB, Preset, is_preset
 
 __all__ = [
     "DTYPES",
     "PRESETS",
     "QWEN3_VOCAB",
+    "LossLM",
     "Preset",
-    "SummaryLM",
     "apply_method",
     "causal_lm",
     "count_parameters",

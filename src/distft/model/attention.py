@@ -129,7 +129,7 @@ class DocumentMask:
 
 
 def packed_attention_masks(config, position_ids: torch.Tensor | None) -> dict:
-    """What `SummaryLM` hands the backbone for a packed row under `flex`: one mask per layer type,
+    """What `LossLM` hands the backbone for a packed row under `flex`: one mask per layer type,
     so transformers builds none (and runs none of its host-syncing packed-row checks). No position
     ids (a row of one document): None, plain causal attention."""
     mask = None

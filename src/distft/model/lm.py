@@ -1,9 +1,9 @@
 """The loss head every strategy wraps: a causal LM whose forward returns the summed token loss.
 
-`SummaryLM` wraps the causal LM so that its forward returns the summed cross-entropy over the
+`LossLM` wraps the causal LM so that its forward returns the summed cross-entropy over the
 labelled (summary) positions. Only those positions go through lm_head: with Qwen3's 151,936-token
 vocabulary the logits of the whole prompt would dominate memory for nothing, since the prompt
-carries no loss. Every strategy wraps a `SummaryLM`, so DDP/FSDP hooks see one forward.
+carries no loss. Every strategy wraps a `LossLM`, so DDP/FSDP hooks see one forward.
 
 The decoder layers run here (`run_layers`), not through the family's `Model.forward`: Llama,
 Qwen2, Mistral and Qwen3 build their masks differently there, and the pipeline stages must run a
@@ -45,7 +45,7 @@ def causal_lm(model: nn.Module) -> PreTrainedModel:
     return model
 
 
-class SummaryLM(nn.Module):
+class LossLM(nn.Module):
     """A causal LM whose forward returns (sum of token losses, number of labelled tokens).
 
     `labels` are already shifted: labels[b, t] is the token that position t must predict, or -100.

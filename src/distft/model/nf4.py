@@ -261,6 +261,12 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum(storage_layout(model).values())
 
 
+def nf4_gathered_bytes(numel: int, spec: NF4Spec, itemsize: int, shards: int) -> int:
+    """Bytes FSDP2 all-gathers for an NF4 weight of `numel` elements sharded `shards` ways: the
+    inner tensors of every shard (never padded; the per-tensor metadata stays on each rank)."""
+    return shards * sum(v for k, v in nf4_bytes(numel, spec, itemsize, shards).items() if k in INNER)
+
+
 def nf4_gather_bytes(p: torch.Tensor, shards: int) -> int:
     """Bytes FSDP2 all-gathers for one NF4 parameter: its inner tensors from every shard."""
     shard = local(p)

@@ -2,8 +2,9 @@
 
 A preset is an architecture only, randomly initialised from `model.seed`, of one family
 (`distft.model.families`). The real sizes are here (config only) so benchmarks and the planner
-work offline, each with the hub id of its released weights. `tiny` trains on two CPU cores in
-minutes and `micro` serves the test suite; both keep Qwen3-4B's architectural choices: tied
+work offline, each with the hub id of its released weights and the other names it goes by
+(`aliases`: instruct variants, short names), Llama 2 and Llama 3 70B included. `tiny` trains on
+two CPU cores in minutes and `micro` serves the test suite; both keep Qwen3-4B's architectural choices: tied
 embeddings, q/k RMSNorm, grouped KV heads, and a head_dim decoupled from hidden_size / num_heads.
 `llama-micro`, `qwen2-micro` and `mistral-micro` (and `-tiny`) are the same sizes in the other
 families, each with what makes its family differ: untied embeddings and Llama 3.1's rope scaling
@@ -43,6 +44,9 @@ class Preset:
     vocab_size: int = QWEN3_VOCAB
     # Config fields on top of the family's defaults: token ids, rope, what a release sets.
     extra: dict = field(default_factory=lambda: dict(QWEN3_TOKENS))
+    # Other names of the released model the planner knows offline (instruct variants: the same
+    # shapes); one with an owner/ is a hub id, one without a short name for `hub_id`.
+    aliases: tuple[str, ...] = ()
 
     def to_config(self) -> PretrainedConfig:
         return FAMILIES[self.family].build_config(
@@ -82,6 +86,14 @@ TINY = Preset(64, 192, 4, 8, 2, 16, True, max_position_embeddings=4096, initiali
 TEST_LLAMA_ROPE = {"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 1024}}
 
 _LLAMA31 = {"bos_token_id": 128_000, "eos_token_id": 128_001}  # the base models' ids
+# Llama 3.0 (no rope scaling) and Llama 2: the planner's examples in the blog series; no weights
+# are trained offline at these sizes, so only what the planner counts is checked against releases.
+_LLAMA30 = {**_LLAMA31, "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}}
+_LLAMA2 = {
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+}
 
 # One table for every architecture the tool knows offline. Real sizes from the released configs.
 PRESETS: dict[str, Preset] = {
@@ -105,19 +117,46 @@ PRESETS: dict[str, Preset] = {
     "llama3-8b": Preset(
         4096, 14336, 32, 32, 8, 128, False, "meta-llama/Llama-3.1-8B", 131_072,
         family="llama", vocab_size=128_256, extra=_LLAMA31,
+        aliases=("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b",
+                 # Llama 3: Llama 3.1's shapes without its rope scaling
+                 "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct", "llama-3-8b"),
     ),
     "llama3.2-3b": Preset(
         3072, 8192, 28, 24, 8, 128, True, "meta-llama/Llama-3.2-3B", 131_072,
         family="llama", vocab_size=128_256,
         extra={**_LLAMA31, "rope_parameters": {**LLAMA3_ROPE, "factor": 32.0}},
+        aliases=("meta-llama/Llama-3.2-3B-Instruct",),
+    ),
+    "llama3-70b": Preset(
+        8192, 28672, 80, 64, 8, 128, False, "meta-llama/Meta-Llama-3-70B", 8192,
+        family="llama", vocab_size=128_256, extra=_LLAMA30,
+        aliases=("meta-llama/Meta-Llama-3-70B-Instruct", "llama-3-70b"),
+    ),
+    "llama3.1-70b": Preset(
+        8192, 28672, 80, 64, 8, 128, False, "meta-llama/Llama-3.1-70B", 131_072,
+        family="llama", vocab_size=128_256, extra=_LLAMA31, aliases=("meta-llama/Llama-3.1-70B-Instruct",),
+    ),
+    "llama2-7b": Preset(
+        4096, 11008, 32, 32, 32, 128, False, "meta-llama/Llama-2-7b-hf", 4096,
+        family="llama", vocab_size=32_000, extra=_LLAMA2, aliases=("llama-2-7b",),
+    ),
+    "llama2-13b": Preset(
+        5120, 13824, 40, 40, 40, 128, False, "meta-llama/Llama-2-13b-hf", 4096,
+        family="llama", vocab_size=32_000, extra=_LLAMA2, aliases=("llama-2-13b",),
+    ),
+    "llama2-70b": Preset(
+        8192, 28672, 80, 64, 8, 128, False, "meta-llama/Llama-2-70b-hf", 4096,
+        family="llama", vocab_size=32_000, extra=_LLAMA2, aliases=("llama-2-70b",),
     ),
     "qwen2.5-7b": Preset(
         3584, 18944, 28, 28, 4, 128, False, "Qwen/Qwen2.5-7B", 131_072,
         family="qwen2", vocab_size=152_064, extra={"bos_token_id": 151_643, "eos_token_id": 151_643},
+        aliases=("Qwen/Qwen2.5-7B-Instruct",),
     ),
     "mistral-7b": Preset(
         4096, 14336, 32, 32, 8, 128, False, "mistralai/Mistral-7B-v0.3", 32_768,
         family="mistral", vocab_size=32_768, extra={"bos_token_id": 1, "eos_token_id": 2},
+        aliases=("mistralai/Mistral-7B-Instruct-v0.3",),
     ),
 }  # fmt: skip
 

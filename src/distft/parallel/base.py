@@ -63,7 +63,7 @@ class Strategy:
 
     distributed: ClassVar[bool] = True  # needs a process group (launched through torchrun)
     fixed_sequence_length: ClassVar[bool] = False  # pad every batch to data.max_length (pipelines)
-    # The model's forward takes `label_positions` (`SummaryLM`): the loss head gathers the labelled
+    # The model's forward takes `label_positions` (`LossLM`): the loss head gathers the labelled
     # positions without a host sync. Pipelines and tp-sp compute their loss on their own pieces.
     takes_label_positions: ClassVar[bool] = True
     # --method qlora (NF4 base weights, `distft.model.nf4`) runs only where a strategy opts in; the
@@ -88,6 +88,17 @@ class Strategy:
     supports_compile: ClassVar[bool] = False
     # What forward_backward communicates, for error messages ("timed out in ...").
     collectives: ClassVar[str] = "collectives"
+
+    @classmethod
+    def step_scalars(cls, dp: int, sequence_split: bool = False) -> tuple[int, ...]:
+        """Bytes of each scalar a step all-reduces beside its tensors: the loss sum (fp32, 4 B)
+        where ranks hold different rows or positions (data-parallel replicas, a pipeline's last
+        stage, a sequence split), and the squared gradient norm (float64, 8 B) where a gradient is
+        sharded (FSDP, TP) or split across stages (`grads.clip_grad_norm_`). The planner and the
+        runtime's expected bytes both count them here."""
+        loss = (4,) if dp > 1 or cls.pipelined or sequence_split else ()
+        norm = (8,) if cls.shards == "full" or "tp" in cls.dims or cls.pipelined else ()
+        return loss + norm
 
     # -- before launch: pure functions of the config -----------------------------------------
     @classmethod
@@ -128,7 +139,7 @@ class Strategy:
         self.dp_rank = env.rank if self.dp_size > 1 else 0
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Place and wrap the `SummaryLM`; the returned module's forward gives the loss sum."""
+        """Place and wrap the `LossLM`; the returned module's forward gives the loss sum."""
         return model.to(self.env.device)
 
     def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
@@ -211,7 +222,7 @@ class Strategy:
         return local_sum
 
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Trained weights in the unwrapped model's names (`SummaryLM.lm`), full, on CPU, on rank 0.
+        """Trained weights in the unwrapped model's names (`LossLM.lm`), full, on CPU, on rank 0.
 
         Sharded parameters (DTensors: FSDP, TP) are gathered one by one, trainable ones only, so
         exporting a LoRA adapter never materialises the frozen base on one rank.
@@ -229,7 +240,7 @@ class Strategy:
         them: keyed by the single-model names, sharded tensors as DTensors (FSDP and TP parameters
         already are), replicated ones as plain tensors (written once). Frozen weights are left out."""
         model_state, optim_state = get_state_dict(model, optimizer, options=state_dict_options())
-        # `SummaryLM` reaches the same modules as `lm.*` and as `backbone.*` / `lm_head.*`, and
+        # `LossLM` reaches the same modules as `lm.*` and as `backbone.*` / `lm_head.*`, and
         # `state_dict()` lists every alias; `ignore_frozen_params` drops only the first name of a
         # frozen weight. Keep one name per trainable parameter, or every checkpoint would carry
         # the whole frozen base (and full finetuning's weights twice).
@@ -273,7 +284,7 @@ def trainable_bytes(model: nn.Module) -> int:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The `SummaryLM` under DDP's `.module` (FSDP2 and TP modify the module in place)."""
+    """The `LossLM` under DDP's `.module` (FSDP2 and TP modify the module in place)."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model

@@ -126,6 +126,8 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
             return super().trainable_state_dict(model)
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        if self.dims.dp == 1:
+            return local_sum  # one data shard: every rank computed the whole loss
         local_sum = local_sum.clone()  # each TP group computed the loss of its data shard once
         dist.all_reduce(local_sum, group=self.mesh["dp"].get_group())
         return local_sum

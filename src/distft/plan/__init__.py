@@ -3,7 +3,7 @@
 Imports run one way, top to bottom:
 - `model_spec`: the architecture as a list of weight tensors, from a transformers config and its
   model family (presets, hub ids known offline, config.json);
-- `setup`: precision, what trains (`Training`) and how ranks split it (`Parallelism`, whose
+- `inputs`: precision, what trains (`Training`) and how ranks split it (`Parallelism`, whose
   pipeline is the runtime's `distft.parallel.pipeline.Layout`);
 - `hardware`: GPU and link profiles, ring-collective volumes, `comm_time`;
 - `memory`: parameters, gradients, optimizer state (NF4 by `distft.model.nf4`) and buffers per rank;
@@ -13,7 +13,7 @@ Imports run one way, top to bottom:
   time to train;
 - `estimate`: every layout evaluated (`Request`, `Estimate`, `evaluate`); which ones distft runs
   comes from the registry `distft.parallel.STRATEGIES`;
-- `explain`, `decide`: the decision tree; `commands`: the `distft train` line for the answer;
+- `explain`, `decide`: the decision tree; `run_line`: the `distft train` line for the answer;
 - `auto`: the planner on a training config (`--strategy auto`, `--dry-run`, the prediction a run
   records beside what it measured);
 - `report`: the rich table and the JSON document.
@@ -27,7 +27,6 @@ from distft.config.choices import ATTENTION_CHOICES
 from distft.errors import ConfigError
 from distft.plan.activations import activation_bytes
 from distft.plan.auto import complete, dry_run, predict, resolve_auto, try_predict
-from distft.plan.commands import run_command, run_overrides
 from distft.plan.decide import decide
 from distft.plan.estimate import Estimate, Request, evaluate, layout_for, runnable
 from distft.plan.explain import Recommendation
@@ -43,10 +42,11 @@ from distft.plan.hardware import (
     match_gpu,
     parse_bytes,
 )
+from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Training
 from distft.plan.memory import qlora_base_bytes, state_bytes
 from distft.plan.model_spec import ModelSpec, resolve_model
 from distft.plan.report import print_json, print_rich
-from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Training
+from distft.plan.run_line import run_command, run_overrides
 from distft.plan.timing import RunLength, parse_tokens
 
 __all__ = [

@@ -44,9 +44,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from distft.plan.inputs import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 from distft.plan.memory import layer_seq_len
 from distft.plan.model_spec import COLUMN, ModelSpec
-from distft.plan.setup import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 
 
 @dataclass

@@ -25,6 +25,7 @@ from distft.config import Config, lora_target_names
 from distft.errors import ConfigError
 from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
+from distft.model.nf4 import NF4Spec
 from distft.parallel import STRATEGIES, check_config, master_weights
 from distft.parallel.derive import derive_defaults, derived_line
 from distft.parallel.dims import ParallelDims
@@ -39,8 +40,9 @@ from distft.plan.hardware import (
     inter_node_link,
     intra_node_link,
 )
+from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Precision, Training
 from distft.plan.model_spec import resolve_model
-from distft.plan.setup import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Precision, Training
+from distft.plan.traffic import Collective, step_collectives
 from distft.text import plural
 
 
@@ -91,6 +93,7 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "label_tokens": min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
         "activation_checkpointing": cfg.model.activation_checkpointing,
         "attention": cfg.model.attn_implementation,
+        "quant": NF4Spec.from_config(cfg.model),
     }
     return Training(**(fields | shape))
 
@@ -201,10 +204,12 @@ def predict(cfg: Config) -> dict:
     rank moves per step, by kind (`distft.measure.comm`'s logical bytes)."""
     shape = check_config(cfg)
     req, where = request_for(cfg, shape.micro_batch_size, shape.accumulation_steps)
-    est = estimate(req, layout_of(cfg, req), cfg.parallel.strategy)
-    comm: dict[str, int] = defaultdict(int)
-    for c in est.collectives:
-        comm[c.kind] += int(c.logical_bytes)
+    layout = layout_of(cfg, req)
+    est = estimate(req, layout, cfg.parallel.strategy)
+    by_pp_rank = [  # a pipeline's ranks hold different stages; every other layout's ranks move the same
+        bytes_by_kind(step_collectives(req.model, req.training, layout, req.topology, rank))
+        for rank in range(layout.pp)
+    ]
     return {
         "layout": f"{LABELS[est.strategy]} on {plural(cfg.world_size, 'process')}",
         "device": where,
@@ -218,10 +223,19 @@ def predict(cfg: Config) -> dict:
         },
         "fits": est.fits,
         "usable_bytes": req.usable,
-        "comm_bytes": dict(comm),
+        "comm_bytes": by_pp_rank[0],
+        "comm_bytes_by_pp_rank": by_pp_rank,
         "step_time": asdict(est.time) if est.time else None,  # `distft.measure.flops.StepTime`'s fields
         "step_time_note": req.no_time,  # why step_time is null (no bf16 peak), else null
     }
+
+
+def bytes_by_kind(collectives: list[Collective]) -> dict[str, int]:
+    """Logical bytes per collective kind (`distft.measure.comm`'s convention: what a run counts)."""
+    out: dict[str, int] = defaultdict(int)
+    for c in collectives:
+        out[c.kind] += int(c.logical_bytes)
+    return dict(out)
 
 
 def try_predict(cfg: Config) -> dict | None:

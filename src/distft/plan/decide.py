@@ -214,11 +214,8 @@ def _shard(walk: _Walk) -> Recommendation:
     return _one_node(walk, slow, seq_problem, ckpt_note)
 
 
-def _pipelines(walk: _Walk) -> list[Estimate]:
-    pipelines = [
-        name for name, cls in reversed(STRATEGIES.items()) if cls.pipelined
-    ]  # the most dimensions first
-    return [walk.est[s] for s in pipelines if walk.est[s].applicable]
+def _pipelines(walk: _Walk) -> list[Estimate]:  # the most dimensions first
+    return [walk.est[s] for s, c in reversed(STRATEGIES.items()) if c.pipelined and walk.est[s].applicable]
 
 
 def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:

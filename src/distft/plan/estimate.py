@@ -11,7 +11,7 @@ pipeline across nodes, and keep the one that fits with the shortest estimated st
 
 Every layout the planner models, distft runs: whether it runs with the requested method is read
 from the runtime's registry, `distft.parallel.STRATEGIES` (`runnable`); only those get a `run:`
-command (`commands.py`).
+command (`run_line.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from distft.parallel import STRATEGIES as RUNTIME
 from distft.parallel.dims import ParallelDims
 from distft.plan.activations import activation_bytes
 from distft.plan.hardware import GPU, GiB, Link
+from distft.plan.inputs import Parallelism, Training
 from distft.plan.memory import comm_buffer_bytes, state_bytes
 from distft.plan.model_spec import ModelSpec
-from distft.plan.setup import Parallelism, Training
 from distft.plan.timing import ASSUMED_MFU, RunLength, no_time_reason, step_time
 from distft.plan.traffic import Collective, Topology, step_collectives
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from distft.plan.estimate import LABELS, Estimate, Request, estimate, layout_for
 from distft.plan.hardware import format_bytes, format_seconds
-from distft.plan.setup import Parallelism
+from distft.plan.inputs import Parallelism
 
 METHOD_NAMES = {"full": "Full finetuning", "lora": "LoRA", "qlora": "QLoRA"}
 TIGHT = 0.9  # a fit above 90% of the usable memory is flagged: fragmentation can tip it over

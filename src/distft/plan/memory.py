@@ -48,8 +48,8 @@ import math
 from dataclasses import dataclass
 
 from distft.model.nf4 import NF4Spec, nf4_bytes
+from distft.plan.inputs import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 from distft.plan.model_spec import ModelSpec, TensorSpec
-from distft.plan.setup import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 
 ADAPTER_KINDS = ("lora_A", "lora_B", "lora_magnitude")  # trainable adapter tensors, in adapter_bytes
 STEP_BYTES = 4  # AdamW's `step`: one fp32 scalar tensor per trainable tensor

@@ -9,15 +9,13 @@ torch's convention; column-parallel projections split `out` (dim 0), row-paralle
 
 Sizes come from a transformers config (a preset's `Preset.to_config()`, a config.json), and what a
 layer holds beyond its projections (q/k norms, biases) from the model family
-(`distft.model.families`): the only sizes written here are the few released Llama configs no
-preset mirrors (`EXTRA_SIZES`), and they too are built through the llama family's config. A config of a type distft has no family
-for is still planned as a plain dense layer (no q/k norm, no biases), named by its `model_type`.
+(`distft.model.families`): no size is written here. A config of a type distft has no family for
+is still planned as a plain dense layer (no q/k norm, no biases), named by its `model_type`.
 
 Where an architecture comes from (`resolve_model`, in this order):
 1. a distft preset (`distft.model.PRESETS`: micro, tiny, llama-micro ..., qwen3-4b, llama3-8b, ...);
-2. offline, a hub id: each preset's `hub_id` and a few aliases of it (instruct variants, short
-   names), and the Llama sizes the blog series' examples use (Llama-2 7B/13B/70B, Llama-3 70B),
-   config fields of the llama family (`EXTRA_SIZES`);
+2. offline, a hub id: each preset's `hub_id` and its `aliases` (instruct variants, short names),
+   the Llama sizes the blog series' examples use (Llama-2 7B/13B/70B, Llama-3 70B) included;
 3. a local directory holding config.json (or the config.json path itself);
 4. the hub, only when online (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset): config.json alone is
    fetched; any failure becomes a one-paragraph `ConfigError`.
@@ -31,6 +29,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from distft.config import PROJECTION_NAMES
 from distft.errors import ConfigError
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
@@ -41,7 +40,7 @@ from distft.parallel import tensor_parallel
 # (`distft.parallel.tensor_parallel.COLUMN` / `ROW`, module paths), by projection name.
 COLUMN = tuple(path.rsplit(".", 1)[-1] for path in tensor_parallel.COLUMN)
 ROW = tuple(path.rsplit(".", 1)[-1] for path in tensor_parallel.ROW)
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_LORA_TARGETS = PROJECTION_NAMES  # every projection, as lora.target_modules' default
 
 
 @dataclass(frozen=True)
@@ -185,47 +184,6 @@ class ModelSpec:
 # Where architectures come from
 # ---------------------------------------------------------------------------------------------
 
-# Other names of the presets' released models, offline: instruct variants share the base's shapes.
-ALIASES = {
-    "meta-llama/Llama-3.1-8B-Instruct": "llama3-8b",
-    "meta-llama/Meta-Llama-3-8B": "llama3-8b",  # Llama 3: Llama 3.1's shapes without its rope scaling
-    "meta-llama/Meta-Llama-3-8B-Instruct": "llama3-8b",
-    "llama-3-8b": "llama3-8b",
-    "llama-3.1-8b": "llama3-8b",
-    "meta-llama/Llama-3.2-3B-Instruct": "llama3.2-3b",
-    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
-    "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
-}
-
-# Released Llama sizes the planner knows beyond the presets (the blog series' examples): config
-# fields on top of the llama family's, copied from each config.json. Nothing trains them offline.
-# fmt: off
-_LLAMA2 = {"vocab_size": 32_000, "max_position_embeddings": 4096,
-           "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0}}
-_LLAMA3 = {"vocab_size": 128_256, "max_position_embeddings": 8192,  # Llama 3.0: no rope scaling
-           "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}}
-_70B = {"hidden_size": 8192, "intermediate_size": 28_672, "num_hidden_layers": 80,
-        "num_attention_heads": 64, "num_key_value_heads": 8}
-EXTRA_SIZES: dict[str, dict] = {
-    "meta-llama/Llama-2-7b-hf": {**_LLAMA2, "hidden_size": 4096, "intermediate_size": 11_008,
-                                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32},
-    "meta-llama/Llama-2-13b-hf": {**_LLAMA2, "hidden_size": 5120, "intermediate_size": 13_824,
-                                  "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40},
-    "meta-llama/Llama-2-70b-hf": {**_LLAMA2, **_70B},
-    "meta-llama/Meta-Llama-3-70B": {**_LLAMA3, **_70B},
-    # Llama 3.1: the family's own rope scaling (its default) over 128K positions.
-    "meta-llama/Llama-3.1-70B": {**_70B, "vocab_size": 128_256, "max_position_embeddings": 131_072},
-}
-# fmt: on
-EXTRA_ALIASES = {
-    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
-    "llama-2-13b": "meta-llama/Llama-2-13b-hf",
-    "llama-2-70b": "meta-llama/Llama-2-70b-hf",
-    "llama-3-70b": "meta-llama/Meta-Llama-3-70B",
-    "meta-llama/Meta-Llama-3-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
-    "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Llama-3.1-70B",
-}
-
 
 def preset_spec(key: str, name: str | None = None, source: str = "preset") -> ModelSpec:
     """A preset's architecture, read from the config it builds (`Preset.to_config`)."""
@@ -234,20 +192,16 @@ def preset_spec(key: str, name: str | None = None, source: str = "preset") -> Mo
 
 @functools.cache  # specs are frozen: built once per process
 def _table() -> dict[str, ModelSpec]:
-    """Lower-cased hub id or alias -> architecture (`builtin_table`'s, shared)."""
-    table = {
-        p.hub_id.lower(): preset_spec(key, p.hub_id, "built-in table")
-        for key, p in PRESETS.items()
-        if p.hub_id
-    }
-    for hub_id, fields in EXTRA_SIZES.items():
-        config = FAMILIES["llama"].build_config(**fields).to_dict()
-        table[hub_id.lower()] = spec_from_config(config, hub_id, "built-in table")
-    for alias, key in ALIASES.items():
-        spec = preset_spec(key, alias if "/" in alias else PRESETS[key].hub_id, "built-in table")
-        table[alias.lower()] = spec
-    for alias, hub_id in EXTRA_ALIASES.items():
-        table[alias.lower()] = replace(table[hub_id.lower()], name=alias if "/" in alias else hub_id)
+    """Lower-cased hub id or alias -> architecture (`builtin_table`'s, shared): every released
+    preset under its hub id and its aliases, named by the alias if it is a hub id, else by the hub id."""
+    table = {}
+    for key, p in PRESETS.items():
+        if not p.hub_id:
+            continue
+        spec = preset_spec(key, p.hub_id, "built-in table")
+        table[p.hub_id.lower()] = spec
+        for alias in p.aliases:
+            table[alias.lower()] = replace(spec, name=alias) if "/" in alias else spec
     return table
 
 
@@ -314,7 +268,7 @@ def resolve_model(name: str) -> ModelSpec:
         return spec_from_config(json.loads(config.read_text()), name, "config.json")
     if "/" not in name or _offline():
         why = "the hub is not consulted while offline" if "/" in name else "it is not a hub id (owner/name)"
-        known = ", ".join([*PRESETS, *(a for a in [*ALIASES, *EXTRA_ALIASES] if "/" not in a)])
+        known = ", ".join([*PRESETS, *(a for p in PRESETS.values() for a in p.aliases if "/" not in a)])
         raise ConfigError(
             f"Unknown model {name!r}: it is not a preset, not in the built-in table, not a directory with a "
             f"config.json, and {why}. Known offline: {known}, and the presets' hub ids "

@@ -11,12 +11,12 @@ import json
 from dataclasses import asdict, replace
 
 from distft.parallel.pipeline.cost import even_cut, imbalance
-from distft.plan.commands import run_command
 from distft.plan.estimate import Estimate, Request, estimate, max_micro_batch
 from distft.plan.explain import Recommendation
 from distft.plan.hardware import format_bytes, format_seconds
+from distft.plan.inputs import cost_model, pipeline_layout
 from distft.plan.memory import trainable_params
-from distft.plan.setup import cost_model, pipeline_layout
+from distft.plan.run_line import run_command
 from distft.plan.timing import MFU_SOURCE, format_duration
 
 OVERLAP = (

@@ -45,9 +45,10 @@ from dataclasses import dataclass
 
 from distft.errors import ConfigError
 from distft.measure.flops import ModelFlops, StepTime
+from distft.parallel.pipeline.cost import attention_dim, layer_weights
 from distft.plan.hardware import GPU
+from distft.plan.inputs import Parallelism, Training, holds_last_stage, rank_layers
 from distft.plan.model_spec import ModelSpec
-from distft.plan.setup import Parallelism, Training, holds_last_stage, rank_layers
 from distft.plan.traffic import Collective
 
 # distft's measured MFU on one H200 (docs/reports/gpu/nvidia-h200/RECORD.md: Qwen3-4B, 2048
@@ -60,23 +61,19 @@ def model_flops(
     spec: ModelSpec, training: Training, layers: list[int] | None = None, head: bool = True
 ) -> ModelFlops:
     """`distft.measure.flops.ModelFlops` of `spec` trained as `training`: the whole model, or the
-    decoder layers `layers` (and the head if `head`) of one pipeline rank. Under LoRA the base
-    projections are frozen and each adapted one adds r x (in + out) trained weights (lora_A and
-    lora_B); full finetuning trains every projection and the head. DoRA's magnitudes and biases
-    are elementwise: not counted, as `ModelFlops.from_model` does not count them."""
+    decoder layers `layers` (and the head if `head`) of one pipeline rank. A layer's frozen and
+    trained weights are the pipeline cost model's (`layer_weights`: LoRA's adapters, full
+    finetuning's projections; no elementwise weights, as `ModelFlops.from_model`); full
+    finetuning trains the head too."""
     count = spec.num_layers if layers is None else len(layers)
-    shapes = spec.projection_shapes()
-    linear = count * sum(o * i for o, i in shapes.values())
-    full = training.method == "full"
-    targets = set(training.lora_targets)
-    adapters = count * sum(training.lora_rank * (o + i) for n, (o, i) in shapes.items() if n in targets)
+    frozen, trained = layer_weights(spec, training.method, training.lora_rank, training.lora_targets)
     return ModelFlops(
-        frozen=0 if full else linear,
-        trainable=linear if full else adapters,
+        frozen=count * frozen,
+        trainable=count * trained,
         head=spec.vocab_size * spec.hidden_size if head else 0,
-        head_trains=full,
+        head_trains=training.method == "full",
         layers=count,
-        attn_dim=spec.num_heads * spec.head_dim,
+        attn_dim=attention_dim(spec),
     )
 
 

@@ -50,7 +50,18 @@ from distft.measure.counts import (
     megatron_crossings,
     tp_activation_calls,
 )
+from distft.model.nf4 import nf4_gathered_bytes
+from distft.parallel import STRATEGIES
 from distft.plan.hardware import Link, comm_time, wire_bytes
+from distft.plan.inputs import (
+    Parallelism,
+    Training,
+    holds_first_stage,
+    holds_last_stage,
+    pipeline_layout,
+    rank_layers,
+    rank_stages,
+)
 from distft.plan.memory import (
     layer_seq_len,
     local_shape,
@@ -59,7 +70,6 @@ from distft.plan.memory import (
     trained_element_bytes,
 )
 from distft.plan.model_spec import COLUMN, ROW, ModelSpec
-from distft.plan.setup import Parallelism, Training, rank_layers
 
 
 @dataclass
@@ -93,19 +103,29 @@ class Topology:
         return self.inter if self.nodes > 1 and size * stride > self.gpus_per_node else self.intra
 
 
-def held_bytes(
-    spec: ModelSpec, training: Training, par: Parallelism, trainable_only: bool, grad: bool
-) -> float:
-    """Logical bytes of this rank's TP/PP slice of the model (FSDP2: including dim-0 padding)."""
+def held_bytes(spec: ModelSpec, training: Training, par: Parallelism, what: str, rank: int = 0) -> float:
+    """Logical bytes of pipeline rank `rank`'s TP/PP slice of the model, FSDP2's dim-0 padding included:
+    `gradients` (trainable, in the gradient dtype), `trained` (trainable weights as stored: ZeRO-1's
+    broadcast) or `gathered` (every weight as FSDP2 all-gathers it: in its param dtype, bf16 copies
+    of fp32 master weights (`parallel.fsdp.mixed_precision`); an NF4 weight's inner tensors)."""
     total, n = 0.0, par.shard_degree
-    for t, trains in stage_tensors(spec, training, par, 0):
-        if trainable_only and not trains:
+    for t, trains in stage_tensors(spec, training, par, rank):
+        if what != "gathered" and not trains:
             continue
         shape = local_shape(t, par.tp, 0)
         numel = math.prod(shape)
+        if what == "gathered" and training.method == "qlora" and t.kind == "linear":
+            total += nf4_gathered_bytes(numel, training.quant, training.precision.param, n)
+            continue
         if par.shard == "full" and n > 1 and shape[0]:
             numel = math.ceil(shape[0] / n) * n * (numel // shape[0])
-        total += numel * (trained_element_bytes(t, training)[0] if grad else param_element_bytes(t, training))
+        if what == "gradients":
+            element = trained_element_bytes(t, training)[0]
+        elif what == "gathered" and training.fp32_masters and training.method == "full":
+            element = training.precision.param
+        else:
+            element = param_element_bytes(t, training)
+        total += numel * element
     return total
 
 
@@ -126,15 +146,15 @@ def pipeline_boundary_bytes(spec: ModelSpec, training: Training, tp: int = 1, sp
 
 
 def dp_collectives(
-    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int, rank: int = 0
 ) -> list[Collective]:
     """DDP's gradient all-reduce, ZeRO-1's all-reduce + broadcasts, FSDP2's per-unit traffic (over
     one shard group under HSDP: `link` is its link; `replica_collectives` adds the rest)."""
-    grads = held_bytes(spec, training, par, True, True)
+    grads = held_bytes(spec, training, par, "gradients", rank)
     if par.shard == "none":
         return [Collective("gradients", "all_reduce", grads, 1, par.dp, link, True)]
     if par.shard == "optimizer":
-        weights = held_bytes(spec, training, par, True, False)
+        weights = held_bytes(spec, training, par, "trained", rank)
         return [
             Collective("gradients", "all_reduce", grads, 1, par.dp, link, True),
             Collective("updated weights", "broadcast", weights, par.dp, par.dp, link, False),
@@ -142,13 +162,13 @@ def dp_collectives(
     m, n = par.microbatches, par.shard_degree
     if par.pp > 1:  # fsdp+pp, fsdp+tp+pp: torch's stage gathers once and reduces once per step
         gathers = fsdp_pipeline_gathers(par.virtual_stages)
-        params = held_bytes(spec, training, par, False, False) * gathers
+        params = held_bytes(spec, training, par, "gathered", rank) * gathers
         return [
             Collective("parameters", "all_gather", params, (layers + 1) * gathers, par.dp, link, True),
             Collective("gradients", "reduce_scatter", grads, layers + 1, par.dp, link, True),
         ]
     gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
-    params = held_bytes(spec, training, par, False, False) * gathers * m
+    params = held_bytes(spec, training, par, "gathered", rank) * gathers * m
     calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
     return [
         Collective("parameters", "all_gather", params, calls, n, link, True),
@@ -157,16 +177,16 @@ def dp_collectives(
 
 
 def replica_collectives(
-    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int, rank: int = 0
 ) -> list[Collective]:
     """HSDP across its replicas: once per step, per unit, an all-reduce of this rank's
     reduce-scattered gradient shard (the padded gradients / shard)."""
-    shard = held_bytes(spec, training, par, True, True) / par.shard_degree
+    shard = held_bytes(spec, training, par, "gradients", rank) / par.shard_degree
     return [Collective("gradient shards", "all_reduce", shard, layers + 1, par.replicas, link, True)]
 
 
 def tp_collectives(
-    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int, rank: int = 0
 ) -> list[Collective]:
     """Tensor parallelism's activation collectives and the replicated weights' partial gradients."""
     m, c, lora = par.microbatches, training.precision.activation, training.lora
@@ -175,38 +195,56 @@ def tp_collectives(
     ckpt = training.activation_checkpointing
     out = []
     if par.tp_impl == "megatron":
+        # A block's entry carries a norm output (the weights' dtype) forward and its gradient
+        # back; an exit a projection output (the compute dtype) and its gradient: with SP an
+        # entry all-gathers forward and reduce-scatters backward, an exit the other way round.
         targets = set(training.lora_targets) if lora else set()
         enters, leaves, enters_bwd, leaves_bwd = megatron_crossings(layers, lora, targets, ckpt)
-        forward, backward = enters + leaves, enters_bwd + leaves_bwd
+        enter = T * spec.hidden_size * training.precision.param
+        leave = T * spec.hidden_size * (2 if training.autocast else c)  # bf16 projections under autocast
         if par.sp:
-            logical, calls = act * m * (forward + backward) / 2, m * (forward + backward) // 2
-            for kind in ("all_gather", "reduce_scatter"):
-                out.append(Collective("activations", kind, logical, calls, par.tp, link, False))
+            gathered, gathers = m * (enter * enters + leave * leaves_bwd), m * (enters + leaves_bwd)
+            scattered, scatters = m * (leave * leaves + enter * enters_bwd), m * (leaves + enters_bwd)
+            out.append(Collective("activations", "all_gather", gathered, gathers, par.tp, link, False))
+            out.append(Collective("activations", "reduce_scatter", scattered, scatters, par.tp, link, False))
         else:
-            calls = (forward + backward) // 2
+            logical = m * (leave * leaves + enter * enters_bwd)
             out.append(
-                Collective("activations", "all_reduce", act * m * calls, m * calls, par.tp, link, False)
+                Collective(
+                    "activations", "all_reduce", logical, m * (leaves + enters_bwd), par.tp, link, False
+                )
             )
     else:
-        calls = tp_activation_calls(layers, lora, ckpt)
+        # Per stage this rank holds: a later stage's input needs its gradient (it is sent back).
+        calls = sum(
+            tp_activation_calls(n, lora, ckpt, not first)
+            for n, first in rank_stages(spec, training, par, rank)
+        )
         targets = set(training.lora_targets) if lora else set()
         adapters = layers * sum(n in targets for n in (*COLUMN, *ROW))
         logical = m * (act * calls + c * T * training.lora_rank * adapters)
         out.append(
             Collective("activations", "all_reduce", logical, m * (calls + adapters), par.tp, link, False)
         )
-    partial = partial_grad_bytes(spec, training, par)
+    partial = partial_grad_bytes(spec, training, par, rank)
     if partial:
         out.append(Collective("partial gradients", "all_reduce", partial, 1, par.tp, link, False))
     return out
 
 
-def pp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: Link) -> list[Collective]:
-    """Stage-boundary sends (forward and backward per micro-batch) and the tied embedding's gradient."""
+def pp_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, rank: int = 0
+) -> list[Collective]:
+    """Stage-boundary sends and receives (forward and backward per micro-batch) and, on the ranks
+    holding a copy, the tied embedding's gradient."""
     boundary = pipeline_boundary_bytes(spec, training, par.tp, par.sp)
-    m = par.microbatches
-    out = [Collective("stage activations", "send", 2 * boundary * m, 2 * m, 2, link, True)]
-    if spec.tie_word_embeddings and training.method == "full":
+    messages = par.microbatches * pipeline_layout(spec, training, par).boundaries_of(rank)  # each way
+    out = [
+        Collective("stage activations", kind, boundary * messages, messages, 2, link, True)
+        for kind in ("send", "recv")
+    ]
+    ends = holds_first_stage(par, rank) or holds_last_stage(par, rank)
+    if spec.tie_word_embeddings and training.method == "full" and ends:
         # Both copies are whole on every TP rank (TP replicates the embedding); FSDP shards them.
         rows = math.ceil(spec.vocab_size / par.dp) if par.shard == "full" else spec.vocab_size
         tied = rows * spec.hidden_size * training.precision.grad
@@ -215,27 +253,37 @@ def pp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
 
 
 def step_collectives(
-    spec: ModelSpec, training: Training, par: Parallelism, topo: Topology
+    spec: ModelSpec, training: Training, par: Parallelism, topo: Topology, rank: int = 0
 ) -> list[Collective]:
-    """Every collective of one optimizer step on rank 0. Groups: TP innermost, then DP, then PP."""
-    layers = len(rank_layers(spec, training, par, 0))
+    """Every collective of one optimizer step on the ranks of pipeline rank `rank` (every rank
+    without a pipeline: their bytes are equal). Groups: TP innermost, then DP, then PP."""
+    layers = len(rank_layers(spec, training, par, rank))
     out: list[Collective] = []
     if par.dp > 1:  # HSDP: shard groups of neighbouring ranks, replicas `shard` groups apart
-        out += dp_collectives(spec, training, par, topo.link(par.shard_degree, par.tp), layers)
+        out += dp_collectives(spec, training, par, topo.link(par.shard_degree, par.tp), layers, rank)
     if par.replicas > 1:
         link = topo.link(par.replicas, par.tp * par.shard_degree)
-        out += replica_collectives(spec, training, par, link, layers)
+        out += replica_collectives(spec, training, par, link, layers, rank)
     if par.tp > 1:
-        out += tp_collectives(spec, training, par, topo.link(par.tp, 1), layers)
+        out += tp_collectives(spec, training, par, topo.link(par.tp, 1), layers, rank)
     if par.pp > 1:
-        out += pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp))
+        out += pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp), rank)
+    sequence_split = par.tp > 1 and par.tp_impl == "megatron" and par.sp
+    scalars = STRATEGIES[par.name].step_scalars(par.dp, sequence_split) if par.world > 1 else ()
+    if scalars:
+        link = topo.link(par.world, 1)
+        out.append(
+            Collective(
+                "loss, gradient norm", "all_reduce", sum(scalars), len(scalars), par.world, link, False
+            )
+        )
     return out
 
 
-def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> float:
+def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism, rank: int = 0) -> float:
     """Replicated trainable weights whose gradients each TP rank has only in part (summed once per step)."""
     g = training.precision.grad
-    layers = rank_layers(spec, training, par, 0)
+    layers = rank_layers(spec, training, par, rank)
     if par.tp_impl == "dtensor":
         # parallelize_module: only q_norm / k_norm's (full finetuning; DTensor completes LoRA's own
         # gradients), sharded over dp under FSDP (`parallel/tensor_parallel.py`).

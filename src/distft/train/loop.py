@@ -62,7 +62,7 @@ class TrainResult:
     predicted_step_times: list[float | None] = field(default_factory=list)  # the planner's (None: no peak)
     eval_losses: dict[int, float] = field(default_factory=dict)
     output_dir: Path | None = None
-    model: torch.nn.Module | None = None  # this rank's trained `SummaryLM` (unwrapped)
+    model: torch.nn.Module | None = None  # this rank's trained `LossLM` (unwrapped)
     stopped_by: int | None = None  # the signal that stopped the run early (`distft.signals`)
     stopped_after: int = 0  # ... after this step
     checkpoint: Path | None = None  # ... having written this checkpoint (None: none written)

@@ -183,9 +183,17 @@ def prediction_record(run: Run, counted: dict[str, int] | None) -> dict:
             "measured_peak_bytes": peak_memory_bytes(run.env) if cuda else None,
             "measured": "torch.cuda.max_memory_allocated" if cuda else "unavailable on CPU",
         },
-        "comm_bytes_per_step": {"predicted": predicted.get("comm_bytes"), "counted": counted},
+        "comm_bytes_per_step": {"predicted": predicted_comm_bytes(predicted, run), "counted": counted},
         "predicted_by": predicted.get("layout"),
     }
+
+
+def predicted_comm_bytes(prediction: dict, run: Run) -> dict[str, int] | None:
+    """The planner's bytes per kind for this rank: its pipeline rank's (stages differ), else rank 0's."""
+    by_pp_rank = prediction.get("comm_bytes_by_pp_rank")
+    if by_pp_rank:
+        return by_pp_rank[getattr(run.strategy, "pp_rank", 0)]
+    return prediction.get("comm_bytes")
 
 
 def prediction_lines(ranks: list[dict]) -> list[str]:

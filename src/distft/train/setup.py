@@ -1,7 +1,7 @@
 """Everything a run needs before its first step, built in one visible order.
 
 process group -> health check -> tokenizer -> data -> base model -> method (LoRA, QLoRA, full) ->
-loss head (`SummaryLM`) -> parallelize -> optimizer + scheduler -> resume. `setup` returns it all as
+loss head (`LossLM`) -> parallelize -> optimizer + scheduler -> resume. `setup` returns it all as
 a `Run`, which the loop and `distft.train.step` read; nothing here trains.
 """
 
@@ -33,7 +33,7 @@ from distft.io.files import atomic_write_text
 from distft.io.lineage import run_lineage, write_lineage
 from distft.io.save import base_weights_written, save_base
 from distft.measure.flops import ModelFlops, peak_flops
-from distft.model import SummaryLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
+from distft.model import LossLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.model.attention import resolve_attention
 from distft.model.build import base_recipe, pretrained_origin
 from distft.model.compile import CompileStats, compile_blocks, compile_wanted
@@ -59,7 +59,7 @@ class Run:
     val_set: TokenizedSplit | CachedSplit
     base_ref: str  # what the exported adapter names as its base model
     parameters: tuple[int, int]  # (trainable, total), before parallelizing
-    model: torch.nn.Module  # the parallelized `SummaryLM`
+    model: torch.nn.Module  # the parallelized `LossLM`
     param_bytes: dict[str, int]  # this rank's parameters at rest (`distft.model.nf4.storage_layout`)
     grad_bytes: int  # this rank's gradients, counted before any forward
     optimizer: torch.optim.Optimizer
@@ -147,7 +147,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     nf4_compiled = dequantize_compiled_wanted(cfg.model.compile, env.device)  # QLoRA: one kernel per weight
     compiled_nf4 = use_compiled_dequantize(lm, nf4_compiled) if nf4_compiled else 0
     strategy.label_tokens = mean_label_tokens(train_set)  # a pipeline cuts its stages by them
-    model = strategy.parallelize(SummaryLM(lm))
+    model = strategy.parallelize(LossLM(lm))
     param_bytes = storage_layout(model)  # NF4 parts apart (distft.model.nf4)
     # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
     # before a forward-only pass can leave ZeRO-2's parameters gathered.

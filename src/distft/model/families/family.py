@@ -6,16 +6,18 @@ from dataclasses import dataclass, field
 
 from transformers import PretrainedConfig
 
-# The projections of a decoder layer every family here shares: (module path, tensor-parallel style).
-# Column: the weight is split on `out` (dim 0); row: on `in` (dim 1) (`distft.parallel.tensor_parallel`).
-PROJECTIONS: tuple[tuple[str, str], ...] = (
-    ("self_attn.q_proj", "column"),
-    ("self_attn.k_proj", "column"),
-    ("self_attn.v_proj", "column"),
-    ("self_attn.o_proj", "row"),
-    ("mlp.gate_proj", "column"),
-    ("mlp.up_proj", "column"),
-    ("mlp.down_proj", "row"),
+from distft.config.choices import ATTENTION_PROJECTIONS, PROJECTION_NAMES
+
+# The projections of a decoder layer every family here shares (`PROJECTION_NAMES`, in order):
+# (module path, tensor-parallel style). Column: the weight is split on `out` (dim 0); row: on `in`
+# (dim 1) (`distft.parallel.tensor_parallel`). Each block's last projection is its row-parallel one.
+ROW_PARALLEL = ("o_proj", "down_proj")
+PROJECTIONS: tuple[tuple[str, str], ...] = tuple(
+    (
+        f"{'self_attn' if name in ATTENTION_PROJECTIONS else 'mlp'}.{name}",
+        "row" if name in ROW_PARALLEL else "column",
+    )
+    for name in PROJECTION_NAMES
 )
 
 

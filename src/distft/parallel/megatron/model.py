@@ -54,7 +54,7 @@ from distft.parallel.megatron.collectives import (
 
 
 class MegatronLM(nn.Module):
-    """The `SummaryLM` (kept as `.module`, where `unwrap` finds it) run as Megatron TP (+ SP).
+    """The `LossLM` (kept as `.module`, where `unwrap` finds it) run as Megatron TP (+ SP).
 
     The HF submodules (embedding, norms, rotary, q_norm/k_norm, MLP activation) are called as they
     are; only the decoder layer's wiring is written out here, with the collectives in view. It is

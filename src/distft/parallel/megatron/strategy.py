@@ -127,7 +127,7 @@ class MegatronTPSP(Strategy):
         taken for a replica, and only rank 0's slice written. Instead each shard (and its AdamW
         moments, which have its shape) is wrapped as a DTensor placed Shard(partition_dim) on a
         1-D mesh of the TP ranks, which describes exactly what it is: one slice of the full
-        tensor. Keys are the inner `SummaryLM`'s, as for every other strategy, so the checkpoint
+        tensor. Keys are the inner `LossLM`'s, as for every other strategy, so the checkpoint
         loads at another TP degree or into another strategy (DCP reshards on load). The wrap
         shares storage, so loading into it writes the shards in place.
         """

@@ -49,14 +49,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from distft.config import Config, lora_target_names
-from distft.model.families import PROJECTIONS
+from distft.config import PROJECTION_NAMES, Config, lora_target_names
 from distft.model.nf4 import projection_shapes
 
 # Labelled positions per sequence when the data is not known (the planner's `Training.label_tokens`,
 # capped at the sequence): the runtime measures the training split's mean instead.
 DEFAULT_LABEL_TOKENS = 256
-EVERY_PROJECTION = tuple(path.rsplit(".", 1)[-1] for path, _ in PROJECTIONS)  # LoRA's default targets
 # The final RMSNorm per element of (tokens, hidden): square, mean, scale, weight forward; about
 # half again for the input gradient; one multiply-add for the weight's (rough: nothing rests on it).
 NORM_FLOPS = (4, 6, 2)
@@ -99,6 +97,41 @@ def norm(hidden: int, trains: bool, tokens: float) -> PassCost:
     return PassCost(f, b, w if trains else 0)
 
 
+def layer_weights(
+    config, method: str = "lora", lora_rank: int = 16, lora_targets: Sequence[str] = PROJECTION_NAMES
+) -> tuple[int, int]:
+    """(frozen, trained) weights in one decoder layer's matmuls of `config` trained by `method`:
+    full finetuning trains every projection; LoRA freezes them and trains r x (in + out) more on
+    each target (lora_A (r, in) and lora_B (out, r)). Elementwise weights (norms, biases, DoRA's
+    magnitudes) are not matmuls and are not counted."""
+    full = method == "full"
+    targets = set() if full or not lora_targets else set(lora_target_names(list(lora_targets)))
+    frozen = trained = 0
+    for name, (out, inp) in projection_shapes(config).items():  # Linear weight: (out, in)
+        if full:
+            trained += out * inp
+        else:
+            frozen += out * inp
+        if name in targets:
+            trained += lora_rank * (inp + out)
+    return frozen, trained
+
+
+def layers_cost(frozen: int, trained: int, attn_dim: int, tokens: float, layers: int = 1) -> PassCost:
+    """`layers` decoder layers over one sequence: their matmuls (`frozen` and `trained` weights, all
+    layers together) and each layer's causal attention (`layer_weights`, `attention_dim`)."""
+    # Attention is linear in d_attn: L layers' is one of L x d_attn.
+    return (
+        matmul(frozen, False, tokens) + matmul(trained, True, tokens) + attention(layers * attn_dim, tokens)
+    )
+
+
+def attention_dim(config) -> int:
+    """d_attn = heads x head_dim (head_dim, where the config has none, hidden / heads)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * head_dim
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Modelled FLOPs per sequence of every piece a stage can hold (the module docstring)."""
@@ -116,7 +149,7 @@ class CostModel:
         config,  # a transformers config, or anything with its size fields (the planner's `ModelSpec`)
         method: str = "lora",
         lora_rank: int = 16,
-        lora_targets: Sequence[str] = EVERY_PROJECTION,
+        lora_targets: Sequence[str] = PROJECTION_NAMES,
         tokens: int = 2048,
         label_tokens: float | None = None,
     ) -> CostModel:
@@ -124,14 +157,9 @@ class CostModel:
         `tokens` positions, `label_tokens` of them labelled (None: `DEFAULT_LABEL_TOKENS`, capped)."""
         k = min(DEFAULT_LABEL_TOKENS, tokens) if label_tokens is None else min(label_tokens, tokens)
         full = method == "full"
-        targets = set(lora_target_names(list(lora_targets))) if not full else set()
-        layer = PassCost()
-        for name, (out, inp) in projection_shapes(config).items():  # Linear weight: (out, in)
-            layer += matmul(out * inp, full, tokens)
-            if name in targets:  # lora_A (r, in) and lora_B (out, r), both trained
-                layer += matmul(lora_rank * (inp + out), True, tokens)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        layer += attention(config.num_attention_heads * head_dim, tokens)
+        layer = layers_cost(
+            *layer_weights(config, method, lora_rank, lora_targets), attention_dim(config), tokens
+        )
         head = matmul(config.hidden_size * config.vocab_size, full, k)
         last = norm(config.hidden_size, full, tokens) + head
         notes = {"method": method, "lora_rank": lora_rank if not full else None}

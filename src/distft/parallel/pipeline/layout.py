@@ -84,6 +84,14 @@ class Layout:
     def stages_of(self, rank: int) -> list[int]:
         return [s for s in range(self.num_stages) if self.rank_of(s) == rank]
 
+    def boundaries_of(self, rank: int) -> int:
+        """Stage boundaries `rank` sends across, each way: every (s, s + 1) with the two stages on
+        different ranks, one of them this one (a V-shaped turn stays on its rank). Per micro-batch
+        the activation crosses forward and its gradient backward: the runtime's expected bytes and
+        the planner both count a rank's sends and receives with it."""
+        pairs = ((self.rank_of(s), self.rank_of(s + 1)) for s in range(self.num_stages - 1))
+        return sum(src != dst and rank in (src, dst) for src, dst in pairs)
+
     def layers_of(self, stage: int) -> range:
         """The decoder layers of `stage`: contiguous, as many as the cut gives it."""
         if not self.layers_per_stage:

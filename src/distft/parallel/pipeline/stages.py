@@ -76,11 +76,11 @@ class StageModule(nn.Module):
 class PipelineModel(nn.Module):
     """This rank's stages, seen under the single model's parameter names.
 
-    Its registered modules mirror the paths of `SummaryLM` (`lm.base_model.model.model.layers.2`,
+    Its registered modules mirror the paths of `LossLM` (`lm.base_model.model.model.layers.2`,
     ...) but hold only this rank's embedding, layers, norm and lm_head, so `parameters()` is what
     this rank trains (the optimizer's view) and every name is global: DCP checkpoints of different
     ranks never collide and the export needs no renaming. `module` (not registered) is the whole
-    `SummaryLM`, whose structure the PEFT export walks; only this rank's parts of it are trained.
+    `LossLM`, whose structure the PEFT export walks; only this rank's parts of it are trained.
     """
 
     def __init__(self, full: nn.Module, owned: list[nn.Module]):
@@ -109,7 +109,7 @@ def build_stages(
     wrap: Callable[[StageModule, int], None],
 ) -> tuple[list[PipelineStage], PipelineModel]:
     """Pipeline rank `rank`'s stages (torch's `PipelineStage`s, which send and receive over `group`)
-    and the view of the `SummaryLM` that holds only their modules.
+    and the view of the `LossLM` that holds only their modules.
 
     `wrap(module, stage)` shards a stage's module in place before its `PipelineStage` is built
     (fsdp+pp: FSDP2 on each layer and the stage; 3D: tensor parallelism first), as torchtitan

@@ -1,9 +1,12 @@
-"""Test-only fault injection, switched on by environment variables (never by the config).
+"""Fault injection for the tests, switched on by environment variables (never by the config).
 
 The reliability tests need a rank that dies, a rank that hangs and a step that diverges, at a
 known step, in a real multi-process run. Each is one environment variable; `from_environment()`
-turns those that are set into `TrainHooks` for the loop (`distft.cli` installs them; `distft doctor`
-their health-check points), and returns None when none is set, so a normal run calls nothing.
+turns those that are set into `TrainHooks` for the loop, and returns None when none is set. distft
+ships none of this: its one seam is `DISTFT_HOOKS=module:function` (`distft.train.hooks`), which
+`distft train` and `distft doctor` read in every rank. `tests.helpers` sets `DISTFT_HOOKS` to
+`HOOKS` (and puts this checkout on PYTHONPATH) for every run whose environment names a
+DISTFT_FAULT_* variable; a test that trains in its own process sets it itself.
 
 | variable                     | effect                                                             |
 |------------------------------|--------------------------------------------------------------------|
@@ -44,6 +47,8 @@ from distft.health import HealthHooks
 from distft.tensors import local
 from distft.train import TrainHooks
 
+HOOKS = "tests.faults:from_environment"  # the value of DISTFT_HOOKS that installs these faults
+PREFIX = "DISTFT_FAULT_"
 VARIABLES = (
     "DISTFT_FAULT_KILL_AT_STEP",
     "DISTFT_FAULT_HANG_AT_STEP",

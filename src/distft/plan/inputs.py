@@ -35,7 +35,7 @@ class Precision:
     state: int  # bytes per element of each of AdamW's two moments
     activation: int  # bytes per element of saved activations (the compute dtype)
     description: str
-    dtype: str = "bfloat16"  # the model.dtype distft runs it with (see `commands.py`)
+    dtype: str = "bfloat16"  # the model.dtype distft runs it with (see `run_line.py`)
 
     @property
     def trained_bytes(self) -> int:
@@ -182,6 +182,15 @@ def rank_layers(spec: ModelSpec, training: Training, par: Parallelism, rank: int
         return list(range(spec.num_layers))
     lay = pipeline_layout(spec, training, par)
     return [i for s in lay.stages_of(rank) for i in lay.layers_of(s)]
+
+
+def rank_stages(spec: ModelSpec, training: Training, par: Parallelism, rank: int) -> list[tuple[int, bool]]:
+    """(decoder layers, is the first stage) of every stage pipeline rank `rank` holds (the whole
+    model, first, without a pipeline)."""
+    if par.pp == 1:
+        return [(spec.num_layers, True)]
+    lay = pipeline_layout(spec, training, par)
+    return [(len(lay.layers_of(s)), s == 0) for s in lay.stages_of(rank)]
 
 
 def holds_first_stage(par: Parallelism, rank: int) -> bool:

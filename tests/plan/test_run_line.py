@@ -18,10 +18,10 @@ from distft.cli import build_parser, config_from_args
 from distft.parallel import STRATEGIES, check_config
 from distft.parallel.derive import PRETRAINED_FULL_LR, PRETRAINED_LORA_LR, RANDOM_PRESET_LR
 from distft.plan import evaluate, make_request, run_command
-from distft.plan.commands import DATA_PLACEHOLDER
 from distft.plan.decide import decide
 from distft.plan.estimate import MODELLED
 from distft.plan.report import to_dict
+from distft.plan.run_line import DATA_PLACEHOLDER
 
 
 def request(command: str):

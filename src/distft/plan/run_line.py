@@ -20,7 +20,7 @@ from distft.model import PRESETS
 from distft.parallel import STRATEGIES as RUNTIME
 from distft.parallel.derive import default_lr
 from distft.plan.estimate import Request, runnable
-from distft.plan.setup import Parallelism
+from distft.plan.inputs import Parallelism
 
 
 def run_overrides(req: Request, method: str, ckpt: bool, par: Parallelism) -> dict[str, str]:
