@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from distft.cli import build_parser, main
 from distft.plan import make_request, run_command
-from distft.plan.estimate import Request, evaluate, layout_for
+from distft.plan.estimate import Request, evaluate, parallelism_for
 from distft.plan.inputs import Parallelism
 from distft.plan.memory import state_bytes
 from distft.plan.traffic import step_collectives
@@ -48,7 +48,7 @@ def planned_line(gpus: int, strategy: str, **degrees: int) -> tuple[list[str], R
     """The plan's `run:` line for `strategy` at these degrees (as argv), its request and layout."""
     dp = degrees.get("dp", 1)
     req = request(f"{PLAN} --gpus {gpus} --pp-microbatches {4 // dp}")
-    lay = layout_for(req, strategy, **degrees)
+    lay = parallelism_for(req, strategy, **degrees)
     argv = shlex.split(run_command(req, strategy, "lora", False, lay))
     assert argv[:2] == ["distft", "train"] and "train.global_batch_size=4" in argv
     return argv[1:], req, lay
@@ -159,7 +159,7 @@ def test_3d_on_a_mesh_with_one_fsdp_rank(reference, tmp_path):
 def test_3d_on_eight_processes(reference, tmp_path):
     """dp = tp = pp = 2, the layout the planner picks for 3D on 8 GPUs of one node."""
     req = request(f"{PLAN} --gpus 8 --pp-microbatches 2")
-    lay = evaluate(req)["fsdp+tp+pp"].layout
+    lay = evaluate(req)["fsdp+tp+pp"].parallelism
     assert (lay.dp, lay.tp, lay.pp) == (2, 2, 2)
     argv = shlex.split(run_command(req, "fsdp+tp+pp", "lora", False, lay))
     out = tmp_path / "3d8"

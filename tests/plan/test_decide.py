@@ -370,13 +370,13 @@ def test_plan_says_the_largest_micro_batch_that_fits(capsys):
 
     def fits(m: int) -> bool:
         return estimate(
-            replace(req, training=replace(req.training, micro_batch=m)), rec.layout, rec.strategy
+            replace(req, training=replace(req.training, micro_batch=m)), rec.parallelism, rec.strategy
         ).fits
 
     assert fits(largest) and not fits(largest + 1)
-    assert max_micro_batch(req, rec.layout, rec.strategy, limit=3) == 3  # capped
+    assert max_micro_batch(req, rec.parallelism, rec.strategy, limit=3) == 3  # capped
     tiny_gpu, _, tiny_rec = plan("--model qwen3-4b --gpu-mem 2GiB --gpus 1 --seq-len 2048")
-    assert max_micro_batch(tiny_gpu, tiny_rec.layout or Parallelism("single"), "single") == 0
+    assert max_micro_batch(tiny_gpu, tiny_rec.parallelism or Parallelism("single"), "single") == 0
     assert main(["plan", "--model", "qwen3-4b", "--gpu", "h100", "--gpus", "1", "--seq-len", "2048"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"largest micro-batch that fits: {largest} sequences of 2048 tokens" in out

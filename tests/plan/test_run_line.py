@@ -70,14 +70,14 @@ def test_every_run_line_carries_the_estimates_assumptions(command):
     req = request(command)
     t = req.training
     for name, e in evaluate(req).items():
-        line = run_command(req, name, t.method, t.activation_checkpointing, e.layout)
+        line = run_command(req, name, t.method, t.activation_checkpointing, e.parallelism)
         if not e.runnable:
             assert line is None
             continue
         if not e.applicable:
             continue
         cfg = parse_run(line)
-        lay = e.layout
+        lay = e.parallelism
         assert (cfg.parallel.strategy, cfg.train.method) == (name, t.method)
         assert cfg.world_size == (1 if name == "single" else req.world) == lay.world
         assert cfg.model.dtype == t.precision.dtype
@@ -104,7 +104,7 @@ def test_every_run_line_carries_the_estimates_assumptions(command):
 def test_a_cpu_presets_run_line_trains_on_the_sample_at_the_presets_rate():
     req = request("--model tiny --method lora --gpus 2 --gpu-mem 8GiB --seq-len 768")
     rec = decide(req)
-    cfg = parse_run(run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.layout))
+    cfg = parse_run(run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.parallelism))
     assert (cfg.model.name, cfg.data.source, cfg.optim.lr) == ("tiny", "sample", RANDOM_PRESET_LR)
     assert (cfg.parallel.strategy, cfg.parallel.nproc, cfg.data.max_length) == ("ddp", 2, 768)
 
@@ -130,7 +130,10 @@ def test_zero1_and_hsdp_recommendations_pass_the_checks_before_launch(command, s
     cfg = parse_run(to_dict(req, estimates, rec)["recommendation"]["command"])
     assert (cfg.parallel.strategy, cfg.world_size, cfg.parallel.nnodes) == (strategy, req.world, req.nodes)
     shape = check_config(cfg)
-    assert shape.data_parallel_size == rec.layout.dp and shape.accumulation_steps == rec.layout.microbatches
+    assert (
+        shape.data_parallel_size == rec.parallelism.dp
+        and shape.accumulation_steps == rec.parallelism.microbatches
+    )
     if strategy == "hsdp":
         assert cfg.parallel.shard == 8 and STRATEGIES["hsdp"].nf4_shards(cfg) == 8
 
@@ -175,7 +178,7 @@ def test_recommended_pipelines_print_a_command_train_accepts():
     rec = decide(req, estimates)
     assert rec.strategy == "fsdp+tp+pp"
     for name in ("fsdp+tp+pp", "fsdp+pp"):
-        lay = estimates[name].layout
+        lay = estimates[name].parallelism
         line = to_dict(req, estimates, rec)["recommendation"]["command"] if name == rec.strategy else None
         line = line or run_command(req, name, "full", True, lay)
         cfg = parse_run(line)

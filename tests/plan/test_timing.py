@@ -16,7 +16,7 @@ from distft.config import load_config
 from distft.measure.flops import ModelFlops
 from distft.model import apply_method, load_base_model
 from distft.plan import evaluate, make_request
-from distft.plan.estimate import estimate, layout_for
+from distft.plan.estimate import estimate, parallelism_for
 from distft.plan.hardware import GiB, find_gpu, format_seconds, generic_gpu
 from distft.plan.inputs import Training, holds_last_stage, rank_layers
 from distft.plan.model_spec import ModelSpec, resolve_model
@@ -47,16 +47,16 @@ def test_the_planner_counts_the_runtimes_flops():
 
 def test_step_time_on_one_gpu_is_flops_over_peak_times_mfu():
     req = request(HAND, FULL, mfu=0.5)
-    est = estimate(req, layout_for(req, "single"))
+    est = estimate(req, parallelism_for(req, "single"))
     assert est.step_s == pytest.approx(2 * PER_SEQUENCE / (989e12 * 0.5))  # H100 SXM: 989 TFLOP/s
     assert est.tokens_per_s == pytest.approx(256 / est.step_s)
     assert est.time.flops == 2 * PER_SEQUENCE
     # Without --mfu: distft's measured MFU for the method (full finetuning 43%).
-    est = estimate(request(HAND, FULL), layout_for(req, "single"))
+    est = estimate(request(HAND, FULL), parallelism_for(req, "single"))
     assert est.step_s == pytest.approx(2 * PER_SEQUENCE / (989e12 * ASSUMED_MFU["full"]))
     # Checkpointing adds the layers' forward once more: 2N per token and 2 L d_attn s^2.
     ckpt = estimate(
-        request(HAND, replace(FULL, activation_checkpointing=True), mfu=0.5), layout_for(req, "single")
+        request(HAND, replace(FULL, activation_checkpointing=True), mfu=0.5), parallelism_for(req, "single")
     )
     again = 2 * (128 * 2 * 81_920 + 2 * 2 * 64 * 128**2)
     assert ckpt.step_s == pytest.approx((2 * PER_SEQUENCE + again) / (989e12 * 0.5))
@@ -64,7 +64,7 @@ def test_step_time_on_one_gpu_is_flops_over_peak_times_mfu():
 
 def test_communication_and_the_bubble_add_as_stated():
     req = request(HAND, FULL, gpus=2, mfu=0.5)
-    ddp = estimate(req, layout_for(req, "ddp", dp=2))  # overlapped: only what outlasts compute shows
+    ddp = estimate(req, parallelism_for(req, "ddp", dp=2))  # overlapped: only what outlasts compute shows
     hidden = sum(c.seconds for c in ddp.collectives if c.overlapped)  # the gradients
     loss = sum(c.seconds for c in ddp.collectives if not c.overlapped)  # the loss, after backward
     assert (
@@ -73,10 +73,10 @@ def test_communication_and_the_bubble_add_as_stated():
         and ddp.time.blocking_s == pytest.approx(loss)
     )
     assert ddp.step_s == pytest.approx(ddp.compute_s + max(0.0, hidden - ddp.compute_s) + loss)
-    tp = estimate(req, layout_for(req, "tp-sp", tp=2))  # on the critical path: all of it shows
+    tp = estimate(req, parallelism_for(req, "tp-sp", tp=2))  # on the critical path: all of it shows
     assert tp.time.blocking_s == pytest.approx(sum(c.seconds for c in tp.collectives if not c.overlapped))
     assert tp.compute_s == pytest.approx(2 * PER_SEQUENCE / 2 / (989e12 * 0.5))  # SP splits the head too
-    par = layout_for(req, "pp", pp=2)
+    par = parallelism_for(req, "pp", pp=2)
     pp = estimate(req, par)
     busiest = max(  # the slowest stage sets the pace; the bubble is the layout's own idle share
         model_flops(HAND, FULL, rank_layers(HAND, FULL, par, r), holds_last_stage(par, r)).sequence(128, 128)
@@ -102,9 +102,12 @@ def test_time_to_train_scales_with_epochs_and_takes_steps_as_given():
 def test_no_bf16_peak_no_time():
     for gpu in (replace(generic_gpu(16 * GiB), label="cpu"), generic_gpu(24 * GiB)):
         collectives = step_collectives(
-            HAND, FULL, layout_for(request(HAND, FULL), "single"), request(HAND, FULL).topology
+            HAND, FULL, parallelism_for(request(HAND, FULL), "single"), request(HAND, FULL).topology
         )
-        assert step_time(HAND, FULL, layout_for(request(HAND, FULL), "single"), collectives, gpu, 0.4) is None
+        assert (
+            step_time(HAND, FULL, parallelism_for(request(HAND, FULL), "single"), collectives, gpu, 0.4)
+            is None
+        )
     req = replace(request(HAND, FULL), gpu=replace(generic_gpu(16 * GiB), label="cpu"))
     est = evaluate(req)["single"]
     assert est.step_s is None and est.tokens_per_s is None and est.train_s is None

@@ -32,7 +32,7 @@ from distft.config import load_config
 from distft.errors import ConfigError
 from distft.parallel import STRATEGIES
 from distft.plan.auto import training_of
-from distft.plan.estimate import Estimate, Request, estimate, layout_for
+from distft.plan.estimate import Estimate, Request, estimate, parallelism_for
 from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
 from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS
 from distft.plan.model_spec import resolve_model
@@ -111,7 +111,7 @@ def _estimate(req: Request, settings, strategy: str, n: int):
             f"{settings.micro_batch_size} each"
         )
     req = replace(req, grad_accum=accum, pp_microbatches=accum if "pp" in dims else None)
-    return estimate(req, layout_for(req, strategy, **degrees), strategy)
+    return estimate(req, parallelism_for(req, strategy, **degrees), strategy)
 
 
 def plan_memory(

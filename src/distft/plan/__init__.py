@@ -28,7 +28,7 @@ from distft.errors import ConfigError
 from distft.plan.activations import activation_bytes
 from distft.plan.auto import complete, dry_run, predict, resolve_auto, try_predict
 from distft.plan.decide import decide
-from distft.plan.estimate import Estimate, Request, evaluate, layout_for, runnable
+from distft.plan.estimate import Estimate, Request, evaluate, parallelism_for, runnable
 from distft.plan.explain import Recommendation
 from distft.plan.hardware import (
     GPUS,
@@ -65,8 +65,8 @@ __all__ = [
     "decide",
     "dry_run",
     "evaluate",
-    "layout_for",
     "make_request",
+    "parallelism_for",
     "predict",
     "qlora_base_bytes",
     "resolve_auto",

@@ -7,7 +7,7 @@ dtype, sequence length, micro-batch, LoRA rank, checkpointing and attention, on 
 row of the GPU table for the peak that times a step; on the CPU each process's share of the
 host's, and no peak: no time). `resolve_auto` walks the decision tree (`decide`) and
 applies its answer to the settings the user left unset; `predict` estimates the layout the config
-runs (`layout_of`: the runtime's own degrees, shard groups and pipeline) for `Config.prediction`,
+runs (`parallelism_of`: the runtime's own degrees, shard groups and pipeline) for `Config.prediction`,
 which ranks.json and the end-of-run summary set beside the measured peak memory and counted bytes,
 and every step record beside its measured time (`step_time`, the parts of `StepTime`; null on a
 device with no bf16 peak).
@@ -157,7 +157,7 @@ def resolve_auto(cfg: Config) -> str:
             )
     cfg.train.method, cfg.model.activation_checkpointing = rec.method, rec.activation_checkpointing
     cfg.parallel.strategy = rec.strategy
-    lay = rec.layout
+    lay = rec.parallelism
     if lay is not None and STRATEGIES[rec.strategy].mesh_degrees:
         cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = lay.dp, lay.tp, lay.pp
     if lay is not None and STRATEGIES[rec.strategy].shard_groups:
@@ -174,7 +174,7 @@ def resolve_auto(cfg: Config) -> str:
 # ---- the prediction for the layout a config runs ----------------------------------------------------
 
 
-def layout_of(cfg: Config, req: Request) -> Parallelism:
+def parallelism_of(cfg: Config, req: Request) -> Parallelism:
     """The planner's `Parallelism` for the layout the runtime builds from `cfg`: the same degrees
     (`ParallelDims.of`), shard groups, sequence parallelism and pipeline."""
     cls, shape = STRATEGIES[cfg.parallel.strategy], check_config(cfg)
@@ -204,7 +204,7 @@ def predict(cfg: Config) -> dict:
     rank moves per step, by kind (`distft.measure.comm`'s logical bytes)."""
     shape = check_config(cfg)
     req, where = request_for(cfg, shape.micro_batch_size, shape.accumulation_steps)
-    layout = layout_of(cfg, req)
+    layout = parallelism_of(cfg, req)
     est = estimate(req, layout, cfg.parallel.strategy)
     by_pp_rank = [  # a pipeline's ranks hold different stages; every other layout's ranks move the same
         bytes_by_kind(step_collectives(req.model, req.training, layout, req.topology, rank))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from distft.parallel import STRATEGIES
-from distft.plan.estimate import Estimate, Request, best, estimate, evaluate, layout_for
+from distft.plan.estimate import Estimate, Request, best, estimate, evaluate, parallelism_for
 from distft.plan.explain import (
     METHOD_NAMES,
     Recommendation,
@@ -58,7 +58,7 @@ class _Walk:
         t = self.req.training
         ckpt = t.activation_checkpointing if ckpt is None else ckpt
         return Recommendation(
-            strategy, t.method, ckpt, reason, self.steps, alternatives or [], self.est[strategy].layout
+            strategy, t.method, ckpt, reason, self.steps, alternatives or [], self.est[strategy].parallelism
         )
 
     def with_training(self, **changes) -> Request:
@@ -78,7 +78,7 @@ def _adapters(walk: _Walk) -> None:
     req, t, single = walk.req, walk.req.training, walk.est["single"]
     if t.method == "full":
         peft = {
-            m: estimate(walk.with_training(method=m), layout_for(req, "single")).total
+            m: estimate(walk.with_training(method=m), parallelism_for(req, "single")).total
             for m in ("lora", "qlora")
         }
         verdict = {m: "fits" if b <= req.usable else "does not fit" for m, b in peft.items()}
@@ -120,7 +120,7 @@ def _one_gpu(walk: _Walk) -> Recommendation | None:
             f"(about {format_seconds(ddp.comm_s)}, overlapping backward{share}).",
         )
     if not t.activation_checkpointing:
-        ckpt = estimate(walk.with_training(activation_checkpointing=True), layout_for(req, "single"))
+        ckpt = estimate(walk.with_training(activation_checkpointing=True), parallelism_for(req, "single"))
         if ckpt.fits:
             walk.ask(
                 question,
@@ -203,7 +203,7 @@ def _shard(walk: _Walk) -> Recommendation:
     )
     ckpt_note = []
     if not t.activation_checkpointing:
-        ckpt = estimate(walk.with_training(activation_checkpointing=True), fsdp.layout, "fsdp")
+        ckpt = estimate(walk.with_training(activation_checkpointing=True), fsdp.parallelism, "fsdp")
         if ckpt.applicable and ckpt.fits and not fsdp.fits:
             ckpt_note = [
                 f"Or keep plain FSDP and turn on activation checkpointing: {gb(ckpt.total)} per GPU, about a "
@@ -250,7 +250,7 @@ def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:
             f"nodes ({format_seconds(fsdp.comm_s)} per step) hides behind compute.{hsdp_why_not(hsdp)}"
         )
     else:
-        lay = pick.layout
+        lay = pick.parallelism
         inner = ("FSDP x TP" if lay.tp > 1 else "FSDP") if lay.shard == "full" else "DDP"
         reason = (
             f"Across nodes a pipeline needs only point-to-point sends at stage boundaries over {req.inter.label}, "
@@ -307,7 +307,7 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
             return rec(cand.strategy, f"{fit_text(cand, req)}.", ckpt_note)
     if ckpt_note:
         reason = ckpt_note[0].replace("Or keep", "Keep")
-        return Recommendation("fsdp", t.method, True, reason, walk.steps, [], fsdp.layout)
+        return Recommendation("fsdp", t.method, True, reason, walk.steps, [], fsdp.parallelism)
     return _nothing_fits(walk)
 
 
@@ -321,7 +321,7 @@ def _nothing_fits(walk: _Walk) -> Recommendation:
         r = decide(walk.with_training(activation_checkpointing=True), depth=1)
         if r.strategy:
             reason = f"{what} With activation checkpointing {r.label} fits: {r.reason}"
-            return Recommendation(r.strategy, t.method, True, reason, steps, r.alternatives, r.layout)
+            return Recommendation(r.strategy, t.method, True, reason, steps, r.alternatives, r.parallelism)
     if walk.depth == 0 and t.method == "full":
         # Prefer an adapter method that fits on one GPU (then DDP adds throughput): LoRA, else QLoRA;
         # failing both, LoRA with whatever sharding it needs.
@@ -336,14 +336,20 @@ def _nothing_fits(walk: _Walk) -> Recommendation:
                 f"{r.label}: {r.reason}"
             )
             return Recommendation(
-                r.strategy, method, r.activation_checkpointing, reason, steps, [gpus_needed(req)], r.layout
+                r.strategy,
+                method,
+                r.activation_checkpointing,
+                reason,
+                steps,
+                [gpus_needed(req)],
+                r.parallelism,
             )
     if walk.depth == 0 and t.method == "lora":
         r = decide(walk.with_training(method="qlora"), depth=1)
         if r.strategy:
             reason = f"{what} QLoRA fits with {r.label}: {r.reason}"
             return Recommendation(
-                r.strategy, "qlora", r.activation_checkpointing, reason, steps, [], r.layout
+                r.strategy, "qlora", r.activation_checkpointing, reason, steps, [], r.parallelism
             )
     return Recommendation(
         None, t.method, t.activation_checkpointing, what + " " + gpus_needed(req), steps, []

@@ -85,7 +85,7 @@ class Request:
 @dataclass
 class Estimate:
     strategy: str
-    layout: Parallelism
+    parallelism: Parallelism
     params: int = 0
     grads: int = 0
     optimizer: int = 0
@@ -109,7 +109,7 @@ class Estimate:
 
     @property
     def label(self) -> str:
-        lay = self.layout
+        lay = self.parallelism
         if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas
             return f"{LABELS[self.strategy]} (shard={lay.shard_degree}, replicas={lay.replicas})"
         degrees = [f"{k}={v}" for k, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp)) if v > 1]
@@ -145,7 +145,11 @@ class Estimate:
     @property
     def min_global_batch(self) -> int:
         """Sequences per optimizer step at the least: one micro-batch per data-parallel replica."""
-        return self.layout.dp * self.layout.microbatches if self.layout.pp > 1 else self.layout.dp
+        return (
+            self.parallelism.dp * self.parallelism.microbatches
+            if self.parallelism.pp > 1
+            else self.parallelism.dp
+        )
 
     @property
     def in_distft(self) -> str:
@@ -158,7 +162,7 @@ class Estimate:
 # ---------------------------------------------------------------------------------------------
 
 
-def layout_for(req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1) -> Parallelism:
+def parallelism_for(req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1) -> Parallelism:
     """How `strategy` splits the work at these degrees, as the runtime builds it (its class says
     what it shards and how it splits a layer; HSDP shards inside a node)."""
     cls = RUNTIME[strategy]
@@ -261,15 +265,15 @@ def best(candidates: list[Estimate]) -> Estimate | None:
     return min(fitting, key=lambda c: (c.min_global_batch, c.total))
 
 
-def candidate_layouts(req: Request, strategy: str) -> list[Parallelism]:
+def candidate_parallelisms(req: Request, strategy: str) -> list[Parallelism]:
     """Every factorisation of the GPUs `strategy` is tried with: a strategy on one mesh dimension
     takes every GPU on it; on several, TP stays inside a node, the pipeline is outermost (across
     nodes when there are several) and 2+ data-parallel ranks sit between."""
     dims, n = RUNTIME[strategy].dims, req.world
     if len(dims) < 2:
-        return [layout_for(req, strategy, **{d: n for d in dims})]
+        return [parallelism_for(req, strategy, **{d: n for d in dims})]
     return [
-        layout_for(req, strategy, dp=n // (tp * pp), tp=tp, pp=pp)
+        parallelism_for(req, strategy, dp=n // (tp * pp), tp=tp, pp=pp)
         for tp in (_divisors(req.gpus_per_node) if "tp" in dims else [1])
         for pp in (_divisors(n // tp) if "pp" in dims else [1])
         if n // (tp * pp) >= 2
@@ -280,7 +284,7 @@ def evaluate(req: Request) -> dict[str, Estimate]:
     """One estimate per modelled strategy; 2-D layouts keep their best factorisation."""
     out: dict[str, Estimate] = {}
     for strategy in MODELLED:
-        layouts = candidate_layouts(req, strategy)
+        layouts = candidate_parallelisms(req, strategy)
         if not layouts:
             out[strategy] = Estimate(
                 strategy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from distft.plan.estimate import LABELS, Estimate, Request, estimate, layout_for
+from distft.plan.estimate import LABELS, Estimate, Request, estimate, parallelism_for
 from distft.plan.hardware import format_bytes, format_seconds
 from distft.plan.inputs import Parallelism
 
@@ -27,7 +27,7 @@ class Recommendation:
     reason: str
     steps: list[Step]
     alternatives: list[str] = field(default_factory=list)
-    layout: Parallelism | None = None
+    parallelism: Parallelism | None = None
 
     @property
     def label(self) -> str:
@@ -99,7 +99,7 @@ def hsdp_reason(hsdp: Estimate, fsdp: Estimate, req: Request) -> str:
     return (
         f"The job spans {req.nodes} nodes and {hsdp.label} fits ({gb(hsdp.total)} per GPU, {rate(hsdp)}): "
         f"FSDP's all-gathers and reduce-scatters stay inside each node on {req.intra.label}, and only an "
-        f"all-reduce of 1/{hsdp.layout.shard_degree} of the gradients crosses {req.inter.label}, once per step: "
+        f"all-reduce of 1/{hsdp.parallelism.shard_degree} of the gradients crosses {req.inter.label}, once per step: "
         f"{gb(inter_node_bytes(hsdp, req))} per GPU against {gb(inter_node_bytes(fsdp, req))} for FSDP over "
         f"all {req.world} GPUs ({gb(fsdp.total)} per GPU)."
     )
@@ -110,7 +110,7 @@ def hsdp_why_not(hsdp: Estimate) -> str:
     if not hsdp.applicable or hsdp.fits:
         return ""
     return (
-        f" HSDP would keep the gathers inside each node, but with 1/{hsdp.layout.shard_degree} of the model "
+        f" HSDP would keep the gathers inside each node, but with 1/{hsdp.parallelism.shard_degree} of the model "
         f"per GPU it needs {gb(hsdp.total)}, which does not fit."
     )
 
@@ -138,7 +138,7 @@ def gpus_needed(req: Request) -> str:
         nodes = max(1, math.ceil(n / req.gpus_per_node))
         per_node = min(n, req.gpus_per_node)
         bigger = replace(req, gpus_per_node=per_node, nodes=nodes)
-        e = estimate(bigger, layout_for(bigger, "fsdp", dp=per_node * nodes), "fsdp")
+        e = estimate(bigger, parallelism_for(bigger, "fsdp", dp=per_node * nodes), "fsdp")
         if e.fits:
             return (
                 f"{req.training.method.capitalize()} finetuning with FSDP fits from {per_node * nodes} such GPUs "

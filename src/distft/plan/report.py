@@ -26,23 +26,23 @@ OVERLAP = (
 
 
 def _command(req: Request, rec: Recommendation) -> str | None:
-    return run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.layout)
+    return run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.parallelism)
 
 
 def largest_micro_batch(req: Request, rec: Recommendation) -> int | None:
     """The largest micro-batch the recommendation fits with (its method and checkpointing)."""
-    if rec.strategy is None or rec.layout is None:
+    if rec.strategy is None or rec.parallelism is None:
         return None
     t = replace(req.training, method=rec.method, activation_checkpointing=rec.activation_checkpointing)
-    return max_micro_batch(replace(req, training=t), rec.layout, rec.strategy)
+    return max_micro_batch(replace(req, training=t), rec.parallelism, rec.strategy)
 
 
 def recommended(req: Request, rec: Recommendation) -> Estimate | None:
     """The recommendation's own estimate (its method and checkpointing may differ from the request's)."""
-    if rec.strategy is None or rec.layout is None:
+    if rec.strategy is None or rec.parallelism is None:
         return None
     t = replace(req.training, method=rec.method, activation_checkpointing=rec.activation_checkpointing)
-    return estimate(replace(req, training=t), rec.layout, rec.strategy)
+    return estimate(replace(req, training=t), rec.parallelism, rec.strategy)
 
 
 def time_model(req: Request) -> dict:
@@ -139,7 +139,7 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
             "label": rec.label,
             "method": rec.method,
             "activation_checkpointing": rec.activation_checkpointing,
-            "layout": asdict(rec.layout) if rec.layout else None,
+            "layout": asdict(rec.parallelism) if rec.parallelism else None,
             "reason": rec.reason,
             "steps": [asdict(s) for s in rec.steps],
             "alternatives": rec.alternatives,
@@ -158,7 +158,7 @@ def _estimate_dict(e: Estimate) -> dict:
         "note": e.note,
         "in_distft": e.in_distft,
         "runnable": e.runnable,
-        "layout": asdict(e.layout),
+        "layout": asdict(e.parallelism),
         "stage": e.stage,
         "bytes_per_gpu": {
             "parameters": e.params,
@@ -251,7 +251,7 @@ def pipeline_cuts(req: Request, estimates: dict[str, Estimate]) -> list[str]:
     slowest / mean stage cost, beside the even cut's (`distft.parallel.pipeline.cost`)."""
     lines = []
     for e in estimates.values():
-        par = e.layout
+        par = e.parallelism
         if not e.applicable or par.pp < 2:
             continue
         costs = cost_model(req.model, req.training)
