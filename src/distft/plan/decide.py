@@ -335,22 +335,14 @@ def _nothing_fits(walk: _Walk) -> Recommendation:
                 f"{what} Full finetuning needs more memory than these GPUs offer; {METHOD_NAMES[method]} fits with "
                 f"{r.label}: {r.reason}"
             )
-            return Recommendation(
-                r.strategy,
-                method,
-                r.activation_checkpointing,
-                reason,
-                steps,
-                [gpus_needed(req)],
-                r.parallelism,
-            )
+            ckpt, also = r.activation_checkpointing, [gpus_needed(req)]
+            return Recommendation(r.strategy, method, ckpt, reason, steps, also, r.parallelism)
     if walk.depth == 0 and t.method == "lora":
         r = decide(walk.with_training(method="qlora"), depth=1)
         if r.strategy:
             reason = f"{what} QLoRA fits with {r.label}: {r.reason}"
-            return Recommendation(
-                r.strategy, "qlora", r.activation_checkpointing, reason, steps, [], r.parallelism
-            )
+            ckpt = r.activation_checkpointing
+            return Recommendation(r.strategy, "qlora", ckpt, reason, steps, [], r.parallelism)
     return Recommendation(
         None, t.method, t.activation_checkpointing, what + " " + gpus_needed(req), steps, []
     )
