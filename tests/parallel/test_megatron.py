@@ -24,7 +24,7 @@ from distft.measure.comm import CommCounter
 from distft.measure.expected import expected_comm_bytes
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.parallel.base import unwrap
-from distft.parallel.megatron import MegatronTPSP, all_gather_dim, partition_dim
+from distft.parallel.megatron import TensorSequenceParallel, all_gather_dim, partition_dim
 from tests.helpers import PARITY, assert_same_training, distft, metrics
 from tests.parallel.test_collectives import run_group
 
@@ -92,7 +92,7 @@ def _check_against_one_process(rank: int, world: int) -> None:
         saved[f"{method}/single"] = saved_activation_bytes(LossLM(copy.deepcopy(lm)), batch)
         for sequence_parallel in modes:
             cfg.parallel.sequence_parallel = sequence_parallel
-            strategy = MegatronTPSP(cfg, env)
+            strategy = TensorSequenceParallel(cfg, env)
             model = strategy.parallelize(LossLM(copy.deepcopy(lm)))
             where = f"{method}/{'tp-sp' if sequence_parallel else 'tp'}"
             saved[where] = saved_activation_bytes(model, batch)

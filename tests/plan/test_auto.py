@@ -81,29 +81,23 @@ def test_auto_run_records_predicted_beside_measured(tmp_path):
     )
 
 
-# The layouts on 4 ranks (2 for pp) that tests/plan/test_counted.py does not build in-process, in
-# the precisions the family parity runs leave out: a bf16 full finetune (fp32 master weights where
-# the strategy keeps them: their gradients and FSDP's bf16 gathers) and QLoRA's NF4 gathers.
+# bf16 full finetuning on the multi-dimensional layouts, which tests/plan/test_counted.py does not
+# build in-process and the family runs train in fp32 only: fp32 master weights' gradients and
+# bf16 gathers across HSDP's replicas, bf16 stage boundaries with DDP or FSDP x TP around them.
+# (Their LoRA and QLoRA bytes are checked on every rank by tests/parallel/test_families.py.)
 MULTI_RANK = [
-    ("hsdp", "full", []),
-    ("hsdp", "qlora", []),
-    ("fsdp+tp", "full", ["parallel.tp=2"]),
-    ("pp", "full", []),
-    ("ddp+pp", "full", ["parallel.pp=2"]),
-    ("fsdp+pp", "full", ["parallel.pp=2"]),
-    ("fsdp+pp", "qlora", ["parallel.pp=2"]),
-    ("fsdp+tp+pp", "full", ["parallel.tp=2", "parallel.pp=2"]),
+    ("hsdp", []),
+    ("ddp+pp", ["parallel.pp=2"]),
+    ("fsdp+tp+pp", ["parallel.tp=2", "parallel.pp=2"]),
 ]
 
 
-@pytest.mark.parametrize(("strategy", "method", "layout"), MULTI_RANK)
-def test_every_rank_moves_the_bytes_the_planner_predicted(strategy, method, layout, tmp_path):
+@pytest.mark.parametrize(("strategy", "layout"), MULTI_RANK)
+def test_every_rank_moves_the_bytes_the_planner_predicted(strategy, layout, tmp_path):
     """Rows that fill data.max_length make the plan's shapes the run's: each rank's counted bytes
     of step 1 equal its pipeline rank's prediction, kind by kind."""
-    nproc = "2" if strategy == "pp" else "4"
-    dtype = ["model.dtype=bfloat16"] if method == "full" else ["model.quant_scaler_block_size=4"]
-    distft("train", "--model", "micro", "--strategy", strategy, "--method", method, "--nproc", nproc,
-           *layout, *dtype, *SHORT, "train.eval_batches=0", "--out", str(tmp_path))  # fmt: skip
+    distft("train", "--model", "micro", "--strategy", strategy, "--method", "full", "--nproc", "4",
+           *layout, "model.dtype=bfloat16", *SHORT, "train.eval_batches=0", "--out", str(tmp_path))  # fmt: skip
     for r in json.loads((tmp_path / "ranks.json").read_text()):
         comm = r["comm_bytes_per_step"]
         assert comm["predicted"] == comm["counted"], (r["rank"], comm)

@@ -50,7 +50,7 @@ LAYOUTS = {
     "zero1": Parallelism("zero1", dp=WORLD, shard="optimizer"),
     "fsdp": Parallelism("fsdp", dp=WORLD, shard="full"),
     "zero2": Parallelism("zero2", dp=WORLD, shard="full", reshard_after_forward=False),
-    "tp": Parallelism("tp", tp=WORLD, tp_impl="dtensor"),
+    "tp": Parallelism("tp", tp=WORLD, tensor_parallel="dtensor"),
     "tp-sp": Parallelism("tp-sp", tp=WORLD, sp=True),
 }
 # (batch, seq, labels per sequence, padding of the last row); tp-sp needs right-padded rows only

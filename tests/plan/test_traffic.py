@@ -104,7 +104,7 @@ def test_tp_activations(preset, method):
     cfg, model = _built(method, preset)
     runtime = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches())
     planned = _planned(
-        method, preset, Parallelism("tp", tp=WORLD, tp_impl="dtensor", microbatches=MICRO_BATCHES)
+        method, preset, Parallelism("tp", tp=WORLD, tensor_parallel="dtensor", microbatches=MICRO_BATCHES)
     )
     assert planned == {"all_reduce": runtime}
 
@@ -170,7 +170,13 @@ def test_tp_inside_a_pipeline_stage(preset, method):
     rank 0), the first of which skips q, k and v's backward one under LoRA."""
     cfg, model = _built(method, preset)
     layout = Parallelism(
-        "fsdp+tp+pp", dp=2, tp=WORLD, pp=2, shard="full", tp_impl="dtensor", microbatches=MICRO_BATCHES
+        "fsdp+tp+pp",
+        dp=2,
+        tp=WORLD,
+        pp=2,
+        shard="full",
+        tensor_parallel="dtensor",
+        microbatches=MICRO_BATCHES,
     )
     layers = len(_stage_0_layers(method, preset, layout))
     runtime = counts.tp_activation_bytes(cfg, causal_lm(model.lm), _batches(), layers=layers)

@@ -14,7 +14,7 @@ from distft.parallel.fsdp_pp import FSDPPipelineParallel
 from distft.parallel.fsdp_tp import FSDPTensorParallel
 from distft.parallel.fsdp_tp_pp import FSDPTensorPipelineParallel
 from distft.parallel.hsdp import HSDP
-from distft.parallel.megatron import MegatronTPSP
+from distft.parallel.megatron import TensorSequenceParallel
 from distft.parallel.pipeline import PipelineParallel
 from distft.parallel.single import Single
 from distft.parallel.tensor_parallel import TensorParallel
@@ -30,7 +30,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FSDP,
         HSDP,
         TensorParallel,
-        MegatronTPSP,
+        TensorSequenceParallel,
         PipelineParallel,
         FSDPTensorParallel,
         DDPPipelineParallel,

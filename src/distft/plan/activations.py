@@ -79,7 +79,7 @@ class _Layer:
 
     @property
     def megatron(self) -> bool:
-        return self.par.tp > 1 and self.par.tp_impl == "megatron"
+        return self.par.tp > 1 and self.par.tensor_parallel == "megatron"
 
     @property
     def T(self) -> int:  # tokens inside attention and the MLP (the whole sequence, also under SP)

@@ -104,7 +104,9 @@ class Parallelism:
     fsdp_prefetch: int = 1  # layers gathered ahead (distft's parallel.fsdp_prefetch)
     tp: int = 1
     sp: bool = False
-    tp_impl: str = "megatron"  # megatron (tp-sp, hand-rolled) | dtensor (tp, fsdp+tp: parallelize_module)
+    tensor_parallel: str = (
+        "megatron"  # megatron (tp-sp, hand-rolled) | dtensor (tp, fsdp+tp: parallelize_module)
+    )
     pp: int = 1
     schedule: str = "1f1b"  # parallel.schedule
     microbatches: int = 1  # micro-batches per optimizer step on each pipeline / replica
@@ -123,7 +125,7 @@ class Parallelism:
             pp=dims.pp,
             shard=strategy.shards,
             reshard_after_forward=strategy.reshard_after_forward,
-            tp_impl=strategy.tensor_parallel or "megatron",
+            tensor_parallel=strategy.tensor_parallel or "megatron",
             sp=strategy.tensor_parallel == "megatron",
             **schedule,
         )

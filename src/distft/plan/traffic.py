@@ -194,7 +194,7 @@ def tp_collectives(
     act = c * T * spec.hidden_size
     ckpt = training.activation_checkpointing
     out = []
-    if par.tp_impl == "megatron":
+    if par.tensor_parallel == "megatron":
         # A block's entry carries a norm output (the weights' dtype) forward and its gradient
         # back; an exit a projection output (the compute dtype) and its gradient: with SP an
         # entry all-gathers forward and reduce-scatters backward, an exit the other way round.
@@ -268,7 +268,7 @@ def step_collectives(
         out += tp_collectives(spec, training, par, topo.link(par.tp, 1), layers, rank)
     if par.pp > 1:
         out += pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp), rank)
-    sequence_split = par.tp > 1 and par.tp_impl == "megatron" and par.sp
+    sequence_split = par.tp > 1 and par.tensor_parallel == "megatron" and par.sp
     scalars = STRATEGIES[par.name].step_scalars(par.dp, sequence_split) if par.world > 1 else ()
     if scalars:
         link = topo.link(par.world, 1)
@@ -284,7 +284,7 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism, ra
     """Replicated trainable weights whose gradients each TP rank has only in part (summed once per step)."""
     g = training.precision.grad
     layers = rank_layers(spec, training, par, rank)
-    if par.tp_impl == "dtensor":
+    if par.tensor_parallel == "dtensor":
         # parallelize_module: only q_norm / k_norm's (full finetuning; DTensor completes LoRA's own
         # gradients), sharded over dp under FSDP (`parallel/tensor_parallel.py`).
         dp = par.dp if par.shard == "full" else 1
@@ -296,7 +296,7 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism, ra
         lora = spec.lora_tensors(training.lora_rank, training.lora_targets, training.dora)
         return sum(t.numel for t in lora if t.tp_dim is None and t.layer in held) * g
     qk = 2 * spec.head_dim * len(layers) if spec.qk_norm else 0
-    if par.tp_impl == "megatron" and par.sp:  # every replicated weight sees a sequence shard
+    if par.tensor_parallel == "megatron" and par.sp:  # every replicated weight sees a sequence shard
         norms = 2 * spec.hidden_size * len(layers) + spec.hidden_size
         embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
         return (qk + norms + embed) * g

@@ -8,7 +8,7 @@ Laid out like picotron's `tensor_parallel/`, read in this order:
 - `model.py`: the Qwen3 forward, sequence-first, with a block's collectives at its entry and exit:
   per layer 2 all-gathers + 2 reduce-scatters forward and again backward (SP), or 2 all-reduces
   each way (plain TP);
-- `strategy.py`: `MegatronTPSP`, which shards the model, sums the partial gradients after
+- `strategy.py`: `TensorSequenceParallel`, which shards the model, sums the partial gradients after
   backward (one flat all-reduce), and presents the shards to checkpoints and the export.
 
 Papers: Shoeybi et al., "Megatron-LM" (1909.08053); Korthikanti et al., "Reducing Activation
@@ -29,16 +29,16 @@ from distft.parallel.megatron.collectives import (
 )
 from distft.parallel.megatron.layers import PLAN, ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from distft.parallel.megatron.model import MegatronLM
-from distft.parallel.megatron.strategy import MegatronTPSP
+from distft.parallel.megatron.strategy import TensorSequenceParallel
 from distft.parallel.tensor_parallel import partition_dim
 
 __all__ = [
     "PLAN",
     "ColumnParallelLinear",
     "MegatronLM",
-    "MegatronTPSP",
     "ParallelLinear",
     "RowParallelLinear",
+    "TensorSequenceParallel",
     "all_gather",
     "all_gather_dim",
     "all_reduce",

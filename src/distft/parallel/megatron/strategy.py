@@ -60,7 +60,7 @@ from distft.parallel.tensor_parallel import check_tp_degree, partial_gradient_pa
 from distft.tensors import local
 
 
-class MegatronTPSP(Strategy):
+class TensorSequenceParallel(Strategy):
     name = "tp-sp"
     label = "TP + SP"
     holds = "as `tp`, plus 1/N of the sequence between blocks"
