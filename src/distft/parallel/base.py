@@ -38,7 +38,7 @@ Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, labels: each (micr
 class Strategy:
     name: ClassVar[str]
     # -- what the strategy is: its one description, read by the planner (`distft.plan`), bench, the
-    # checks before launch and the docs' strategy table (`distft.parallel.describe`) -----------------
+    # checks before launch and the README's strategy table (`registry.strategy_table`) ------------
     label: ClassVar[str]  # how reports name it ("FSDP / ZeRO-3")
     holds: ClassVar[str]  # what each rank holds
     moves: ClassVar[str]  # the collectives of one optimizer step

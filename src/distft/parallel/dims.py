@@ -50,7 +50,7 @@ class ParallelDims:
     def of(cls, strategy_dims: tuple[str, ...], cfg: Config) -> ParallelDims:
         """The degrees a strategy spanning `strategy_dims` (`Strategy.dims`) runs `cfg` with: the
         user's parallel.dp / tp / pp on several dimensions, every rank on its one dimension, or one
-        process. The runtime's mesh and the planner's layout (`plan.auto.layout_of`) both read it."""
+        process. The runtime's mesh and the planner (`plan.auto.parallelism_of`) both read it."""
         if len(strategy_dims) > 1:
             return cls.from_config(cfg)
         world = cfg.world_size
