@@ -34,8 +34,7 @@ from distft.io.checkpoint import check_resume
 from distft.io.lock import run_lock
 from distft.io.preflight import check_finished_run, check_output_dir, check_writable
 from distft.launch import launch_ranks
-from distft.model import model_config
-from distft.model.build import check_weight_files
+from distft.model.build import architecture, check_weight_files
 from distft.parallel import STRATEGIES, check_config, check_model, ignored_settings
 from distft.parallel.derive import notes_for_ranks, read_rank_notes
 from distft.parallel.pipeline.calibrate import calibrate
@@ -89,7 +88,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         help="LoRA adapters on a frozen base, the same on a 4-bit NF4 base "
         f"({', '.join(s for s, c in STRATEGIES.items() if c.supports_qlora)}), or full finetuning",
     )
-    p.add_argument("--data", help="sample (bundled meetings), a .jsonl/.parquet file, or a hub dataset id")
+    p.add_argument(
+        "--data",
+        help="sample (bundled meetings), sample-long (whole 4k-28k-token meetings), a .jsonl/.parquet file, or a hub dataset id",
+    )
     p.add_argument("--max-steps", type=int, help="optimizer steps")
     p.add_argument("--out", help="run directory for adapter/, metrics.jsonl and config.toml")
     p.add_argument(
@@ -196,9 +198,9 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
     check_optimizer(cfg, "cuda" if on_cuda else "cpu")  # adamw-8bit: bitsandbytes, and it runs here
     check_finished_run(cfg, resuming)  # after check_resume: a foreign config is named first
     check_weight_files(cfg.model)
-    architecture = model_config(cfg.model.name, cfg.model.trust_remote_code, cfg.model.revision)
-    check_model(cfg, architecture)
-    check_output_dir(cfg, architecture)
+    model = architecture(cfg.model)  # rotary embeddings as model.rope_scaling stretches them
+    check_model(cfg, model)
+    check_output_dir(cfg, model)
     prepare_data(cfg)
 
 

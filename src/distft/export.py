@@ -24,6 +24,7 @@ from torch import nn
 
 from distft.config import Config, load_config
 from distft.data import SummaryRow, data_name, end_of_turn, validation_rows
+from distft.data.sample import SAMPLES, is_sample
 from distft.errors import ConfigError, DataError
 from distft.infer import load_trained
 from distft.io.checkpoint import resume_hint
@@ -246,8 +247,8 @@ def model_card(
     )
     losses = final_losses(run_dir)
     data = (
-        "the meetings bundled with distft (synthetic)"
-        if cfg.data.source == "sample" and not cfg.data.sources
+        f"{SAMPLES[cfg.data.source].title} (`--data {cfg.data.source}`)"
+        if is_sample(cfg.data.source) and not cfg.data.sources
         else f"`{data_name(cfg.data)}`"
     )
     result = (

@@ -110,13 +110,13 @@ def references(tmp_path_factory):
 METHOD_SETTINGS = {"lora": [], "full": ["train.eval_batches=1"], "qlora": ["model.quant_scaler_block_size=4"]}
 
 
-def resume_step_2(reference: Path, out: Path, strategy: str) -> list[dict]:
+def resume_step_2(reference: Path, out: Path, strategy: str, *overrides: str) -> list[dict]:
     """The run as a crash during step 2 leaves it (step 1's checkpoint and record, no adapter),
-    resumed under `strategy`; its step records."""
+    resumed under `strategy` (and `overrides`); its step records."""
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("adapter"))
     (out / "metrics.jsonl").write_text((reference / "metrics.jsonl").read_text().splitlines()[0] + "\n")
     layout = ["--strategy", strategy, "--nproc", str(NPROC[strategy]), *LAYOUTS.get(strategy, [])]
-    proc = distft("train", "--resume", str(out), *layout)
+    proc = distft("train", "--resume", str(out), *layout, *overrides)
     assert "resuming from" in proc.stdout and "(step 1)" in proc.stdout
     records = metrics(out)
     assert records[1]["comm_bytes"] == records[1]["comm_bytes_expected"]

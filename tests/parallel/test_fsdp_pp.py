@@ -49,7 +49,7 @@ def planned_line(gpus: int, strategy: str, **degrees: int) -> tuple[list[str], R
     dp = degrees.get("dp", 1)
     req = request(f"{PLAN} --gpus {gpus} --pp-microbatches {4 // dp}")
     lay = parallelism_for(req, strategy, **degrees)
-    argv = shlex.split(run_command(req, strategy, "lora", False, lay))
+    argv = shlex.split(run_command(req, strategy, "lora", "none", lay))
     assert argv[:2] == ["distft", "train"] and "train.global_batch_size=4" in argv
     return argv[1:], req, lay
 
@@ -161,7 +161,7 @@ def test_3d_on_eight_processes(reference, tmp_path):
     req = request(f"{PLAN} --gpus 8 --pp-microbatches 2")
     lay = evaluate(req)["fsdp+tp+pp"].parallelism
     assert (lay.dp, lay.tp, lay.pp) == (2, 2, 2)
-    argv = shlex.split(run_command(req, "fsdp+tp+pp", "lora", False, lay))
+    argv = shlex.split(run_command(req, "fsdp+tp+pp", "lora", "none", lay))
     out = tmp_path / "3d8"
     distft(*argv[1:], *SUITE, "--out", str(out), timeout=400)
     assert_same_training(out, reference)

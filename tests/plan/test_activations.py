@@ -22,6 +22,7 @@ from distft.data import ChatFormatter, count_label_tokens, global_batch_indices,
 from distft.data.tokenizer import load_tokenizer
 from distft.measure.activations import SavedActivations
 from distft.model import LossLM, apply_method, causal_lm, load_base_model, summed_loss
+from distft.model.checkpointing import enable_checkpointing
 from distft.plan.activations import activation_bytes
 from distft.plan.inputs import PRECISIONS, Parallelism, Training, rank_layers
 from distft.plan.model_spec import resolve_model
@@ -49,7 +50,7 @@ def build(
     method: str,
     dtype: str = "float32",
     attn: str = "sdpa",
-    checkpointing: bool = False,
+    checkpointing: str = "none",
     preset: str = "micro",
 ) -> LossLM:
     cfg = load_config(
@@ -64,8 +65,7 @@ def build(
     )
     torch.manual_seed(0)
     lm = apply_method(load_base_model(cfg.model), cfg)
-    if checkpointing:
-        causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(causal_lm(lm), checkpointing)
     model = LossLM(lm)
     model.train()
     return model
@@ -92,13 +92,19 @@ def training(method: str, b: int, s: int, labels: int, **kw) -> Training:
 
 
 CASES = [  # (method, dtype, attention, checkpointing, batch, seq, labels, pad)
-    ("full", "float32", "eager", False, 2, 64, 8, 0),
-    ("lora", "float32", "eager", False, 2, 96, 8, 7),
-    ("full", "bfloat16", "sdpa", False, 2, 128, 16, 0),
-    ("lora", "bfloat16", "sdpa", False, 1, 256, 16, 0),
-    ("lora", "bfloat16", "eager", False, 2, 64, 8, 5),
-    ("full", "float32", "sdpa", True, 2, 128, 16, 0),
-    ("lora", "float32", "sdpa", True, 1, 256, 8, 0),
+    ("full", "float32", "eager", "none", 2, 64, 8, 0),
+    ("lora", "float32", "eager", "none", 2, 96, 8, 7),
+    ("full", "bfloat16", "sdpa", "none", 2, 128, 16, 0),
+    ("lora", "bfloat16", "sdpa", "none", 1, 256, 16, 0),
+    ("lora", "bfloat16", "eager", "none", 2, 64, 8, 5),
+    ("full", "float32", "sdpa", "full", 2, 128, 16, 0),
+    ("lora", "float32", "sdpa", "full", 1, 256, 8, 0),
+    ("lora", "bfloat16", "sdpa", "selective", 2, 128, 16, 0),
+    ("full", "float32", "eager", "selective", 2, 64, 8, 0),
+    ("lora", "float32", "sdpa", "offload", 1, 256, 8, 0),
+    # Loss on 2,000 positions: 1.2 GB of logits, so the chunked head (`distft.model.loss`)
+    ("lora", "float32", "sdpa", "full", 1, 2048, 2000, 0),
+    ("full", "float32", "sdpa", "none", 1, 2048, 2000, 0),
 ]
 
 
@@ -128,8 +134,11 @@ def test_single_process_cases(method, dtype, attn, ckpt, b, s, labels, pad, pres
     print(f"{preset} {method} {dtype} {attn} ckpt={ckpt} b={b} s={s}: measured {got} predicted {want}")
     assert abs(want - got) <= TOLERANCE * got
     # Exact on CPU for these kernels (a drift means a kernel changed what it saves), but for rotary
-    # cos/sin under checkpointing: real memory, held by the checkpoint's closure, unseen by the hook.
-    assert want == got + (predicted.detail["rotary"] if ckpt else 0)
+    # cos/sin under whole-layer checkpointing: real memory, held by the checkpoint's closure, unseen
+    # by the hook. Offloaded layer inputs are in host memory (`host`), out of the hook's sight too.
+    assert want == got + (predicted.detail["rotary"] if ckpt in ("full", "offload") else 0)
+    layer_inputs = model.lm.config.num_hidden_layers * b * s * model.lm.config.hidden_size * 4
+    assert predicted.host == (layer_inputs if ckpt == "offload" else 0)
 
 
 # ---- pipeline stages ---------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def test_recommended_pipelines_print_a_command_train_accepts():
     for name in ("fsdp+tp+pp", "fsdp+pp"):
         lay = estimates[name].parallelism
         line = to_dict(req, estimates, rec)["recommendation"]["command"] if name == rec.strategy else None
-        line = line or run_command(req, name, "full", True, lay)
+        line = line or run_command(req, name, "full", "full", lay)
         cfg = parse_run(line)
         assert check_config(cfg).data_parallel_size == lay.dp  # the runtime's checks before launch
         assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)

@@ -56,7 +56,7 @@ def test_step_time_on_one_gpu_is_flops_over_peak_times_mfu():
     assert est.step_s == pytest.approx(2 * PER_SEQUENCE / (989e12 * ASSUMED_MFU["full"]))
     # Checkpointing adds the layers' forward once more: 2N per token and 2 L d_attn s^2.
     ckpt = estimate(
-        request(HAND, replace(FULL, activation_checkpointing=True), mfu=0.5), parallelism_for(req, "single")
+        request(HAND, replace(FULL, activation_checkpointing="full"), mfu=0.5), parallelism_for(req, "single")
     )
     again = 2 * (128 * 2 * 81_920 + 2 * 2 * 64 * 128**2)
     assert ckpt.step_s == pytest.approx((2 * PER_SEQUENCE + again) / (989e12 * 0.5))

@@ -18,6 +18,9 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_CHOICES = ("auto", "flex", "flash", "sdpa", "eager")  # `distft.model.attention`
 COMPILE_CHOICES = FUSED_CHOICES = ("auto", "true", "false")  # model.compile, optim.fused
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+CHECKPOINTING = ("none", "full", "selective", "offload")  # model.activation_checkpointing
+CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}  # what the setting was when it was a switch
+ROPE_SCALINGS = ("none", "yarn", "linear", "dynamic")  # `distft.model.positions`
 MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
 TRUNCATIONS = ("head", "tail", "middle")
 DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca", "sharegpt", "text")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from distft.config.choices import (
     ATTENTION_CHOICES,
+    CHECKPOINTING,
+    CHECKPOINTING_ALIASES,
     COMPILE_BACKENDS,
     COMPILE_CHOICES,
     DATA_FORMATS,
@@ -25,6 +27,7 @@ from distft.config.choices import (
     METHODS,
     OPTIMIZERS,
     ROLES,
+    ROPE_SCALINGS,
     SCHEDULERS,
     TRACKERS,
     TRUNCATIONS,
@@ -52,6 +55,10 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.train.method, METHODS, "train.method")
     check_choice(cfg.model.dtype, DTYPES, "model.dtype")
     check_choice(cfg.model.attn_implementation, ATTENTION_CHOICES, "model.attn_implementation")
+    checkpointing = cfg.model.activation_checkpointing
+    cfg.model.activation_checkpointing = CHECKPOINTING_ALIASES.get(checkpointing, checkpointing)
+    check_choice(cfg.model.activation_checkpointing, CHECKPOINTING, "model.activation_checkpointing")
+    check_choice(cfg.model.rope_scaling, ROPE_SCALINGS, "model.rope_scaling")
     check_choice(cfg.data.truncation, TRUNCATIONS, "data.truncation")
     check_choice(cfg.data.format, DATA_FORMATS, "data.format")
     _check_data(cfg.data)
@@ -207,6 +214,7 @@ RANGES: dict[str, Range] = {
     "model.seed": SEED,
     "model.quant_block_size": Range(2),  # and even, under train.method=qlora
     "model.quant_scaler_block_size": COUNT,
+    "model.rope_factor": NON_NEGATIVE,  # 0: unset; > 1 with model.rope_scaling (`distft.model.positions`)
     "data.validation_fraction": Range(0, 1, low_open=True, high_open=True),
     "data.max_length": Range(32),  # the chat template alone takes ~10-35 tokens
     "data.max_rows": NON_NEGATIVE,
@@ -289,6 +297,16 @@ def _check_relations(cfg: Config) -> None:
     if cfg.train.method == "qlora" and cfg.model.quant_block_size % 2:
         raise ConfigError(
             f"`model.quant_block_size` must be a positive even number, got {cfg.model.quant_block_size}."
+        )
+    if cfg.model.rope_scaling != "none" and not cfg.model.rope_factor > 1:
+        raise ConfigError(
+            f"model.rope_scaling={cfg.model.rope_scaling} needs model.rope_factor > 1, the factor the "
+            "pretrained positions are multiplied by (e.g. 4: Qwen3's 32,768 -> 131,072)."
+        )
+    if cfg.model.rope_scaling == "none" and cfg.model.rope_factor:
+        raise ConfigError(
+            f"model.rope_factor={cfg.model.rope_factor:g} does nothing without model.rope_scaling "
+            "(yarn, linear or dynamic)."
         )
     if cfg.parallel.node_rank >= cfg.parallel.nnodes:
         raise ConfigError(

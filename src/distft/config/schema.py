@@ -26,12 +26,16 @@ class ModelConfig:
     upcasts them, `autocast_adapter_dtype`): a bf16 base trains fp32 adapters and optimizer state."""
     autocast: bool = True
     """bf16 autocast for forward/backward where the device supports it (CUDA only; a no-op on CPU)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward instead of storing its activations."""
+    activation_checkpointing: str = "none"
+    """What a decoder layer keeps for backward (`distft.model.checkpointing`): none, full (its input;
+    recomputed in backward), selective (recompute the MLP) or offload (full, inputs in host memory)."""
+    rope_scaling: str = "none"
+    """Stretch rotary positions past the model's (`distft.model.positions`): none, yarn, linear, dynamic."""
+    rope_factor: float = 0.0
+    """With model.rope_scaling: the factor on the pretrained positions (Qwen3: 4 -> 131,072 tokens)."""
     attn_implementation: str = "auto"
     """Attention kernel (`distft.model.attention`): auto (flash where flash-attn runs, else flex),
-    flex (FlexAttention with a document block mask for packed rows, causal SDPA for one document),
-    flash (flash-attn's varlen kernel, CUDA), sdpa (a dense block-diagonal mask) or eager."""
+    flex (FlexAttention, a document block mask), flash (varlen, CUDA), sdpa (a dense mask), eager."""
     seed: int = 0
     """Seed of the random initialisation of preset models."""
     trust_remote_code: bool = False
@@ -52,17 +56,15 @@ class ModelConfig:
     """QLoRA: store the block absmaxes in 8 bits (double quantization); false: in the model dtype."""
     compile: str = "auto"
     """torch.compile each decoder layer (`distft.model.compile`): auto (on CUDA where the strategy
-    takes compiled blocks: single, ddp, zero1, fsdp, zero2, hsdp; eager with one line that says why
-    if compiling fails), true (a compile failure stops the run) or false."""
+    takes compiled blocks; eager, saying why, if compiling fails), true (a failure stops the run), false."""
     compile_backend: str = "inductor"
-    """The torch.compile backend: inductor, or aot_eager (traces and runs AOT autograd without
-    generating code: fast to compile, for tests on the CPU) or eager."""
+    """The torch.compile backend: inductor, aot_eager (AOT autograd, no code generated: CPU tests) or eager."""
 
 
 @dataclass
 class DataConfig:
     source: str = "sample"
-    """`sample` (bundled meetings), a local .jsonl/.parquet file, or a hub dataset id."""
+    """`sample` (bundled meetings), `sample-long` (whole meetings of 4k-28k tokens), a .jsonl/.parquet file, or a hub id."""
     transcript_field: str = ""
     """Field holding the transcript; empty: detected from the known AMI schemas."""
     summary_field: str = ""

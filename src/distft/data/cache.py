@@ -44,7 +44,7 @@ from distft.data.chat import ENCODE_CHUNK, ChatFormatter, TokenizedSplit, tokeni
 from distft.data.formats import Row
 from distft.data.mixture import data_name, mix_splits, source_configs, source_weights
 from distft.data.rows import check_splits, held_out, is_local, load_rows, row_source
-from distft.data.sample import sample_path
+from distft.data.sample import is_sample, sample_files
 from distft.data.store import META, CachedSplit, StoreWriter, open_store
 from distft.data.tokenizer import cache_root, tokenizer_fingerprint
 from distft.errors import DataError
@@ -78,8 +78,8 @@ def source_identity(cfg: DataConfig) -> dict:
     by each of its sources (their weights and formats are settings)."""
     if cfg.sources:
         return {"mixture": [source_identity(sub) for sub in source_configs(cfg)]}
-    if cfg.source == "sample":
-        return {"files": [_file_identity(sample_path(s)) for s in ("train", "validation")]}
+    if is_sample(cfg.source):
+        return {"files": [_file_identity(path) for path in sample_files(cfg.source)]}
     if is_local(cfg):
         if not Path(cfg.source).is_file():
             raise DataError(f"Dataset file {cfg.source} does not exist.")

@@ -1,10 +1,10 @@
 """Reading rows: from the bundle, a local JSONL/Parquet file, a hub dataset, or memory.
 
-Rows come from the bundled sample meetings, a local JSONL/Parquet file (`distft.data.files`), a
-hub dataset, several of these mixed by weight (`data.sources`, `distft.data.mixture`), or a
-dataset handed to `distft.train.train(cfg, dataset=...)` (a list of dicts, a `datasets.Dataset`,
-or a mapping of split name to either). Each record is parsed by `distft.data.formats` (detected
-or set by `data.format`). A malformed row is a
+Rows come from the synthetic meetings (`sample`, `sample-long`: `distft.data.sample`), a local
+JSONL/Parquet file (`distft.data.files`), a hub dataset, several of these mixed by weight
+(`data.sources`, `distft.data.mixture`), or a dataset handed to `distft.train.train(cfg,
+dataset=...)` (a list of dicts, a `datasets.Dataset`, or a mapping of split name to either). Each
+record is parsed by `distft.data.formats` (detected or set by `data.format`). A malformed row is a
 `DataError` naming its file and line (or its index) before anything is launched.
 
 Files and hub sets are read as streams (`row_source`): one row at a time, so the token cache
@@ -31,7 +31,7 @@ from distft.config import DataConfig
 from distft.data.files import check_is_file, iter_jsonl, iter_local
 from distft.data.formats import Row, row_from_record
 from distft.data.mixture import data_name, mixture_picks, source_configs, source_weights
-from distft.data.sample import sample_path
+from distft.data.sample import SAMPLES, is_sample, sample_path
 from distft.errors import DataError
 from distft.hub import hub_offline
 from distft.text import plural
@@ -124,9 +124,13 @@ def row_source(cfg: DataConfig) -> RowSource:
             "read back: say which rows to use, `distft infer --input FILE` (a transcript, or a "
             ".jsonl/.parquet of rows) or `distft eval --data FILE`."
         )
-    if cfg.source == "sample":
+    if is_sample(cfg.source):  # a generated set is written on its first read
         return RowSource(
-            "sample", {s: (lambda s=s: iter_jsonl(sample_path(s), cfg)) for s in ("train", "validation")}
+            cfg.source,
+            {
+                s: (lambda s=s: iter_jsonl(sample_path(s, cfg.source), cfg))
+                for s in SAMPLES[cfg.source].splits
+            },
         )
     if is_local(cfg):
         path = Path(cfg.source)

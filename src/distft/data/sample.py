@@ -7,17 +7,34 @@ These meetings stand in for it: a deterministic generator (standard library only
 objections and agreement, spoken disfluencies, decisions and action items. The summary is written
 from the same facts, so a model can learn the mapping from transcript to summary.
 
+`SAMPLES` names the synthetic sets `data.source` may be: `sample`, these meetings (a few hundred
+tokens, 0.9 MB), bundled in the package; and `sample-long`, whole meetings of 4k-32k tokens
+(`distft.data.sample_long`): 3.9 MB for 72 rows, four times the bundle and a pure function of the
+code, so it is not shipped but written in half a second on first use into distft's cache
+(`$DISTFT_CACHE`, else ~/.cache/distft; an installed package's directory may be read-only), under
+a hash of the generators' code: a changed generator writes a new set, never reads a stale one.
+
 Regenerate the bundled files with `python -m distft.data.sample` (byte-identical on every machine).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+from distft.data import sample_long
+from distft.data.tokenizer import cache_root
+from distft.errors import DataError
 
 SAMPLE_DIR = Path(__file__).parent / "sample"
 SAMPLE_SPLITS: dict[str, tuple[int, int]] = {"train": (400, 1234), "validation": (40, 98765)}
+LONG_SPLITS: dict[str, tuple[int, int]] = {"train": (64, 4321), "validation": (8, 56789)}
 
 FIRST_NAMES = [
     "Anna", "Tom", "Priya", "Marco", "Lena", "David", "Sofia", "Kenji", "Grace", "Omar", "Julia", "Felix",
@@ -222,25 +239,85 @@ def generate_meeting(rng: random.Random, meeting_id: str) -> dict[str, str]:
     return {"id": meeting_id, "transcript": "\n".join(lines), "summary": summary}
 
 
-def generate_split(split: str, n: int, seed: int) -> list[dict[str, str]]:
+# ---- the synthetic sets `data.source` may name --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A synthetic set: what it is called in lineage and model cards, its splits as (rows, seed),
+    the generator of one meeting, and whether its files ship in the package (else: the cache)."""
+
+    title: str
+    splits: dict[str, tuple[int, int]]
+    meeting: Callable[[random.Random, str], dict[str, str]]
+    bundled: bool
+
+
+SAMPLES: dict[str, Sample] = {
+    "sample": Sample("the bundled synthetic meetings", SAMPLE_SPLITS, generate_meeting, True),
+    "sample-long": Sample(
+        "the long synthetic meetings of 4k-32k tokens", LONG_SPLITS, sample_long.generate_long_meeting, False
+    ),
+}
+
+
+def is_sample(source: str) -> bool:
+    """Whether `data.source` names one of distft's synthetic sets (`SAMPLES`)."""
+    return source in SAMPLES
+
+
+def generate_split(split: str, n: int, seed: int, name: str = "sample") -> list[dict[str, str]]:
     rng = random.Random(seed)
-    return [generate_meeting(rng, f"sample-{split}-{i:04d}") for i in range(n)]
+    return [SAMPLES[name].meeting(rng, f"{name}-{split}-{i:04d}") for i in range(n)]
 
 
-def write_sample_files(directory: Path) -> None:
+def write_sample_files(directory: Path, name: str = "sample") -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    for split, (n, seed) in SAMPLE_SPLITS.items():
-        rows = generate_split(split, n, seed)
+    for split, (n, seed) in SAMPLES[name].splits.items():
+        rows = generate_split(split, n, seed, name)
         text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         (directory / f"{split}.jsonl").write_text(text, encoding="utf-8")
 
 
-def sample_path(split: str) -> Path:
-    if split not in SAMPLE_SPLITS:
-        raise ValueError(f"sample data has splits {sorted(SAMPLE_SPLITS)}, not {split!r}")
-    return SAMPLE_DIR / f"{split}.jsonl"
+def _generated(name: str) -> Path:
+    """The directory of a set written on first use: in distft's cache, named by a hash of the
+    generators' code. Written whole into a temporary directory, then renamed into place: under
+    torchrun several ranks may race here, and a crash leaves no half set."""
+    code = hashlib.sha256(Path(__file__).read_bytes() + Path(sample_long.__file__).read_bytes())
+    final = cache_root() / "samples" / f"{name}-{code.hexdigest()[:12]}"
+
+    def complete() -> bool:
+        return all((final / f"{split}.jsonl").is_file() for split in SAMPLES[name].splits)
+
+    if complete():
+        return final
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    try:
+        write_sample_files(tmp, name)
+        tmp.rename(final)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not complete():  # else another process's rename won: its copy is identical
+            raise DataError(
+                f"Cannot write the {name} meetings to {final} ({err.strerror}): delete that directory "
+                "if it is there, or set DISTFT_CACHE to a writable one."
+            ) from None
+    return final
+
+
+def sample_path(split: str, name: str = "sample") -> Path:
+    """A synthetic set's split file (written first if it is generated and not there yet)."""
+    if split not in SAMPLES[name].splits:
+        raise ValueError(f"{name} data has splits {sorted(SAMPLES[name].splits)}, not {split!r}")
+    return (SAMPLE_DIR if SAMPLES[name].bundled else _generated(name)) / f"{split}.jsonl"
+
+
+def sample_files(name: str) -> list[Path]:
+    """A synthetic set's files, one per split: what the token cache's key knows it by."""
+    return [sample_path(split, name) for split in SAMPLES[name].splits]
 
 
 if __name__ == "__main__":
     write_sample_files(SAMPLE_DIR)
     print(f"wrote {', '.join(str(sample_path(s)) for s in SAMPLE_SPLITS)}")
+    print(f"sample-long: {', '.join(str(p) for p in sample_files('sample-long'))}")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from distft.config import Config
 from distft.data import data_name
+from distft.data.sample import SAMPLES, is_sample
 from distft.io.files import atomic_write_text
 from distft.model import PRESETS, is_preset
 from distft.model.families import FAMILIES
@@ -70,7 +71,7 @@ def write_lineage(path: Path, lineage: dict | None) -> None:
 
 
 def _data_name(source: str) -> str:
-    return "the bundled synthetic meetings (--data sample)" if source == "sample" else f"`{source}`"
+    return f"{SAMPLES[source].title} (--data {source})" if is_sample(source) else f"`{source}`"
 
 
 def describe(lineage: dict, this_run: str | None = None) -> str:

@@ -72,25 +72,44 @@ def tp_activation_bytes(
     n_layers = lm.config.num_hidden_layers if layers is None else layers
     lora = cfg.train.method in ("lora", "qlora")
     targets = set(cfg.lora.target_modules) if lora else set()
-    adapters = n_layers * sum(path.split(".")[-1] in targets for path in (*COLUMN, *ROW))
+    adapters = tp_adapter_calls(n_layers, targets, cfg.model.activation_checkpointing)
     calls = tp_activation_calls(n_layers, lora, cfg.model.activation_checkpointing, input_needs_grad)
     itemsize = itemsize or next(lm.parameters()).element_size()  # the activations' dtype
     tokens = sum(b["input_ids"].numel() for b in batches)
     return itemsize * tokens * (hidden * calls + cfg.lora.rank * adapters)
 
 
-def tp_activation_calls(layers: int, lora: bool, checkpointing: bool, input_needs_grad: bool = False) -> int:
+# Per layer, the row projections whose forward (and its all-reduce) reruns in backward under each
+# `model.activation_checkpointing` level: the whole layer's two, or the MLP's down_proj alone.
+RECOMPUTED_ROW_PROJECTIONS = {
+    "none": (),
+    "selective": ("down_proj",),
+    "full": ("o_proj", "down_proj"),
+    "offload": ("o_proj", "down_proj"),
+}
+
+
+def tp_adapter_calls(layers: int, targets: set[str], checkpointing: str) -> int:
+    """parallelize_module TP with LoRA, per micro-batch: all-reduces of a (B, S, r) adapter
+    activation, one per adapter on a row projection (forward, after its lora_A; again when
+    recomputed) and per adapter on a column projection (backward, the input of its lora_B)."""
+    projections = [path.split(".")[-1] for path in (*COLUMN, *ROW)]
+    recomputed = RECOMPUTED_ROW_PROJECTIONS[checkpointing]
+    return layers * (sum(n in targets for n in projections) + sum(n in targets for n in recomputed))
+
+
+def tp_activation_calls(layers: int, lora: bool, checkpointing: str, input_needs_grad: bool = False) -> int:
     """parallelize_module TP, per micro-batch: all-reduces of a (B, S, h) activation, 2 per layer
     forward (after the row projections) and 5 backward (one per column projection's input), 3 fewer
     in the first layer when nothing before it trains (LoRA; a later pipeline stage's input always
-    needs its gradient, to send back); checkpointing repeats the forward ones. `distft plan` counts
-    with the same function."""
-    recompute = layers if checkpointing else 0
-    return 2 * (layers + recompute) + 5 * layers - (3 if lora and not input_needs_grad else 0)
+    needs its gradient, to send back); checkpointing repeats the forward ones it recomputes.
+    `distft plan` counts with the same function."""
+    recomputed = len(RECOMPUTED_ROW_PROJECTIONS[checkpointing]) * layers
+    return 2 * layers + recomputed + 5 * layers - (3 if lora and not input_needs_grad else 0)
 
 
 def megatron_crossings(
-    layers: int, lora: bool, targets: set[str], checkpointing: bool
+    layers: int, lora: bool, targets: set[str], checkpointing: str
 ) -> tuple[int, int, int, int]:
     """Megatron TP(+SP), per micro-batch: (block entries, exits, entries with a backward, exits with
     a backward) over all layers. Each layer has 2 blocks (attention, MLP), each entered and left
@@ -105,7 +124,7 @@ def megatron_crossings(
             enters_bwd += needs_grad
             needs_grad = needs_grad or bool(block & targets)
             leaves_bwd += needs_grad
-        recomputed += needs_grad and checkpointing
+        recomputed += needs_grad and checkpointing != "none"  # tp-sp recomputes whole layers
     crossings = 2 * layers + 2 * recomputed
     return crossings, crossings, enters_bwd, leaves_bwd
 

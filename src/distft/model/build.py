@@ -29,6 +29,7 @@ from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
 from distft.model.lm import causal_lm
 from distft.model.nf4 import NF4Spec, quantize_base
+from distft.model.positions import scale_rope
 from distft.model.presets import DTYPES, PRESETS
 
 
@@ -50,6 +51,13 @@ def model_config(name: str, trust_remote_code: bool = False, revision: str = "")
         )
     except OSError as err:
         raise ConfigError(_unreachable_model_message(name, err)) from None
+
+
+def architecture(cfg: ModelConfig) -> PretrainedConfig:
+    """The config `cfg` trains: the model's own, its rotary embeddings stretched as
+    `model.rope_scaling` says (`distft.model.positions`)."""
+    config = model_config(cfg.name, cfg.trust_remote_code, cfg.revision)
+    return scale_rope(config, cfg.rope_scaling, cfg.rope_factor, cfg.name)
 
 
 def linear_layer_names(model_config: PretrainedConfig, trust_remote_code: bool = False) -> list[str]:
@@ -146,6 +154,8 @@ def load_base_model(
         }
         if not Path(cfg.name).is_dir():
             kwargs.update(local_files_only=hub_offline(), revision=cfg.revision or None)
+        if cfg.rope_scaling != "none":  # the rotary module reads it when the model is built
+            kwargs["config"] = architecture(cfg)
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.name, **kwargs)
         except OSError as err:
@@ -156,7 +166,7 @@ def load_base_model(
 
 def _init_preset(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, kernel: str) -> nn.Module:
     """A preset's random weights, initialised where they will live and in their final dtype."""
-    config = PRESETS[cfg.name].to_config()
+    config = scale_rope(PRESETS[cfg.name].to_config(), cfg.rope_scaling, cfg.rope_factor, cfg.name)
     config._attn_implementation = kernel
     # Seeded init so every rank (and every strategy) starts from the same random weights; the
     # generator state of the caller is restored afterwards (CUDA's too, when it is the device).
@@ -179,6 +189,11 @@ def base_recipe(cfg: ModelConfig, device: torch.device | str | None = None) -> d
         "dtype": cfg.dtype,
         "attn_implementation": cfg.attn_implementation,
         "device": torch.device(device or "cpu").type,
+        **(
+            {"rope_scaling": cfg.rope_scaling, "rope_factor": cfg.rope_factor}
+            if cfg.rope_scaling != "none"
+            else {}
+        ),
     }
 
 
@@ -212,6 +227,8 @@ def rebuild_base(recipe: dict) -> nn.Module:
         seed=recipe["seed"],
         dtype=recipe["dtype"],
         attn_implementation=recipe["attn_implementation"],
+        rope_scaling=recipe.get("rope_scaling", "none"),
+        rope_factor=recipe.get("rope_factor", 0.0),
     )
     if recipe["device"] == "cuda" and not torch.cuda.is_available():
         raise ConfigError(

@@ -20,11 +20,14 @@ transformers with `attention_mask=None`, which reads the position restarts as do
 
 `label_positions` (flat indices of the labelled positions, computed on the host with the batch)
 lets the head gather those positions without a boolean index, whose size the host would have to
-wait for (a device-to-host sync per micro-batch on CUDA).
+wait for (a device-to-host sync per micro-batch on CUDA). When the labelled positions' fp32 logits
+would exceed `distft.model.loss.LOGITS_BUDGET_BYTES` (long rows with loss on every token), the head
+runs chunk by chunk (`distft.model.loss.chunked_cross_entropy`), never holding the whole logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -35,7 +38,9 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from distft.model.attention import FLEX, packed_attention_masks
+from distft.model.checkpointing import HostOffload, offloads
 from distft.model.families import layer_types
+from distft.model.loss import chunked_cross_entropy, loss_chunk
 
 
 def causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -79,25 +84,31 @@ def run_layers(
     hidden: torch.Tensor,  # (batch, seq, hidden): the embedded tokens or an earlier stage's output
     attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens (padded)
     position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
+    masks: dict | None = None,  # ready-made mask per layer type, used as given (context parallelism)
 ) -> torch.Tensor:
     """`layers` (index, decoder layer) of `backbone` on `hidden`, with what the family's own forward
-    computes once: positions (0..S-1 with right padding), each layer type's mask, rotary cos/sin."""
+    computes once: positions (0..S-1 with right padding), each layer type's mask (unless `masks`
+    gives them), rotary cos/sin."""
     config = backbone.config
+    documents = position_ids  # None: a row of one document, plain causal attention
     if position_ids is None:
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    if attention_mask is None and config._attn_implementation == FLEX:  # packed, flex: built here
-        masks = packed_attention_masks(config, position_ids)
-    else:
+    if masks is None and attention_mask is None and config._attn_implementation == FLEX:
+        masks = packed_attention_masks(config, documents)  # packed, flex: built here
+    elif masks is None:  # else the caller's (`distft.parallel.context`: what its attention reads)
         masks = transformers_masks(config, hidden, attention_mask, position_ids)
     position_embeddings = backbone.rotary_emb(hidden, position_ids)
     kinds = layer_types(config)
-    for index, layer in layers:
-        hidden = layer(
-            hidden,
-            attention_mask=masks[kinds[index]],
-            position_embeddings=position_embeddings,
-            position_ids=position_ids,
-        )
+    layers = list(layers)
+    offload = offloads([layer for _, layer in layers]) and torch.is_grad_enabled()
+    with HostOffload() if offload else contextlib.nullcontext():  # `model.activation_checkpointing`
+        for index, layer in layers:
+            hidden = layer(
+                hidden,
+                attention_mask=masks[kinds[index]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+            )
     return hidden
 
 
@@ -119,20 +130,38 @@ def transformers_masks(config, hidden: torch.Tensor, attention_mask, position_id
 
 
 def summed_loss(
-    hidden: torch.Tensor,
+    hidden: torch.Tensor,  # (batch, seq, hidden)
     lm_head: nn.Module,
-    labels: torch.Tensor,
-    label_positions: torch.Tensor | None = None,
+    labels: torch.Tensor,  # (batch, seq), shifted, -100 where no loss
+    label_positions: torch.Tensor | None = None,  # (n_labelled,) flat indices where labels != -100
+    *,
+    chunk: int | None = None,  # rows per chunk of the head; None: `loss_chunk` decides
 ) -> torch.Tensor:
-    """Sum of cross-entropy over labelled positions; lm_head runs on those positions only."""
+    """Sum of cross-entropy over labelled positions; lm_head runs on those positions only, in chunks
+    when their logits would be large (or `chunk` is given) and the head can be chunked."""
     if label_positions is None:
         keep = labels != -100
         hidden, labels = hidden[keep], labels[keep]  # a boolean index: the host waits for its size
     else:
         hidden = hidden.flatten(0, 1).index_select(0, label_positions)
         labels = labels.flatten().index_select(0, label_positions)
+    if chunkable(lm_head):
+        chunk = chunk or loss_chunk(hidden.shape[0], lm_head.out_features)
+        if chunk:
+            return chunked_cross_entropy(hidden, lm_head.weight, labels, chunk)
     logits = lm_head(hidden).float()  # (n_labelled, vocab); fp32 for a stable softmax
     return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def chunkable(lm_head: nn.Module) -> bool:
+    """Whether `chunked_cross_entropy(hidden, lm_head.weight, ...)` computes what lm_head would: a
+    plain Linear without bias, its weight a plain tensor. Not a peft-wrapped head (its forward adds
+    the adapter), not a sharded weight (a DTensor: TP, or FSDP2 at rest), nor any other subclass."""
+    return (
+        type(lm_head) is nn.Linear  # FSDP2 changes the class of a module it shards (FSDPLinear)
+        and lm_head.bias is None
+        and type(lm_head.weight) in (torch.Tensor, nn.Parameter)  # a subclass (DTensor) keeps its type
+    )
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from distft.config import Config, check_choice
 from distft.errors import ConfigError
 from distft.model.build import check_target_modules
 from distft.model.families import check_sequence_length, family_of
+from distft.model.positions import check_positions
 from distft.parallel.base import Strategy
 from distft.parallel.registry import STRATEGIES
 
@@ -49,6 +50,7 @@ def check_model(cfg: Config, model_config: PretrainedConfig) -> None:
     a layer `lora.target_modules` names, or is of a family distft does not train."""
     family_of(model_config, cfg.model.name)
     check_sequence_length(model_config, cfg.model.name, cfg.data.max_length)
+    check_positions(model_config, cfg.model.name, cfg.data.max_length)
     check_target_modules(cfg, model_config)
     STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config)
 

@@ -1,7 +1,8 @@
 """The topology of a multi-dimensional run: degrees per dimension, validated, and one DeviceMesh.
 
-`ParallelDims` holds the data-parallel (`dp`), tensor-parallel (`tp`) and pipeline (`pp`, taken
-by ddp+pp, fsdp+pp and fsdp+tp+pp; 1 elsewhere) degrees. Their product must equal the world size;
+`ParallelDims` holds the data-parallel (`dp`), tensor-parallel (`tp`), pipeline (`pp`, taken
+by ddp+pp, fsdp+pp and fsdp+tp+pp; 1 elsewhere) and context-parallel (`cp`: each sequence's positions
+split over the ranks; 1 but for cp) degrees. Their product must equal the world size;
 `dp=0` means "whatever is left" (world / (tp x pp)). Validation runs in `__post_init__`, so a
 `ParallelDims` that exists is consistent, and the CLI checks it before any process is launched.
 
@@ -33,12 +34,14 @@ class ParallelDims:
     pp: int
     """Pipeline degree: ranks a model is cut across in stages (the pipeline strategies; 1 for every other)."""
     world_size: int
+    cp: int = 1
+    """Context-parallel degree: ranks sharing each sequence, each holding 1/cp of its positions."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"`parallel.{name}` must be at least 1, got {getattr(self, name)}.")
-        if self.dp * self.tp * self.pp != self.world_size:
+        if self.dp * self.tp * self.pp * self.cp != self.world_size:
             raise ConfigError(
                 f"parallel.dp x parallel.tp x parallel.pp = {self.dp} x {self.tp} x {self.pp} = "
                 f"{self.dp * self.tp * self.pp}, but the run has {self.world_size} processes "
@@ -54,7 +57,7 @@ class ParallelDims:
         if len(strategy_dims) > 1:
             return cls.from_config(cfg)
         world = cfg.world_size
-        degrees = {"dp": 1, "tp": 1, "pp": 1} | {d: world for d in strategy_dims}
+        degrees = {"dp": 1, "tp": 1, "pp": 1, "cp": 1} | {d: world for d in strategy_dims}
         return cls(**degrees, world_size=world if strategy_dims else 1)
 
     @classmethod

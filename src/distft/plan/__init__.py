@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 
-from distft.config.choices import ATTENTION_CHOICES
+from distft.config.choices import ATTENTION_CHOICES, CHECKPOINTING, ROPE_SCALINGS
 from distft.errors import ConfigError
+from distft.model.positions import check_positions, scale_rope
 from distft.plan.activations import activation_bytes
 from distft.plan.auto import complete, dry_run, predict, resolve_auto, try_predict
 from distft.plan.decide import decide
@@ -106,13 +107,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="link between GPUs of a node (pcie, nvlink: the profile's generation) or between nodes "
         "(infiniband = NDR 400 Gb/s, ib-hdr = 200 Gb/s); default: the profile's link inside a node, NDR between",
     )
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on a GPU (default 1)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    p.add_argument(
-        "--label-tokens", type=int, default=256, help="loss positions per sequence (default 256: a summary)"
-    )
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    _add_sequence_arguments(p)
     p.add_argument(
         "--attention",
         default="auto",
@@ -156,6 +151,40 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 
+def _add_sequence_arguments(p: argparse.ArgumentParser) -> None:
+    """What a sequence is and what its activations keep: length, positions, batch, checkpointing."""
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument(
+        "--rope-scaling",
+        default="none",
+        choices=list(ROPE_SCALINGS),
+        help="stretch the rotary embeddings past the model's positions (model.rope_scaling; yarn for Qwen3)",
+    )
+    p.add_argument("--rope-factor", type=float, default=0.0, help="with --rope-scaling: the factor (> 1)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on a GPU (default 1)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument(
+        "--label-tokens", type=int, default=256, help="loss positions per sequence (default 256: a summary)"
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=list(CHECKPOINTING),
+        help="what a layer keeps for backward (model.activation_checkpointing): full when given alone; "
+        "selective recomputes the MLP only, offload moves each layer's input to host memory",
+    )
+
+
+# How `check_positions` spells its fix here: the plan's own flags.
+PLAN_FLAGS = {
+    "length": "--seq-len {n}",
+    "scaling": "--rope-scaling {kind} --rope-factor {factor:g}",
+    "factor": "--rope-factor {factor:g}",
+}
+
+
 def make_request(args: argparse.Namespace) -> Request:
     """Validate the command line and build the request (every error is a ConfigError)."""
     positive = {
@@ -197,6 +226,12 @@ def make_request(args: argparse.Namespace) -> Request:
             f"--overhead {args.overhead} leaves nothing of --gpu-mem {args.gpu_mem or gpu.label}."
         )
     model = resolve_model(args.model)
+    if args.rope_scaling != "none" and not args.rope_factor > 1:
+        raise ConfigError(
+            f"--rope-scaling {args.rope_scaling} needs --rope-factor > 1, got {args.rope_factor:g}."
+        )
+    rotary = scale_rope(dict(model.rotary), args.rope_scaling, args.rope_factor, model.name)
+    check_positions(rotary, model.name, args.seq_len, PLAN_FLAGS)
     training = Training(
         method=args.method,
         precision=PRECISIONS[args.precision],
@@ -208,6 +243,8 @@ def make_request(args: argparse.Namespace) -> Request:
         label_tokens=args.label_tokens,
         activation_checkpointing=args.activation_checkpointing,
         attention=args.attention,
+        rope_scaling=args.rope_scaling,
+        rope_factor=args.rope_factor if args.rope_scaling != "none" else 0.0,
     )
     return Request(
         model=model,

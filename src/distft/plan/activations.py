@@ -23,13 +23,17 @@ term is a tensor autograd keeps, counted once even when several ops save it:
 - outside the layers: token ids (8 T, full finetuning), rotary cos/sin (2 c S d), the loss mask
   (T bytes), the final norm, lm_head's input (c n h, full finetuning) and the fp32 log-softmax
   (4 n V) over the n labelled positions (distft computes logits only where there is a loss).
+  Past 1 GiB of such logits the head is chunked (`distft.model.loss`): it keeps the gradient of
+  its input (c n h) and, when it trains, of its weight (V h), and one chunk's logits at a time.
 
 Under TP everything inside attention and the MLP is divided by the TP degree (heads and MLP
 columns are split) while the norms, the residual stream and the projections' inputs stay whole.
 Sequence parallelism also splits what lies between the blocks (norms, residual, loss) along the
 sequence; the all-gathered block inputs that column projections keep are still whole. Activation
-checkpointing keeps each layer's input only (c T h) and recomputes one layer at a time in
-backward. A pipeline stage holds its own layers' activations for every micro-batch in flight:
+checkpointing (`full`) keeps each layer's input only (c T h) and recomputes one layer at a time in
+backward; `selective` keeps everything but the MLP module's internals (its input, c T h, instead)
+and recomputes one MLP at a time; `offload` keeps the layer inputs in host memory (`host`) and
+brings one back per layer recomputed. A pipeline stage holds its own layers' activations for every micro-batch in flight:
 GPipe m, 1F1B min(m, p - s) (torch's `Schedule1F1B` warms stage s up with that many forwards),
 interleaved 1F1B (v chunks per rank) min(m v, (v - 1) m' + 2 (p - 1 - s) + 1) chunks, m' the
 micro-batches per round; the first stage holds the most. A rank holds the layers of the stages
@@ -44,6 +48,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from distft.model.loss import loss_chunk
 from distft.plan.inputs import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 from distft.plan.memory import layer_seq_len
 from distft.plan.model_spec import COLUMN, ModelSpec
@@ -56,6 +61,7 @@ class Activations:
     per_layer: int  # one decoder layer, one micro-batch, not checkpointed
     inflight: int = 1  # micro-batches whose activations are alive at once (pipelines)
     detail: dict[str, int] = field(default_factory=dict)
+    host: int = 0  # offloaded checkpoints: in host memory from forward to backward
 
     @property
     def total(self) -> int:
@@ -183,14 +189,16 @@ def _attention_block(x: _Layer, input_grad: bool) -> tuple[int, bool]:
     return total, attn_grad or full or x.adapted("o_proj")
 
 
-def _mlp_block(x: _Layer, residual_grad: bool) -> tuple[int, bool]:
-    """Bytes the MLP half of a layer keeps, and whether its output needs a gradient."""
+def _mlp_block(x: _Layer, residual_grad: bool) -> tuple[int, int, bool]:
+    """Bytes the MLP half of a layer keeps: its norm's, the MLP module's (what selective
+    checkpointing recomputes); and whether its output needs a gradient."""
     spec, t = x.spec, x.training
     c, h, T, Tn = t.precision.activation, spec.hidden_size, x.T, x.Tn
     inter = spec.intermediate_size // x.par.tp
     full = t.method == "full"
-    total = _norm(Tn, h, Tn, residual_grad, full, c)
+    norm = _norm(Tn, h, Tn, residual_grad, full, c)
     n2_grad = residual_grad or full
+    total = 0
     if x.keeps_input("gate_proj", "up_proj"):
         total += c * T * h
     total += x.adapters(h, "gate_proj", "up_proj")
@@ -199,20 +207,23 @@ def _mlp_block(x: _Layer, residual_grad: bool) -> tuple[int, bool]:
     if x.keeps_input("down_proj"):
         total += c * T * inter  # the product, kept by down_proj
     total += x.adapters(inter, "down_proj")
-    return total, gate_grad or up_grad
+    return norm, total, gate_grad or up_grad
 
 
 def layer_activation_bytes(
-    spec: ModelSpec, training: Training, par: Parallelism, input_grad: bool = True
+    spec: ModelSpec, training: Training, par: Parallelism, input_grad: bool = True, level: str = "none"
 ) -> tuple[int, bool]:
-    """Bytes one decoder layer saves for backward on one rank, one micro-batch; and whether its
-    output needs a gradient. `input_grad`: the residual stream entering it needs one (false only
-    before the first adapter when the embeddings are frozen)."""
+    """Bytes one decoder layer saves for backward on one rank, one micro-batch, at checkpointing
+    `level` none or selective (the MLP module keeps its input only); and whether its output needs
+    a gradient. `input_grad`: the residual stream entering it needs one (false only before the
+    first adapter when the embeddings are frozen)."""
     x = _Layer(spec, training, par)
     attn, attn_out_grad = _attention_block(x, input_grad)
     residual_grad = input_grad or attn_out_grad
-    mlp, mlp_grad = _mlp_block(x, residual_grad)
-    return attn + mlp, residual_grad or mlp_grad
+    norm, mlp, mlp_grad = _mlp_block(x, residual_grad)
+    if level == "selective":
+        mlp = training.precision.activation * x.T * spec.hidden_size  # the norm's output, its input
+    return attn + norm + mlp, residual_grad or mlp_grad
 
 
 def inflight_microbatches(par: Parallelism, stage: int) -> tuple[int, int]:
@@ -261,8 +272,16 @@ def _outside_layers(
     per_seq = min(t.label_tokens, S // tp) if sp else min(t.label_tokens, S)
     n = B * per_seq  # labelled positions on this rank (SP: the rank holding the sequence's end)
     detail["final norm"] = _norm(Tn, h, Tn, grad, full, c)
-    detail["loss"] = Tn + (c * n * h if full else 0) + 4 * n * spec.vocab_size + 8 * n + 4
-    return detail, n * spec.vocab_size * (4 + (c if c != 4 else 0))  # logits, their fp32 copy
+    V = spec.vocab_size
+    chunk = loss_chunk(n, V)
+    if chunk is None:  # the plain head: the labelled positions' logits
+        detail["loss"] = Tn + (c * n * h if full else 0) + 4 * n * V + 8 * n + 4
+        return detail, n * V * (4 + (c if c != 4 else 0))  # logits, their fp32 copy
+    # The chunked head (`distft.model.loss`) keeps the gradients it computed in forward: the hidden
+    # states' (n, h) and, when it trains, the head's (V, h), accumulated in fp32 meanwhile.
+    head = t.precision.param * V * h if full else 0
+    detail["loss"] = Tn + c * n * h + head  # no logits, no labels kept
+    return detail, chunk * V * (4 + (c if c != 4 else 0)) + (4 * V * h if full else 0)
 
 
 def activation_bytes(spec: ModelSpec, training: Training, par: Parallelism, stage: int = 0) -> Activations:
@@ -273,22 +292,35 @@ def activation_bytes(spec: ModelSpec, training: Training, par: Parallelism, stag
     # Residual stream entering this rank needs a gradient unless the embeddings are frozen and
     # no adapter came before (LoRA's first layer). On later stages something earlier trained.
     grad = training.method == "full" or not first
-    per_layer_max = layer_total = 0
+    level = training.activation_checkpointing
+    per_layer_max = layer_total = host = 0
+    layer_input = training.precision.activation * x.Tn * spec.hidden_size  # what a checkpoint keeps
     for _ in layers:
-        saved, out_grad = layer_activation_bytes(spec, training, par, grad)
+        saved, out_grad = layer_activation_bytes(spec, training, par, grad, level)
         per_layer_max = max(per_layer_max, layer_activation_bytes(spec, training, par, True)[0])
-        ckpt = training.precision.activation * x.Tn * spec.hidden_size
-        layer_total += ckpt if training.activation_checkpointing else saved
+        if level in ("none", "selective"):
+            layer_total += saved
+        elif level == "full":
+            layer_total += layer_input
+        else:  # offload: in host memory until backward
+            host += layer_input
         grad = grad or out_grad
     outside, loss_transient = _outside_layers(x, first, last, grad, bool(layers))
     detail = {"layers": layer_total, **outside}
     chunks, v = inflight_microbatches(par, stage)
     inflight = chunks / v if par.pp > 1 else 1  # in units of whole-stage micro-batches
-    recompute = per_layer_max if training.activation_checkpointing else 0
+    # Backward rebuilds one layer at a time (offload: with its input back from the host first).
+    recompute = {
+        "none": 0,
+        "selective": _mlp_block(x, True)[1] if layers else 0,  # one MLP's internals at a time
+        "full": per_layer_max,
+        "offload": per_layer_max + layer_input,
+    }[level]
     return Activations(
         saved=math.ceil(sum(detail.values()) * inflight),
         transient=max(recompute, loss_transient),
         per_layer=per_layer_max,
         inflight=chunks,
         detail=detail,
+        host=math.ceil(host * inflight),
     )

@@ -167,7 +167,9 @@ def resolve_auto(cfg: Config) -> str:
         "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
     }
     return f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {rec.reason}" + (
-        " Activation checkpointing on." if rec.activation_checkpointing else ""
+        f" Activation checkpointing: {rec.activation_checkpointing}."
+        if rec.activation_checkpointing != "none"
+        else ""
     )
 
 

@@ -52,9 +52,7 @@ class _Walk:
     def ask(self, question: str, answer: str) -> None:
         self.steps.append(Step(question, answer))
 
-    def rec(
-        self, strategy: str, reason: str, alternatives: list[str] | None = None, ckpt: bool | None = None
-    ):
+    def rec(self, strategy: str, reason: str, alternatives: list[str] | None = None, ckpt: str | None = None):
         t = self.req.training
         ckpt = t.activation_checkpointing if ckpt is None else ckpt
         return Recommendation(
@@ -119,8 +117,8 @@ def _one_gpu(walk: _Walk) -> Recommendation | None:
             f"{gb(sum(c.logical_bytes for c in ddp.collectives))} of gradients per step over {link_name(req, ddp)} "
             f"(about {format_seconds(ddp.comm_s)}, overlapping backward{share}).",
         )
-    if not t.activation_checkpointing:
-        ckpt = estimate(walk.with_training(activation_checkpointing=True), parallelism_for(req, "single"))
+    if not t.checkpointed:
+        ckpt = estimate(walk.with_training(activation_checkpointing="full"), parallelism_for(req, "single"))
         if ckpt.fits:
             walk.ask(
                 question,
@@ -132,7 +130,7 @@ def _one_gpu(walk: _Walk) -> Recommendation | None:
                 "Activations are what does not fit: turn on activation checkpointing (each layer keeps its input "
                 "and is recomputed in backward, about a third more compute), then "
                 + ("train on the one GPU." if n == 1 else f"use DDP over the {n} GPUs for throughput."),
-                ckpt=True,
+                ckpt="full",
             )
     walk.ask(question, f"No: {fit_text(single, req)}.")
     return _nothing_fits(walk) if n == 1 else None
@@ -202,8 +200,8 @@ def _shard(walk: _Walk) -> Recommendation:
         else f"No: activations are {gb(fsdp.activations)} of FSDP's {gb(fsdp.total)} per GPU.",
     )
     ckpt_note = []
-    if not t.activation_checkpointing:
-        ckpt = estimate(walk.with_training(activation_checkpointing=True), fsdp.parallelism, "fsdp")
+    if not t.checkpointed:
+        ckpt = estimate(walk.with_training(activation_checkpointing="full"), fsdp.parallelism, "fsdp")
         if ckpt.applicable and ckpt.fits and not fsdp.fits:
             ckpt_note = [
                 f"Or keep plain FSDP and turn on activation checkpointing: {gb(ckpt.total)} per GPU, about a "
@@ -317,8 +315,8 @@ def _nothing_fits(walk: _Walk) -> Recommendation:
     smallest = min((e for e in walk.est.values() if e.applicable), key=lambda e: e.total)
     what = f"Nothing fits as asked: the smallest is {smallest.label} at {gb(smallest.total)} per GPU."
     walk.ask("Result", what)
-    if walk.depth == 0 and not t.activation_checkpointing:
-        r = decide(walk.with_training(activation_checkpointing=True), depth=1)
+    if walk.depth == 0 and not t.checkpointed:
+        r = decide(walk.with_training(activation_checkpointing="full"), depth=1)
         if r.strategy:
             reason = f"{what} With activation checkpointing {r.label} fits: {r.reason}"
             return Recommendation(r.strategy, t.method, True, reason, steps, r.alternatives, r.parallelism)

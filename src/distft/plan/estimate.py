@@ -162,14 +162,16 @@ class Estimate:
 # ---------------------------------------------------------------------------------------------
 
 
-def parallelism_for(req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1) -> Parallelism:
+def parallelism_for(
+    req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1
+) -> Parallelism:
     """How `strategy` splits the work at these degrees, as the runtime builds it (its class says
     what it shards and how it splits a layer; HSDP shards inside a node)."""
     cls = RUNTIME[strategy]
     m = req.grad_accum
     if pp > 1:
         m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
-    dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp)
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, world_size=dp * tp * pp * cp)
     shard_group = req.gpus_per_node if cls.shard_groups else 0
     return Parallelism.of(cls, dims, microbatches=m, schedule=req.pp_schedule, dp_shard=shard_group)
 

@@ -23,7 +23,7 @@ class Step:
 class Recommendation:
     strategy: str | None  # None: nothing fits
     method: str
-    activation_checkpointing: bool
+    activation_checkpointing: str  # the level (`Training.activation_checkpointing`)
     reason: str
     steps: list[Step]
     alternatives: list[str] = field(default_factory=list)

@@ -76,8 +76,10 @@ class Training:
     micro_batch: int = 1
     # Positions per sequence that carry the loss (distft: the summary); the runtime measures its data's.
     label_tokens: int = DEFAULT_LABEL_TOKENS
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"  # none | full | selective | offload (`distft.model.checkpointing`)
     attention: str = "auto"  # auto | flex | flash (no dense mask) | sdpa (dense mask when padded) | eager
+    rope_scaling: str = "none"  # positions past the model's (`distft.model.positions`); no memory
+    rope_factor: float = 0.0
     padded: bool | None = None  # a padding mask reaches attention; None: micro_batch > 1
     quant: NF4Spec = field(default_factory=NF4Spec)  # the runtime's NF4 storage settings
 
@@ -86,13 +88,17 @@ class Training:
         return self.method in ("lora", "qlora")
 
     @property
+    def checkpointed(self) -> bool:
+        return self.activation_checkpointing != "none"
+
+    @property
     def has_padding_mask(self) -> bool:
         return self.micro_batch > 1 if self.padded is None else self.padded
 
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How the ranks split the work. world = dp x tp x pp."""
+    """How the ranks split the work. world = dp x tp x pp x cp."""
 
     name: str
     dp: int = 1  # data-parallel degree: replicas (DDP), or shards (ZeRO, FSDP)
@@ -112,6 +118,7 @@ class Parallelism:
     microbatches: int = 1  # micro-batches per optimizer step on each pipeline / replica
     stages_per_rank: int = 0  # parallel.stages_per_rank; 0: the schedule's default (SCHEDULES)
     pp_split: str | tuple[int, ...] = "balanced"  # parallel.pp_split: balanced, even, or layers per stage
+    cp: int = 1  # context-parallel degree: ranks sharing each sequence (1/cp of its positions each)
 
     @classmethod
     def of(cls, strategy: type[Strategy], dims: ParallelDims, **schedule) -> Parallelism:
@@ -123,6 +130,7 @@ class Parallelism:
             dp=dims.dp,
             tp=dims.tp,
             pp=dims.pp,
+            cp=dims.cp,
             shard=strategy.shards,
             reshard_after_forward=strategy.reshard_after_forward,
             tensor_parallel=strategy.tensor_parallel or "megatron",
@@ -132,7 +140,7 @@ class Parallelism:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def shard_degree(self) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from distft.config import PROJECTION_NAMES
@@ -79,6 +79,8 @@ class ModelSpec:
     biased: tuple[str, ...] = ()  # projections with a bias (`Family.biased`: Qwen2's q, k, v)
     family: str = "qwen3"  # the family's name (`distft.model.families`), else the config's model_type
     source: str = "preset"  # where the architecture was read from
+    # The config fields that say how far its rotary embeddings reach (`distft.model.positions`).
+    rotary: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def num_attention_heads(self) -> int:  # transformers' name, for `distft.model.nf4.projection_shapes`
@@ -210,6 +212,9 @@ def builtin_table() -> dict[str, ModelSpec]:
     return dict(_table())
 
 
+ROTARY_FIELDS = ("model_type", "max_position_embeddings", "rope_parameters", "rope_scaling")
+
+
 def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     """A `ModelSpec` from the fields of a transformers config (`config.json`, `to_dict()`)."""
     model_type = cfg.get("model_type", "")
@@ -236,6 +241,7 @@ def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
             biased=family.biased if family else (),
             family=model_type or "unknown",
             source=source,
+            rotary={k: cfg.get(k) for k in ROTARY_FIELDS if cfg.get(k) is not None},
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(

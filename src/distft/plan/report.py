@@ -276,7 +276,7 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
         f"[bold]training[/] {t.method}, {trained / 1e6:,.1f}M trainable, {t.precision.name} precision "
         f"({t.precision.description}), seq {t.seq_len} x micro-batch {t.micro_batch} x accumulation "
         f"{req.grad_accum}, loss on {min(t.label_tokens, t.seq_len)} positions per sequence, {t.attention} attention, "
-        f"activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
+        f"activation checkpointing {t.activation_checkpointing}"
     )
     links = req.intra.label + (f" within nodes, {req.inter.label} between" if req.nodes > 1 else "")
     tflops = f", {req.gpu.bf16_tflops:g} bf16 TFLOP/s peak" if req.gpu.bf16_tflops else ""
@@ -295,8 +295,8 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
     for s in rec.steps:
         console.print(f"  [bold]{s.question}[/] {s.answer}", highlight=False)
     ckpt = (
-        " with activation checkpointing"
-        if rec.activation_checkpointing and not t.activation_checkpointing
+        f" with activation checkpointing ({rec.activation_checkpointing})"
+        if rec.activation_checkpointing != t.activation_checkpointing
         else ""
     )
     method = f" ({rec.method})" if rec.method != t.method else ""

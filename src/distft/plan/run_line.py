@@ -23,17 +23,20 @@ from distft.plan.estimate import Request, runnable
 from distft.plan.inputs import Parallelism
 
 
-def run_overrides(req: Request, method: str, ckpt: bool, par: Parallelism) -> dict[str, str]:
+def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dict[str, str]:
     """`section.key` -> value for every setting the estimate of `par` assumed."""
     t = req.training
     out = {
         "model.dtype": t.precision.dtype,
         "model.attn_implementation": t.attention,
-        "model.activation_checkpointing": "true" if ckpt else "false",
+        "model.activation_checkpointing": ckpt,
         "data.max_length": str(t.seq_len),
         "train.micro_batch_size": str(t.micro_batch),
         "train.global_batch_size": str(t.micro_batch * par.microbatches * par.dp),
     }
+    if t.rope_scaling != "none":
+        out["model.rope_scaling"] = t.rope_scaling
+        out["model.rope_factor"] = f"{t.rope_factor:g}"
     if method != "full":
         out["lora.rank"] = str(t.lora_rank)
         if t.dora:
@@ -57,7 +60,7 @@ def run_overrides(req: Request, method: str, ckpt: bool, par: Parallelism) -> di
 
 
 def run_command(
-    req: Request, strategy: str | None, method: str, ckpt: bool, par: Parallelism | None
+    req: Request, strategy: str | None, method: str, ckpt: str, par: Parallelism | None
 ) -> str | None:
     """`distft train ...` for a runnable recommendation; None for one distft cannot run."""
     if strategy is None or par is None or not runnable(strategy, method):

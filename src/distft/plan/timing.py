@@ -96,10 +96,19 @@ def rank_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     busiest = 0.0
     for rank in range(par.pp):
         f = model_flops(spec, training, rank_layers(spec, training, par, rank), holds_last_stage(par, rank))
-        layers = f.layers_flops(S) + (f.recompute(S) if training.activation_checkpointing else 0)
+        layers = f.layers_flops(S) + recompute_flops(f, spec, training, S)
         head = f.head_flops(labelled(training))
         busiest = max(busiest, layers / par.tp + head / (par.tp if par.sp else 1))
     return busiest * training.micro_batch * par.microbatches
+
+
+def recompute_flops(f: ModelFlops, spec: ModelSpec, training: Training, seq: int) -> float:
+    """What backward runs again, per sequence: every layer's forward (full, offload), or the MLP's
+    three frozen projections (selective; its adapters are a rounding error)."""
+    level = training.activation_checkpointing
+    if level == "selective":
+        return 2 * seq * f.layers * 3 * spec.hidden_size * spec.intermediate_size
+    return f.recompute(seq) if level != "none" else 0
 
 
 def no_time_reason(gpu: GPU, training: Training) -> str | None:

@@ -49,6 +49,7 @@ from distft.measure.counts import (
     fsdp_pipeline_gathers,
     megatron_crossings,
     tp_activation_calls,
+    tp_adapter_calls,
 )
 from distft.model.nf4 import nf4_gathered_bytes
 from distft.parallel import STRATEGIES
@@ -69,7 +70,7 @@ from distft.plan.memory import (
     stage_tensors,
     trained_element_bytes,
 )
-from distft.plan.model_spec import COLUMN, ROW, ModelSpec
+from distft.plan.model_spec import ModelSpec
 
 
 @dataclass
@@ -221,7 +222,7 @@ def tp_collectives(
             for n, first in rank_stages(spec, training, par, rank)
         )
         targets = set(training.lora_targets) if lora else set()
-        adapters = layers * sum(n in targets for n in (*COLUMN, *ROW))
+        adapters = tp_adapter_calls(layers, targets, ckpt)
         logical = m * (act * calls + c * T * training.lora_rank * adapters)
         out.append(
             Collective("activations", "all_reduce", logical, m * (calls + adapters), par.tp, link, False)

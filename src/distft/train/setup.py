@@ -36,6 +36,7 @@ from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import LossLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
 from distft.model.attention import resolve_attention
 from distft.model.build import base_recipe, pretrained_origin
+from distft.model.checkpointing import enable_checkpointing
 from distft.model.compile import CompileStats, compile_blocks, compile_wanted
 from distft.model.nf4 import storage_layout
 from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
@@ -136,8 +137,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
 
     torch.manual_seed(cfg.train.seed)  # LoRA's random init: identical on every rank
     lm = apply_method(base, cfg)
-    if cfg.model.activation_checkpointing:
-        causal_lm(lm).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(causal_lm(lm), cfg.model.activation_checkpointing)
     parameters = count_parameters(lm)
     flops = ModelFlops.from_model(lm)  # whole, before a strategy shards it
     compiled = None

@@ -36,6 +36,8 @@ document attends to another; the appended positions are documents of their own.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -45,6 +47,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # eve
 
 from distft.data import document_ids
 from distft.model import summed_loss
+from distft.model.checkpointing import HostOffload
 from distft.parallel.megatron.collectives import (
     copy_to_tp_region,
     gather_from_sp_region,
@@ -67,14 +70,14 @@ class MegatronLM(nn.Module):
         module: nn.Module,
         group: dist.ProcessGroup | None,
         sequence_parallel: bool,
-        checkpoint_layers: bool = False,
+        checkpointing: str = "none",
     ):
         super().__init__()
         self.module = module
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.sequence_parallel = sequence_parallel
-        self.checkpoint_layers = checkpoint_layers
+        self.checkpointing = checkpointing  # none, full or offload (`distft.model.checkpointing`)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a block: the full (S, B, H) every rank needs for its column projections."""
@@ -115,12 +118,16 @@ class MegatronLM(nn.Module):
             mine = slice(self.rank * seq // self.world, (self.rank + 1) * seq // self.world)
             input_ids, labels = input_ids[mine], labels[mine]
         x = backbone.embed_tokens(input_ids)  # (S/N, B, H): each rank embeds only its own tokens
-        for layer in backbone.layers:
-            if self.checkpoint_layers:
-                # early_stop=False: recompute the whole layer, so its 4 collectives rerun every time
-                x = checkpoint(self.layer, layer, x, cos, sin, mask, use_reentrant=False, early_stop=False)
-            else:
-                x = self.layer(layer, x, cos, sin, mask)
+        offload = self.checkpointing == "offload" and torch.is_grad_enabled()
+        with HostOffload() if offload else contextlib.nullcontext():  # each layer's input to the host
+            for layer in backbone.layers:
+                if self.checkpointing != "none":
+                    # early_stop=False: recompute the whole layer, so its 4 collectives rerun every time
+                    x = checkpoint(
+                        self.layer, layer, x, cos, sin, mask, use_reentrant=False, early_stop=False
+                    )
+                else:
+                    x = self.layer(layer, x, cos, sin, mask)
         x = backbone.norm(x)
         return summed_loss(x, self.module.lm_head, labels)  # this rank's tokens' share of the loss
 
