@@ -185,3 +185,23 @@ def test_recommended_pipelines_print_a_command_train_accepts():
         assert check_config(cfg).data_parallel_size == lay.dp  # the runtime's checks before launch
         assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)
         assert STRATEGIES[name].pipeline_layout(cfg) == lay.pipeline(req.training.micro_batch)
+
+
+def test_a_long_sequence_walks_to_the_checkpointing_level_that_fits_one_gpu():
+    """Full checkpointing where the layer inputs fit beside one layer's recompute, offload where
+    they do not; the run: line carries the level and the RoPE scaling the length needs."""
+    for seq, rope, level in ((32768, "", "full"), (65536, " --rope-scaling yarn --rope-factor 2", "offload")):
+        req = request(f"--model Qwen/Qwen3-4B --gpu rtx4090 --seq-len {seq}{rope}")
+        rec = decide(req, evaluate(req))
+        assert (rec.strategy, rec.activation_checkpointing) == ("single", level), rec.reason
+        cfg = parse_run(
+            run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.parallelism)
+        )
+        assert cfg.model.activation_checkpointing == level and cfg.data.max_length == seq
+        assert cfg.model.rope_scaling == ("yarn" if rope else "none")
+    # The same walk from a level already asked for: offload comes only after full.
+    req = request(
+        "--model Qwen/Qwen3-4B --gpu rtx4090 --seq-len 65536 --rope-scaling yarn --rope-factor 2 "
+        "--activation-checkpointing"
+    )
+    assert decide(req, evaluate(req)).activation_checkpointing == "offload"

@@ -3,7 +3,7 @@
 `decide` walks the blog series' framework, question by question, and records each answer:
 0. Can LoRA or QLoRA do it? (For full finetuning: would they fit, and where.)
 1. Does it fit one GPU? Then memory is not the problem: one GPU, or DDP for throughput. If it
-   fits only with activation checkpointing, that is the cheapest fix.
+   fits only with activation checkpointing (full, else offload), that is the cheapest fix.
 2. Is it the optimizer state? If weights, gradients and activations fit but AdamW's state does
    not, shard the optimizer state (ZeRO-1), then gradients (ZeRO-2).
 3. Does the model need sharding? FSDP shards everything; across nodes HSDP keeps FSDP's gathers
@@ -22,7 +22,9 @@ from dataclasses import dataclass, field, replace
 from distft.parallel import STRATEGIES
 from distft.plan.estimate import Estimate, Request, best, estimate, evaluate, parallelism_for
 from distft.plan.explain import (
+    KEEPS,
     METHOD_NAMES,
+    STRONGER,
     Recommendation,
     Step,
     fit_text,
@@ -117,20 +119,19 @@ def _one_gpu(walk: _Walk) -> Recommendation | None:
             f"{gb(sum(c.logical_bytes for c in ddp.collectives))} of gradients per step over {link_name(req, ddp)} "
             f"(about {format_seconds(ddp.comm_s)}, overlapping backward{share}).",
         )
-    if not t.checkpointed:
-        ckpt = estimate(walk.with_training(activation_checkpointing="full"), parallelism_for(req, "single"))
+    for level in STRONGER[t.activation_checkpointing]:  # full, then offload: what each layer keeps
+        ckpt = estimate(walk.with_training(activation_checkpointing=level), parallelism_for(req, "single"))
         if ckpt.fits:
             walk.ask(
                 question,
                 f"Not as asked ({gb(single.total)}, {gb(single.activations)} of it activations), but with "
-                f"activation checkpointing it needs {gb(ckpt.total)}, which fits.",
+                f"activation checkpointing ({level}) it needs {gb(ckpt.total)}, which fits.",
             )
             return walk.rec(
                 "single" if n == 1 else "ddp",
-                "Activations are what does not fit: turn on activation checkpointing (each layer keeps its input "
-                "and is recomputed in backward, about a third more compute), then "
+                f"Activations are what does not fit: model.activation_checkpointing={level} ({KEEPS[level]}), then "
                 + ("train on the one GPU." if n == 1 else f"use DDP over the {n} GPUs for throughput."),
-                ckpt="full",
+                ckpt=level,
             )
     walk.ask(question, f"No: {fit_text(single, req)}.")
     return _nothing_fits(walk) if n == 1 else None

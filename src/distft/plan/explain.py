@@ -145,3 +145,18 @@ def gpus_needed(req: Request) -> str:
                 f"({gb(e.total)} per GPU)."
             )
     return f"{req.training.method.capitalize()} finetuning does not fit with FSDP even on 512 such GPUs."
+
+
+# Checkpointing levels that keep less than each one (selective is a lever the user picks, not one
+# the walk tries: full and offload fit whatever selective fits).
+STRONGER = {
+    "none": ("full", "offload"),
+    "selective": ("full", "offload"),
+    "full": ("offload",),
+    "offload": (),
+}
+KEEPS = {
+    "full": "each layer keeps its input and is recomputed in backward, about a third more compute",
+    "offload": "each layer's input waits in host memory and the layer is recomputed in backward: a third "
+    "more compute and one copy out and back per layer, hidden behind long sequences' attention",
+}
