@@ -15,6 +15,7 @@ from distft.plan.estimate import Estimate, Request, estimate, max_micro_batch
 from distft.plan.explain import Recommendation
 from distft.plan.hardware import format_bytes, format_seconds
 from distft.plan.inputs import cost_model, pipeline_layout
+from distft.plan.longest import longest_sequences, positions_limit
 from distft.plan.memory import trainable_params
 from distft.plan.run_line import run_command
 from distft.plan.timing import MFU_SOURCE, format_duration
@@ -134,6 +135,10 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
         },
         "time_model": time_model(req),
         "strategies": [_estimate_dict(e) for e in estimates.values()],
+        "longest_sequence": {
+            "positions": positions_limit(req),
+            "per_strategy": longest_sequences(req, applicable(estimates)),
+        },
         "recommendation": {
             "strategy": rec.strategy,
             "label": rec.label,
@@ -196,6 +201,10 @@ def _estimate_dict(e: Estimate) -> dict:
         "min_global_batch": e.min_global_batch,
         "time": time_dict(e),
     }
+
+
+def applicable(estimates: dict[str, Estimate]) -> list[str]:
+    return [name for name, e in estimates.items() if e.applicable]
 
 
 def print_json(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -> None:
@@ -289,6 +298,16 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
     console.print(table)
     if skipped:
         console.print(f"[dim]not applicable: {'; '.join(skipped)}[/]", highlight=False)
+    longest = longest_sequences(req, applicable(estimates))
+    levels = " / ".join(next(iter(longest.values()), {}))
+    console.print(
+        f"[bold]longest sequence that fits[/] (tokens, up to the model's {positions_limit(req):,} positions; "
+        f"activation checkpointing {levels}): "
+        + "; ".join(
+            f"{estimates[s].label} {' / '.join(f'{n:,}' for n in by.values())}" for s, by in longest.items()
+        ),
+        highlight=False,
+    )
     for line in pipeline_cuts(req, estimates):
         console.print(f"[dim]{line}[/]", highlight=False)
     console.print("[bold]decision[/]")
