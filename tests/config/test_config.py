@@ -100,7 +100,7 @@ def test_a_bad_choice_lists_the_choices_once(value, hint):
         check_config(load_config(None, [f"parallel.strategy={value}"]))
     message = str(err.value)
     assert message.count("ddp+pp") == 1 and "Valid:" not in message, message
-    assert message.startswith(f"`parallel.strategy` is '{value}'; choose one of ddp, ddp+pp, fsdp")
+    assert message.startswith(f"`parallel.strategy` is '{value}'; choose one of cp, ddp, ddp+pp, fsdp")
     assert (hint in message) if hint else message.endswith("zero2.")
 
 

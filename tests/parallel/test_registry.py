@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_strategy_describes_itself_and_the_readme_shows_it():
     for name, cls in STRATEGIES.items():
         assert cls.label and cls.holds and cls.moves, name
-        assert set(cls.dims) <= {"dp", "tp", "pp"} and len(set(cls.dims)) == len(cls.dims), name
+        assert set(cls.dims) <= {"dp", "tp", "pp", "cp"} and len(set(cls.dims)) == len(cls.dims), name
         assert cls.shards in ("none", "optimizer", "full"), name
         assert cls.tensor_parallel in ("", "dtensor", "megatron") and bool(cls.tensor_parallel) == (
             "tp" in cls.dims
@@ -61,8 +61,8 @@ def test_one_mesh_description_for_every_strategy():
         if not cls.distributed:
             overrides[1] = "parallel.nproc=1"
         dims = ParallelDims.of(cls.dims, load_config(None, overrides))
-        degrees = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp}
-        assert dims.world_size == dims.dp * dims.tp * dims.pp, name
+        degrees = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp}
+        assert dims.world_size == dims.dp * dims.tp * dims.pp * dims.cp, name
         assert {d for d, v in degrees.items() if v > 1} <= set(cls.dims), name
         if len(cls.dims) == 1:
             assert degrees[cls.dims[0]] == 4, name

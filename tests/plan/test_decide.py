@@ -268,6 +268,7 @@ def test_json_has_every_strategy_and_component(capsys):
         "hsdp",
         "tp",
         "tp-sp",
+        "cp",
         "pp",
         "fsdp+tp",
         "ddp+pp",

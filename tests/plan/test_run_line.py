@@ -11,6 +11,7 @@ needs beyond the estimate: the pretrained weights, their learning rate and `--da
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -205,3 +206,19 @@ def test_a_long_sequence_walks_to_the_checkpointing_level_that_fits_one_gpu():
         "--activation-checkpointing"
     )
     assert decide(req, evaluate(req)).activation_checkpointing == "offload"
+
+
+def test_a_sequence_too_long_for_one_gpu_even_offloaded_walks_to_context_parallelism():
+    req = request(
+        "--model Qwen/Qwen3-4B --gpus 4 --gpu rtx4090 --seq-len 131072 --rope-scaling yarn --rope-factor 4 "
+        "--activation-checkpointing"
+    )
+    estimates = evaluate(req)
+    rec = decide(req, estimates)
+    assert rec.strategy == "cp", rec.reason
+    offloaded = evaluate(replace(req, training=replace(req.training, activation_checkpointing="offload")))
+    assert not offloaded["single"].fits and estimates["cp"].fits  # not one GPU, even offloaded
+    # It moves less than TP+SP, which splits the sequence too, and is faster for it.
+    assert estimates["cp"].comm_bytes < estimates["tp-sp"].comm_bytes / 4
+    cfg = parse_run(run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.parallelism))
+    assert check_config(cfg).data_parallel_size == 1 and cfg.parallel.nproc == 4

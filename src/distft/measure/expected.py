@@ -180,6 +180,37 @@ def megatron(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, i
     }
 
 
+def context(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, int]:
+    """Per micro-batch of B rows padded to S' (a multiple of 2N) and per layer: K and V of the whole
+    row all-gathered, 2 B S' Hkv d in the compute dtype (again where checkpointing recomputes the
+    layer), dK and dV reduce-scattered where the keys need a gradient; per step every trainable
+    gradient all-reduced once, and the loss."""
+    lm = causal_lm(unwrap(model).lm)
+    config, world = lm.config, s.env.world_size
+    autocast = s.cfg.model.autocast and s.env.device.type == "cuda"
+    itemsize = 2 if autocast else next(lm.parameters()).element_size()
+    level = s.cfg.model.activation_checkpointing
+    lora = s.cfg.train.method in ("lora", "qlora")
+    targets = set(s.cfg.lora.target_modules) if lora else set()
+    frozen = int(lora and not targets & {"k_proj", "v_proj"})  # LoRA's first layer, keys untrained
+    layers = config.num_hidden_layers
+    kv = sum(
+        2 * b["input_ids"].shape[0] * padded_to(b["input_ids"].shape[1], 2 * world)
+        * config.num_key_value_heads * config.head_dim * itemsize
+        for b in batches
+    )  # fmt: skip
+    grads = local_bytes(p for p in model.parameters() if p.requires_grad)
+    return {
+        "all_gather": kv * layers * (2 if level in ("full", "offload") else 1),
+        "reduce_scatter": kv * (layers - frozen),
+        "all_reduce": grads + sum(s.step_scalars(1)),
+    }
+
+
+def padded_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def pipeline(
     s: Strategy, model: nn.Module, batches: list[Batch], itemsize: int | None = None
 ) -> dict[str, int]:
@@ -251,6 +282,7 @@ FORMULAS: dict[str, Formula] = {
     "hsdp": hsdp,
     "tp": tp,
     "tp-sp": megatron,
+    "cp": context,
     "pp": pipeline,
     "fsdp+tp": fsdp_tp,
     "ddp+pp": ddp_pipeline,

@@ -96,7 +96,7 @@ class Strategy:
         stage, a sequence split), and the squared gradient norm (float64, 8 B) where a gradient is
         sharded (FSDP, TP) or split across stages (`grads.clip_grad_norm_`). The planner and the
         runtime's expected bytes both count them here."""
-        loss = (4,) if dp > 1 or cls.pipelined or sequence_split else ()
+        loss = (4,) if dp > 1 or cls.pipelined or sequence_split or "cp" in cls.dims else ()
         norm = (8,) if cls.shards == "full" or "tp" in cls.dims or cls.pipelined else ()
         return loss + norm
 

@@ -7,6 +7,7 @@ read this table."""
 from __future__ import annotations
 
 from distft.parallel.base import Strategy
+from distft.parallel.context import ContextParallel
 from distft.parallel.ddp import DDP
 from distft.parallel.ddp_pp import DDPPipelineParallel
 from distft.parallel.fsdp import FSDP, ZeRO2
@@ -31,6 +32,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         HSDP,
         TensorParallel,
         TensorSequenceParallel,
+        ContextParallel,
         PipelineParallel,
         FSDPTensorParallel,
         DDPPipelineParallel,

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from distft.model.loss import loss_chunk
 from distft.plan.inputs import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
-from distft.plan.memory import layer_seq_len
+from distft.plan.memory import cp_padded_len, layer_seq_len
 from distft.plan.model_spec import COLUMN, ModelSpec
 
 
@@ -89,7 +89,17 @@ class _Layer:
 
     @property
     def T(self) -> int:  # tokens inside attention and the MLP (the whole sequence, also under SP)
+        if self.par.cp > 1:  # context parallelism: this rank's head and tail chunks
+            return (
+                self.training.micro_batch * cp_padded_len(self.training.seq_len, self.par.cp) // self.par.cp
+            )
         return self.training.micro_batch * layer_seq_len(self.training, self.par)
+
+    @property
+    def kv_tokens(self) -> int:  # the keys and values attention keeps: CP's are all-gathered
+        if self.par.cp > 1:
+            return self.training.micro_batch * cp_padded_len(self.training.seq_len, self.par.cp)
+        return self.T
 
     @property
     def Tn(self) -> int:  # tokens of the residual stream and the norms on this rank
@@ -155,11 +165,12 @@ class _Layer:
             return total + (c * T * nq * d if o_input else 0)  # the output made contiguous for o_proj
         # transformers' SDPA sees a dense padding mask; distft's Megatron layer is causal only, and
         # flex/flash take a block mask or none
-        masked = t.has_padding_mask and not self.megatron and t.attention == "sdpa"
+        # (distft's context-parallel attention is causal too: right-padded rows need no mask)
+        masked = t.has_padding_mask and not self.megatron and self.par.cp == 1 and t.attention == "sdpa"
         # With a mask transformers repeats k and v to every head: a copy, unless this rank has a
         # single KV head (then the repeat is a stride-0 view of it).
         kv = nq if masked and nkv > 1 else nkv
-        total = c * T * d * (2 * nq + 2 * kv) + 4 * T * nq  # q, k, v, output (o_proj's input); LSE
+        total = c * d * (2 * T * nq + 2 * self.kv_tokens * kv) + 4 * T * nq  # q, k, v, output; LSE
         return total + (c * B * S * S if masked else 0)  # the additive mask, kept by sdpa
 
 
@@ -259,6 +270,8 @@ def _outside_layers(
         x.Tn,
         spec.hidden_size,
     )
+    if x.par.cp > 1:  # context parallelism: this rank's positions only
+        S = T // B
     full = t.method == "full"
     detail: dict[str, int] = {}
     if first and full:

@@ -9,9 +9,9 @@
 3. Does the model need sharding? FSDP shards everything; across nodes HSDP keeps FSDP's gathers
    inside each node and FSDP x TP keeps TP on the node's fast links. Is the interconnect slow (PCIe, or FSDP's traffic longer than the compute it
    should hide behind)? TP+SP moves activations instead of weights.
-4. Is sequence length the problem? FSDP does not split activations: TP+SP does (along the
-   sequence too), FSDP x TP splits attention's and the MLP's over its TP ranks; activation
-   checkpointing trades them for a third more compute.
+4. Is sequence length the problem? FSDP does not split activations: CP splits the positions (the
+   fastest when the whole weights fit), TP+SP does too, FSDP x TP splits attention's and the MLP's
+   over its TP ranks; activation checkpointing trades them for a third more compute.
 If nothing fits as asked, the tree says what would: checkpointing, LoRA/QLoRA, or more GPUs.
 """
 
@@ -278,9 +278,7 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
                 f"({gb(tpsp.total)} per GPU) and is faster ({rate(tpsp)} against {rate(fsdp)}).",
             )
         hides = (
-            "hides behind compute"
-            if not slow
-            else "does not fully hide behind compute, but FSDP is still faster"
+            "does not fully hide behind compute, but FSDP is still faster" if slow else "hides behind compute"
         )
         return rec(
             "fsdp",
@@ -292,8 +290,13 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
         how = {
             "tp-sp": "splits them with sequence parallelism and shards the weights",
             "fsdp+tp": "splits attention's heads and the MLP's columns over its TP ranks and shards the weights",
+            "cp": "splits every sequence's positions over the GPUs and moves only K and V",
         }
-        for cand in (fsdp_tp, tpsp) if not slow else (tpsp, fsdp_tp):
+        order, cp = (fsdp_tp, tpsp) if not slow else (tpsp, fsdp_tp), est["cp"]
+        faster = cp.fits and (cp.tokens_per_s or 0) >= max((c.tokens_per_s or 0) for c in order if c.fits)
+        for cand in (
+            (cp,) if faster else ()
+        ) + order:  # CP first where its whole weights fit and it is fastest
             if cand.fits:
                 return rec(
                     cand.strategy,
@@ -306,7 +309,7 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
             return rec(cand.strategy, f"{fit_text(cand, req)}.", ckpt_note)
     if ckpt_note:
         reason = ckpt_note[0].replace("Or keep", "Keep")
-        return Recommendation("fsdp", t.method, True, reason, walk.steps, [], fsdp.parallelism)
+        return Recommendation("fsdp", t.method, "full", reason, walk.steps, [], fsdp.parallelism)
     return _nothing_fits(walk)
 
 

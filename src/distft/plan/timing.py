@@ -98,7 +98,8 @@ def rank_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
         f = model_flops(spec, training, rank_layers(spec, training, par, rank), holds_last_stage(par, rank))
         layers = f.layers_flops(S) + recompute_flops(f, spec, training, S)
         head = f.head_flops(labelled(training))
-        busiest = max(busiest, layers / par.tp + head / (par.tp if par.sp else 1))
+        # TP splits every layer's work, CP every sequence's (evenly: the head/tail chunks)
+        busiest = max(busiest, layers / (par.tp * par.cp) + head / (par.tp if par.sp else 1))
     return busiest * training.micro_batch * par.microbatches
 
 

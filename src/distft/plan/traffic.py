@@ -64,6 +64,7 @@ from distft.plan.inputs import (
     rank_stages,
 )
 from distft.plan.memory import (
+    cp_padded_len,
     layer_seq_len,
     local_shape,
     param_element_bytes,
@@ -233,6 +234,38 @@ def tp_collectives(
     return out
 
 
+def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: Link) -> list[Collective]:
+    """Context parallelism: per micro-batch and layer, K and V of the whole (padded) sequence
+    all-gathered (again when checkpointing recomputes the layer's attention), dK and dV
+    reduce-scattered back where the keys need a gradient; once per step, the gradients summed."""
+    m, c, layers = par.microbatches, training.precision.activation, spec.num_layers
+    kv = (
+        2
+        * c
+        * training.micro_batch
+        * cp_padded_len(training.seq_len, par.cp)
+        * spec.num_kv_heads
+        * spec.head_dim
+    )
+    gathers = layers * (2 if training.activation_checkpointing in ("full", "offload") else 1)
+    backward = layers - kv_frozen_layers(training)
+    grads = held_bytes(spec, training, par, "gradients")
+    return [
+        Collective("keys, values", "all_gather", m * kv * gathers, m * gathers, par.cp, link, False),
+        Collective(
+            "key, value gradients", "reduce_scatter", m * kv * backward, m * backward, par.cp, link, False
+        ),
+        Collective("gradients", "all_reduce", grads, 1, par.cp, link, False),
+    ]
+
+
+def kv_frozen_layers(training: Training) -> int:
+    """Layers whose keys and values need no gradient: LoRA's first layer when nothing before its
+    k/v projections trains (the frozen embedding's output, no adapter on k_proj or v_proj)."""
+    targets = set(training.lora_targets) if training.lora else set()
+    return int(training.lora and not targets & {"k_proj", "v_proj"})
+
+
 def pp_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, rank: int = 0
 ) -> list[Collective]:
@@ -269,6 +302,8 @@ def step_collectives(
         out += tp_collectives(spec, training, par, topo.link(par.tp, 1), layers, rank)
     if par.pp > 1:
         out += pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp), rank)
+    if par.cp > 1:
+        out += cp_collectives(spec, training, par, topo.link(par.cp, 1))
     sequence_split = par.tp > 1 and par.tensor_parallel == "megatron" and par.sp
     scalars = STRATEGIES[par.name].step_scalars(par.dp, sequence_split) if par.world > 1 else ()
     if scalars:

@@ -1,0 +1,110 @@
+"""The `LossLM` forward on this rank's share of every row's positions (context parallelism).
+
+Per forward: pad each row to a multiple of 2N (fill token 0, label -100, positions continuing),
+take this rank's chunks r and 2N-1-r of every row with their global position ids, embed those
+tokens, run the decoder layers (`distft.model.lm.run_layers`, so the layers' activation
+checkpointing and host offload apply as in one process) with the CP attention installed as the
+model's kernel and a `ContextShard` as every layer's mask, then the final norm and the loss over
+this rank's labelled positions only. The loss is this rank's share of the row's summed loss.
+
+The attention kernel is picked by name, `config._attn_implementation`, which every attention
+module reads when it runs. It is `CONTEXT` while this forward runs and restored after, so the
+model is unchanged outside it. A layer checkpointed in full reruns its forward in backward,
+outside this forward: a hook on the layers' output gradient installs `CONTEXT` again when
+backward reaches the layers, and the end of that backward restores it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distft.model import summed_loss
+from distft.model.families import layer_types
+from distft.model.lm import run_layers
+from distft.parallel.context.attention import CONTEXT, ContextShard, register
+from distft.tensors import document_ids
+
+
+class ContextParallelLM(nn.Module):
+    """The `LossLM` (kept as `.module`, where `unwrap` finds it) run on 1/N of every row."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.module = module
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        register()
+
+    def local_positions(self, seq: int, device: torch.device) -> tuple[int, torch.Tensor]:
+        """(L, the 2L indices of this rank's positions in a row of `seq`, a multiple of 2N)."""
+        length = seq // (2 * self.world)
+        head, tail = self.rank, 2 * self.world - 1 - self.rank
+        index = torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in (head, tail)])
+        return length, index
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (batch, seq)
+        labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
+        attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens, right-padded
+        position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
+    ) -> torch.Tensor:
+        if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+            raise ValueError("cp applies a causal mask only, which is exact for right-padded batches only")
+        # Padded rows: the mask is dropped. With causal attention no real position sees a later
+        # one, so none sees padding; padding carries no label (`distft.parallel.context`).
+        seq = input_ids.shape[1]
+        packed = position_ids is not None  # one document per row otherwise: plain causal
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0)  # (1, S)
+        pad = -seq % (2 * self.world)  # fill: no label, positions continuing the row's last
+        if pad:
+            input_ids = F.pad(input_ids, (0, pad), value=0)
+            labels = F.pad(labels, (0, pad), value=-100)
+            more = torch.arange(1, pad + 1, device=position_ids.device)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + more], dim=1)
+        length, index = self.local_positions(seq + pad, input_ids.device)
+        shard = ContextShard(
+            group=self.group,
+            rank=self.rank,
+            world=self.world,
+            chunk=length,
+            chunks=(self.rank, 2 * self.world - 1 - self.rank),
+            documents=document_ids(position_ids) if packed else None,  # (B, S), the fill in the last
+        )
+        backbone = self.module.backbone
+        config = backbone.config
+        previous = config._attn_implementation
+        config._attn_implementation = CONTEXT
+        try:
+            hidden = backbone.embed_tokens(input_ids[:, index])  # (B, 2L, H): this rank's tokens
+            hidden = run_layers(
+                backbone,
+                enumerate(backbone.layers),
+                hidden,
+                position_ids=position_ids[:, index],  # global: rotary at each token's own position
+                masks=dict.fromkeys(set(layer_types(config)), shard),
+            )
+        finally:
+            config._attn_implementation = previous
+        if hidden.requires_grad:
+            hidden.register_hook(_attention_in_backward(config, previous))
+        hidden = backbone.norm(hidden)
+        return summed_loss(hidden, self.module.lm_head, labels[:, index])  # this rank's share
+
+
+def _attention_in_backward(config, previous: str | None):
+    """A gradient hook on the layers' output: backward reaches it before any layer's backward, so
+    a layer recomputed there (activation checkpointing) runs `CONTEXT` again; restored when this
+    backward ends."""
+
+    def install(grad: torch.Tensor) -> torch.Tensor:
+        config._attn_implementation = CONTEXT
+        restore = lambda: setattr(config, "_attn_implementation", previous)  # noqa: E731
+        torch.autograd.Variable._execution_engine.queue_callback(restore)
+        return grad
+
+    return install

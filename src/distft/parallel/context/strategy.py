@@ -1,0 +1,79 @@
+"""`cp`: context parallelism, each rank on 1/N of every row's positions (`distft.parallel.context`).
+
+Every rank reads the same rows (no data parallelism) and holds the whole model, replicated as under
+DDP: nothing is sharded, so QLoRA's NF4 base, checkpoints and the export are the single model's.
+
+Gradients. Each rank back-propagates its own positions' share of the summed loss, so each weight's
+gradient on a rank is the gradient of that share (K and V's, already summed over every rank's
+queries by the reduce-scatter in backward). The whole gradient is their sum: `after_backward`
+all-reduces every trainable gradient once per optimizer step, in one flat buffer, after the last
+micro-batch (as Megatron's partial gradients). After it the gradients are equal on every rank,
+so the norm counts each once (the base class's `gradient_shares`: plain tensors, replicated).
+
+Loss. Each rank's loss sum covers its own positions: `reduce_loss` all-reduces it. The loop divides
+by the global count of labelled positions, which every rank counts itself from the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig
+
+from distft.config import Config
+from distft.errors import ConfigError
+from distft.parallel.base import Strategy, unwrap
+from distft.parallel.context.model import ContextParallelLM
+from distft.parallel.grads import all_reduce_flat
+
+
+class ContextParallel(Strategy):
+    name = "cp"
+    label = "Context parallel (CP)"
+    holds = "the whole model; 1/N of every sequence's activations"
+    moves = (
+        "K and V all-gathered per layer (dK, dV reduce-scattered back); gradients all-reduced once per step"
+    )
+    page = "long-context.md"  # under docs/, as every strategy's (`registry.strategy_table`)
+    dims = ("cp",)
+    supports_qlora: ClassVar[bool] = True  # nothing is sharded: each rank holds the whole NF4 base
+    builds_on_device: ClassVar[bool] = True  # the whole model on each rank, as DDP
+    supports_compile: ClassVar[bool] = False
+    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")  # replicated plain tensors
+    takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
+    collectives = "the all-gathers of K and V / reduce-scatters of dK and dV (cp)"
+
+    @classmethod
+    def data_parallel_size(cls, cfg: Config) -> int:
+        return 1  # every rank reads the same rows
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        super().validate_model(cfg, model_config)  # NF4 blocks under qlora
+        if set(getattr(model_config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+            raise ConfigError(f"--strategy {cls.name} supports full attention only (no sliding window).")
+        if getattr(model_config, "attention_dropout", 0.0):
+            raise ConfigError(f"--strategy {cls.name} runs without attention dropout (attention_dropout=0).")
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        return ContextParallelLM(model.to(self.env.device), group=None)
+
+    def after_backward(self, model: nn.Module) -> None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        all_reduce_flat(grads)  # one collective: each rank held its positions' share
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        local_sum = local_sum.clone()
+        dist.all_reduce(local_sum)  # each rank's share: the loss over its positions
+        return local_sum
+
+    # The model is replicated: the single model's state, read through the wrapper (whose `module.`
+    # prefix would otherwise hide every name from the base class's filter).
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return super().checkpoint_state(unwrap(model), optimizer)
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        super().load_checkpoint_state(unwrap(model), optimizer, state)
