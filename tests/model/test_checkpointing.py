@@ -11,6 +11,8 @@ step 2 like it, moving the bytes its formula and the planner count.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -124,3 +126,8 @@ def reference(tmp_path_factory):
 def test_strategies_train_like_one_process_at_a_level(strategy, level, reference, tmp_path):
     resume_step_2(reference, tmp_path / "run", strategy, f"model.activation_checkpointing={level}")
     assert_same_training(tmp_path / "run", reference)
+    # Every rank records the activations it kept beside the planner's, and offload's host bytes.
+    for rank in json.loads((tmp_path / "run" / "ranks.json").read_text()):
+        acts = rank["activations"]
+        assert acts["measured_saved_bytes"] > 0 and acts["predicted_saved_bytes"] > 0, (strategy, acts)
+        assert (acts["predicted_host_bytes"] > 0) == (level == "offload"), (strategy, acts)

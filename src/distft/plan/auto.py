@@ -223,6 +223,13 @@ def predict(cfg: Config) -> dict:
             "activations": est.activations,
             "communication_buffers": est.buffers,
         },
+        # What autograd keeps between forward and backward (what a run's probe measures), the
+        # working set on top of it, and offloaded layer inputs in host memory.
+        "activations": {  # none where the layout is not one the planner models (one FSDP rank)
+            "saved": est.activations - est.activation_detail.get("transient", 0),
+            "transient": est.activation_detail.get("transient", 0),
+            "host": est.host_activations,
+        },
         "fits": est.fits,
         "usable_bytes": req.usable,
         "comm_bytes": by_pp_rank[0],

@@ -97,6 +97,7 @@ class Estimate:
     note: str = ""
     stage: int = 0  # the pipeline stage the figures are for (the fullest)
     activation_detail: dict[str, int] = field(default_factory=dict)
+    host_activations: int = 0  # offloaded layer inputs, in host memory (`Activations.host`)
     buffer_detail: dict[str, int] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
     time: StepTime | None = None  # the step's predicted time, in parts (None: no bf16 peak)
@@ -217,6 +218,7 @@ def estimate(req: Request, par: Parallelism, strategy: str | None = None) -> Est
     _, est.stage, state, act, buffers = worst
     est.params, est.grads, est.optimizer = state.params, state.grads, state.optimizer
     est.activations, est.activation_detail = act.total, {**act.detail, "transient": act.transient}
+    est.host_activations = act.host
     est.buffers, est.buffer_detail = sum(buffers.values()), buffers
     est.fits = est.total <= req.usable
     est.collectives = step_collectives(req.model, req.training, par, req.topology)

@@ -177,7 +177,8 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     # ---- export ---------------------------------------------------------------------------
     straggler = stragglers.of(env.rank) if stragglers else None
     summary = rank_summary(run, measure.saved_activation_bytes) | measure.rank_record()
-    summary |= {"straggler": straggler, **prediction_record(run, measure.first_comm_bytes)}
+    prediction = prediction_record(run, measure.first_comm_bytes, measure.saved_activation_bytes)
+    summary |= {"straggler": straggler, **prediction}
     ranks = export(run, summary)
     if env.is_main:
         metrics.close()

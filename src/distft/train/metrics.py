@@ -26,6 +26,7 @@ from distft.data import Example
 from distft.distributed import DistEnv
 from distft.io.files import atomic_write_text
 from distft.measure.flops import StepTime
+from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS
 from distft.tensors import local_bytes
 from distft.text import plural
 from distft.train.setup import Run
@@ -171,7 +172,7 @@ def rank_summary(run: Run, saved_activation_bytes: int) -> dict:
     }
 
 
-def prediction_record(run: Run, counted: dict[str, int] | None) -> dict:
+def prediction_record(run: Run, counted: dict[str, int] | None, saved_activation_bytes: int) -> dict:
     """The planner's prediction (`Config.prediction`, `distft.plan.auto`) beside what this rank
     measured: peak memory (CUDA's allocator; on the CPU no tensor-only figure exists: the process's
     resident size counts libraries and the allocator's cache) and the first step's collective bytes."""
@@ -182,6 +183,11 @@ def prediction_record(run: Run, counted: dict[str, int] | None) -> dict:
             "predicted_peak_bytes": predicted.get("peak_mem_bytes"),
             "measured_peak_bytes": peak_memory_bytes(run.env) if cuda else None,
             "measured": "torch.cuda.max_memory_allocated" if cuda else "unavailable on CPU",
+        },
+        "activations": {  # kept for backward on this device: the planner's, and the first micro-batch's
+            "predicted_saved_bytes": (predicted.get("activations") or {}).get("saved"),
+            "predicted_host_bytes": (predicted.get("activations") or {}).get("host"),
+            "measured_saved_bytes": saved_activation_bytes,
         },
         "comm_bytes_per_step": {"predicted": predicted_comm_bytes(predicted, run), "counted": counted},
         "predicted_by": predicted.get("layout"),
@@ -205,6 +211,18 @@ def prediction_lines(ranks: list[dict]) -> list[str]:
     measured = [m["measured_peak_bytes"] for m in memory if m["measured_peak_bytes"] is not None]
     got = f"measured {max(measured) / 2**30:.3g} GiB" if measured else "measured: unavailable on CPU"
     lines = [f"peak memory per process: predicted {predicted / 2**30:.3g} GiB (distft plan), {got}"]
+    acts = [r["activations"] for r in ranks if (r.get("activations") or {}).get("predicted_saved_bytes")]
+    if acts:
+        want, got = (
+            max(a["predicted_saved_bytes"] for a in acts),
+            max(a["measured_saved_bytes"] for a in acts),
+        )
+        host = max(a["predicted_host_bytes"] or 0 for a in acts)
+        lines.append(
+            f"activations kept for backward per process: predicted {want / 2**20:,.1f} MiB (at the plan's "
+            f"{DEFAULT_LABEL_TOKENS} labelled positions a row), measured {got / 2**20:,.1f} MiB (first micro-batch)"
+            + (f"; {host / 2**20:,.1f} MiB predicted in host memory (offload)" if host else "")
+        )
     comm = [r["comm_bytes_per_step"] for r in ranks]
     counted = [sum(c["counted"].values()) for c in comm if c["counted"] is not None]
     want = max(sum((c["predicted"] or {}).values()) for c in comm)
