@@ -201,11 +201,17 @@ class PeakBytes(TorchDispatchMode):
         super().__init__()
         self.live = self.peak = 0
         self.seen = weakref.WeakSet(t.untyped_storage() for t in existing)
+        # Views of what existed (a weight's transpose) may come with a storage object of their own.
+        self.existing = {t.untyped_storage().data_ptr() for t in existing}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and (storage := t.untyped_storage()) not in self.seen:
+            if (
+                isinstance(t, torch.Tensor)
+                and (storage := t.untyped_storage()) not in self.seen
+                and storage.data_ptr() not in self.existing
+            ):
                 self.seen.add(storage)  # a view or an in-place op's output: already counted
                 self.live += storage.nbytes()
                 self.peak = max(self.peak, self.live)

@@ -214,6 +214,7 @@ RANGES: dict[str, Range] = {
     "model.seed": SEED,
     "model.quant_block_size": Range(2),  # and even, under train.method=qlora
     "model.quant_scaler_block_size": COUNT,
+    "model.mlp_tiles": NON_NEGATIVE,  # 0, 1: the MLP whole
     "model.rope_factor": NON_NEGATIVE,  # 0: unset; > 1 with model.rope_scaling (`distft.model.positions`)
     "data.validation_fraction": Range(0, 1, low_open=True, high_open=True),
     "data.max_length": Range(32),  # the chat template alone takes ~10-35 tokens

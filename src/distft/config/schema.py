@@ -29,6 +29,8 @@ class ModelConfig:
     activation_checkpointing: str = "none"
     """What a decoder layer keeps for backward (`distft.model.checkpointing`): none, full (its input;
     recomputed in backward), selective (recompute the MLP) or offload (full, inputs in host memory)."""
+    mlp_tiles: int = 0
+    """The MLP run on this many checkpointed slices of the sequence (0: whole; `model.checkpointing`)."""
     rope_scaling: str = "none"
     """Stretch rotary positions past the model's (`distft.model.positions`): none, yarn, linear, dynamic."""
     rope_factor: float = 0.0
@@ -42,11 +44,9 @@ class ModelConfig:
     """Run the Python code a hub model or model directory ships (transformers' `trust_remote_code`).
     Off, distft never runs a model's own code; on, the header says so (docs/security.md)."""
     revision: str = ""
-    """A hub model's commit hash (pins weights, tokenizer and config), branch or tag; empty: the
-    default branch. The commit loaded is recorded in lineage.json. Hub ids only."""
+    """A hub model's commit hash, branch or tag (empty: the default branch); lineage.json records the commit."""
     allow_pickle_weights: bool = False
-    """Load a model's `*.bin` (pickle) weights when it has no safetensors. Off, only safetensors
-    are read, and a directory holding pickles only is refused before launch."""
+    """Load `*.bin` (pickle) weights where a model has no safetensors (off: refused before launch)."""
     quant_block_size: int = 64
     """QLoRA: weights per NF4 block; each block is scaled by its absmax."""
     quant_scaler_block_size: int = 256

@@ -24,6 +24,12 @@ the sequence: at 32k tokens and 36 layers, ~75 GiB. Four levels trade that memor
   is ordered on the compute stream before the recomputation that needs it. On the CPU the input
   is already in host memory: nothing moves, and the level is `full`.
 
+A tiled MLP (`model.mlp_tiles = k`, ALST's TiledMLP) goes further for the MLP, whatever the level:
+the MLP runs on k slices of the sequence, each checkpointed, so its four intermediate-sized
+tensors exist for one slice at a time, in forward and in backward's recomputation alike. Under
+`full` or `offload` that is what bounds the peak at long context: one layer's recomputation,
+whose largest part is the MLP's, shrinks to the attention's plus 1/k of the MLP's.
+
 `enable_checkpointing` sets the level on the causal LM before a strategy wraps or compiles it;
 `run_layers` (`distft.model.lm`) and the Megatron layers install `HostOffload` around their loop
 over the layers when the layers say so (`offloads`).
@@ -41,14 +47,33 @@ from transformers import PreTrainedModel
 OFFLOAD = "distft_offload_input"  # set on each decoder layer whose input goes to the host
 
 
-def enable_checkpointing(inner: PreTrainedModel, level: str) -> None:
+def enable_checkpointing(inner: PreTrainedModel, level: str, mlp_tiles: int = 0) -> None:
     """Make every decoder layer of `inner` (the causal LM inside any peft wrapper) keep what
-    `level` says."""
-    if level == "none":
-        return
+    `level` says, its MLP computed in `mlp_tiles` checkpointed slices of the sequence (0, 1: whole)."""
     for layer in inner.model.layers:
-        recompute_in_backward(layer.mlp if level == "selective" else layer)
+        if mlp_tiles > 1:
+            tile_sequence(layer.mlp, mlp_tiles)  # checkpointed per tile: selective's, and less
+        elif level == "selective":
+            recompute_in_backward(layer.mlp)
+        if level in ("full", "offload"):
+            recompute_in_backward(layer)
         setattr(layer, OFFLOAD, level == "offload")
+
+
+def tile_sequence(module: nn.Module, tiles: int) -> None:
+    """Run a position-wise module (the MLP) on `tiles` slices of its (batch, seq, hidden) input,
+    each checkpointed: forward keeps only the slices, backward rebuilds one slice's activations at
+    a time. The same values: every position is computed alone anyway."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return forward(x)
+        parts = x.chunk(tiles, dim=1)
+        return torch.cat([checkpoint(forward, part, use_reentrant=False) for part in parts], dim=1)
+
+    module.forward = tiled
 
 
 def recompute_in_backward(module: nn.Module) -> None:

@@ -161,6 +161,9 @@ def _add_sequence_arguments(p: argparse.ArgumentParser) -> None:
         help="stretch the rotary embeddings past the model's positions (model.rope_scaling; yarn for Qwen3)",
     )
     p.add_argument("--rope-factor", type=float, default=0.0, help="with --rope-scaling: the factor (> 1)")
+    p.add_argument(
+        "--mlp-tiles", type=int, default=0, help="the MLP in N checkpointed sequence slices (model.mlp_tiles)"
+    )
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on a GPU (default 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument(
@@ -199,6 +202,8 @@ def make_request(args: argparse.Namespace) -> Request:
     for flag, value in positive.items():
         if value is None or value < 1:
             raise ConfigError(f"{flag} must be a positive integer, got {value}.")
+    if args.mlp_tiles < 0:
+        raise ConfigError(f"--mlp-tiles must be 0 (the MLP whole) or more, got {args.mlp_tiles}.")
     if args.pp_microbatches is not None and args.pp_microbatches < 1:
         raise ConfigError(f"--pp-microbatches must be a positive integer, got {args.pp_microbatches}.")
     if args.mfu is not None and not 0 < args.mfu <= 1:
@@ -243,6 +248,7 @@ def make_request(args: argparse.Namespace) -> Request:
         label_tokens=args.label_tokens,
         activation_checkpointing=args.activation_checkpointing,
         attention=args.attention,
+        mlp_tiles=args.mlp_tiles,
         rope_scaling=args.rope_scaling,
         rope_factor=args.rope_factor if args.rope_scaling != "none" else 0.0,
     )

@@ -32,7 +32,8 @@ Sequence parallelism also splits what lies between the blocks (norms, residual, 
 sequence; the all-gathered block inputs that column projections keep are still whole. Activation
 checkpointing (`full`) keeps each layer's input only (c T h) and recomputes one layer at a time in
 backward; `selective` keeps everything but the MLP module's internals (its input, c T h, instead)
-and recomputes one MLP at a time; `offload` keeps the layer inputs in host memory (`host`) and
+and recomputes one MLP at a time (a tiled MLP, `mlp_tiles` = k: the same, a k-th of an MLP's
+internals at a time, whatever the level); `offload` keeps the layer inputs in host memory (`host`) and
 brings one back per layer recomputed. A pipeline stage holds its own layers' activations for every micro-batch in flight:
 GPipe m, 1F1B min(m, p - s) (torch's `Schedule1F1B` warms stage s up with that many forwards),
 interleaved 1F1B (v chunks per rank) min(m v, (v - 1) m' + 2 (p - 1 - s) + 1) chunks, m' the
@@ -305,11 +306,15 @@ def activation_bytes(spec: ModelSpec, training: Training, par: Parallelism, stag
     # Residual stream entering this rank needs a gradient unless the embeddings are frozen and
     # no adapter came before (LoRA's first layer). On later stages something earlier trained.
     grad = training.method == "full" or not first
-    level = training.activation_checkpointing
+    level, tiles = training.activation_checkpointing, max(1, training.mlp_tiles)
+    # A tiled MLP keeps its input only, as selective checkpointing does (`model.mlp_tiles`).
+    keeps = "selective" if tiles > 1 else "none"
     per_layer_max = layer_total = host = 0
     layer_input = training.precision.activation * x.Tn * spec.hidden_size  # what a checkpoint keeps
     for _ in layers:
-        saved, out_grad = layer_activation_bytes(spec, training, par, grad, level)
+        saved, out_grad = layer_activation_bytes(
+            spec, training, par, grad, keeps if level == "none" else level
+        )
         per_layer_max = max(per_layer_max, layer_activation_bytes(spec, training, par, True)[0])
         if level in ("none", "selective"):
             layer_total += saved
@@ -322,12 +327,15 @@ def activation_bytes(spec: ModelSpec, training: Training, par: Parallelism, stag
     detail = {"layers": layer_total, **outside}
     chunks, v = inflight_microbatches(par, stage)
     inflight = chunks / v if par.pp > 1 else 1  # in units of whole-stage micro-batches
-    # Backward rebuilds one layer at a time (offload: with its input back from the host first).
+    # Backward rebuilds one MLP (a tiled one: one tile of it), or one layer at a time (offload:
+    # with its input back from the host first).
+    mlp = (_mlp_block(x, True)[1] if layers else 0) // tiles
+    layer = per_layer_max if tiles == 1 else layer_activation_bytes(spec, training, par, True, keeps)[0] + mlp
     recompute = {
-        "none": 0,
-        "selective": _mlp_block(x, True)[1] if layers else 0,  # one MLP's internals at a time
-        "full": per_layer_max,
-        "offload": per_layer_max + layer_input,
+        "none": mlp if tiles > 1 else 0,
+        "selective": mlp,
+        "full": layer,
+        "offload": layer + layer_input,
     }[level]
     return Activations(
         saved=math.ceil(sum(detail.values()) * inflight),

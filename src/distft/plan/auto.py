@@ -92,6 +92,7 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "micro_batch": cfg.train.micro_batch_size,
         "label_tokens": min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
         "activation_checkpointing": cfg.model.activation_checkpointing,
+        "mlp_tiles": cfg.model.mlp_tiles,
         "attention": cfg.model.attn_implementation,
         "quant": NF4Spec.from_config(cfg.model),
     }

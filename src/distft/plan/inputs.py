@@ -77,6 +77,7 @@ class Training:
     # Positions per sequence that carry the loss (distft: the summary); the runtime measures its data's.
     label_tokens: int = DEFAULT_LABEL_TOKENS
     activation_checkpointing: str = "none"  # none | full | selective | offload (`distft.model.checkpointing`)
+    mlp_tiles: int = 0  # the MLP in this many checkpointed sequence slices (0, 1: whole)
     attention: str = "auto"  # auto | flex | flash (no dense mask) | sdpa (dense mask when padded) | eager
     rope_scaling: str = "none"  # positions past the model's (`distft.model.positions`); no memory
     rope_factor: float = 0.0

@@ -34,6 +34,8 @@ def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dic
         "train.micro_batch_size": str(t.micro_batch),
         "train.global_batch_size": str(t.micro_batch * par.microbatches * par.dp),
     }
+    if t.mlp_tiles > 1:
+        out["model.mlp_tiles"] = str(t.mlp_tiles)
     if t.rope_scaling != "none":
         out["model.rope_scaling"] = t.rope_scaling
         out["model.rope_factor"] = f"{t.rope_factor:g}"

@@ -105,11 +105,13 @@ def rank_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
 
 def recompute_flops(f: ModelFlops, spec: ModelSpec, training: Training, seq: int) -> float:
     """What backward runs again, per sequence: every layer's forward (full, offload), or the MLP's
-    three frozen projections (selective; its adapters are a rounding error)."""
+    three frozen projections (selective, or a tiled MLP on top; its adapters are a rounding error)."""
     level = training.activation_checkpointing
+    mlp = 2 * seq * f.layers * 3 * spec.hidden_size * spec.intermediate_size
+    tiled = mlp if training.mlp_tiles > 1 and level != "selective" else 0  # a tiled MLP reruns its tiles
     if level == "selective":
-        return 2 * seq * f.layers * 3 * spec.hidden_size * spec.intermediate_size
-    return f.recompute(seq) if level != "none" else 0
+        return mlp
+    return (f.recompute(seq) if level != "none" else 0) + tiled
 
 
 def no_time_reason(gpu: GPU, training: Training) -> str | None:

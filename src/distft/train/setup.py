@@ -137,7 +137,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
 
     torch.manual_seed(cfg.train.seed)  # LoRA's random init: identical on every rank
     lm = apply_method(base, cfg)
-    enable_checkpointing(causal_lm(lm), cfg.model.activation_checkpointing)
+    enable_checkpointing(causal_lm(lm), cfg.model.activation_checkpointing, cfg.model.mlp_tiles)
     parameters = count_parameters(lm)
     flops = ModelFlops.from_model(lm)  # whole, before a strategy shards it
     compiled = None

@@ -89,10 +89,10 @@ class TensorSequenceParallel(Strategy):
             raise ConfigError(f"--strategy {cls.name} supports bias-free projections only (attention_bias).")
         if set(getattr(model_config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
             raise ConfigError(f"--strategy {cls.name} supports full attention only (no sliding window).")
-        if cfg.model.activation_checkpointing == "selective":
+        if cfg.model.activation_checkpointing == "selective" or cfg.model.mlp_tiles > 1:
             raise ConfigError(
                 f"--strategy {cls.name} recomputes whole layers, collectives included: set "
-                "model.activation_checkpointing=full or offload (selective is for the other strategies)."
+                "model.activation_checkpointing=full or offload (selective, model.mlp_tiles: the other strategies)."
             )
 
     def parallelize(self, model: nn.Module) -> nn.Module:
