@@ -101,10 +101,12 @@ def _attention_in_backward(config, previous: str | None):
     a layer recomputed there (activation checkpointing) runs `CONTEXT` again; restored when this
     backward ends."""
 
+    def restore() -> None:
+        config._attn_implementation = previous
+
     def install(grad: torch.Tensor) -> torch.Tensor:
         config._attn_implementation = CONTEXT
-        restore = lambda: setattr(config, "_attn_implementation", previous)  # noqa: E731
-        torch.autograd.Variable._execution_engine.queue_callback(restore)
+        torch.autograd.Variable._execution_engine.queue_callback(restore)  # when this backward ends
         return grad
 
     return install
