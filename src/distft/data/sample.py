@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distft.data import sample_long
+from distft.data.sample_long import DAYS, NAMES  # the people and days both generators draw from
 from distft.data.tokenizer import cache_root
 from distft.errors import DataError
 
@@ -36,12 +37,7 @@ SAMPLE_DIR = Path(__file__).parent / "sample"
 SAMPLE_SPLITS: dict[str, tuple[int, int]] = {"train": (400, 1234), "validation": (40, 98765)}
 LONG_SPLITS: dict[str, tuple[int, int]] = {"train": (64, 4321), "validation": (8, 56789)}
 
-FIRST_NAMES = [
-    "Anna", "Tom", "Priya", "Marco", "Lena", "David", "Sofia", "Kenji", "Grace", "Omar", "Julia", "Felix",
-    "Mei", "Lucas", "Nora", "Samuel", "Ines", "Victor", "Hana", "Ravi", "Claire", "Jonas", "Amara", "Paul",
-]  # fmt: skip
 FILLERS = ["um", "uh", "yeah", "okay", "mm-hmm", "right", "so", "well"]
-DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "next week", "the end of the month"]
 
 # Each domain: purpose, roles, and agenda items; an item offers options and a unit for its value.
 DOMAINS: list[dict] = [
@@ -185,7 +181,7 @@ def generate_meeting(rng: random.Random, meeting_id: str) -> dict[str, str]:
     """One meeting: {"id", "transcript", "summary"}."""
     domain = rng.choice(DOMAINS)
     n_speakers = rng.randint(3, 4)
-    names = rng.sample(FIRST_NAMES, n_speakers)
+    names = rng.sample(NAMES, n_speakers)
     roles = dict(zip(names, domain["roles"][:n_speakers], strict=True))
     chair = names[0]
     items = rng.sample(domain["items"], rng.randint(2, 3))

@@ -27,6 +27,7 @@ from distft.model import causal_lm
 from distft.model.nf4 import is_nf4, nf4_gather_bytes
 from distft.parallel import Batch, Strategy
 from distft.parallel.base import trainable_bytes, unwrap
+from distft.parallel.context.model import layers_without_kv_gradient, padded_length
 from distft.parallel.fsdp import mixed_precision
 from distft.tensors import local_bytes
 
@@ -192,10 +193,10 @@ def context(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, in
     level = s.cfg.model.activation_checkpointing
     lora = s.cfg.train.method in ("lora", "qlora")
     targets = set(s.cfg.lora.target_modules) if lora else set()
-    frozen = int(lora and not targets & {"k_proj", "v_proj"})  # LoRA's first layer, keys untrained
+    frozen = layers_without_kv_gradient(lora, targets)
     layers = config.num_hidden_layers
     kv = sum(
-        2 * b["input_ids"].shape[0] * padded_to(b["input_ids"].shape[1], 2 * world)
+        2 * b["input_ids"].shape[0] * padded_length(b["input_ids"].shape[1], world)
         * config.num_key_value_heads * config.head_dim * itemsize
         for b in batches
     )  # fmt: skip
@@ -205,10 +206,6 @@ def context(s: Strategy, model: nn.Module, batches: list[Batch]) -> dict[str, in
         "reduce_scatter": kv * (layers - frozen),
         "all_reduce": grads + sum(s.step_scalars(1)),
     }
-
-
-def padded_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def pipeline(

@@ -112,6 +112,15 @@ def run_layers(
     return hidden
 
 
+def check_right_padded(attention_mask: torch.Tensor | None, strategy: str) -> None:
+    """ValueError unless every row's padding is at its end: a strategy whose attention is causal
+    only (tp-sp, cp) then needs no mask, since no real token attends to a later position."""
+    if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
+        raise ValueError(
+            f"{strategy} applies a causal mask only, which is exact for right-padded batches only"
+        )
+
+
 def transformers_masks(config, hidden: torch.Tensor, attention_mask, position_ids) -> dict:
     """What the family's forward builds: causal + padding, or (packed, no mask) block-diagonal
     from the position ids' restarts; one per layer type."""

@@ -13,7 +13,8 @@ rotation frequencies so that a longer context maps onto angles the model knows:
 
 The factor multiplies the positions the model was pretrained on: `original x factor` positions
 after scaling. A Qwen3 config declares 40,960 positions, 32,768 of context plus 8,192 for the
-answer, and its model card scales from 32,768; every other model scales from what it declares.
+answer, and its model card scales from 32,768 (`Family.pretrained_context`); every other model
+scales from what it declares.
 Llama 3.1 and 3.2 already ship a scaling (`llama3`, 131,072 positions): distft does not stack a
 second on top.
 
@@ -31,9 +32,7 @@ from typing import Any
 
 from distft.config.choices import ROPE_SCALINGS
 from distft.errors import ConfigError
-
-# A Qwen3 config's declared positions -> the context it was pretrained on (Qwen3's model card).
-PRETRAINED_CONTEXT = {"qwen3": {40_960: 32_768}}
+from distft.model.families import FAMILIES
 
 
 def _field(config: Any, name: str) -> Any:
@@ -69,7 +68,8 @@ def pretrained_positions(config: Any) -> int:
     if original := rope_parameters(config).get("original_max_position_embeddings"):
         return int(original)
     declared = int(_field(config, "max_position_embeddings") or 0)
-    return PRETRAINED_CONTEXT.get(_field(config, "model_type") or "", {}).get(declared, declared)
+    family = FAMILIES.get(_field(config, "model_type") or "")
+    return family.pretrained_context.get(declared, declared) if family else declared
 
 
 def factor_for(config: Any, length: int) -> float:

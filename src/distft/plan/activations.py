@@ -50,8 +50,9 @@ import math
 from dataclasses import dataclass, field
 
 from distft.model.loss import loss_chunk
+from distft.parallel.context.model import padded_length
 from distft.plan.inputs import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
-from distft.plan.memory import cp_padded_len, layer_seq_len
+from distft.plan.memory import layer_seq_len
 from distft.plan.model_spec import COLUMN, ModelSpec
 
 
@@ -92,14 +93,14 @@ class _Layer:
     def T(self) -> int:  # tokens inside attention and the MLP (the whole sequence, also under SP)
         if self.par.cp > 1:  # context parallelism: this rank's head and tail chunks
             return (
-                self.training.micro_batch * cp_padded_len(self.training.seq_len, self.par.cp) // self.par.cp
+                self.training.micro_batch * padded_length(self.training.seq_len, self.par.cp) // self.par.cp
             )
         return self.training.micro_batch * layer_seq_len(self.training, self.par)
 
     @property
     def kv_tokens(self) -> int:  # the keys and values attention keeps: CP's are all-gathered
         if self.par.cp > 1:
-            return self.training.micro_batch * cp_padded_len(self.training.seq_len, self.par.cp)
+            return self.training.micro_batch * padded_length(self.training.seq_len, self.par.cp)
         return self.T
 
     @property

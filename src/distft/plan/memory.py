@@ -308,11 +308,6 @@ def comm_buffer_bytes(
     return out
 
 
-def cp_padded_len(seq_len: int, cp: int) -> int:
-    """The sequence context parallelism splits: padded to 2 cp equal chunks (a head and a tail per rank)."""
-    return seq_len if cp == 1 else 2 * cp * math.ceil(seq_len / (2 * cp))
-
-
 def layer_seq_len(training: Training, par: Parallelism) -> int:
     """Sequence length as the layers see it: TP+SP pads it to a multiple of the TP degree."""
     if par.sp and par.tp > 1:

@@ -53,6 +53,7 @@ from distft.measure.counts import (
 )
 from distft.model.nf4 import nf4_gathered_bytes
 from distft.parallel import STRATEGIES
+from distft.parallel.context.model import layers_without_kv_gradient, padded_length
 from distft.plan.hardware import Link, comm_time, wire_bytes
 from distft.plan.inputs import (
     Parallelism,
@@ -64,7 +65,6 @@ from distft.plan.inputs import (
     rank_stages,
 )
 from distft.plan.memory import (
-    cp_padded_len,
     layer_seq_len,
     local_shape,
     param_element_bytes,
@@ -243,12 +243,12 @@ def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
         2
         * c
         * training.micro_batch
-        * cp_padded_len(training.seq_len, par.cp)
+        * padded_length(training.seq_len, par.cp)
         * spec.num_kv_heads
         * spec.head_dim
     )
     gathers = layers * (2 if training.activation_checkpointing in ("full", "offload") else 1)
-    backward = layers - kv_frozen_layers(training)
+    backward = layers - layers_without_kv_gradient(training.lora, set(training.lora_targets))
     grads = held_bytes(spec, training, par, "gradients")
     return [
         Collective("keys, values", "all_gather", m * kv * gathers, m * gathers, par.cp, link, False),
@@ -257,13 +257,6 @@ def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
         ),
         Collective("gradients", "all_reduce", grads, 1, par.cp, link, False),
     ]
-
-
-def kv_frozen_layers(training: Training) -> int:
-    """Layers whose keys and values need no gradient: LoRA's first layer when nothing before its
-    k/v projections trains (the frozen embedding's output, no adapter on k_proj or v_proj)."""
-    targets = set(training.lora_targets) if training.lora else set()
-    return int(training.lora and not targets & {"k_proj", "v_proj"})
 
 
 def pp_collectives(

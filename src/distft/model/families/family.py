@@ -32,6 +32,9 @@ class Family:
     qkv_bias: bool  # q_proj, k_proj and v_proj carry a bias
     # What every checkpoint of the family shares, for the random presets (rope, eps, activation).
     defaults: dict = field(default_factory=dict)
+    # Positions a config declares -> the context it was pretrained on, where they differ: what RoPE
+    # scaling multiplies (`distft.model.positions`).
+    pretrained_context: dict[int, int] = field(default_factory=dict)
 
     @property
     def biased(self) -> tuple[str, ...]:

@@ -16,4 +16,6 @@ FAMILY = Family(
         "hidden_act": "silu",
         "attention_bias": False,
     },
+    # 40,960 declared = 32,768 of context + 8,192 for the answer; YaRN scales from 32,768 (model card).
+    pretrained_context={40_960: 32_768},
 )

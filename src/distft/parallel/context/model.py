@@ -23,9 +23,21 @@ from torch import nn
 
 from distft.model import summed_loss
 from distft.model.families import layer_types
-from distft.model.lm import run_layers
+from distft.model.lm import check_right_padded, run_layers
 from distft.parallel.context.attention import CONTEXT, ContextShard, register
 from distft.tensors import document_ids
+
+
+def padded_length(seq: int, world: int) -> int:
+    """A row's length once padded to 2N equal chunks (a head and a tail per rank)."""
+    return -(-seq // (2 * world)) * 2 * world
+
+
+def layers_without_kv_gradient(lora: bool, targets: set[str]) -> int:
+    """Layers whose gathered K and V need no gradient, so backward reduce-scatters none: LoRA's
+    first layer when nothing before its k/v projections trains (frozen embedding, no adapter on
+    k_proj or v_proj)."""
+    return int(lora and not targets & {"k_proj", "v_proj"})
 
 
 class ContextParallelLM(nn.Module):
@@ -52,15 +64,14 @@ class ContextParallelLM(nn.Module):
         attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens, right-padded
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
     ) -> torch.Tensor:
-        if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
-            raise ValueError("cp applies a causal mask only, which is exact for right-padded batches only")
+        check_right_padded(attention_mask, "cp")
         # Padded rows: the mask is dropped. With causal attention no real position sees a later
         # one, so none sees padding; padding carries no label (`distft.parallel.context`).
         seq = input_ids.shape[1]
         packed = position_ids is not None  # one document per row otherwise: plain causal
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0)  # (1, S)
-        pad = -seq % (2 * self.world)  # fill: no label, positions continuing the row's last
+        pad = padded_length(seq, self.world) - seq  # fill: no label, positions continuing the row's last
         if pad:
             input_ids = F.pad(input_ids, (0, pad), value=0)
             labels = F.pad(labels, (0, pad), value=-100)

@@ -48,6 +48,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # eve
 from distft.data import document_ids
 from distft.model import summed_loss
 from distft.model.checkpointing import HostOffload
+from distft.model.lm import check_right_padded
 from distft.parallel.megatron.collectives import (
     copy_to_tp_region,
     gather_from_sp_region,
@@ -100,8 +101,7 @@ class MegatronLM(nn.Module):
         attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens, right-padded
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
     ) -> torch.Tensor:
-        if attention_mask is not None and (attention_mask[:, 1:] > attention_mask[:, :-1]).any():
-            raise ValueError("tp-sp applies a causal mask only, which is exact for right-padded batches only")
+        check_right_padded(attention_mask, "tp-sp")
         backbone = self.module.backbone
         input_ids, labels = input_ids.t(), labels.t()  # sequence-first: (S, B)
         if position_ids is None:  # padded: global positions 0..S-1
