@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -228,6 +229,44 @@ def test_eval_scores_chat_and_alpaca_files(records, run, tmp_path, capsys):
     assert scores["rows"] == [f"{data}:1", f"{data}:2"]
     for model in ("base", "finetuned"):
         assert scores["models"][model]["loss"] > 0 and 0 <= scores["models"][model]["rougeL"] <= 1
+
+
+TEXTS = [{"text": "Qwen3 is a family of language models."}, {"text": "It comes in dense sizes."}]
+
+
+def test_rows_without_a_reference_have_no_rouge_and_the_mean_skips_them(run, tmp_path, monkeypatch, capsys):
+    """A text row is all prompt: no reference, so its ROUGE-L is n/a, not 0. Every answer is made
+    the chat row's own reference, so that row scores 1: a mean that counted the text row as 0
+    would read 0.5."""
+    asked = []
+
+    def perfect(loaded, row, sampling):
+        asked.append(row.origin)
+        return SimpleNamespace(summary="Bonne nuit")
+
+    monkeypatch.setattr("distft.infer.evaluate.generate", perfect)
+
+    def evaluate(records: list[dict], name: str) -> tuple[dict, str, str]:
+        data, results = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+        argv = ["eval", "--run", str(run[0]), "--data", str(data), "--max-new-tokens", "2"]
+        assert main([*argv, "--output", str(results)]) == 0
+        out = capsys.readouterr()
+        return json.loads(results.read_text())["models"], out.out, out.err
+
+    mixed, table, note = evaluate([CHATS[1], TEXTS[0]], "mixed")
+    assert (
+        asked == [f"{tmp_path / 'mixed.jsonl'}:1"] * 2
+    )  # base and finetuned; the text row is not generated for
+    assert [s["rougeL"] for s in mixed.values()] == [1.0, 1.0]
+    assert "ROUGE-L skips 1 row of 2 without a reference answer" in note and "other 1 row" in note
+    texts, table, note = evaluate(TEXTS, "texts")
+    assert [s["rougeL"] for s in texts.values()] == [None, None]  # null in the JSON
+    assert len(asked) == 2  # nothing generated for text rows
+    assert all(s["loss"] > 0 for s in texts.values())  # the loss covers them
+    scored = [line for line in table.splitlines() if "base" in line or "finetuned" in line]
+    assert len(scored) == 2 and all("n/a" in line and "0.0000" not in line for line in scored)
+    assert "no row has one: n/a" in note
 
 
 def test_batch_infer_on_a_chat_file_answers_every_row(run, tmp_path, capsys):

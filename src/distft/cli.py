@@ -1,5 +1,5 @@
-"""`distft` command line: train, infer, eval, export, plan, bench and doctor (infer and eval:
-`distft.infer.commands`; doctor: `distft.doctor`).
+"""`distft` command line: train, data, infer, eval, export, plan, bench and doctor (data preview:
+`distft.train.preview`; infer and eval: `distft.infer.commands`; doctor: `distft.doctor`).
 
 Every user error (a bad config, an impossible strategy/model combination, a malformed dataset
 row, an output directory that cannot take the run) is checked here, before any worker process is
@@ -44,6 +44,7 @@ from distft.train.hooks import from_environment as hooks_from_environment
 from distft.train.metrics import START_ENV
 from distft.train.optim import check_optimizer
 from distft.train.prepare import prepare_data, resolve_local_paths
+from distft.train.preview import add_data_parser, cmd_data
 from distft.train.tracking import check_trackers
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_parser(sub)
+    add_data_parser(sub)
     add_infer_parser(sub)
     add_eval_parser(sub)
     add_export_parser(sub)
@@ -316,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     handlers: dict[str, Any] = {
         "train": lambda: cmd_train(args),
+        "data": lambda: cmd_data(args),
         "infer": lambda: cmd_infer(args),
         "eval": lambda: cmd_eval(args),
         "export": lambda: cmd_export(args),

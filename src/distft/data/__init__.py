@@ -1,9 +1,9 @@
 """Training data: rows in six formats (`formats`: summary, chat, prompt/completion, alpaca,
 sharegpt, text), read from files (`files`), the hub or memory (`rows`), several mixed by weight
-(`mixture`); chat tokens with label masks (`chat`), tokenised once into
-a memory-mapped store every rank opens (`cache`, `store`), the seeded global batches every strategy
-shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's chat template from
-`qwen3_template`) and the bundled synthetic meetings (`sample`)."""
+(`mixture`); chat tokens with label masks (`chat`), shown as training sees them (`preview`),
+tokenised once into a memory-mapped store every rank opens (`cache`, `store`), the seeded global
+batches every strategy shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's
+chat template from `qwen3_template`) and the bundled synthetic meetings (`sample`)."""
 
 from distft.data.batches import (
     collate,
@@ -26,9 +26,11 @@ from distft.data.formats import (
     detect_format,
     messages_of,
     prompt_and_reference,
+    row_format,
     row_from_record,
 )
 from distft.data.mixture import data_name
+from distft.data.preview import data_format, loss_spans, trained_texts, training_rows
 from distft.data.rows import LOCAL_SUFFIXES, load_rows, validation_rows
 from distft.data.store import CachedSplit, mean_label_tokens
 from distft.data.template import EndOfTurn, check_chat_template, end_of_turn
@@ -52,6 +54,7 @@ __all__ = [
     "check_chat_template",
     "collate",
     "count_label_tokens",
+    "data_format",
     "data_name",
     "detect_format",
     "document_ids",
@@ -61,6 +64,7 @@ __all__ = [
     "label_positions",
     "load_rows",
     "load_tokenizer",
+    "loss_spans",
     "mean_label_tokens",
     "messages_of",
     "micro_batch",
@@ -69,9 +73,12 @@ __all__ = [
     "prompt_and_reference",
     "qwen3_tokenizer",
     "rank_micro_batches",
+    "row_format",
     "row_from_record",
     "skipped_line",
     "tokenize_rows",
     "tokenized_splits",
+    "trained_texts",
+    "training_rows",
     "validation_rows",
 ]

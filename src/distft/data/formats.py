@@ -25,6 +25,7 @@ user turn (or an empty assistant turn). `prompt_and_reference` splits any row in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,8 @@ class Message:
 class ChatRow:
     messages: tuple[Message, ...]  # ends with an assistant turn, unless read to generate for
     origin: str
+    # The format it was read from (chat, prompt_completion, alpaca, sharegpt): said, never compared.
+    format: str = dataclasses.field(default="chat", compare=False)
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,13 @@ class TextRow:
 
 
 Row = SummaryRow | ChatRow | TextRow
+
+
+def row_format(row: Row) -> str:
+    """The `data.format` value `row` was read as (what `data.format=auto` detected for it)."""
+    if isinstance(row, ChatRow):
+        return row.format
+    return "text" if isinstance(row, TextRow) else "summary"
 
 
 def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
@@ -232,7 +242,7 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_answ
     return SummaryRow(texts[0], texts[1], origin)
 
 
-def _chat_row(record: dict[str, Any], origin: str, need_answer: bool = True) -> ChatRow:
+def _chat_row(record: dict[str, Any], origin: str, need_answer: bool = True, fmt: str = "chat") -> ChatRow:
     turns = record.get("messages")
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{origin}: `messages` must be a non-empty list of {{role, content}} objects.")
@@ -252,32 +262,33 @@ def _chat_row(record: dict[str, Any], origin: str, need_answer: bool = True) -> 
         if messages[-1].role == "assistant" and not messages[-1].content:
             messages.pop()
         if messages and messages[-1].role != "assistant":
-            return ChatRow(tuple(messages), origin)
+            return ChatRow(tuple(messages), origin, fmt)
     last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=None)
     if last is None:
         raise DataError(f"{origin}: the chat has no assistant turn, so nothing to learn from.")
     if not messages[last].content:
         raise DataError(f"{origin}: message {last} (assistant) is empty.")
     # Turns after the last answer carry no loss and would only cost tokens.
-    return ChatRow(tuple(messages[: last + 1]), origin)
+    return ChatRow(tuple(messages[: last + 1]), origin, fmt)
 
 
-def _single_turn(user: Message, answer: str, origin: str) -> ChatRow:
+def _single_turn(user: Message, answer: str, origin: str, fmt: str) -> ChatRow:
     """A one-exchange chat; without an answer (a row to generate for) the user turn alone."""
-    return ChatRow((user, Message("assistant", (answer,))) if answer else (user,), origin)
+    return ChatRow((user, Message("assistant", (answer,))) if answer else (user,), origin, fmt)
 
 
 def _prompt_completion_row(record: dict[str, Any], origin: str, need_answer: bool = True) -> ChatRow:
     prompt = _field(record, "prompt", origin)
     completion = _field(record, "completion", origin, optional=not need_answer)
-    return _single_turn(Message("user", (prompt,)), completion, origin)
+    return _single_turn(Message("user", (prompt,)), completion, origin, "prompt_completion")
 
 
 def _alpaca_row(record: dict[str, Any], origin: str, need_answer: bool = True) -> ChatRow:
     instruction = _field(record, "instruction", origin)
     output = _field(record, "output", origin, optional=not need_answer)
     given = _field(record, "input", origin, optional=True)
-    return _single_turn(Message("user", (instruction, given) if given else (instruction,)), output, origin)
+    user = Message("user", (instruction, given) if given else (instruction,))
+    return _single_turn(user, output, origin, "alpaca")
 
 
 def _sharegpt_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_answer: bool = True) -> ChatRow:
@@ -298,7 +309,7 @@ def _sharegpt_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_ans
                 f'data.roles={{{one_line(str(turn["from"]))} = "assistant"}}; known: {", ".join(roles)}.'
             )
         messages.append({"role": roles[turn["from"]], "content": turn["value"]})
-    return _chat_row({"messages": messages}, origin, need_answer)
+    return _chat_row({"messages": messages}, origin, need_answer, "sharegpt")
 
 
 def _text_row(record: dict[str, Any], origin: str) -> TextRow:

@@ -34,12 +34,13 @@ from distft.data import (
     validation_rows,
 )
 from distft.errors import ConfigError, DataError
-from distft.infer.evaluate import compare, eval_rows
+from distft.infer.evaluate import compare, eval_rows, without_reference
 from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
 from distft.io.lineage import is_random, origin_text, stage_text
 from distft.io.preflight import check_output_path
+from distft.text import plural
 from distft.textfiles import decode_utf8
 
 # ---- infer --------------------------------------------------------------------------------------
@@ -248,8 +249,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     table = Table("model", "what", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} {what} of {source}")
     labels = model_labels(loaded)
     for name, s in scores.items():
-        table.add_row(name, labels.get(name, ""), f"{s['loss']:.4f}", f"{s['rougeL']:.4f}")
+        rouge = "n/a" if s["rougeL"] is None else f"{s['rougeL']:.4f}"
+        table.add_row(name, labels.get(name, ""), f"{s['loss']:.4f}", rouge)
     Console().print(table)
+    if unscored := without_reference(loaded, rows):  # their ROUGE-L would read as a zero score
+        rest = len(rows) - unscored
+        mean = f"the mean is over the other {plural(rest, 'row')}" if rest else "no row has one: n/a"
+        print(
+            f"ROUGE-L skips {plural(unscored, 'row')} of {len(rows)} without a reference answer (a text "
+            f"row is all prompt); {mean}",
+            file=sys.stderr,
+        )
     if args.output:
         results = {
             "run": str(args.run),

@@ -68,8 +68,10 @@ def validation_loss(model: nn.Module, loaded: Loaded, rows: list[Row]) -> float:
     return loss / n
 
 
-def score(loaded: Loaded, rows: list[Row], max_new_tokens: int) -> dict[str, float]:
-    """Loss and mean ROUGE-L F1 of `loaded.model` on `rows`: each row's greedy answer against its own."""
+def score(loaded: Loaded, rows: list[Row], max_new_tokens: int) -> dict[str, float | None]:
+    """Loss and mean ROUGE-L F1 of `loaded.model` on `rows`: each row's greedy answer against its
+    own. A row without a reference (a text row, which is all prompt) has no ROUGE-L: it is not
+    generated for and the mean skips it, rather than counting a zero; no row with one, None."""
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
@@ -77,11 +79,20 @@ def score(loaded: Loaded, rows: list[Row], max_new_tokens: int) -> dict[str, flo
     rouge = []
     for row in rows:
         reference = prompt_and_reference(row, loaded.cfg.data)[1]
-        rouge.append(scorer.score(reference, generate(loaded, row, greedy).summary)["rougeL"].fmeasure)
-    return {"loss": validation_loss(loaded.model, loaded, rows), "rougeL": sum(rouge) / len(rouge)}
+        if reference.strip():
+            rouge.append(scorer.score(reference, generate(loaded, row, greedy).summary)["rougeL"].fmeasure)
+    mean = sum(rouge) / len(rouge) if rouge else None
+    return {"loss": validation_loss(loaded.model, loaded, rows), "rougeL": mean}
 
 
-def compare(loaded: Loaded, run: str, rows: list[Row], max_new_tokens: int) -> dict[str, dict[str, float]]:
+def without_reference(loaded: Loaded, rows: list[Row]) -> int:
+    """How many of `rows` have no reference answer, so no ROUGE-L (`score` skips them)."""
+    return sum(not prompt_and_reference(row, loaded.cfg.data)[1].strip() for row in rows)
+
+
+def compare(
+    loaded: Loaded, run: str, rows: list[Row], max_new_tokens: int
+) -> dict[str, dict[str, float | None]]:
     """{"base": scores, "finetuned": scores}: the adapter switched off (or the base reloaded) and on.
     A base that is itself a trained random preset (`make demo`'s LoRA stage on its stage-1 model)
     also gets {"untrained": scores}: the random preset the chain started from, rebuilt."""
@@ -115,7 +126,7 @@ def untrained_model(loaded: Loaded) -> nn.Module | None:
 
 def evaluate_run(
     run: str, max_rows: int = 16, max_new_tokens: int = 96, data: str | None = None
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, float | None]]:
     """Validation loss and ROUGE-L of the base model vs the finetuned one (on `data` if given)."""
     loaded = load_trained(run=run)
     return compare(loaded, run, eval_rows(loaded, data, max_rows), max_new_tokens)

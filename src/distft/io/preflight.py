@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from distft.config import Config
+from distft.config import Config, lora_target_names
 from distft.errors import ConfigError
 from distft.io.checkpoint import latest_checkpoint
 from distft.io.save import base_weights_written
@@ -38,8 +38,8 @@ def output_bytes(cfg: Config, model_config: PretrainedConfig) -> dict[str, int]:
     total = sum(p.numel() for p in lm.parameters())
     if cfg.train.method == "full":
         trainable = total
-    else:  # LoRA: r x (in + out) per targeted Linear
-        targets = set(cfg.lora.target_modules)
+    else:  # LoRA: r x (in + out) per targeted Linear (a preset: the projections it names)
+        targets = set(lora_target_names(cfg.lora.target_modules))
         trainable = sum(
             cfg.lora.rank * (m.in_features + m.out_features)
             for name, m in lm.named_modules()

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distft.config import Config, ModelConfig, lora_target_names
+from distft.config.choices import LORA_TARGET_PRESETS
 from distft.errors import ConfigError
 from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
@@ -70,16 +71,24 @@ def linear_layer_names(model_config: PretrainedConfig, trust_remote_code: bool =
 
 def check_target_modules(cfg: Config, model_config: PretrainedConfig) -> None:
     """Refuse, before launch, a `lora.target_modules` entry that names no Linear layer of the model
-    (peft would skip it silently, or fail in every rank when none matches)."""
-    if cfg.train.method == "full":  # every weight trains; no adapters
+    (peft would skip it silently, or fail in every rank when none matches). A preset (attention,
+    mlp, all) is checked as the projections it stands for; all-linear is peft's own, which finds
+    the Linear layers of whatever model it is given, so it is never refused."""
+    targets = cfg.lora.target_modules
+    if cfg.train.method == "full" or targets == ["all-linear"]:  # no adapters, or peft's own search
         return
     names = linear_layer_names(model_config, cfg.model.trust_remote_code)
-    missing = [t for t in cfg.lora.target_modules if t not in names]
+    wanted = lora_target_names(targets)
+    missing = [t for t in wanted if t not in names]
     if missing:
-        match = difflib.get_close_matches(missing[0], names, n=1, cutoff=0.5)
-        hint = f" Did you mean `{match[0]}`?" if match else ""
+        named = missing if wanted == targets else [f"{targets[0]} ({', '.join(missing)})"]
+        # A misspelt preset is as likely as a misspelt layer: both are offered.
+        match = difflib.get_close_matches(
+            missing[0], [*names, *LORA_TARGET_PRESETS, "all-linear"], n=1, cutoff=0.5
+        )
+        hint = f" Did you mean `{match[0]}`?" if match and wanted == targets else ""
         raise ConfigError(
-            f"`lora.target_modules` names {', '.join(missing)}, which {cfg.model.name} does not have: its "
+            f"`lora.target_modules` names {', '.join(named)}, which {cfg.model.name} does not have: its "
             f"Linear layers are {', '.join(names)}.{hint}"
         )
 

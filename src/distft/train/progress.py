@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from distft.config import Config
-from distft.data import data_name, skipped_line
+from distft.data import data_format, data_name, skipped_line
 from distft.io.lineage import describe, is_random
 from distft.model import is_preset
 from distft.parallel.derive import derived_line
@@ -87,8 +87,9 @@ class TrainingProgress:
             "tokens (median / max)",
             "truncated rows",
             "tokens cut (mean / max)",
-            title=f"data: {data_name(cfg.data)}, max_length {cfg.data.max_length}, "
-            f"truncation {cfg.data.truncation}",
+            # the format: what `data.format=auto` made of the rows (`distft data preview` shows them)
+            title=f"data: {data_name(cfg.data)}, format {data_format(cfg.data)}, max_length "
+            f"{cfg.data.max_length}, truncation {cfg.data.truncation}",
             title_justify="left",
         )
         for split, s in data.items():

@@ -1,0 +1,112 @@
+"""`distft data preview`: the first rows of the training split, tokenised as the run will tokenise
+them, with the tokens that carry loss marked.
+
+It reads the same settings as `distft train` (defaults, `--config`, `section.key=value`
+overrides, `--model`, `--data`), uses the model's tokenizer and chat template as training does
+(`distft.train.prepare`), and prints for each row its origin and format, the decoded example
+with every run of trained tokens wrapped in `[[...]]` (highlighted on a terminal), and its counts:
+tokens, tokens that carry loss, and what truncation cut. Nothing is trained and nothing written;
+no model weights are loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+from rich.text import Text
+
+from distft.config import Config, DataConfig, load_config
+from distft.data import (
+    ChatFormatter,
+    Row,
+    check_chat_template,
+    data_format,
+    data_name,
+    load_tokenizer,
+    loss_spans,
+    row_format,
+    training_rows,
+)
+from distft.data.preview import decode
+from distft.errors import ConfigError
+from distft.model import is_preset
+from distft.text import plural
+
+OPEN, CLOSE = "[[", "]]"  # around each run of tokens that carry loss
+PREVIEW_FLAGS = {"model": "model.name", "data": "data.source"}  # flag -> the config field it sets
+
+
+def add_data_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "data",
+        help="look at the training data as a run sees it",
+        description="Look at the training data as `distft train` would see it, before training.",
+    )
+    actions = p.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    q = actions.add_parser(
+        "preview",
+        help="the first training rows, tokenised, with the tokens that carry loss marked",
+        description="Print the first training rows as the run tokenises them: the data format, the "
+        "decoded text with every token that carries loss inside [[...]], and the counts (tokens, "
+        "trained tokens, truncation). Settings as for `distft train`. See docs/data.md.",
+    )
+    q.add_argument("--config", help="TOML file, as for `distft train --config`")
+    q.add_argument("--model", help="the model whose tokenizer and chat template to use (as for train)")
+    q.add_argument("--data", help="the rows (as for train): sample, a .jsonl/.parquet file, a hub id")
+    q.add_argument("--rows", type=int, default=1, help="how many training rows to show (default 1)")
+    q.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.max_length=512"
+    )
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    """`distft data preview` (the one `data` command)."""
+    if args.rows < 1:
+        raise ConfigError(f"--rows must be at least 1, got {args.rows}: it is how many rows to show.")
+    flags = [f"{field}={getattr(args, flag)}" for flag, field in PREVIEW_FLAGS.items() if getattr(args, flag)]
+    cfg = load_config(args.config, [*args.overrides, *flags])
+    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
+    check_chat_template(tokenizer, cfg.data)  # refused here as `distft train` refuses it
+    rows = training_rows(cfg.data, cfg.train.seed, args.rows)
+    console = Console(highlight=False, soft_wrap=True)  # no wrapping: the text is shown as it is
+    console.print(header(cfg), markup=False)
+    formatter = ChatFormatter(tokenizer, cfg.data)
+    for i, row in enumerate(rows, start=1):
+        console.print()
+        for line in preview_row(formatter, row, i):
+            console.print(line, markup=False)
+    if len(rows) < args.rows:  # held-out rows and those past data.max_rows are not trained on
+        console.print(f"\nthe training split has {plural(len(rows), 'row')}, all shown", markup=False)
+    return 0
+
+
+def header(cfg: Config) -> str:
+    """What every row below shares: the source, its format, the length policy, the tokenizer."""
+    data: DataConfig = cfg.data
+    return (
+        f"data: {data_name(data)}, format {data_format(data)}; max_length {data.max_length}, truncation "
+        f"{data.truncation}; tokenizer and chat template of {cfg.model.name}\n"
+        f"the tokens inside {OPEN}...{CLOSE} carry loss; the rest is context the model reads"
+    )
+
+
+def preview_row(formatter: ChatFormatter, row: Row, i: int) -> list[str | Text]:
+    """Training row `i`: where it is from, the example with its trained tokens marked, its counts."""
+    title = f"--- training row {i}: {row.origin} ({row_format(row)}) ---"
+    (example,) = formatter.encode_many([row])  # a row that cannot fit is refused, as training does
+    if example is None:
+        return [title, "skipped: its answer cannot fit data.max_length (data.skip_long_rows=true)"]
+    text = Text()
+    for span in loss_spans(example):
+        piece = decode(formatter.tokenizer, example.input_ids[span.start : span.end])
+        text.append(
+            f"{OPEN}{piece}{CLOSE}" if span.trained else piece, style="bold green" if span.trained else ""
+        )
+    tokens, trained = len(example.input_ids), sum(s.end - s.start for s in loss_spans(example) if s.trained)
+    cut = (
+        f"truncated: {plural(example.truncated_tokens, 'token')} cut (data.truncation={formatter.cfg.truncation})"
+        if example.truncated_tokens
+        else "not truncated"
+    )
+    return [title, text, f"{plural(tokens, 'token')}, {trained:,} carry loss; {cut}"]
