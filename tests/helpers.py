@@ -24,6 +24,10 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from distft.cli import main
 from distft.data import qwen3_tokenizer
+from distft.model import causal_lm
+from distft.parallel.base import unwrap
+from distft.plan.expected import expected_step_bytes
+from distft.plan.model_spec import spec_from_config
 from distft.train.hooks import HOOKS_VARIABLE
 from distft.train.metrics import START_ENV
 from tests import faults
@@ -328,3 +332,10 @@ def assert_same_training(run: Path, reference: Path, rtol: float = 1e-5) -> None
         off = (a[name] - b[name]).abs() > rtol * b[name].norm()
         assert off.sum() <= max(1, off.numel() // 1000), f"{name}: relative difference {error:.2e}"
         assert (a[name] - b[name]).abs().max() <= 1e-2 * LEARNING_RATE, f"{name}: {error:.2e}"
+
+
+def expected_bytes(cfg, strategy, model: torch.nn.Module, batches: list[dict]) -> dict[str, int]:
+    """The bytes formula (`distft.plan.expected`) for a strategy run in this process on `batches`,
+    the built model's architecture read as a run reads it."""
+    spec = spec_from_config(causal_lm(unwrap(model).lm).config.to_dict(), cfg.model.name, "test")
+    return expected_step_bytes(cfg, strategy, model, spec, batches)[0]

@@ -31,14 +31,14 @@ LAYERS = {
     "distft.launch": 3,  # torchrun: ranks exec'd (CUDA) or forked from the caller (CPU)
     "distft.parallel": 4,
     "distft.measure": 5,
-    "distft.train": 6,
-    "distft.infer": 7,
-    "distft.plan": 7,
-    "distft.bench": 8,
-    "distft.export": 8,  # on top of distft.infer (7), whose load_trained it reuses
-    "distft.doctor": 8,  # the health check alone, with plan's byte units (7) and the hooks of train (6)
-    "distft.cli": 9,
-    "distft.__main__": 10,
+    "distft.plan": 6,  # below train: a run's expected bytes are the planner's formula
+    "distft.train": 7,
+    "distft.infer": 8,
+    "distft.bench": 9,
+    "distft.export": 9,  # on top of distft.infer (8), whose load_trained it reuses
+    "distft.doctor": 9,  # the health check alone, with plan's byte units (6) and the hooks of train (7)
+    "distft.cli": 10,
+    "distft.__main__": 11,
 }
 
 

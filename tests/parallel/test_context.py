@@ -19,13 +19,12 @@ from distft.config import load_config
 from distft.distributed import DistEnv
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
-from distft.measure.expected import expected_comm_bytes
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.model.checkpointing import enable_checkpointing
 from distft.parallel.base import Strategy, unwrap
 from distft.parallel.context import ContextParallel
 from distft.parallel.context.attention import gathered_order, natural_order
-from tests.helpers import assert_same_training, distft
+from tests.helpers import assert_same_training, distft, expected_bytes
 from tests.parallel.test_collectives import run_group
 from tests.parallel.test_families import SETTINGS, resume_step_2
 
@@ -172,7 +171,7 @@ def _check_against_one_process(rank: int, world: int) -> None:
                 loss = strategy.reduce_loss(strategy.forward_backward(model, [batch], n_tokens)).item()
                 strategy.clip_grad_norm_(model, 0.0)
             assert abs(loss - want_loss) <= RTOL * want_loss, (where, loss, want_loss)
-            expected = expected_comm_bytes(strategy, model, [batch])
+            expected = expected_bytes(cfg, strategy, model, [batch])
             assert dict(counter.stats.bytes) == expected, (where, dict(counter.stats.bytes), expected)
             layers = lm.config.num_hidden_layers
             gathers = 2 if level in ("full", "offload") else 1

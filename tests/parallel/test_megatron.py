@@ -21,11 +21,10 @@ from distft.config import load_config
 from distft.distributed import DistEnv
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
-from distft.measure.expected import expected_comm_bytes
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.parallel.base import unwrap
 from distft.parallel.megatron import TensorSequenceParallel, all_gather_dim, partition_dim
-from tests.helpers import PARITY, assert_same_training, distft, metrics
+from tests.helpers import PARITY, assert_same_training, distft, expected_bytes, metrics
 from tests.parallel.test_collectives import run_group
 
 WORLD = 2
@@ -102,7 +101,7 @@ def _check_against_one_process(rank: int, world: int) -> None:
                 norm = strategy.clip_grad_norm_(model, 0.0)
             assert abs(loss - want_loss) <= RTOL * want_loss, (where, loss, want_loss)
             assert abs(norm - want_norm) <= RTOL * want_norm, (where, norm, want_norm)
-            assert dict(counter.stats.bytes) == expected_comm_bytes(strategy, model, [batch]), where
+            assert dict(counter.stats.bytes) == expected_bytes(cfg, strategy, model, [batch]), where
 
             lm_params = dict(unwrap(model).lm.named_parameters())
             assert {n for n, p in lm_params.items() if p.requires_grad} == set(want_grads), where

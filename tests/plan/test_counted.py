@@ -75,7 +75,8 @@ def _storage_bytes(tensors) -> int:
 
 # What else each layout is counted with: DoRA's magnitudes (data-parallel layouts), QLoRA's NF4 base,
 # full finetuning of a bf16 model over fp32 master weights (train.master_weights=fp32, where the
-# strategy keeps them) and in bf16 alone (master_weights=model), state and collectives.
+# strategy keeps them) and in bf16 alone (master_weights=model), FSDP2's dtype overrides; state
+# and collectives.
 DATA_PARALLEL = ("single", "ddp", "zero1", "zero2", "fsdp")
 BF16 = ["model.dtype=bfloat16"]
 EXTRA = {
@@ -83,6 +84,14 @@ EXTRA = {
     "qlora": ("qlora", [], {}, DATA_PARALLEL),
     "masters": ("full", BF16, {"fp32_masters": True}, DATA_PARALLEL),
     "bf16": ("full", [*BF16, "train.master_weights=model"], {"precision": "bf16-pure"}, tuple(LAYOUTS)),
+    # FSDP2's dtype overrides on an fp32 model: bf16 gathers (and reductions), or fp32 reductions.
+    "fsdp-bf16": ("full", ["parallel.fsdp_param_dtype=bfloat16"], {}, ("fsdp",)),
+    "fsdp-fp32-reduce": (
+        "lora",
+        ["parallel.fsdp_param_dtype=bfloat16", "parallel.fsdp_reduce_dtype=float32"],
+        {},
+        ("zero2",),
+    ),
 }
 
 

@@ -6,14 +6,11 @@ list must be the model's parameters, name for name, shape for shape and in order
 norms, Qwen2's q/k/v biases right after their weights, untied lm_heads), LoRA adapters included.
 `state_bytes` of the single layout must equal the storage of the parameters, gradients and AdamW
 state after one step, for LoRA, full finetuning and QLoRA (whose biases stay in the model dtype).
-The comm-bytes tests (test_traffic.py) and the activation tests (test_activations.py) run on
-every family's micro preset too; FSDP's padded shards are checked there, against the runtime's
-expected bytes.
+The activation tests (test_activations.py) run on every family's micro preset too; the bytes
+formula against what gloo ranks moved, per family, is tests/parallel/test_families.py's.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,17 +19,19 @@ from transformers import AutoModelForCausalLM
 
 from distft.cli import main
 from distft.config import load_config
-from distft.measure import expected
 from distft.model import PRESETS, LossLM, apply_method, load_base_model
 from distft.model.nf4 import NF4Spec, parameter_bytes
+from distft.plan.collective import bytes_by_kind
+from distft.plan.hardware import Link
 from distft.plan.inputs import PRECISIONS, Parallelism, Training
 from distft.plan.memory import state_bytes
 from distft.plan.model_spec import resolve_model
+from distft.plan.traffic import dp_collectives
 from tests.plan import MICROS
 from tests.plan.test_activations import batch
-from tests.plan.test_traffic import MICRO_BATCHES, _batches, _built, _facts, _planned
 
 RANK = 5
+LINK = Link("test", "a test link", bandwidth=1e9, efficiency=1.0, latency_s=0.0)
 
 
 def _config(preset: str, method: str):
@@ -108,14 +107,21 @@ def test_state_bytes_are_what_the_built_model_holds(preset, method):
 
 def test_fsdp_pads_each_bias_on_its_own():
     """3 FSDP ranks: Qwen2's q/k/v biases (32, 16 and 16 rows) are padded one by one, to 33 and 18
-    rows, as FSDP2 pads every parameter; the planner's gathers and scatters equal the runtime's."""
-    cfg, model = _built("full", "qwen2-micro")
-    facts = _facts("fsdp", cfg=cfg, env=SimpleNamespace(world_size=3), reshard_after_forward=True)
-    runtime = expected.fsdp(facts, model, _batches())
-    planned = _planned(
-        "full", "qwen2-micro", Parallelism("fsdp", dp=3, shard="full", microbatches=MICRO_BATCHES)
+    rows, as FSDP2 pads every parameter: the planner's gathers (twice per micro-batch, ZeRO-3) and
+    scatters are the built model's parameters, each padded to a multiple of 3 rows."""
+    cfg = _config("qwen2-micro", "full")
+    torch.manual_seed(0)
+    model = LossLM(apply_method(load_base_model(cfg.model), cfg))
+    padded = sum(
+        -(-p.shape[0] // 3) * 3 * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters()
     )
-    assert planned == {"all_gather": runtime["all_gather"], "reduce_scatter": runtime["reduce_scatter"]}
+    biases = [p.shape[0] for n, p in model.named_parameters() if n.endswith("_proj.bias")]
+    assert set(biases) == {32, 16}  # rows 3 does not divide: each is padded on its own
+    training = Training(method="full", precision=PRECISIONS["fp32"], seq_len=32)
+    par = Parallelism("fsdp", dp=3, shard="full", microbatches=2)
+    spec = resolve_model("qwen2-micro")
+    planned = bytes_by_kind(dp_collectives(spec, training, par, LINK, spec.num_layers))
+    assert planned == {"all_gather": 2 * 2 * padded, "reduce_scatter": 2 * padded}
 
 
 # What each released family's plan must say: its parameter count (transformers' own, summed on the

@@ -2,9 +2,10 @@
 
 - Collectives, every step (`distft.measure.overlap.CommTimeline`, a `CommCounter` with timestamps):
   bytes and calls per kind (and per mesh dimension, where several process groups ran), the time
-  communication ran, the part of it no compute hid, and the overlap fraction. The first step's bytes are recorded beside the analytic prediction
-  (`distft.measure.expected`); later steps show the steady state (DDP rebuilds its buckets after
-  its first synced backward).
+  communication ran, the part of it no compute hid, and the overlap fraction. The first step's
+  bytes are recorded beside the bytes formula's for that step (`expected_bytes`: the planner's,
+  `distft.plan.expected`); later steps show the steady state (DDP rebuilds its buckets after its
+  first synced backward).
 - Saved activations (`distft.measure.activations.SavedActivations`) of the first step's first
   micro-batch.
 - A pipeline's timeline of every step (`distft.measure.pipeline.PipelineTimeline`): idle fractions
@@ -21,7 +22,6 @@ from pathlib import Path
 from torch import nn
 
 from distft.measure.activations import SavedActivations
-from distft.measure.expected import expected_comm_bytes, expected_comm_bytes_by_dim
 from distft.measure.overlap import CommTimeline
 from distft.measure.pipeline import PipelineTimeline, cut_lines
 from distft.parallel import Strategy
@@ -31,15 +31,15 @@ from distft.parallel.pipeline import PipelineParallel
 class StepMeasurements:
     """`watch(step)` around a step's work, then `report(step, examples)` for its record.
 
-    `to_batches(examples)`: this rank's micro-batches of a step's examples, which the analytic
-    byte count needs (`distft.train.step.rank_batches`).
+    `expected_bytes(examples)`: the bytes a step over those examples should move, per kind and
+    per mesh dimension (or None), or None where no formula models the run.
     """
 
     def __init__(
-        self, strategy: Strategy, model: nn.Module, first_step: int, to_batches: Callable, out: Path
+        self, strategy: Strategy, model: nn.Module, first_step: int, expected_bytes: Callable, out: Path
     ):
         self.strategy, self.model, self.first_step = strategy, model, first_step
-        self.to_batches = to_batches
+        self.expected_bytes = expected_bytes
         self.timeline = PipelineTimeline(strategy, out) if isinstance(strategy, PipelineParallel) else None
         self.saved_activation_bytes = 0  # of the first step measured, for ranks.json
         self.first_comm_bytes: dict[str, int] | None = None  # ... and its collectives' bytes
@@ -92,9 +92,9 @@ class StepMeasurements:
             record.update(self._overlap)
             if self._first:
                 self.first_comm_bytes = record["comm_bytes"]
-                batches = self.to_batches(examples)
-                record["comm_bytes_expected"] = expected_comm_bytes(self.strategy, self.model, batches)
-                by_dim = expected_comm_bytes_by_dim(self.strategy, self.model, batches)
-                if by_dim is not None:
-                    record["comm_bytes_expected_by_dim"] = by_dim
+                expected = self.expected_bytes(examples)
+                if expected is not None:
+                    record["comm_bytes_expected"], by_dim = expected
+                    if by_dim is not None:
+                        record["comm_bytes_expected_by_dim"] = by_dim
         return record

@@ -272,6 +272,11 @@ class Strategy:
     def is_logging_rank(self) -> bool:
         return self.env.is_main
 
+    def traffic_facts(self, model: nn.Module) -> dict:
+        """What the bytes formula (`distft.plan.traffic`) needs of this running strategy beyond
+        its config: `Parallelism` fields (a pipeline's cut as it ran), or `DDPSettings` ones."""
+        return {}
+
 
 def optimizer_state_owner(key: str) -> tuple[str, str]:
     """`state.<fqn>.exp_avg` -> (fqn, "exp_avg") in a flattened optimizer state dict."""

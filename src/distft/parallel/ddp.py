@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model.nf4 import nf4_parameter_names
-from distft.parallel.base import Strategy
+from distft.parallel.base import Strategy, unwrap
 
 
 class DDP(Strategy):
@@ -88,6 +88,11 @@ class DDP(Strategy):
             # its bucket order after the first iteration; incompatible with no_sync() (see above).
             static_graph=p.ddp_static_graph,
         )
+
+    def traffic_facts(self, model: nn.Module) -> dict:
+        """The buffers `ddp_broadcast_buffers` sends, and the buckets after DDP's rebuild."""
+        buffers = sum(b.numel() * b.element_size() for b in unwrap(model).buffers())
+        return {"buffer_bytes": buffers, "buckets": len(model.reducer._get_zeros_like_grad_buckets())}
 
     def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if last_micro_batch or not self.cfg.parallel.ddp_no_sync:

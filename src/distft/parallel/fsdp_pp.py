@@ -52,10 +52,6 @@ from distft.parallel.fsdp import FSDP, shard_units
 from distft.parallel.pipeline.layout import SINGLE_STAGE
 from distft.parallel.pipeline.replicas import MeshPipeline
 from distft.parallel.pipeline.stages import StageModule
-from distft.tensors import local
-
-# (shape, dtype, trains) of each parameter a stage hands FSDP: what its collectives carry.
-ParamShapes = list[tuple[torch.Size, torch.dtype, bool]]
 
 
 class FSDPPipelineParallel(MeshPipeline):
@@ -83,7 +79,6 @@ class FSDPPipelineParallel(MeshPipeline):
     def __init__(self, cfg: Config, env) -> None:
         super().__init__(cfg, env)
         self.loss_scale = self.dims.dp  # FSDP averages over dp; the replicas' gradients must add up
-        self.stage_params: dict[int, ParamShapes] = {}
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
@@ -105,10 +100,6 @@ class FSDPPipelineParallel(MeshPipeline):
 
     def shard_stage(self, module: StageModule, stage: int) -> None:
         self.split_stage(module)
-        # What FSDP will shard (`measure.expected` sizes its collectives from it).
-        self.stage_params[stage] = [
-            (local(p).shape, local(p).dtype, p.requires_grad) for p in module.parameters()
-        ]
         layers = list(module.layers.values()) if self.cfg.parallel.fsdp_wrap == "layer" else []
         embed, lm_head = self.tie
         tied = embed.weight is lm_head.weight
@@ -125,11 +116,17 @@ class FSDPPipelineParallel(MeshPipeline):
     def split_stage(self, module: StageModule) -> None:
         """Split a stage's layers before FSDP shards them (fsdp+tp+pp: tensor parallelism)."""
 
+    def traffic_facts(self, model: nn.Module) -> dict:
+        return {
+            **super().traffic_facts(model),
+            "stage_gathers": tuple((s, self.gathers_per_step(s)) for s in self.stage_ids),
+        }
+
     def gathers_per_step(self, stage: int) -> int:
         """All-gathers of each of `stage`'s FSDP units per step: one (gpipe, 1f1b: at its first
         forward); under the multi-stage schedules, one per UNSHARD action torch's schedule plans
         for it (it keeps up to 3 stages gathered, so with V <= 3 also one: what `distft plan`
-        counts, `measure.counts.fsdp_pipeline_gathers`)."""
+        counts, `plan.counts.fsdp_pipeline_gathers`)."""
         if self.layout.schedule in SINGLE_STAGE:
             return 1
         actions = self.schedule.pipeline_order_with_comms[self.pp_rank]

@@ -103,8 +103,6 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         layers = list(causal_lm(model.lm).model.layers)
         for layer in layers:  # 1. TP inside each layer, on the inner dimension
             parallelize_module(layer, self.mesh["tp"], layer_plan(layer))
-        # What FSDP will shard: the TP-local parameters (`measure.expected` sizes its collectives).
-        self.tp_local_params = [(local(p).shape, local(p).dtype, p.requires_grad) for p in model.parameters()]
         apply_fsdp(model, self.mesh["dp"], self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
         # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
         self.partial_grads = partial_gradient_params(head_norms(layers))

@@ -15,7 +15,6 @@ device with no bf16 peak).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import asdict, replace
 
 import psutil
@@ -25,11 +24,13 @@ from distft.config import Config, lora_target_names
 from distft.errors import ConfigError
 from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
+from distft.model import DTYPES
 from distft.model.nf4 import NF4Spec
 from distft.parallel import STRATEGIES, check_config, master_weights
 from distft.parallel.derive import derive_defaults, derived_line
 from distft.parallel.dims import ParallelDims
 from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS
+from distft.plan.collective import bytes_by_kind
 from distft.plan.decide import decide
 from distft.plan.estimate import LABELS, Request, estimate
 from distft.plan.hardware import (
@@ -40,9 +41,9 @@ from distft.plan.hardware import (
     inter_node_link,
     intra_node_link,
 )
-from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Precision, Training
+from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS, DDPSettings, Parallelism, Precision, Training
 from distft.plan.model_spec import resolve_model
-from distft.plan.traffic import Collective, step_collectives
+from distft.plan.traffic import step_collectives
 from distft.text import plural
 
 
@@ -95,8 +96,23 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "mlp_tiles": cfg.model.mlp_tiles,
         "attention": cfg.model.attn_implementation,
         "quant": NF4Spec.from_config(cfg.model),
+        **fsdp_dtype_bytes(cfg),
     }
     return Training(**(fields | shape))
+
+
+def fsdp_dtype_bytes(cfg: Config) -> dict[str, int]:
+    """FSDP2's dtype overrides (parallel.fsdp_*_dtype) as `Training` takes them, where FSDP runs."""
+    cls, p = STRATEGIES.get(cfg.parallel.strategy), cfg.parallel
+    if cls is None or cls.wraps != "fully_shard":
+        return {}
+    dtypes = {"param": p.fsdp_param_dtype, "reduce": p.fsdp_reduce_dtype, "output": p.fsdp_output_dtype}
+    return {f"fsdp_{k}_bytes": DTYPES[v].itemsize for k, v in dtypes.items() if v}
+
+
+def planned_schedule(cfg: Config) -> str:
+    """The pipeline schedule the planner models for `cfg` (its own, where the planner has it)."""
+    return cfg.parallel.schedule if cfg.parallel.schedule in PLANNED_SCHEDULES else "1f1b"
 
 
 def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int = 1) -> tuple[Request, str]:
@@ -120,7 +136,7 @@ def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int =
         intra=intra_node_link(gpu, None, par.nproc),
         inter=inter_node_link(None),
         grad_accum=accumulation,
-        pp_schedule=par.schedule if par.schedule in PLANNED_SCHEDULES else "1f1b",
+        pp_schedule=planned_schedule(cfg),
         overhead=min(1 << 30, memory // 8),
     )
     return request, where
@@ -177,19 +193,23 @@ def resolve_auto(cfg: Config) -> str:
 # ---- the prediction for the layout a config runs ----------------------------------------------------
 
 
-def parallelism_of(cfg: Config, req: Request) -> Parallelism:
+def parallelism_of(cfg: Config, schedule: str) -> Parallelism:
     """The planner's `Parallelism` for the layout the runtime builds from `cfg`: the same degrees
-    (`ParallelDims.of`), shard groups, sequence parallelism and pipeline."""
-    cls, shape = STRATEGIES[cfg.parallel.strategy], check_config(cfg)
+    (`ParallelDims.of`), shard groups, sequence parallelism, DDP switches and pipeline (run with
+    `schedule`, the one the planner models)."""
+    cls, shape, p = STRATEGIES[cfg.parallel.strategy], check_config(cfg), cfg.parallel
     par = Parallelism.of(
         cls,
         ParallelDims.of(cls.dims, cfg),
         microbatches=shape.accumulation_steps,
-        schedule=req.pp_schedule,
+        schedule=schedule,
         dp_shard=cls.shard_degree(cfg) if cls.shard_groups else 0,
     )
     if cls.tensor_parallel == "megatron":
-        par = replace(par, sp=cfg.parallel.sequence_parallel)
+        par = replace(par, sp=p.sequence_parallel)
+    if cls.wraps == "ddp":
+        switches = (p.ddp_no_sync, p.ddp_find_unused_parameters, p.ddp_broadcast_buffers, p.ddp_static_graph)
+        par = replace(par, ddp=DDPSettings(*switches))
     if cls.pipelined:
         lay = cls.pipeline_layout(cfg)
         split = cfg.parallel.pp_split
@@ -207,7 +227,7 @@ def predict(cfg: Config) -> dict:
     rank moves per step, by kind (`distft.measure.comm`'s logical bytes)."""
     shape = check_config(cfg)
     req, where = request_for(cfg, shape.micro_batch_size, shape.accumulation_steps)
-    layout = parallelism_of(cfg, req)
+    layout = parallelism_of(cfg, req.pp_schedule)
     est = estimate(req, layout, cfg.parallel.strategy)
     by_pp_rank = [  # a pipeline's ranks hold different stages; every other layout's ranks move the same
         bytes_by_kind(step_collectives(req.model, req.training, layout, req.topology, rank))
@@ -238,14 +258,6 @@ def predict(cfg: Config) -> dict:
         "step_time": asdict(est.time) if est.time else None,  # `distft.measure.flops.StepTime`'s fields
         "step_time_note": req.no_time,  # why step_time is null (no bf16 peak), else null
     }
-
-
-def bytes_by_kind(collectives: list[Collective]) -> dict[str, int]:
-    """Logical bytes per collective kind (`distft.measure.comm`'s convention: what a run counts)."""
-    out: dict[str, int] = defaultdict(int)
-    for c in collectives:
-        out[c.kind] += int(c.logical_bytes)
-    return dict(out)
 
 
 def try_predict(cfg: Config) -> dict | None:

@@ -22,12 +22,13 @@ from distft.measure.flops import StepTime
 from distft.parallel import STRATEGIES as RUNTIME
 from distft.parallel.dims import ParallelDims
 from distft.plan.activations import activation_bytes
+from distft.plan.collective import Collective, Topology
 from distft.plan.hardware import GPU, GiB, Link
 from distft.plan.inputs import Parallelism, Training
 from distft.plan.memory import comm_buffer_bytes, state_bytes
 from distft.plan.model_spec import ModelSpec
 from distft.plan.timing import ASSUMED_MFU, RunLength, no_time_reason, step_time
-from distft.plan.traffic import Collective, Topology, step_collectives
+from distft.plan.traffic import step_collectives
 
 # Every layout the planner models is a strategy distft runs, in the registry's order, named as its
 # class names itself (`Strategy.label`).

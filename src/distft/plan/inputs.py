@@ -83,6 +83,13 @@ class Training:
     rope_factor: float = 0.0
     padded: bool | None = None  # a padding mask reaches attention; None: micro_batch > 1
     quant: NF4Spec = field(default_factory=NF4Spec)  # the runtime's NF4 storage settings
+    # (rows, positions) of each micro-batch of a step where a running step knows them (dynamic
+    # padding, packed rows); empty: `Parallelism.microbatches` of (micro_batch, seq_len).
+    batch_shapes: tuple[tuple[int, int], ...] = ()
+    # FSDP2's MixedPrecisionPolicy as parallel.fsdp_*_dtype sets it, bytes per element; 0: the default.
+    fsdp_param_bytes: int = 0
+    fsdp_reduce_bytes: int = 0
+    fsdp_output_bytes: int = 0
 
     @property
     def lora(self) -> bool:
@@ -95,6 +102,23 @@ class Training:
     @property
     def has_padding_mask(self) -> bool:
         return self.micro_batch > 1 if self.padded is None else self.padded
+
+    def shapes(self, microbatches: int) -> tuple[tuple[int, int], ...]:
+        """(rows, positions) of each of a step's micro-batches."""
+        return self.batch_shapes or ((self.micro_batch, self.seq_len),) * microbatches
+
+
+@dataclass(frozen=True)
+class DDPSettings:
+    """DDP's switches (parallel.ddp_*), and what only a running DDP model knows: its buffers'
+    bytes and its bucket count after the rebuild (0 before launch: a few hundred bytes unplanned)."""
+
+    no_sync: bool = True
+    find_unused: bool = False
+    broadcast_buffers: bool = False
+    static_graph: bool = False
+    buffer_bytes: int = 0
+    buckets: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,6 +144,10 @@ class Parallelism:
     stages_per_rank: int = 0  # parallel.stages_per_rank; 0: the schedule's default (SCHEDULES)
     pp_split: str | tuple[int, ...] = "balanced"  # parallel.pp_split: balanced, even, or layers per stage
     cp: int = 1  # context-parallel degree: ranks sharing each sequence (1/cp of its positions each)
+    ddp: DDPSettings = DDPSettings()
+    # fsdp+pp: (stage, all-gathers per step) of this rank's stages, as its schedule's UNSHARD actions
+    # say (a running pipeline's); empty: `fsdp_pipeline_gathers`, one each.
+    stage_gathers: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, strategy: type[Strategy], dims: ParallelDims, **schedule) -> Parallelism:

@@ -48,7 +48,14 @@ import math
 from dataclasses import dataclass
 
 from distft.model.nf4 import NF4Spec, nf4_bytes
-from distft.plan.inputs import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
+from distft.plan.inputs import (
+    Parallelism,
+    Training,
+    holds_first_stage,
+    holds_last_stage,
+    pipeline_layout,
+    rank_layers,
+)
 from distft.plan.model_spec import ModelSpec, TensorSpec
 
 ADAPTER_KINDS = ("lora_A", "lora_B", "lora_magnitude")  # trainable adapter tensors, in adapter_bytes
@@ -102,11 +109,16 @@ def local_shape(t: TensorSpec, tp: int, tp_rank: int) -> tuple[int, ...]:
 
 
 def stage_tensors(
-    spec: ModelSpec, training: Training, par: Parallelism, stage: int
+    spec: ModelSpec, training: Training, par: Parallelism, rank: int, stage: int | None = None
 ) -> list[tuple[TensorSpec, bool]]:
-    """(tensor, trainable) held by pipeline rank `stage` (the whole model when pp == 1)."""
-    layers = set(rank_layers(spec, training, par, stage))
-    first, last = holds_first_stage(par, stage), holds_last_stage(par, stage)
+    """(tensor, trainable) held by pipeline rank `rank` (the whole model when pp == 1), or by its
+    pipeline stage `stage` alone."""
+    if stage is None:
+        layers = set(rank_layers(spec, training, par, rank))
+        first, last = holds_first_stage(par, rank), holds_last_stage(par, rank)
+    else:
+        lay = pipeline_layout(spec, training, par)
+        layers, first, last = set(lay.layers_of(stage)), stage == 0, stage == lay.num_stages - 1
     full = training.method == "full"
     out = []
     for t in spec.tensors():
@@ -308,8 +320,8 @@ def comm_buffer_bytes(
     return out
 
 
-def layer_seq_len(training: Training, par: Parallelism) -> int:
-    """Sequence length as the layers see it: TP+SP pads it to a multiple of the TP degree."""
-    if par.sp and par.tp > 1:
-        return math.ceil(training.seq_len / par.tp) * par.tp
-    return training.seq_len
+def layer_seq_len(training: Training, par: Parallelism, seq_len: int | None = None) -> int:
+    """Sequence length (`training.seq_len`, or `seq_len`) as the layers see it: TP+SP pads it to
+    a multiple of the TP degree."""
+    seq = training.seq_len if seq_len is None else seq_len
+    return math.ceil(seq / par.tp) * par.tp if par.sp and par.tp > 1 else seq

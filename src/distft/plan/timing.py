@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from distft.errors import ConfigError
 from distft.measure.flops import ModelFlops, StepTime
 from distft.parallel.pipeline.cost import attention_dim, layer_weights
+from distft.plan.collective import Collective
 from distft.plan.hardware import GPU
 from distft.plan.inputs import Parallelism, Training, holds_last_stage, rank_layers
 from distft.plan.model_spec import ModelSpec
-from distft.plan.traffic import Collective
 
 # distft's measured MFU on one H200 (docs/reports/gpu/nvidia-h200/RECORD.md: Qwen3-4B, 2048
 # tokens, micro-batch 2, bf16, flex attention, compiled layers): the default assumption.

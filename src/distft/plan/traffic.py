@@ -1,8 +1,12 @@
-"""Bytes each layout moves per optimizer step, over which link, and the compute they hide behind.
+"""The bytes-moved formula: what each layout's collectives carry per optimizer step, over which link.
 
-Per rank, per optimizer step of `Layout.microbatches` micro-batches (logical sizes, `distft.measure.comm`
+One formula per strategy, used three ways: `distft plan` on shapes, a run's prediction
+(`plan.auto.predict`) on its config, and every run's first step (`plan.expected`) on its own
+micro-batches, recorded beside the bytes the run counted; the parity tests hold the two equal to
+the byte on real gloo ranks. Per rank, per optimizer step (logical sizes, `distft.measure.comm`'s
 convention; `hardware.wire_bytes` turns them into bytes on the wire):
-- DDP: one all-reduce of the trainable gradients per step (bucketed, overlapping backward).
+- DDP: one all-reduce of the trainable gradients per step (bucketed, overlapping backward); its
+  misconfiguration switches add theirs (`ddp_collectives`).
 - ZeRO-1 (`zero1`: DDP + torch's ZeroRedundancyOptimizer): DDP's all-reduce of the trainable
   gradients, then one broadcast per rank of its partition of the updated trainable weights (every
   rank takes part in all N: the weights' bytes once, not overlapped).
@@ -13,6 +17,8 @@ convention; `hardware.wire_bytes` turns them into bytes on the wire):
   rank's gradient shard (1/shard of the padded gradients) across the replicas (the nodes).
   Inside a pipeline (`fsdp+pp`, `fsdp+tp+pp`) once per step instead: torch's stage keeps the
   stage gathered and defers the reduce-scatter to its last backward (`fsdp_pipeline_gathers`).
+- CP (`cp`): per layer and micro-batch K and V of the whole sequence all-gathered, their
+  gradients reduce-scattered; the gradients all-reduced once per step.
 - TP+SP (`tp-sp`): per layer and micro-batch 2 all-gathers and 2 reduce-scatters of a
   (batch, seq, hidden) activation forward and as many backward (one fewer when nothing before
   the first block trains); without SP the same bytes as all-reduces. Checkpointing repeats the
@@ -32,29 +38,34 @@ says whether it can overlap compute (`Collective.overlapped`): TP's sit on the c
 DDP's, FSDP's and a pipeline's sends overlap it. What that costs a step, with the compute they
 hide behind, is `distft.plan.timing`'s.
 
-The collective counts come from the runtime's own functions in `distft.measure.counts`
-(`tp_activation_calls`, `megatron_crossings`, `fsdp_gathers_per_microbatch`), the ones the parity
-tests check against the bytes counted on real gloo ranks. What differs is the input: the runtime
-sums the tensors a rank holds, the planner their shapes from a `ModelSpec` (no model is built), and
-tests/plan/test_traffic.py checks the two agree on the micro model.
+The collective counts come from the runtime's own tables (`plan/counts.py`: `tp_activation_calls`,
+`megatron_crossings`, `fsdp_gathers_per_microbatch`). The shapes are a `ModelSpec`'s (no model is
+built) and a `Training`'s: a running step passes its own micro-batches (`Training.batch_shapes`) and
+the facts only it knows (`Strategy.traffic_facts`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 
-from distft.measure.counts import (
+from distft.parallel import STRATEGIES
+from distft.parallel.context.model import layers_without_kv_gradient, padded_length
+from distft.plan.collective import (
+    Collective,
+    Topology,
+    compute_bytes,
+    held_bytes,
+    step_positions,
+)
+from distft.plan.counts import (
     fsdp_gathers_per_microbatch,
     fsdp_pipeline_gathers,
     megatron_crossings,
     tp_activation_calls,
     tp_adapter_calls,
 )
-from distft.model.nf4 import nf4_gathered_bytes
-from distft.parallel import STRATEGIES
-from distft.parallel.context.model import layers_without_kv_gradient, padded_length
-from distft.plan.hardware import Link, comm_time, wire_bytes
+from distft.plan.hardware import Link
 from distft.plan.inputs import (
     Parallelism,
     Training,
@@ -64,72 +75,8 @@ from distft.plan.inputs import (
     rank_layers,
     rank_stages,
 )
-from distft.plan.memory import (
-    layer_seq_len,
-    local_shape,
-    param_element_bytes,
-    stage_tensors,
-    trained_element_bytes,
-)
+from distft.plan.memory import stage_tensors
 from distft.plan.model_spec import ModelSpec
-
-
-@dataclass
-class Collective:
-    what: str  # gradients, parameters, activations, ...
-    kind: str  # all_reduce, all_gather, reduce_scatter, send
-    logical_bytes: float  # per step, all calls together
-    calls: int
-    group: int  # ranks taking part
-    link: Link
-    overlapped: bool  # can hide behind compute
-
-    @property
-    def wire_bytes(self) -> float:
-        return wire_bytes(self.kind, self.logical_bytes, self.group)
-
-    @property
-    def seconds(self) -> float:
-        return comm_time(self.kind, self.logical_bytes, self.group, self.link, self.calls)
-
-
-@dataclass(frozen=True)
-class Topology:
-    gpus_per_node: int
-    nodes: int
-    intra: Link
-    inter: Link
-
-    def link(self, size: int, stride: int) -> Link:
-        """The slowest link a group of `size` ranks `stride` apart crosses."""
-        return self.inter if self.nodes > 1 and size * stride > self.gpus_per_node else self.intra
-
-
-def held_bytes(spec: ModelSpec, training: Training, par: Parallelism, what: str, rank: int = 0) -> float:
-    """Logical bytes of pipeline rank `rank`'s TP/PP slice of the model, FSDP2's dim-0 padding included:
-    `gradients` (trainable, in the gradient dtype), `trained` (trainable weights as stored: ZeRO-1's
-    broadcast) or `gathered` (every weight as FSDP2 all-gathers it: in its param dtype, bf16 copies
-    of fp32 master weights (`parallel.fsdp.mixed_precision`); an NF4 weight's inner tensors)."""
-    total, n = 0.0, par.shard_degree
-    for t, trains in stage_tensors(spec, training, par, rank):
-        if what != "gathered" and not trains:
-            continue
-        shape = local_shape(t, par.tp, 0)
-        numel = math.prod(shape)
-        if what == "gathered" and training.method == "qlora" and t.kind == "linear":
-            total += nf4_gathered_bytes(numel, training.quant, training.precision.param, n)
-            continue
-        if par.shard == "full" and n > 1 and shape[0]:
-            numel = math.ceil(shape[0] / n) * n * (numel // shape[0])
-        if what == "gradients":
-            element = trained_element_bytes(t, training)[0]
-        elif what == "gathered" and training.fp32_masters and training.method == "full":
-            element = training.precision.param
-        else:
-            element = param_element_bytes(t, training)
-        total += numel * element
-    return total
-
 
 # ---------------------------------------------------------------------------------------------
 # Per-collective formulas (bytes and calls per optimizer step, one rank)
@@ -141,10 +88,33 @@ def fsdp_gather_calls(layers: int, microbatches: int, reshard_after_forward: boo
     return (layers + 1) * fsdp_gathers_per_microbatch(reshard_after_forward) * microbatches
 
 
-def pipeline_boundary_bytes(spec: ModelSpec, training: Training, tp: int = 1, sp: bool = False) -> float:
-    """One (batch, seq, hidden) activation crossing a stage boundary (per direction, micro-batch)."""
-    c = training.precision.activation
-    return c * training.micro_batch * training.seq_len * spec.hidden_size / (tp if sp else 1)
+def ddp_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, rank: int = 0
+) -> list[Collective]:
+    """DDP: the trainable gradients all-reduced once per step (`no_sync` on every micro-batch but
+    the last), and what its misconfiguration switches (`parallel.ddp_*`, `Parallelism.ddp`) add on
+    the first step of a process:
+    - `no_sync` off: every micro-batch's backward all-reduces; DDP rebuilds its buckets before the
+      first forward after a synced backward, rank 0 broadcasting the layout (int32: the parameter
+      order plus a count, and each bucket's size);
+    - `find_unused`: per synced backward, an int32 all-reduce of the used-parameter bitmap (one
+      entry per trainable tensor); DDP then never rebuilds its buckets;
+    - `broadcast_buffers`: rank 0's buffers before each forward that follows a synced backward."""
+    d = par.ddp
+    synced = 1 if d.no_sync else par.microbatches  # backwards that all-reduce
+    grads = held_bytes(spec, training, par, "gradients", rank)
+    tensors = sum(trains for _, trains in stage_tensors(spec, training, par, rank))
+    out = [Collective("gradients", "all_reduce", synced * grads, synced, par.dp, link, True)]
+    if d.find_unused:
+        out.append(
+            Collective("used parameters", "all_reduce", synced * 4 * tensors, synced, par.dp, link, False)
+        )
+    if d.broadcast_buffers:
+        out.append(Collective("buffers", "broadcast", synced * d.buffer_bytes, synced, par.dp, link, False))
+    if synced > 1 and not d.find_unused and not d.static_graph:
+        layout = 4 * (tensors + 1) + 4 * d.buckets
+        out.append(Collective("bucket layout", "broadcast", layout, 2, par.dp, link, False))
+    return out
 
 
 def dp_collectives(
@@ -152,19 +122,23 @@ def dp_collectives(
 ) -> list[Collective]:
     """DDP's gradient all-reduce, ZeRO-1's all-reduce + broadcasts, FSDP2's per-unit traffic (over
     one shard group under HSDP: `link` is its link; `replica_collectives` adds the rest)."""
+    if par.shard in ("none", "optimizer"):
+        out = ddp_collectives(spec, training, par, link, rank)
+        if par.shard == "optimizer":  # every rank takes part in each rank's broadcast
+            weights = held_bytes(spec, training, par, "trained", rank)
+            out.append(Collective("updated weights", "broadcast", weights, par.dp, par.dp, link, False))
+        return out
     grads = held_bytes(spec, training, par, "gradients", rank)
-    if par.shard == "none":
-        return [Collective("gradients", "all_reduce", grads, 1, par.dp, link, True)]
-    if par.shard == "optimizer":
-        weights = held_bytes(spec, training, par, "trained", rank)
-        return [
-            Collective("gradients", "all_reduce", grads, 1, par.dp, link, True),
-            Collective("updated weights", "broadcast", weights, par.dp, par.dp, link, False),
-        ]
     m, n = par.microbatches, par.shard_degree
     if par.pp > 1:  # fsdp+pp, fsdp+tp+pp: torch's stage gathers once and reduces once per step
-        gathers = fsdp_pipeline_gathers(par.virtual_stages)
-        params = held_bytes(spec, training, par, "gathered", rank) * gathers
+        if par.stage_gathers:  # a running schedule's own count, stage by stage
+            params = sum(
+                g * held_bytes(spec, training, par, "gathered", rank, s) for s, g in par.stage_gathers
+            )
+            gathers = max(g for _, g in par.stage_gathers)
+        else:
+            gathers = fsdp_pipeline_gathers(par.virtual_stages)
+            params = held_bytes(spec, training, par, "gathered", rank) * gathers
         return [
             Collective("parameters", "all_gather", params, (layers + 1) * gathers, par.dp, link, True),
             Collective("gradients", "reduce_scatter", grads, layers + 1, par.dp, link, True),
@@ -191,40 +165,34 @@ def tp_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int, rank: int = 0
 ) -> list[Collective]:
     """Tensor parallelism's activation collectives and the replicated weights' partial gradients."""
-    m, c, lora = par.microbatches, training.precision.activation, training.lora
-    T = training.micro_batch * layer_seq_len(training, par)
-    act = c * T * spec.hidden_size
+    m, c, lora = len(training.shapes(par.microbatches)), compute_bytes(training, par), training.lora
+    positions = step_positions(training, par)  # every micro-batch's (batch, seq) together
     ckpt = training.activation_checkpointing
+    targets = set(training.lora_targets) if lora else set()
     out = []
     if par.tensor_parallel == "megatron":
         # A block's entry carries a norm output (the weights' dtype) forward and its gradient
         # back; an exit a projection output (the compute dtype) and its gradient: with SP an
         # entry all-gathers forward and reduce-scatters backward, an exit the other way round.
-        targets = set(training.lora_targets) if lora else set()
         enters, leaves, enters_bwd, leaves_bwd = megatron_crossings(layers, lora, targets, ckpt)
-        enter = T * spec.hidden_size * training.precision.param
-        leave = T * spec.hidden_size * (2 if training.autocast else c)  # bf16 projections under autocast
+        enter = positions * spec.hidden_size * training.precision.param
+        leave = positions * spec.hidden_size * (2 if training.autocast else c)  # bf16 under autocast
         if par.sp:
-            gathered, gathers = m * (enter * enters + leave * leaves_bwd), m * (enters + leaves_bwd)
-            scattered, scatters = m * (leave * leaves + enter * enters_bwd), m * (leaves + enters_bwd)
+            gathered, gathers = enter * enters + leave * leaves_bwd, m * (enters + leaves_bwd)
+            scattered, scatters = leave * leaves + enter * enters_bwd, m * (leaves + enters_bwd)
             out.append(Collective("activations", "all_gather", gathered, gathers, par.tp, link, False))
             out.append(Collective("activations", "reduce_scatter", scattered, scatters, par.tp, link, False))
         else:
-            logical = m * (leave * leaves + enter * enters_bwd)
-            out.append(
-                Collective(
-                    "activations", "all_reduce", logical, m * (leaves + enters_bwd), par.tp, link, False
-                )
-            )
+            logical, calls = leave * leaves + enter * enters_bwd, m * (leaves + enters_bwd)
+            out.append(Collective("activations", "all_reduce", logical, calls, par.tp, link, False))
     else:
         # Per stage this rank holds: a later stage's input needs its gradient (it is sent back).
         calls = sum(
             tp_activation_calls(n, lora, ckpt, not first)
             for n, first in rank_stages(spec, training, par, rank)
         )
-        targets = set(training.lora_targets) if lora else set()
         adapters = tp_adapter_calls(layers, targets, ckpt)
-        logical = m * (act * calls + c * T * training.lora_rank * adapters)
+        logical = c * positions * (spec.hidden_size * calls + training.lora_rank * adapters)
         out.append(
             Collective("activations", "all_reduce", logical, m * (calls + adapters), par.tp, link, False)
         )
@@ -238,22 +206,18 @@ def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
     """Context parallelism: per micro-batch and layer, K and V of the whole (padded) sequence
     all-gathered (again when checkpointing recomputes the layer's attention), dK and dV
     reduce-scattered back where the keys need a gradient; once per step, the gradients summed."""
-    m, c, layers = par.microbatches, training.precision.activation, spec.num_layers
-    kv = (
-        2
-        * c
-        * training.micro_batch
-        * padded_length(training.seq_len, par.cp)
-        * spec.num_kv_heads
-        * spec.head_dim
-    )
+    shapes, layers = training.shapes(par.microbatches), spec.num_layers
+    c = 2 if training.autocast else training.precision.activation  # K, V in bf16 under autocast
+    positions = sum(rows * padded_length(seq, par.cp) for rows, seq in shapes)
+    kv = 2 * c * positions * spec.num_kv_heads * spec.head_dim  # one layer's K and V, every micro-batch
     gathers = layers * (2 if training.activation_checkpointing in ("full", "offload") else 1)
     backward = layers - layers_without_kv_gradient(training.lora, set(training.lora_targets))
     grads = held_bytes(spec, training, par, "gradients")
+    m = len(shapes)
     return [
-        Collective("keys, values", "all_gather", m * kv * gathers, m * gathers, par.cp, link, False),
+        Collective("keys, values", "all_gather", kv * gathers, m * gathers, par.cp, link, False),
         Collective(
-            "key, value gradients", "reduce_scatter", m * kv * backward, m * backward, par.cp, link, False
+            "key, value gradients", "reduce_scatter", kv * backward, m * backward, par.cp, link, False
         ),
         Collective("gradients", "all_reduce", grads, 1, par.cp, link, False),
     ]
@@ -262,13 +226,16 @@ def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
 def pp_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, rank: int = 0
 ) -> list[Collective]:
-    """Stage-boundary sends and receives (forward and backward per micro-batch) and, on the ranks
-    holding a copy, the tied embedding's gradient."""
-    boundary = pipeline_boundary_bytes(spec, training, par.tp, par.sp)
-    messages = par.microbatches * pipeline_layout(spec, training, par).boundaries_of(rank)  # each way
+    """Stage-boundary sends and receives of the (batch, seq, hidden) hidden states, forward and
+    backward per micro-batch (in FSDP2's output dtype, else its param dtype, where set), and, on
+    the ranks holding a copy, the tied embedding's gradient."""
+    sent = (par.shard == "full" and training.fsdp_output_bytes) or compute_bytes(training, par)
+    positions = sum(rows * seq for rows, seq in training.shapes(par.microbatches))
+    boundaries = pipeline_layout(spec, training, par).boundaries_of(rank)
+    nbytes = boundaries * sent * positions * spec.hidden_size / (par.tp if par.sp else 1)
+    messages = par.microbatches * boundaries  # each way
     out = [
-        Collective("stage activations", kind, boundary * messages, messages, 2, link, True)
-        for kind in ("send", "recv")
+        Collective("stage activations", kind, nbytes, messages, 2, link, True) for kind in ("send", "recv")
     ]
     ends = holds_first_stage(par, rank) or holds_last_stage(par, rank)
     if spec.tie_word_embeddings and training.method == "full" and ends:
@@ -283,29 +250,33 @@ def step_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, topo: Topology, rank: int = 0
 ) -> list[Collective]:
     """Every collective of one optimizer step on the ranks of pipeline rank `rank` (every rank
-    without a pipeline: their bytes are equal). Groups: TP innermost, then DP, then PP."""
+    without a pipeline: their bytes are equal), each named by its mesh dimension. Groups: TP
+    innermost, then DP (HSDP: shard groups of neighbouring ranks, replicas `shard` groups apart),
+    then PP."""
     layers = len(rank_layers(spec, training, par, rank))
     out: list[Collective] = []
-    if par.dp > 1:  # HSDP: shard groups of neighbouring ranks, replicas `shard` groups apart
-        out += dp_collectives(spec, training, par, topo.link(par.shard_degree, par.tp), layers, rank)
+
+    def add(dim: str, collectives: list[Collective]) -> None:
+        out.extend(replace(c, dim=dim) for c in collectives)
+
+    if par.dp > 1:
+        link = topo.link(par.shard_degree, par.tp)
+        add("shard" if par.dp_shard else "dp", dp_collectives(spec, training, par, link, layers, rank))
     if par.replicas > 1:
         link = topo.link(par.replicas, par.tp * par.shard_degree)
-        out += replica_collectives(spec, training, par, link, layers, rank)
+        add("replicate", replica_collectives(spec, training, par, link, layers, rank))
     if par.tp > 1:
-        out += tp_collectives(spec, training, par, topo.link(par.tp, 1), layers, rank)
+        add("tp", tp_collectives(spec, training, par, topo.link(par.tp, 1), layers, rank))
     if par.pp > 1:
-        out += pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp), rank)
+        add("pp", pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp), rank))
     if par.cp > 1:
-        out += cp_collectives(spec, training, par, topo.link(par.cp, 1))
+        add("cp", cp_collectives(spec, training, par, topo.link(par.cp, 1)))
     sequence_split = par.tp > 1 and par.tensor_parallel == "megatron" and par.sp
     scalars = STRATEGIES[par.name].step_scalars(par.dp, sequence_split) if par.world > 1 else ()
     if scalars:
         link = topo.link(par.world, 1)
-        out.append(
-            Collective(
-                "loss, gradient norm", "all_reduce", sum(scalars), len(scalars), par.world, link, False
-            )
-        )
+        what = "loss, gradient norm"
+        add("world", [Collective(what, "all_reduce", sum(scalars), len(scalars), par.world, link, False)])
     return out
 
 

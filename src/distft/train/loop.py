@@ -15,7 +15,6 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,7 @@ from distft.train.metrics import (
 from distft.train.optim import training_lines
 from distft.train.progress import TrainingProgress
 from distft.train.setup import Run, setup
-from distft.train.step import evaluate, global_batch, rank_batches, train_step
+from distft.train.step import evaluate, expected_bytes, global_batch, train_step
 from distft.train.tracking import Trackers
 
 
@@ -113,8 +112,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     # ---- outputs --------------------------------------------------------------------------
     cfg, env, tc = run.cfg, run.env, run.cfg.train
     progress = TrainingProgress(enabled=run.strategy.is_logging_rank(), total_steps=tc.max_steps)
-    batches = partial(rank_batches, strategy=run.strategy, cfg=cfg, pad_id=run.pad_id)
-    measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, batches, run.out)
+    measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, expected_bytes(run), run.out)
     metrics = start_outputs(run, progress, measure.header_lines())
     trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
     result = TrainResult(output_dir=run.out)

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from distft.config import Config, to_toml
 from distft.data import CachedSplit, TokenizedSplit, mean_label_tokens, tokenized_splits
 from distft.data.rows import memory_source
 from distft.data.tokenizer import load_tokenizer
 from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
+from distft.errors import ConfigError
 from distft.health import HealthHooks, HealthReport, check_health, failure_advice
 from distft.io.checkpoint import (
     check_resume,
@@ -42,6 +44,7 @@ from distft.model.nf4 import storage_layout
 from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
 from distft.model.presets import DTYPES
 from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model, master_weights
+from distft.plan.model_spec import ModelSpec, spec_from_config
 from distft.tensors import local_bytes
 from distft.train.optim import build_optimizer, check_optimizer, epoch_steps, lr_lambda
 
@@ -78,6 +81,7 @@ class Run:
     lineage: dict | None = None  # where the model came from, and its chain of runs (`distft.io.lineage`)
     health: HealthReport | None = None  # the pre-flight health check's (`distft.health`); None: not run
     token_cache: dict | None = None  # how this rank had its examples (`distft.data.cache.tokenized_splits`)
+    architecture: ModelSpec | None = None  # the built model's shapes, for the bytes formula (`distft.plan`)
 
     @property
     def pad_id(self) -> int:
@@ -122,6 +126,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     attention = resolve_attention(cfg.model.attn_implementation, env.device, DTYPES[cfg.model.dtype])
     base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None, attention)
     check_model(cfg, base.config)
+    architecture = run_architecture(cfg, base.config)
     masters = master_weights(cfg) == "fp32"
     if masters:  # full finetuning of a bf16 base: fp32 master weights, bf16 compute (autocast below)
         base = base.float()
@@ -164,8 +169,17 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
               param_bytes, grad_bytes, optimizer, scheduler, autocast, compiled=compiled, attention=attention, compiled_nf4=compiled_nf4, flops=flops)  # fmt: skip
     run.peak_flops, run.peak_note = peak_flops(env.device)
     run.lineage, run.health, run.token_cache = lineage, health, token_cache
+    run.architecture = architecture
     resume(run)
     return run
+
+
+def run_architecture(cfg: Config, model_config: PretrainedConfig) -> ModelSpec | None:
+    """The built model as the planner counts it (None: an architecture it does not model)."""
+    try:
+        return spec_from_config(model_config.to_dict(), cfg.model.name, "the run's model")
+    except ConfigError:
+        return None
 
 
 def resume(run: Run) -> None:

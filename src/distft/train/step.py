@@ -28,6 +28,7 @@ from distft.errors import NonFiniteError
 from distft.io.checkpoint import resume_hint
 from distft.model.compile import SEQUENCE_BUCKET, compile_errors_unwrapped, compile_wanted
 from distft.parallel import Strategy
+from distft.plan.expected import expected_step_bytes
 from distft.train.setup import Run
 
 Batch = dict[str, torch.Tensor]
@@ -57,6 +58,18 @@ def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_i
             batch["label_positions"] = label_positions(batch["labels"])
         batches.append(to_device(batch, strategy.env.device))
     return batches
+
+
+def expected_bytes(run: Run) -> Callable[[list[Example]], tuple | None]:
+    """The bytes formula on a step's examples as this rank batches them (`distft.plan.expected`)."""
+
+    def on(examples: list[Example]) -> tuple | None:
+        if run.architecture is None:  # an architecture the planner does not model
+            return None
+        batches = rank_batches(examples, run.strategy, run.cfg, run.pad_id)
+        return expected_step_bytes(run.cfg, run.strategy, run.model, run.architecture, batches)
+
+    return on
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

@@ -253,6 +253,10 @@ class PipelineParallel(Strategy):
             }
         return batch
 
+    def traffic_facts(self, model: nn.Module) -> dict:
+        """The cut as it ran (the planner's would cut by its own labelled-position estimate)."""
+        return {"pp_split": self.layout.layers_per_stage}
+
     # -- gradients and export ------------------------------------------------------------------
     def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
         """Every gradient of this rank's stages is its share of the pipeline's, summed over the

@@ -1,41 +1,13 @@
-"""Counts behind the expected bytes: FSDP's units and gathers, TP's activation all-reduces,
-tp-sp's crossings of the sequence-parallel boundary. `measure/expected.py` builds its formulas on
-them, and `distft plan` (`plan/traffic.py`) shares those it can make without a model (FSDP's
-gathers, TP's all-reduce calls, the crossings), so the planner and the bytes a run measures cannot disagree.
+"""How many collectives each mechanism runs: FSDP's gathers per micro-batch and per pipeline step,
+TP's activation all-reduces, tp-sp's crossings of the sequence-parallel boundary. Read from the
+runtime's own tables (the Megatron `PLAN`, parallelize_module's `COLUMN`/`ROW`), so the bytes
+formula (`plan/traffic.py`) counts what the strategies run.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from distft.config import Config
-from distft.model.nf4 import is_nf4, nf4_gather_bytes
-from distft.parallel import Batch
-from distft.parallel.fsdp import mixed_precision
 from distft.parallel.megatron import PLAN
 from distft.parallel.tensor_parallel import COLUMN, ROW
-
-
-def fsdp_unit_bytes(
-    cfg: Config, model: nn.Module, n: int, microbatches: int, reshard_after_forward: bool
-) -> dict[str, int]:
-    """FSDP2 over `n` ranks: all-gathers of every unit's parameters and reduce-scatters of the
-    trainable gradients, each padded to a multiple of n rows, in the `MixedPrecisionPolicy`'s dtypes."""
-    policy = mixed_precision(cfg)
-
-    def padded_bytes(p: torch.Tensor, dtype: torch.dtype | None) -> int:
-        if is_nf4(p):  # codes, block scales and group factors (never padded)
-            return nf4_gather_bytes(p, n)
-        return padded_rows(p.shape, n) * (dtype or p.dtype).itemsize
-
-    params = list(model.parameters())  # every unit's parameters: layers and root
-    gathers = fsdp_gathers_per_microbatch(reshard_after_forward)
-    return {
-        "all_gather": microbatches * gathers * sum(padded_bytes(p, policy.param_dtype) for p in params),
-        "reduce_scatter": microbatches
-        * sum(padded_bytes(p, policy.reduce_dtype) for p in params if p.requires_grad),
-    }
 
 
 def fsdp_gathers_per_microbatch(reshard_after_forward: bool) -> int:
@@ -54,29 +26,6 @@ def fsdp_pipeline_gathers(stages_per_rank: int) -> int:
     if stages_per_rank > 3:
         raise ValueError(f"{stages_per_rank} stages per rank: torch may regather a stage within a step")
     return 1
-
-
-def tp_activation_bytes(
-    cfg: Config,
-    lm: nn.Module,
-    batches: list[Batch],
-    layers: int | None = None,
-    input_needs_grad: bool = False,
-    itemsize: int | None = None,
-) -> int:
-    """Bytes TP all-reduces for `batches` (this rank's micro-batches) through `layers` decoder layers
-    (default: all; a pipeline stage: its own): `tp_activation_calls` of a (batch, seq, hidden)
-    activation per micro-batch, plus, with LoRA, one (batch, seq, r) all-reduce per adapter on a row
-    projection (after its lora_A) and per column projection (backward, the input of its lora_B)."""
-    hidden = lm.config.hidden_size
-    n_layers = lm.config.num_hidden_layers if layers is None else layers
-    lora = cfg.train.method in ("lora", "qlora")
-    targets = set(cfg.lora.target_modules) if lora else set()
-    adapters = tp_adapter_calls(n_layers, targets, cfg.model.activation_checkpointing)
-    calls = tp_activation_calls(n_layers, lora, cfg.model.activation_checkpointing, input_needs_grad)
-    itemsize = itemsize or next(lm.parameters()).element_size()  # the activations' dtype
-    tokens = sum(b["input_ids"].numel() for b in batches)
-    return itemsize * tokens * (hidden * calls + cfg.lora.rank * adapters)
 
 
 # Per layer, the row projections whose forward (and its all-reduce) reruns in backward under each
@@ -127,9 +76,3 @@ def megatron_crossings(
         recomputed += needs_grad and checkpointing != "none"  # tp-sp recomputes whole layers
     crossings = 2 * layers + 2 * recomputed
     return crossings, crossings, enters_bwd, leaves_bwd
-
-
-def padded_rows(shape: torch.Size, n: int) -> int:
-    """Elements of a tensor whose dim 0 FSDP2 pads to a multiple of `n` ranks."""
-    rows = -(-shape[0] // n) * n
-    return rows * (shape.numel() // shape[0])
