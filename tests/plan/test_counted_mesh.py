@@ -67,7 +67,9 @@ def _step(env: DistEnv, name: str, label: str) -> dict:
     ]
     cfg = load_config(None, args)
     cls = STRATEGIES[name]
-    cfg.train.global_batch_size = 4 * cls.data_parallel_size(cfg)  # four micro-batches a rank: pp fills 4 ranks
+    cfg.train.global_batch_size = 4 * cls.data_parallel_size(
+        cfg
+    )  # four micro-batches a rank: pp fills 4 ranks
     try:
         shape = check_config(cfg)
     except ConfigError as err:

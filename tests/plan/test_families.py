@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from distft.cli import main
 from distft.config import load_config
 from distft.model import PRESETS, LossLM, apply_method, load_base_model
-from distft.model.nf4 import NF4Spec, parameter_bytes
+from distft.model.nf4 import NF4Spec, storage_layout
 from distft.plan.collective import bytes_by_kind
 from distft.plan.hardware import Link
 from distft.plan.inputs import PRECISIONS, Parallelism, Training
@@ -89,7 +89,7 @@ def test_state_bytes_are_what_the_built_model_holds(preset, method):
     model(**batch(1, 16, 2)).backward()
     optimizer.step()
     counted = {
-        "parameters": parameter_bytes(model),
+        "parameters": sum(storage_layout(model).values()),  # NF4 weights and dense ones
         "gradients": sum(p.grad.untyped_storage().nbytes() for p in trainable),
         "optimizer": sum(
             v.untyped_storage().nbytes()

@@ -23,7 +23,7 @@ so 0.5 + 1/B + s/(B G) bytes per element plus 17 s bytes per tensor: 0.515869 by
 in an fp32 model (the planner's 0.5 + 1/64 + 4/16384), 0.515747 in bf16 (torchao keeps the group
 scale in the model dtype). `model.double_quant=false` keeps each
 absmax in the model dtype instead (`quantized_scalers` becomes n / B values of s bytes, the factors
-become ones, the mean zero): 0.5 + s/B + s/(B G) per element. `quantized_bytes` measures what a
+become ones, the mean zero): 0.5 + s/B + s/(B G) per element. `storage_layout` measures what a
 model (or one rank's shard of it) actually holds; `nf4_bytes` is the formula.
 
 Why QLoRA and FSDP usually do not mix. FSDP treats every parameter as a dense tensor of its
@@ -221,7 +221,7 @@ def nf4_parameter_names(model: nn.Module) -> list[str]:
 
 def nf4_bytes(numel: int, spec: NF4Spec, itemsize: int = 4, shards: int = 1) -> dict[str, int]:
     """The storage of one weight of `numel` elements, by inner tensor, on one of `shards` FSDP
-    ranks; `itemsize` is the model dtype's (4 fp32, 2 bf16). Matches `quantized_bytes` exactly."""
+    ranks; `itemsize` is the model dtype's (4 fp32, 2 bf16). Matches `storage_layout` exactly."""
     blocks = numel // spec.block_size
     groups = blocks // spec.group_size(numel)
     return {
@@ -249,28 +249,10 @@ def storage_layout(model: nn.Module) -> dict[str, int]:
     return layout
 
 
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of this rank's NF4 weights (codes, block scales, group factors, per-tensor mean and
-    code book): what a planner's NF4 formula should predict."""
-    layout = storage_layout(model)
-    return sum(layout[k] for k in (*INNER, *META))
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    """Every parameter byte this rank holds: NF4 weights plus dense ones."""
-    return sum(storage_layout(model).values())
-
-
 def nf4_gathered_bytes(numel: int, spec: NF4Spec, itemsize: int, shards: int) -> int:
     """Bytes FSDP2 all-gathers for an NF4 weight of `numel` elements sharded `shards` ways: the
     inner tensors of every shard (never padded; the per-tensor metadata stays on each rank)."""
     return shards * sum(v for k, v in nf4_bytes(numel, spec, itemsize, shards).items() if k in INNER)
-
-
-def nf4_gather_bytes(p: torch.Tensor, shards: int) -> int:
-    """Bytes FSDP2 all-gathers for one NF4 parameter: its inner tensors from every shard."""
-    shard = local(p)
-    return shards * sum(getattr(shard, k).numel() * getattr(shard, k).element_size() for k in INNER)
 
 
 # ---------------------------------------------------------------------------------------------

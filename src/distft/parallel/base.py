@@ -284,10 +284,6 @@ def optimizer_state_owner(key: str) -> tuple[str, str]:
     return fqn, name
 
 
-def trainable_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The `LossLM` under DDP's `.module` (FSDP2 and TP modify the module in place)."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
