@@ -4,7 +4,7 @@ One gloo launch per rank count, checking in it, for LoRA and full finetuning: th
 gradient of every trainable weight (after `after_backward`) equal one process's `LossLM` on the same
 batch, for (a) right-padded rows of different lengths, (b) a packed row whose documents cross the
 chunk boundaries, (c) rows whose length is not a multiple of 2N; with each activation checkpointing
-level; the bytes of every collective equal the formula's (`measure.expected.context`); a checkpoint holds the single
+level; the bytes of every collective equal the formula's (`plan/traffic.py`); a checkpoint holds the single
 model's names; and the activations a rank keeps for backward are ~1/N of one process's.
 """
 
@@ -261,10 +261,14 @@ def test_chunk_orders_are_inverse():
 
 def test_resumes_across_degrees_and_trains_like_the_run_it_continues(tmp_path):
     """The model and its optimizer state are replicated: a checkpoint written by 2 ranks resumes on
-    4 (and one process's on 2: tests/parallel/test_families.py) and trains step 2 the same, moving
-    the bytes the planner predicted on every rank."""
+    4 (and one process's on 2: tests/parallel/test_families.py), and under fsdp+cp on 2 x 2 ranks
+    (its weights and optimizer state sharded over all 4), and trains step 2 the same, moving the
+    bytes the planner predicted on every rank."""
     two = tmp_path / "cp2"
     distft("train", "--model", "micro", "--strategy", "cp", "--nproc", "2", *SETTINGS,
            "--checkpoint-every", "1", "--out", str(two))  # fmt: skip
     resume_step_2(two, tmp_path / "cp4", "cp", "--nproc", "4")
     assert_same_training(tmp_path / "cp4", two)
+    # fsdp+cp: the same state sharded over 2 data-parallel x 2 context-parallel ranks.
+    resume_step_2(two, tmp_path / "fsdp-cp", "fsdp+cp", "--nproc", "4", "parallel.dp=2", "parallel.cp=2")
+    assert_same_training(tmp_path / "fsdp-cp", two)

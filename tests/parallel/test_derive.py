@@ -29,6 +29,7 @@ SIZES = {
     "ddp+pp": [4, 6, 8],
     "fsdp+pp": [4, 6],
     "fsdp+tp+pp": [4, 6, 8],
+    "fsdp+cp": [2, 4],
 }
 
 

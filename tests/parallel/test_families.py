@@ -41,16 +41,20 @@ FAMILY_PRESETS = {
     "mistral": "mistral-micro",
 }
 # The 2-D and 3-D layouts on the fewest ranks that are not a 1-D strategy (4 where both
-# dimensions must be 2; fsdp+tp runs on one FSDP rank, as test_fsdp_pp's 3D case does).
+# dimensions must be 2; fsdp+tp runs on one FSDP rank, as test_fsdp_pp's 3D case does, and fsdp+cp's
+# FSDP spans its 2 context-parallel ranks).
 LAYOUTS = {
     "hsdp": ["parallel.shard=2"],
     "fsdp+tp": ["parallel.dp=1", "parallel.tp=2"],
     "ddp+pp": ["parallel.dp=2", "parallel.pp=2"],
     "fsdp+pp": ["parallel.dp=2", "parallel.pp=2"],
     "fsdp+tp+pp": ["parallel.dp=1", "parallel.tp=2", "parallel.pp=2"],
+    "fsdp+cp": ["parallel.dp=1", "parallel.cp=2"],
 }
 NPROC = {
-    name: 2 if name == "fsdp+tp" or name not in LAYOUTS else 4 for name in STRATEGIES if name != "single"
+    name: 2 if name in ("fsdp+tp", "fsdp+cp") or name not in LAYOUTS else 4
+    for name in STRATEGIES
+    if name != "single"
 }
 # PARITY's batch (global 4 = micro 1 x accumulation x ranks), over 2 steps of shorter rows; no
 # base weights written and no validation: the adapters are compared as tensors.

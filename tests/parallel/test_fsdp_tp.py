@@ -38,10 +38,10 @@ def test_parallel_dims():
     dims = ParallelDims(dp=2, tp=2, pp=1, world_size=4)
     # tp is the inner dimension: TP groups are neighbouring ranks.
     assert [dims.coordinates(r) for r in range(4)] == [
-        {"pp": 0, "dp": 0, "tp": 0},
-        {"pp": 0, "dp": 0, "tp": 1},
-        {"pp": 0, "dp": 1, "tp": 0},
-        {"pp": 0, "dp": 1, "tp": 1},
+        {"pp": 0, "dp": 0, "cp": 0, "tp": 0},
+        {"pp": 0, "dp": 0, "cp": 0, "tp": 1},
+        {"pp": 0, "dp": 1, "cp": 0, "tp": 0},
+        {"pp": 0, "dp": 1, "cp": 0, "tp": 1},
     ]
     with pytest.raises(ConfigError, match="2 x 3 x 1 = 6, but the run has 4 processes"):
         ParallelDims(dp=2, tp=3, pp=1, world_size=4)

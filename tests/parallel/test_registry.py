@@ -45,6 +45,7 @@ def test_settings_each_strategy_reads_follow_from_its_class():
         "fsdp+tp",
         "fsdp+pp",
         "fsdp+tp+pp",
+        "fsdp+cp",
     }
     assert READ_BY["parallel.sequence_parallel"] == ("tp-sp",)
     assert "single" not in READ_BY["parallel.timeout_s"]
@@ -58,6 +59,7 @@ def test_one_mesh_description_for_every_strategy():
         if cls.mesh_degrees:
             overrides += ["parallel.pp=2"] if "pp" in cls.dims else []
             overrides += ["parallel.tp=2"] if "tp" in cls.dims else []
+            overrides += ["parallel.dp=2"] if "cp" in cls.dims else []  # cp takes what dp leaves
         if not cls.distributed:
             overrides[1] = "parallel.nproc=1"
         dims = ParallelDims.of(cls.dims, load_config(None, overrides))
@@ -66,3 +68,5 @@ def test_one_mesh_description_for_every_strategy():
         assert {d for d, v in degrees.items() if v > 1} <= set(cls.dims), name
         if len(cls.dims) == 1:
             assert degrees[cls.dims[0]] == 4, name
+        if "cp" in cls.dims and cls.mesh_degrees:
+            assert (dims.dp, dims.cp) == (2, 2), name

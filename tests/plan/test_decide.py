@@ -274,6 +274,7 @@ def test_json_has_every_strategy_and_component(capsys):
         "ddp+pp",
         "fsdp+pp",
         "fsdp+tp+pp",
+        "fsdp+cp",
     ]
     components = {
         "parameters",

@@ -254,9 +254,10 @@ RANGES: dict[str, Range] = {
     "parallel.fsdp_prefetch": NON_NEGATIVE,
     "parallel.microbatches": NON_NEGATIVE,  # 0: from train.micro_batch_size
     "parallel.stages_per_rank": NON_NEGATIVE,  # 0: the schedule's default
-    "parallel.dp": NON_NEGATIVE,  # 0: the world size / (tp x pp)
+    "parallel.dp": NON_NEGATIVE,  # 0: the world size / (tp x pp x cp)
     "parallel.tp": COUNT,
     "parallel.pp": COUNT,
+    "parallel.cp": NON_NEGATIVE,  # 0: the world size / dp
     "parallel.shard": NON_NEGATIVE,  # 0: --nproc
     "output.checkpoint_every": NON_NEGATIVE,  # 0: never
     "output.keep_last": COUNT,

@@ -285,15 +285,14 @@ class ParallelConfig:
     `distft.parallel.pipeline.cost`); even: by layer count (the first L mod S stages take one more);
     or a list, one count per stage in stage order, e.g. [5, 3] (`parallel.pp_split=[5,3]`)."""
     dp: int = 0
-    """2D and 3D strategies (fsdp+tp, ddp+pp, fsdp+pp, fsdp+tp+pp): data-parallel degree; 0: world
-    size / (tp x pp)."""
+    """Multi-dimensional strategies: data-parallel degree; 0: world size / (tp x pp x cp)."""
     tp: int = 1
     """fsdp+tp, fsdp+tp+pp: tensor-parallel degree, the inner (fastest-varying) mesh dimension."""
     pp: int = 1
     """ddp+pp, fsdp+pp, fsdp+tp+pp: pipeline degree (ranks per pipeline replica), the outermost mesh
-    dimension; 1 elsewhere.
-    parallel.schedule, microbatches and stages_per_rank apply to each replica's pipeline, whose
-    micro-batches cut global_batch_size / dp sequences."""
+    dimension; 1 elsewhere. The schedule's micro-batches cut global_batch_size / dp sequences."""
+    cp: int = 0
+    """fsdp+cp: context-parallel degree, ranks sharing each sequence (inner mesh dimension); 0: world / dp."""
     shard: int = 0
     """hsdp: consecutive ranks sharding each parameter (one node), replicated across the others; 0: --nproc."""
 

@@ -137,6 +137,8 @@ class Strategy:
         self.label_tokens: float | None = None
         self.dp_size = self.data_parallel_size(cfg)
         self.dp_rank = env.rank if self.dp_size > 1 else 0
+        # Ranks whose gradients the wrapper averages (DDP, FSDP: the replicas): each scales its loss up by as many.
+        self.averaged_over = self.dp_size
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Place and wrap the `LossLM`; the returned module's forward gives the loss sum."""
@@ -153,9 +155,9 @@ class Strategy:
 
         The global loss is the sum of token losses over the whole global batch divided by its
         number of labelled tokens, whatever the split across ranks and micro-batches. Data-parallel
-        wrappers average gradients over replicas, so each replica scales its part by dp_size.
+        wrappers average gradients over replicas, so each replica scales its part by their count.
         """
-        scale = self.dp_size / num_label_tokens
+        scale = self.averaged_over / num_label_tokens
         total = torch.zeros((), device=self.env.device)
         for i, batch in enumerate(micro_batches):
             with self.accumulating(model, last_micro_batch=i == len(micro_batches) - 1):

@@ -195,6 +195,12 @@ def _check_layout(cfg: Config, strategy: type[Strategy]) -> None:
             f"({', '.join(mesh)}); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, "
             f"or use --strategy {' or '.join(mesh)}."
         )
+    context = [name for name, c in STRATEGIES.items() if c.mesh_degrees and "cp" in c.dims]
+    if par.cp and strategy.name not in context:
+        raise ConfigError(
+            f"parallel.cp sets the context-parallel degree of --strategy {' or '.join(context)}; --strategy "
+            f"{strategy.name} does not take it (--strategy cp takes every process). Drop it, or use that strategy."
+        )
     if par.shard and not strategy.shard_groups:
         raise ConfigError(
             f"parallel.shard sets the shard groups of --strategy "

@@ -42,9 +42,10 @@ class ParallelDims:
             if getattr(self, name) < 1:
                 raise ConfigError(f"`parallel.{name}` must be at least 1, got {getattr(self, name)}.")
         if self.dp * self.tp * self.pp * self.cp != self.world_size:
+            cp_name, cp = (" x parallel.cp", f" x {self.cp}") if self.cp > 1 else ("", "")
             raise ConfigError(
-                f"parallel.dp x parallel.tp x parallel.pp = {self.dp} x {self.tp} x {self.pp} = "
-                f"{self.dp * self.tp * self.pp}, but the run has {self.world_size} processes "
+                f"parallel.dp x parallel.tp x parallel.pp{cp_name} = {self.dp} x {self.tp} x {self.pp}{cp} = "
+                f"{self.dp * self.tp * self.pp * self.cp}, but the run has {self.world_size} processes "
                 "(--nproc x --nnodes). The degrees must multiply to the world size; parallel.dp=0 takes "
                 "what is left."
             )
@@ -52,40 +53,57 @@ class ParallelDims:
     @classmethod
     def of(cls, strategy_dims: tuple[str, ...], cfg: Config) -> ParallelDims:
         """The degrees a strategy spanning `strategy_dims` (`Strategy.dims`) runs `cfg` with: the
-        user's parallel.dp / tp / pp on several dimensions, every rank on its one dimension, or one
-        process. The runtime's mesh and the planner (`plan.auto.parallelism_of`) both read it."""
+        user's parallel.dp / tp / pp / cp on several dimensions, every rank on its one dimension, or
+        one process. The runtime's mesh and the planner (`plan.auto.parallelism_of`) both read it."""
         if len(strategy_dims) > 1:
-            return cls.from_config(cfg)
+            return cls.from_config(cfg, context="cp" in strategy_dims)
         world = cfg.world_size
         degrees = {"dp": 1, "tp": 1, "pp": 1, "cp": 1} | {d: world for d in strategy_dims}
         return cls(**degrees, world_size=world if strategy_dims else 1)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> ParallelDims:
-        """The degrees a multi-dimensional strategy runs with (parallel.dp / tp / pp)."""
+    def from_config(cls, cfg: Config, context: bool = False) -> ParallelDims:
+        """The degrees a multi-dimensional strategy runs with (parallel.dp / tp / pp, and cp where
+        it has a `context` dimension: of dp and cp, one left at 0 takes what the other leaves;
+        both at 0, every rank shares each sequence)."""
         p, world = cfg.parallel, cfg.world_size
-        if p.tp < 1 or p.pp < 1 or p.dp < 0:
+        if p.tp < 1 or p.pp < 1 or p.dp < 0 or p.cp < 0:
             raise ConfigError(
-                f"parallel.tp and parallel.pp must be at least 1 and parallel.dp at least 0 (auto); got "
-                f"dp={p.dp}, tp={p.tp}, pp={p.pp}."
+                f"parallel.tp and parallel.pp must be at least 1, parallel.dp and parallel.cp at least 0 "
+                f"(auto); got dp={p.dp}, tp={p.tp}, pp={p.pp}, cp={p.cp}."
             )
-        dp = p.dp or (world // (p.tp * p.pp) if world % (p.tp * p.pp) == 0 else 0)
-        if dp == 0:
+        cp = (p.cp or (world // (p.dp * p.tp * p.pp) if p.dp else world // (p.tp * p.pp))) if context else 1
+        rest = p.tp * p.pp * max(cp, 1)
+        dp = p.dp or (world // rest if world % rest == 0 else 0)
+        if dp == 0 or cp == 0:
             raise ConfigError(
-                f"parallel.tp x parallel.pp = {p.tp} x {p.pp} does not divide the {world} processes; "
-                "pick degrees whose product divides --nproc x --nnodes."
+                f"parallel.tp x parallel.pp{' x parallel.cp' if context else ''} = {p.tp} x {p.pp}"
+                f"{f' x {cp}' if context else ''} does not divide the {world} processes; pick degrees whose "
+                "product divides --nproc x --nnodes."
             )
-        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world)
+        return cls(dp=dp, tp=p.tp, pp=p.pp, world_size=world, cp=cp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """This rank's index along each dimension (row-major over pp, dp, tp)."""
-        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+        """This rank's index along each dimension (row-major over pp, dp, cp, tp)."""
+        return {
+            "pp": rank // (self.dp * self.cp * self.tp),
+            "dp": rank // (self.cp * self.tp) % self.dp,
+            "cp": rank // self.tp % self.cp,
+            "tp": rank % self.tp,
+        }
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One DeviceMesh over every rank: ("dp", "tp") without a pipeline, ("pp", "dp") with one
-        and tp = 1, all three otherwise."""
-        keep = {"pp": self.pp > 1, "dp": True, "tp": self.tp > 1 or self.pp == 1}
-        dims = [(n, d) for n, d in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp)) if keep[n]]
+        and tp = 1, all three otherwise; ("dp", "cp") for context parallelism."""
+        keep = {
+            "pp": self.pp > 1,
+            "dp": True,
+            "cp": self.cp > 1,
+            "tp": self.tp > 1 or (self.pp == 1 and self.cp == 1),
+        }
+        dims = [
+            (n, d) for n, d in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp)) if keep[n]
+        ]
         return init_device_mesh(
             device_type, tuple(d for _, d in dims), mesh_dim_names=tuple(n for n, _ in dims)
         )
@@ -98,9 +116,9 @@ class MeshStrategy:
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
-        return ParallelDims.from_config(cfg).dp
+        return ParallelDims.of(cls.dims, cfg).dp  # type: ignore[attr-defined]
 
     def __init__(self, cfg: Config, env) -> None:
         super().__init__(cfg, env)  # type: ignore[call-arg]
-        self.dims = ParallelDims.from_config(cfg)
+        self.dims = ParallelDims.of(type(self).dims, cfg)  # type: ignore[attr-defined]
         self.dp_rank = self.dims.coordinates(env.rank)["dp"]

@@ -11,6 +11,7 @@ from distft.parallel.context import ContextParallel
 from distft.parallel.ddp import DDP
 from distft.parallel.ddp_pp import DDPPipelineParallel
 from distft.parallel.fsdp import FSDP, ZeRO2
+from distft.parallel.fsdp_cp import FSDPContextParallel
 from distft.parallel.fsdp_pp import FSDPPipelineParallel
 from distft.parallel.fsdp_tp import FSDPTensorParallel
 from distft.parallel.fsdp_tp_pp import FSDPTensorPipelineParallel
@@ -38,6 +39,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         DDPPipelineParallel,
         FSDPPipelineParallel,
         FSDPTensorPipelineParallel,
+        FSDPContextParallel,
     )
 }
 

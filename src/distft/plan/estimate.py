@@ -114,7 +114,7 @@ class Estimate:
         lay = self.parallelism
         if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas
             return f"{LABELS[self.strategy]} (shard={lay.shard_degree}, replicas={lay.replicas})"
-        degrees = [f"{k}={v}" for k, v in (("dp", lay.dp), ("tp", lay.tp), ("pp", lay.pp)) if v > 1]
+        degrees = [f"{d}={getattr(lay, d)}" for d in ("dp", "tp", "pp", "cp") if getattr(lay, d) > 1]
         return f"{LABELS[self.strategy]}" + (
             f" ({', '.join(degrees)})" if degrees and RUNTIME[self.strategy].mesh_degrees else ""
         )
@@ -272,16 +272,18 @@ def best(candidates: list[Estimate]) -> Estimate | None:
 
 def candidate_parallelisms(req: Request, strategy: str) -> list[Parallelism]:
     """Every factorisation of the GPUs `strategy` is tried with: a strategy on one mesh dimension
-    takes every GPU on it; on several, TP stays inside a node, the pipeline is outermost (across
-    nodes when there are several) and 2+ data-parallel ranks sit between."""
+    takes every GPU on it; on several, TP and CP stay inside a node, the pipeline is outermost
+    (across nodes when there are several) and 2+ data-parallel ranks sit between (1+ beside CP,
+    whose ranks FSDP shards over too)."""
     dims, n = RUNTIME[strategy].dims, req.world
     if len(dims) < 2:
         return [parallelism_for(req, strategy, **{d: n for d in dims})]
     return [
-        parallelism_for(req, strategy, dp=n // (tp * pp), tp=tp, pp=pp)
+        parallelism_for(req, strategy, dp=n // (tp * pp * cp), tp=tp, pp=pp, cp=cp)
         for tp in (_divisors(req.gpus_per_node) if "tp" in dims else [1])
-        for pp in (_divisors(n // tp) if "pp" in dims else [1])
-        if n // (tp * pp) >= 2
+        for cp in (_divisors(req.gpus_per_node // tp) if "cp" in dims else [1])
+        for pp in (_divisors(n // (tp * cp)) if "pp" in dims else [1])
+        if n % (tp * pp * cp) == 0 and n // (tp * pp * cp) >= (1 if "cp" in dims else 2)
     ]
 
 
@@ -296,7 +298,7 @@ def evaluate(req: Request) -> dict[str, Estimate]:
                 Parallelism(strategy),
                 applicable=False,
                 runnable=runnable(strategy, req.training.method),
-                note=f"needs {2 ** len(RUNTIME[strategy].dims)}+ GPUs",  # 2 per dimension
+                note=f"needs {2 ** len(RUNTIME[strategy].dims) if 'cp' not in RUNTIME[strategy].dims else 2}+ GPUs",
             )
             continue
         est = best([estimate(req, lay, strategy) for lay in layouts])

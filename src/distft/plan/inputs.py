@@ -173,13 +173,14 @@ class Parallelism:
 
     @property
     def shard_degree(self) -> int:
-        """Ranks each parameter is split across by ZeRO/FSDP (HSDP: one shard group)."""
-        return self.dp_shard or self.dp
+        """Ranks each parameter is split across by ZeRO/FSDP (HSDP: one shard group; FSDP folds
+        the context-parallel ranks in: dp x cp)."""
+        return self.dp_shard or self.dp * (self.cp if self.shard == "full" else 1)
 
     @property
     def replicas(self) -> int:
         """HSDP's replicate degree: shard groups holding the same shards (1 for FSDP)."""
-        return self.dp // self.shard_degree
+        return self.dp * (self.cp if self.shard == "full" else 1) // self.shard_degree
 
     @property
     def virtual_stages(self) -> int:

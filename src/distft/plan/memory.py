@@ -306,7 +306,7 @@ def comm_buffer_bytes(
     c, tp = training.precision.activation, par.tp
     held = stage_tensors(spec, training, par, stage)
     out: dict[str, int] = {}
-    if par.shard == "full" and par.dp > 1:
+    if par.shard == "full" and par.shard_degree > 1:
         out.update(_fsdp_buffers(held, training, par))
     if tp > 1:
         out["TP collective buffers"] = (

@@ -50,6 +50,8 @@ def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dic
         out["train.master_weights"] = "fp32" if masters else "model"
     if RUNTIME[par.name].mesh_degrees:
         out.update({"parallel.dp": str(par.dp), "parallel.tp": str(par.tp), "parallel.pp": str(par.pp)})
+        if "cp" in RUNTIME[par.name].dims:
+            out["parallel.cp"] = str(par.cp)
     if RUNTIME[par.name].shard_groups:
         out["parallel.shard"] = str(par.shard_degree)
     if par.pp > 1:

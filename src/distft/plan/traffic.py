@@ -212,15 +212,19 @@ def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
     kv = 2 * c * positions * spec.num_kv_heads * spec.head_dim  # one layer's K and V, every micro-batch
     gathers = layers * (2 if training.activation_checkpointing in ("full", "offload") else 1)
     backward = layers - layers_without_kv_gradient(training.lora, set(training.lora_targets))
-    grads = held_bytes(spec, training, par, "gradients")
     m = len(shapes)
-    return [
+    out = [
         Collective("keys, values", "all_gather", kv * gathers, m * gathers, par.cp, link, False),
         Collective(
             "key, value gradients", "reduce_scatter", kv * backward, m * backward, par.cp, link, False
         ),
-        Collective("gradients", "all_reduce", grads, 1, par.cp, link, False),
     ]
+    if (
+        par.shard == "none"
+    ):  # replicated weights: the positions' shares summed (FSDP's reduce-scatter does it)
+        grads = held_bytes(spec, training, par, "gradients")
+        out.append(Collective("gradients", "all_reduce", grads, 1, par.cp, link, False))
+    return out
 
 
 def pp_collectives(
@@ -259,7 +263,7 @@ def step_collectives(
     def add(dim: str, collectives: list[Collective]) -> None:
         out.extend(replace(c, dim=dim) for c in collectives)
 
-    if par.dp > 1:
+    if par.shard_degree > 1:  # data parallel, or FSDP over the context-parallel ranks too
         link = topo.link(par.shard_degree, par.tp)
         add("shard" if par.dp_shard else "dp", dp_collectives(spec, training, par, link, layers, rank))
     if par.replicas > 1:

@@ -30,7 +30,19 @@ from distft.parallel.context.model import ContextParallelLM
 from distft.parallel.grads import all_reduce_flat
 
 
-class ContextParallel(Strategy):
+class StateUnderTheWrapper:
+    """Checkpoints in the single model's names: the state of the `LossLM` under the CP wrapper,
+    whose `module.` prefix would otherwise hide every name from the base class's filter. List it
+    before the strategy class it extends."""
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return super().checkpoint_state(unwrap(model), optimizer)  # type: ignore[misc]
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        super().load_checkpoint_state(unwrap(model), optimizer, state)  # type: ignore[misc]
+
+
+class ContextParallel(StateUnderTheWrapper, Strategy):
     name = "cp"
     label = "Context parallel (CP)"
     holds = "the whole model; 1/N of every sequence's activations"
@@ -53,10 +65,7 @@ class ContextParallel(Strategy):
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
         super().validate_model(cfg, model_config)  # NF4 blocks under qlora
-        if set(getattr(model_config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-            raise ConfigError(f"--strategy {cls.name} supports full attention only (no sliding window).")
-        if getattr(model_config, "attention_dropout", 0.0):
-            raise ConfigError(f"--strategy {cls.name} runs without attention dropout (attention_dropout=0).")
+        check_attention(cls.name, model_config)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         return ContextParallelLM(model.to(self.env.device), group=None)
@@ -70,10 +79,10 @@ class ContextParallel(Strategy):
         dist.all_reduce(local_sum)  # each rank's share: the loss over its positions
         return local_sum
 
-    # The model is replicated: the single model's state, read through the wrapper (whose `module.`
-    # prefix would otherwise hide every name from the base class's filter).
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return super().checkpoint_state(unwrap(model), optimizer)
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        super().load_checkpoint_state(unwrap(model), optimizer, state)
+def check_attention(strategy: str, model_config: PretrainedConfig) -> None:
+    """What the context-parallel attention computes: full causal attention, no dropout."""
+    if set(getattr(model_config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        raise ConfigError(f"--strategy {strategy} supports full attention only (no sliding window).")
+    if getattr(model_config, "attention_dropout", 0.0):
+        raise ConfigError(f"--strategy {strategy} runs without attention dropout (attention_dropout=0).")

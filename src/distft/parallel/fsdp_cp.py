@@ -1,0 +1,92 @@
+"""FSDP x context parallelism (`fsdp+cp`): sequences split over cp ranks, weights sharded over all.
+
+`distft train --strategy fsdp+cp --nproc 4 parallel.cp=2`: a ("dp", "cp") mesh, cp innermost
+(neighbouring ranks: they talk every layer). Ranks of one cp group read the same rows and each
+holds 1/cp of every row's positions, exactly as under `cp` (`distft.parallel.context`: head and
+mirrored tail chunks, K and V all-gathered per layer); the dp groups read distinct rows.
+
+What each rank holds. FSDP2 shards every weight over all dp x cp ranks, the way torchtitan folds
+CP into its shard dimension: 1/(dp cp) of the parameters, gradients and optimizer state, where
+`cp` alone replicates the whole model on every rank. Activations: 1/cp of its rows' positions.
+
+Which collectives run, and when (per micro-batch; `fsdp`'s and `cp`'s, on their groups):
+- every rank: all-gather of each layer's parameter shards before its forward and again before its
+  backward (ZeRO-3), reduce-scatter of its gradients after its backward. That reduce-scatter also
+  sums what `cp` all-reduces once per step: each rank's gradient is its positions' share, and the
+  shares of one row's cp ranks add up in the same sum as the dp replicas';
+- cp group: per layer, K and V all-gathered in forward (again where checkpointing recomputes the
+  layer), dK and dV reduce-scattered in backward;
+- per step: the loss sum (fp32) and the gradient norm's sum of squares (float64) over every rank.
+
+Gradient scale. FSDP2 averages the reduce-scattered sum over its dp x cp ranks; the cp shares
+must add up, so each rank scales its loss by dp x cp (`averaged_over`), not dp, before backward.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import PretrainedConfig
+
+from distft.config import Config
+from distft.errors import ConfigError
+from distft.model import causal_lm
+from distft.parallel.context.model import ContextParallelLM
+from distft.parallel.context.strategy import StateUnderTheWrapper, check_attention
+from distft.parallel.dims import MeshStrategy, ParallelDims
+from distft.parallel.fsdp import FSDP, shard_units
+
+
+class FSDPContextParallel(StateUnderTheWrapper, MeshStrategy, FSDP):
+    name = "fsdp+cp"
+    label = "FSDP x CP"
+    holds = "1/(dp cp) of params, grads, optimizer state; 1/cp of every sequence's activations"
+    moves = "FSDP's all-gather / reduce-scatter over every rank; K and V all-gathered over cp per layer"
+    page = "long-context.md#fsdpcp-weights-sharded-too"
+    dims = ("dp", "cp")
+    supports_compile: ClassVar[bool] = False  # the CP attention is installed per forward
+    takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
+    collectives = "the all-gathers / reduce-scatters of parameters and gradients, of K and V (fsdp+cp)"
+
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        super().validate_config(cfg)
+        p = cfg.parallel
+        if p.tp != 1 or p.pp != 1:
+            raise ConfigError(
+                f"--strategy fsdp+cp takes parallel.dp and parallel.cp; parallel.tp={p.tp} and "
+                f"parallel.pp={p.pp} must stay 1."
+            )
+        if ParallelDims.of(cls.dims, cfg).cp < 2:
+            raise ConfigError(
+                "--strategy fsdp+cp with parallel.cp=1 splits no sequence: that is --strategy fsdp. Set "
+                "parallel.cp to 2 or more (it must divide --nproc x --nnodes)."
+            )
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        super().validate_model(cfg, model_config)  # NF4 blocks over every rank under qlora
+        check_attention(cls.name, model_config)
+
+    def __init__(self, cfg: Config, env) -> None:
+        super().__init__(cfg, env)
+        self.averaged_over = env.world_size  # FSDP averages over dp x cp; the cp shares must add up
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        model.to(self.env.device)
+        self.mesh = self.dims.build_mesh(self.env.device.type)  # ("dp", "cp")
+        context = ContextParallelLM(model, group=self.mesh.get_group("cp"))
+        everyone = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp_cp",))
+        layers = list(causal_lm(model.lm).model.layers) if self.cfg.parallel.fsdp_wrap == "layer" else []
+        # The CP wrapper is FSDP's root: its forward (not the `LossLM`'s) gathers what the layers leave.
+        shard_units(context, layers, everyone, self.cfg, reshard_after_forward=True)
+        return context
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        local_sum = local_sum.clone()
+        dist.all_reduce(local_sum)  # each rank's share: its rows' loss over its positions
+        return local_sum
