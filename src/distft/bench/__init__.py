@@ -20,6 +20,8 @@ from distft.bench.harness import (
 )
 from distft.bench.pp_sweep import DEFAULT_SPLITS, parse_splits, sweep_losses
 from distft.bench.report import write_report
+from distft.bench.seq_report import write_seq_report
+from distft.bench.seq_sweep import DEFAULT_LEVERS, SeqSweepSettings, run_seq_sweep
 from distft.bench.startup import StartupSettings, run_startup_bench, write_startup_report
 from distft.bench.study import STUDIES, run_study
 from distft.bench.study_report import write_study_report
@@ -40,7 +42,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "and loss curves; write DIR/results.json, DIR/report.md and PNG plots.",
     )
     p.add_argument(
-        "--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated (default {DEFAULT_STRATEGIES})"
+        "--strategies",
+        help=f"comma-separated (default {DEFAULT_STRATEGIES}; --seq-sweep: single, and cp when --nproc > 1)",
     )
     p.add_argument("--nproc", type=int, default=2, help="processes for the multi-process strategies")
     p.add_argument(
@@ -48,8 +51,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, help="measured optimizer steps per run (default 10; --gpu: 6)")
     p.add_argument("--warmup", type=int, help="steps run before measuring (default 3; --gpu: 2)")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward on a rank")
+    p.add_argument(
+        "--global-batch", type=int, help="sequences per optimizer step (default 8; --seq-sweep: 1)"
+    )
+    p.add_argument(
+        "--micro-batch", type=int, help="sequences per forward/backward on a rank (default 2; --seq-sweep: 1)"
+    )
     p.add_argument("--seq-len", type=int, help="data.max_length (default 512; --gpu: 2048)")
     p.add_argument(
         "--gpu",
@@ -87,10 +94,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "and min-max over the runs and names a winner only where the ranges do not overlap (default 1)",
     )
     _add_startup_arguments(p)
+    _add_seq_sweep_arguments(p)
     p.add_argument(
         "--out",
         default=DEFAULT_OUT,
-        help="output directory (default runs/bench; --gpu: runs/bench-gpu; --startup: runs/bench-startup)",
+        help="output directory (default runs/bench; --gpu: runs/bench-gpu; --startup: runs/bench-startup; "
+        "--seq-sweep: runs/bench-seq)",
     )
     p.add_argument(
         "--report-only",
@@ -142,6 +151,27 @@ def _add_startup_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_seq_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """`distft bench --seq-sweep`: doubling sequence lengths per strategy and lever (`bench.seq_sweep`)."""
+    p.add_argument(
+        "--seq-sweep",
+        action="store_true",
+        help="instead of one length: each strategy x lever at doubling data.max_length from --seq-start to "
+        "--seq-max or until a run runs out of memory; tokens/s, MFU, peak memory and activations (measured and "
+        "planned) per length; writes DIR/report.md, DIR/results.json and DIR/seq_sweep.png",
+    )
+    p.add_argument("--seq-start", type=int, default=1024, help="--seq-sweep: the first length (default 1024)")
+    p.add_argument(
+        "--seq-max", type=int, default=0, help="--seq-sweep: the last length (default: the model's positions)"
+    )
+    p.add_argument(
+        "--seq-levers",
+        default=DEFAULT_LEVERS,
+        help=f"--seq-sweep: model.activation_checkpointing levels, each optionally +tilesK for model.mlp_tiles=K "
+        f"(default {DEFAULT_LEVERS}; offload is skipped on the CPU, where it is full)",
+    )
+
+
 def seal(out: Path) -> None:
     """`out/manifest.json` over the report's own files (the markdown, the JSON, the plots): each
     written atomically, and a copy cut short found by `distft.io.files.damage(out)`. The runs
@@ -176,8 +206,8 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     settings = GpuSuiteSettings(
         model=args.model or "qwen3-4b",
         seq_len=args.seq_len or 2048,
-        micro_batch_size=args.micro_batch,
-        global_batch_size=args.global_batch,
+        micro_batch_size=_given(args.micro_batch, 2),
+        global_batch_size=_given(args.global_batch, 8),
         steps=6 if args.steps is None else args.steps,
         warmup=2 if args.warmup is None else args.warmup,
         methods=_names(args.methods),
@@ -216,7 +246,35 @@ def cmd_startup(args: argparse.Namespace) -> int:
     return 0 if summary["bound"]["holds"] else 1
 
 
+def cmd_seq_sweep(args: argparse.Namespace) -> int:
+    others = [flag for flag, on in (("--seq-len", args.seq_len), ("--report-only", args.report_only),
+              ("--study", args.study), ("--pp-sweep", args.pp_sweep), ("--project", args.project)) if on]  # fmt: skip
+    if others:
+        raise ConfigError(f"--seq-sweep runs its own lengths and nothing else: drop {', '.join(others)}.")
+    settings = SeqSweepSettings(
+        strategies=_names(_given(args.strategies, "single,cp" if args.nproc > 1 else "single")),
+        levers=_names(args.seq_levers), nproc=args.nproc, model=args.model or "tiny",
+        seq_start=args.seq_start, seq_max=args.seq_max, steps=_given(args.steps, 3), warmup=_given(args.warmup, 1),
+        global_batch_size=_given(args.global_batch, 1), micro_batch_size=_given(args.micro_batch, 1),
+        overrides=list(args.overrides),
+    )  # fmt: skip
+    out = Path(args.out if args.out != DEFAULT_OUT else "runs/bench-seq")
+    summary = run_seq_sweep(settings, out)
+    report = write_seq_report(summary, out)
+    seal(out)
+    print(report.read_text())
+    print(f"wrote {report}, {out / 'results.json'} and {out / 'seq_sweep.png'}")
+    return 1 if summary["failures"] else 0
+
+
+def _given(value, default):
+    """An option's value, or its default for this mode where it was not given (0 is a value)."""
+    return default if value is None else value
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.seq_sweep:
+        return cmd_seq_sweep(args)
     if args.gpu:
         return cmd_gpu(args)
     if args.startup:
@@ -228,13 +286,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"--pp-microbatches takes comma-separated integers, got {args.pp_microbatches!r}."
         ) from None
     settings = BenchSettings(
-        strategies=_names(args.strategies),
+        strategies=_names(_given(args.strategies, DEFAULT_STRATEGIES)),
         nproc=args.nproc,
         model=args.model or "tiny",
         steps=10 if args.steps is None else args.steps,
         warmup=3 if args.warmup is None else args.warmup,
-        global_batch_size=args.global_batch,
-        micro_batch_size=args.micro_batch,
+        global_batch_size=_given(args.global_batch, 8),
+        micro_batch_size=_given(args.micro_batch, 2),
         seq_len=args.seq_len or 512,
         overrides=list(args.overrides),
         pp_schedules=_names(args.pp_sweep),

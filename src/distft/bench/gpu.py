@@ -91,15 +91,17 @@ def check_device(settings: GpuSuiteSettings, cuda: bool) -> None:
         )
 
 
-def long_rows(seq_len: int, path: Path) -> Path:
+def long_rows(seq_len: int, path: Path, limit: int = 0) -> Path:
     """The bundled training meetings joined end to end, each row long enough to fill `seq_len`
-    tokens (about 4 characters a token; 2x margin), written to `path` as JSON lines."""
+    tokens (about 4 characters a token; 2x margin), written to `path` as JSON lines: one row per
+    meeting, or the first `limit` (at long lengths every row holds many meetings: a run that reads
+    a few rows need not tokenise hundreds)."""
     rows = [json.loads(line) for line in sample_path("train").read_text().splitlines()]
     chars = sum(len(r["transcript"]) for r in rows) / len(rows)
     join = max(1, math.ceil(seq_len * 8 / chars))
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        for i, row in enumerate(rows):
+        for i, row in enumerate(rows[: limit or None]):
             group = [rows[(i + k) % len(rows)]["transcript"] for k in range(join)]
             f.write(json.dumps({"transcript": "\n".join(group), "summary": row["summary"]}) + "\n")
     return path
