@@ -156,17 +156,20 @@ def _check_against_one_process(rank: int, world: int) -> None:
     report: dict = {"bytes": {}, "saved": {}}
     for method in ("lora", "full"):
         cfg, lm = build(method, world)
-        runs = [(name, "none") for name in BATCHES]
+        runs = [(name, "none", "allgather") for name in BATCHES]
         if method == "lora":  # every level on the row that crosses the most boundaries
-            runs += [("packed", level) for level in ("full", "selective", "offload")]
-        for name, level in runs:
+            runs += [("packed", level, "allgather") for level in ("full", "selective", "offload")]
+        # The ring: padded rows, the packed row's documents across chunks, a recomputed layer.
+        runs += [("padded", "none", "ring"), ("packed", "none", "ring"), ("packed", "full", "ring")]
+        for name, level, cp_method in runs:
             batch = BATCHES[name]()
             n_tokens = int((batch["labels"] != -100).sum())
             want_loss, want_grads = reference_step(lm, batch, n_tokens, level)
             cfg.model.activation_checkpointing = level  # what the bytes formula reads
+            cfg.parallel.cp_method = cp_method
             strategy = ContextParallel(cfg, env)
             model = strategy.parallelize(LossLM(fresh(lm, level)))
-            where = f"{method}/{name}/{level}/N={world}"
+            where = f"{method}/{name}/{level}/{cp_method}/N={world}"
             with CommCounter() as counter:
                 loss = strategy.reduce_loss(strategy.forward_backward(model, [batch], n_tokens)).item()
                 strategy.clip_grad_norm_(model, 0.0)
@@ -175,11 +178,16 @@ def _check_against_one_process(rank: int, world: int) -> None:
             assert dict(counter.stats.bytes) == expected, (where, dict(counter.stats.bytes), expected)
             layers = lm.config.num_hidden_layers
             gathers = 2 if level in ("full", "offload") else 1
-            assert dict(counter.stats.calls) == {
-                "all_gather": gathers * layers,
-                "reduce_scatter": layers,
-                "all_reduce": 2,
-            }, where
+            assert dict(counter.stats.calls) == (
+                {"all_gather": gathers * layers, "reduce_scatter": layers, "all_reduce": 2}
+                if cp_method
+                == "allgather"  # a K and a V tensor per pass of the ring, N-1 of K/V each way, N of dK/dV
+                else {
+                    kind: 2 * (world - 1) * (gathers + 1) * layers + 2 * world * layers
+                    for kind in ("send", "recv")
+                }
+                | {"all_reduce": 2}
+            ), where
             report["bytes"][where] = dict(counter.stats.bytes)
             # The model's kernel is its own again, forward and backward done (recomputation included).
             assert unwrap(model).lm.config._attn_implementation == lm.config._attn_implementation, where
@@ -190,7 +198,7 @@ def _check_against_one_process(rank: int, world: int) -> None:
                 err = relative_error(params[pname].grad, want)
                 assert err <= RTOL, (where, pname, err)
 
-        cfg.model.activation_checkpointing = "none"
+        cfg.model.activation_checkpointing, cfg.parallel.cp_method = "none", "allgather"
         # Activation memory on long rows: layers dominate (4 rows of 512, 16 labels).
         batch = long_rows()
         single = saved_activation_bytes(LossLM(copy.deepcopy(lm)), batch)

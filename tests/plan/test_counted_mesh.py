@@ -39,7 +39,7 @@ MESHES = {
     "ddp+pp": ["parallel.pp=2"],
     "fsdp+pp": ["parallel.pp=2"],
     "fsdp+tp+pp": ["parallel.tp=2", "parallel.pp=2"],
-    "fsdp+cp": ["parallel.cp=2"],
+    "fsdp+cp": ["parallel.cp=2", "parallel.cp_method=ring"],  # the ring here, the all-gather elsewhere
 }
 BF16 = ["model.dtype=bfloat16"]
 METHODS = {

@@ -21,6 +21,7 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 CHECKPOINTING = ("none", "full", "selective", "offload")  # model.activation_checkpointing
 CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}  # what the setting was when it was a switch
 ROPE_SCALINGS = ("none", "yarn", "linear", "dynamic")  # `distft.model.positions`
+CP_METHODS = ("allgather", "ring")  # parallel.cp_method; `distft.parallel.context`
 MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
 TRUNCATIONS = ("head", "tail", "middle")
 DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca", "sharegpt", "text")

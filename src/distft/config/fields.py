@@ -17,6 +17,7 @@ from distft.config.choices import (
     CHECKPOINTING_ALIASES,
     COMPILE_BACKENDS,
     COMPILE_CHOICES,
+    CP_METHODS,
     DATA_FORMATS,
     DTYPES,
     FUSED_CHOICES,
@@ -59,6 +60,7 @@ def check_fields(cfg: Config) -> None:
     cfg.model.activation_checkpointing = CHECKPOINTING_ALIASES.get(checkpointing, checkpointing)
     check_choice(cfg.model.activation_checkpointing, CHECKPOINTING, "model.activation_checkpointing")
     check_choice(cfg.model.rope_scaling, ROPE_SCALINGS, "model.rope_scaling")
+    check_choice(cfg.parallel.cp_method, CP_METHODS, "parallel.cp_method")
     check_choice(cfg.data.truncation, TRUNCATIONS, "data.truncation")
     check_choice(cfg.data.format, DATA_FORMATS, "data.format")
     _check_data(cfg.data)

@@ -268,8 +268,7 @@ class ParallelConfig:
     fsdp_prefetch: int = 1
     """FSDP: decoder layers whose all-gather is issued ahead of use, forward and backward (0: none)."""
     fsdp_wrap: str = "layer"
-    """FSDP: sharding units. layer: one per decoder layer plus the root; model: the root alone (the
-    whole model gathered at once: no parameter memory saved while it runs, nothing to overlap)."""
+    """FSDP: sharding units: layer (one per decoder layer, plus the root) or model (the root alone)."""
     sequence_parallel: bool = True
     """tp-sp: split the residual stream, norms and loss along the sequence; false: plain Megatron TP."""
     schedule: str = "1f1b"
@@ -293,6 +292,8 @@ class ParallelConfig:
     dimension; 1 elsewhere. The schedule's micro-batches cut global_batch_size / dp sequences."""
     cp: int = 0
     """fsdp+cp: context-parallel degree, ranks sharing each sequence (inner mesh dimension); 0: world / dp."""
+    cp_method: str = "allgather"
+    """cp, fsdp+cp: allgather (every row's K, V gathered per layer) or ring (passed rank to rank)."""
     shard: int = 0
     """hsdp: consecutive ranks sharding each parameter (one node), replicated across the others; 0: --nproc."""
 

@@ -80,6 +80,7 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "parallel.fsdp_prefetch": _FSDP,
     "parallel.fsdp_wrap": _FSDP,
     "parallel.sequence_parallel": _strategies(lambda c: c.tensor_parallel == "megatron"),
+    "parallel.cp_method": _strategies(lambda c: "cp" in c.dims),
     "parallel.schedule": _PIPELINES,
     "parallel.microbatches": _PIPELINES,
     "parallel.stages_per_rank": _PIPELINES,

@@ -79,7 +79,7 @@ class FSDPContextParallel(StateUnderTheWrapper, MeshStrategy, FSDP):
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
         self.mesh = self.dims.build_mesh(self.env.device.type)  # ("dp", "cp")
-        context = ContextParallelLM(model, group=self.mesh.get_group("cp"))
+        context = ContextParallelLM(model, self.mesh.get_group("cp"), self.cfg.parallel.cp_method)
         everyone = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp_cp",))
         layers = list(causal_lm(model.lm).model.layers) if self.cfg.parallel.fsdp_wrap == "layer" else []
         # The CP wrapper is FSDP's root: its forward (not the `LossLM`'s) gathers what the layers leave.

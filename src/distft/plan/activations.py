@@ -98,8 +98,8 @@ class _Layer:
         return self.training.micro_batch * layer_seq_len(self.training, self.par)
 
     @property
-    def kv_tokens(self) -> int:  # the keys and values attention keeps: CP's are all-gathered
-        if self.par.cp > 1:
+    def kv_tokens(self) -> int:  # the keys and values attention keeps: CP's all-gathered, the ring's its own
+        if self.par.cp > 1 and self.par.cp_method != "ring":
             return self.training.micro_batch * padded_length(self.training.seq_len, self.par.cp)
         return self.T
 
@@ -169,10 +169,12 @@ class _Layer:
         # flex/flash take a block mask or none
         # (distft's context-parallel attention is causal too: right-padded rows need no mask)
         masked = t.has_padding_mask and not self.megatron and self.par.cp == 1 and t.attention == "sdpa"
-        # With a mask transformers repeats k and v to every head: a copy, unless this rank has a
-        # single KV head (then the repeat is a stride-0 view of it).
+        # With a mask transformers repeats k and v to every head: a copy, unless there is one (a view).
         kv = nq if masked and nkv > 1 else nkv
-        total = c * d * (2 * T * nq + 2 * self.kv_tokens * kv) + 4 * T * nq  # q, k, v, output; LSE
+        # The ring keeps its merged output in fp32 and hands o_proj a copy in the compute dtype.
+        ring = self.par.cp > 1 and self.par.cp_method == "ring"
+        out = (4 + (c if o_input else 0) if ring else c) * T * nq * d
+        total = c * d * (T * nq + 2 * self.kv_tokens * kv) + out + 4 * T * nq  # q, k, v, out; LSE
         return total + (c * B * S * S if masked else 0)  # the additive mask, kept by sdpa
 
 

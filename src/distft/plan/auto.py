@@ -207,6 +207,8 @@ def parallelism_of(cfg: Config, schedule: str) -> Parallelism:
     )
     if cls.tensor_parallel == "megatron":
         par = replace(par, sp=p.sequence_parallel)
+    if "cp" in cls.dims:
+        par = replace(par, cp_method=p.cp_method)
     if cls.wraps == "ddp":
         switches = (p.ddp_no_sync, p.ddp_find_unused_parameters, p.ddp_broadcast_buffers, p.ddp_static_graph)
         par = replace(par, ddp=DDPSettings(*switches))

@@ -144,6 +144,7 @@ class Parallelism:
     stages_per_rank: int = 0  # parallel.stages_per_rank; 0: the schedule's default (SCHEDULES)
     pp_split: str | tuple[int, ...] = "balanced"  # parallel.pp_split: balanced, even, or layers per stage
     cp: int = 1  # context-parallel degree: ranks sharing each sequence (1/cp of its positions each)
+    cp_method: str = "allgather"  # parallel.cp_method: K/V gathered (allgather) or passed round (ring)
     ddp: DDPSettings = DDPSettings()
     # fsdp+pp: (stage, all-gathers per step) of this rank's stages, as its schedule's UNSHARD actions
     # say (a running pipeline's); empty: `fsdp_pipeline_gathers`, one each.

@@ -203,27 +203,35 @@ def tp_collectives(
 
 
 def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: Link) -> list[Collective]:
-    """Context parallelism: per micro-batch and layer, K and V of the whole (padded) sequence
-    all-gathered (again when checkpointing recomputes the layer's attention), dK and dV
-    reduce-scattered back where the keys need a gradient; once per step, the gradients summed."""
-    shapes, layers = training.shapes(par.microbatches), spec.num_layers
+    """Context parallelism, per micro-batch and layer (again where checkpointing recomputes the
+    layer's attention). allgather: K and V of the whole (padded) sequence all-gathered, dK and dV
+    reduce-scattered back where the keys need a gradient. ring: this rank's K and V sent on N-1
+    times forward and N-1 times backward, beside N hops of their fp32 gradient where the keys need
+    one. Replicated weights (`cp`): once per step, the gradients summed."""
+    shapes, layers, n = training.shapes(par.microbatches), spec.num_layers, par.cp
     c = 2 if training.autocast else training.precision.activation  # K, V in bf16 under autocast
-    positions = sum(rows * padded_length(seq, par.cp) for rows, seq in shapes)
+    positions = sum(rows * padded_length(seq, n) for rows, seq in shapes)
     kv = 2 * c * positions * spec.num_kv_heads * spec.head_dim  # one layer's K and V, every micro-batch
-    gathers = layers * (2 if training.activation_checkpointing in ("full", "offload") else 1)
+    forwards = layers * (2 if training.activation_checkpointing in ("full", "offload") else 1)
     backward = layers - layers_without_kv_gradient(training.lora, set(training.lora_targets))
     m = len(shapes)
-    out = [
-        Collective("keys, values", "all_gather", kv * gathers, m * gathers, par.cp, link, False),
-        Collective(
-            "key, value gradients", "reduce_scatter", kv * backward, m * backward, par.cp, link, False
-        ),
-    ]
+    if par.cp_method == "ring":  # kv / n: this rank's share, passed on; its gradient in fp32
+        local = kv // n
+        passes = (n - 1) * local * (forwards + layers) + n * (local * 4 // c) * backward
+        calls = m * (2 * (n - 1) * (forwards + layers) + 2 * n * backward)  # a K and a V tensor each
+        out = [
+            Collective("keys, values (ring)", kind, passes, calls, n, link, True) for kind in ("send", "recv")
+        ]
+    else:
+        out = [
+            Collective("keys, values", "all_gather", kv * forwards, m * forwards, n, link, False),
+            Collective("key, value gradients", "reduce_scatter", kv * backward, m * backward, n, link, False),
+        ]
     if (
         par.shard == "none"
     ):  # replicated weights: the positions' shares summed (FSDP's reduce-scatter does it)
         grads = held_bytes(spec, training, par, "gradients")
-        out.append(Collective("gradients", "all_reduce", grads, 1, par.cp, link, False))
+        out.append(Collective("gradients", "all_reduce", grads, 1, n, link, False))
     return out
 
 

@@ -37,7 +37,11 @@ tokens: 0.539 of one process's at N = 2, 0.284 at N = 4 (tests/parallel/test_con
 Padded batches are accepted right-padded only (checked, ValueError otherwise), and their mask is
 dropped: a real token attends causally to real tokens only, padding carries no label.
 
-Files: `attention.py` (the autograd gather and the per-chunk attention), `model.py`
+The ring form (`parallel.cp_method=ring`, `ring.py`) passes each rank's K and V from rank to rank
+instead, N-1 hops forward and again in backward beside their fp32 gradients, and merges the
+blocks by their log-sum-exp: it never holds more than two ranks' worth of K and V.
+
+Files: `attention.py` (the autograd gather and the per-chunk attention), `ring.py` (the ring), `model.py`
 (`ContextParallelLM`: shards the rows, embeds the local tokens, runs the layers, the local loss),
 `strategy.py` (`ContextParallel`: gradients summed, loss all-reduced). torch's own CP
 (`torch.distributed.tensor.experimental.context_parallel`) does not train on the CPU (PITFALLS.md).

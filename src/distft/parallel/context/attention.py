@@ -23,6 +23,7 @@ from torch.autograd.function import FunctionCtx
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
+from distft.parallel.context.ring import ring_attention
 from distft.parallel.megatron.collectives import all_gather, reduce_scatter
 
 CONTEXT = "distft_context"  # the name the CP attention is registered under in transformers
@@ -82,6 +83,7 @@ class ContextShard:
     chunk: int  # L: positions per chunk; the row (padded) has 2N of them
     chunks: tuple[int, int]  # this rank's chunks: (r, 2N-1-r)
     documents: torch.Tensor | None  # (B, S) document of every position of the row; None: one
+    method: str = "allgather"  # parallel.cp_method: allgather (here) or ring (`ring.py`)
     _masks: dict = field(default_factory=dict)  # built on the first layer, shared by all
 
     def mask(self, i: int, query: torch.Tensor) -> object:
@@ -128,6 +130,9 @@ def context_attention(
     shard = attention_mask
     if not isinstance(shard, ContextShard):
         raise TypeError(f"{CONTEXT} attention runs inside `ContextParallelLM` only, got {type(shard)}")
+    if shard.method == "ring":
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return ring_attention(query, key, value, shard, scale).transpose(1, 2).contiguous(), None
     key, value = gather_kv(key, value, shard.group, shard.world)  # (B, Hkv, S, d)
     length, outs = shard.chunk, []
     for i, c in enumerate(shard.chunks):

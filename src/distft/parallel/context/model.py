@@ -43,10 +43,10 @@ def layers_without_kv_gradient(lora: bool, targets: set[str]) -> int:
 class ContextParallelLM(nn.Module):
     """The `LossLM` (kept as `.module`, where `unwrap` finds it) run on 1/N of every row."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None):
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, method: str = "allgather"):
         super().__init__()
         self.module = module
-        self.group = group
+        self.group, self.method = group, method
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         register()
 
@@ -85,6 +85,7 @@ class ContextParallelLM(nn.Module):
             chunk=length,
             chunks=(self.rank, 2 * self.world - 1 - self.rank),
             documents=document_ids(position_ids) if packed else None,  # (B, S), the fill in the last
+            method=self.method,
         )
         backbone = self.module.backbone
         config = backbone.config

@@ -68,7 +68,7 @@ class ContextParallel(StateUnderTheWrapper, Strategy):
         check_attention(cls.name, model_config)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        return ContextParallelLM(model.to(self.env.device), group=None)
+        return ContextParallelLM(model.to(self.env.device), group=None, method=self.cfg.parallel.cp_method)
 
     def after_backward(self, model: nn.Module) -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
