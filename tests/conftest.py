@@ -48,6 +48,7 @@ LONGEST_FIRST = [
     "parallel/test_fsdp_pp.py",
     "test_infer.py",
     "parallel/test_data_parallel.py",
+    "parallel/test_context.py",
     "model/test_compile.py",
     "parallel/test_pipeline.py",
     "parallel/test_multi_node.py",
@@ -61,6 +62,9 @@ LONGEST_FIRST = [
     "model/test_qlora.py",
     "test_demo.py",
     "test_export.py",
+    "plan/test_counted_mesh.py",
+    "bench/test_seq_sweep.py",
+    "plan/test_counted.py",
     "parallel/test_hsdp.py",
     "model/test_build.py",
 ]

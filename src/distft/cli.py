@@ -178,9 +178,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def preflight(cfg: Config, resuming: bool = False) -> None:
+def preflight(cfg: Config, resuming: bool = False) -> float | None:
     """Everything that can be checked without training: devices, the output directory, the model
-    architecture and every data row."""
+    architecture and every data row (their mean labelled positions returned)."""
 
     if cfg.train.device == "cuda" and _cuda_count() == 0:
         raise ConfigError(
@@ -202,7 +202,7 @@ def preflight(cfg: Config, resuming: bool = False) -> None:
     model = architecture(cfg.model)  # rotary embeddings as model.rope_scaling stretches them
     check_model(cfg, model)
     check_output_dir(cfg, model)
-    prepare_data(cfg)
+    return prepare_data(cfg)
 
 
 def _cuda_count() -> int:
@@ -220,14 +220,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"distft train: warning: {line}", file=sys.stderr)
     check_writable(Path(cfg.output.dir))
     if args.dry_run:  # no lock either: nothing is written to the run directory
-        preflight(cfg, resuming=args.resume is not None)
+        cfg.prediction = plan.try_predict(cfg, preflight(cfg, resuming=args.resume is not None))
         return plan.dry_run(cfg)
     # One writer per run directory, checks included; node 0 takes it for a multi-node run (the
     # others may share its filesystem).
     lock = run_lock(Path(cfg.output.dir)) if cfg.parallel.node_rank == 0 else contextlib.nullcontext()
     with lock:
-        preflight(cfg, resuming=args.resume is not None)
-        cfg.prediction = plan.try_predict(cfg)  # beside the measured figures in ranks.json
+        labels = preflight(cfg, resuming=args.resume is not None)
+        cfg.prediction = plan.try_predict(cfg, labels)  # beside the measured figures in ranks.json
         if not STRATEGIES[cfg.parallel.strategy].distributed:
             return trained(cfg)
         on_cuda = pick_device(cfg.train.device).type == "cuda"

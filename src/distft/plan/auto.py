@@ -115,8 +115,11 @@ def planned_schedule(cfg: Config) -> str:
     return cfg.parallel.schedule if cfg.parallel.schedule in PLANNED_SCHEDULES else "1f1b"
 
 
-def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int = 1) -> tuple[Request, str]:
-    """The planner's question for `cfg` on this machine, and the memory's source."""
+def request_for(
+    cfg: Config, micro_batch: int | None = None, accumulation: int = 1, label_tokens: float | None = None
+) -> tuple[Request, str]:
+    """The planner's question for `cfg` on this machine, and the memory's source; `label_tokens`:
+    the data's labelled positions per row (the runtime's measure), else the planner's default."""
     memory, where = device_memory(cfg)
     gpu = device_gpu(cfg, memory, where)
     training = training_of(
@@ -124,6 +127,7 @@ def request_for(cfg: Config, micro_batch: int | None = None, accumulation: int =
         PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
         autocast=on_cuda(cfg) and cfg.model.autocast,
         micro_batch=micro_batch or cfg.train.micro_batch_size,
+        **({"label_tokens": min(label_tokens, cfg.data.max_length)} if label_tokens else {}),
     )
     par = cfg.parallel
     request = Request(
@@ -224,11 +228,12 @@ def parallelism_of(cfg: Config, schedule: str) -> Parallelism:
     return par
 
 
-def predict(cfg: Config) -> dict:
+def predict(cfg: Config, label_tokens: float | None = None) -> dict:
     """The planner's figures for this run's layout: peak bytes of the fullest rank and bytes each
-    rank moves per step, by kind (`distft.measure.comm`'s logical bytes)."""
+    rank moves per step, by kind (`distft.measure.comm`'s logical bytes); with the data's
+    `label_tokens` per row where the data was read (the loss head's share, a pipeline's cut)."""
     shape = check_config(cfg)
-    req, where = request_for(cfg, shape.micro_batch_size, shape.accumulation_steps)
+    req, where = request_for(cfg, shape.micro_batch_size, shape.accumulation_steps, label_tokens)
     layout = parallelism_of(cfg, req.pp_schedule)
     est = estimate(req, layout, cfg.parallel.strategy)
     by_pp_rank = [  # a pipeline's ranks hold different stages; every other layout's ranks move the same
@@ -238,20 +243,20 @@ def predict(cfg: Config) -> dict:
     return {
         "layout": f"{LABELS[est.strategy]} on {plural(cfg.world_size, 'process')}",
         "device": where,
-        "peak_mem_bytes": est.total,
+        "peak_mem_bytes": int(est.total),
         "by_component": {
-            "parameters": est.params,
-            "gradients": est.grads,
-            "optimizer_states": est.optimizer,
-            "activations": est.activations,
-            "communication_buffers": est.buffers,
+            "parameters": int(est.params),
+            "gradients": int(est.grads),
+            "optimizer_states": int(est.optimizer),
+            "activations": int(est.activations),
+            "communication_buffers": int(est.buffers),
         },
         # What autograd keeps between forward and backward (what a run's probe measures), the
         # working set on top of it, and offloaded layer inputs in host memory.
         "activations": {  # none where the layout is not one the planner models (one FSDP rank)
-            "saved": est.activations - est.activation_detail.get("transient", 0),
-            "transient": est.activation_detail.get("transient", 0),
-            "host": est.host_activations,
+            "saved": int(est.activations - est.activation_detail.get("transient", 0)),
+            "transient": int(est.activation_detail.get("transient", 0)),
+            "host": int(est.host_activations),
         },
         "fits": est.fits,
         "usable_bytes": req.usable,
@@ -262,10 +267,10 @@ def predict(cfg: Config) -> dict:
     }
 
 
-def try_predict(cfg: Config) -> dict | None:
+def try_predict(cfg: Config, label_tokens: float | None = None) -> dict | None:
     """`predict`, or None where the planner cannot model the model (offline, an unknown hub id)."""
     try:
-        return predict(cfg)
+        return predict(cfg, label_tokens)
     except ConfigError:
         return None
 

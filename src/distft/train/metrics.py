@@ -26,7 +26,6 @@ from distft.data import Example
 from distft.distributed import DistEnv
 from distft.io.files import atomic_write_text
 from distft.measure.flops import StepTime
-from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS
 from distft.tensors import local_bytes
 from distft.text import plural
 from distft.train.setup import Run
@@ -219,8 +218,8 @@ def prediction_lines(ranks: list[dict]) -> list[str]:
         )
         host = max(a["predicted_host_bytes"] or 0 for a in acts)
         lines.append(
-            f"activations kept for backward per process: predicted {want / 2**20:,.1f} MiB (at the plan's "
-            f"{DEFAULT_LABEL_TOKENS} labelled positions a row), measured {got / 2**20:,.1f} MiB (first micro-batch)"
+            f"activations kept for backward per process: predicted {want / 2**20:,.1f} MiB (rows of "
+            f"data.max_length, the data's labelled positions), measured {got / 2**20:,.1f} MiB (first micro-batch)"
             + (f"; {host / 2**20:,.1f} MiB predicted in host memory (offload)" if host else "")
         )
     comm = [r["comm_bytes_per_step"] for r in ranks]

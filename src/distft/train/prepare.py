@@ -7,7 +7,14 @@ import time
 from pathlib import Path
 
 from distft.config import Config
-from distft.data import check_chat_template, data_name, load_tokenizer, skipped_line, tokenized_splits
+from distft.data import (
+    check_chat_template,
+    data_name,
+    load_tokenizer,
+    mean_label_tokens,
+    skipped_line,
+    tokenized_splits,
+)
 from distft.model import is_preset
 
 
@@ -25,9 +32,10 @@ def resolve_local_paths(cfg: Config) -> None:
         cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
 
 
-def prepare_data(cfg: Config) -> None:
+def prepare_data(cfg: Config) -> float | None:
     """Every row read and tokenised before launch, so a bad one is refused here; with `data.cache`
-    into the token cache, which the ranks then only open (docs/data.md, "Data at scale")."""
+    into the token cache, which the ranks then only open (docs/data.md, "Data at scale"). Returns
+    the training rows' mean labelled positions, which the run's prediction counts with."""
     tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
     check_chat_template(tokenizer, cfg.data)  # the model's own template: can it close a turn, think?
     start = time.perf_counter()
@@ -50,3 +58,4 @@ def prepare_data(cfg: Config) -> None:
         print(f"token cache: {info['path']} ({n:,} examples, tokenised before)", flush=True)
     if line := skipped_line({"train": train.summary(), "validation": valid.summary()}):
         print(line, flush=True)
+    return mean_label_tokens(train)
