@@ -68,9 +68,8 @@ def _step(env: DistEnv, name: str, label: str) -> dict:
     ]
     cfg = load_config(None, args)
     cls = STRATEGIES[name]
-    cfg.train.global_batch_size = 4 * cls.data_parallel_size(
-        cfg
-    )  # four micro-batches a rank: pp fills 4 ranks
+    # Two micro-batches a rank (accumulation), four where a pipeline fills all 4 ranks with stages.
+    cfg.train.global_batch_size = (4 if name == "pp" else 2) * cls.data_parallel_size(cfg)
     try:
         shape = check_config(cfg)
     except ConfigError as err:
