@@ -283,3 +283,20 @@ def test_a_slow_rank_is_named_in_the_log_and_ranks_json_and_mixed_ranks_allowed(
     ranks = json.loads((out / "ranks.json").read_text())
     assert ranks[0]["straggler"] is None
     assert ranks[1]["straggler"]["steps"] == [[2, 3]] and ranks[1]["straggler"]["ratio"] > 1.05, ranks[1]
+
+
+# ---- a global batch larger than the data -----------------------------------------------------------
+
+
+def test_a_global_batch_beyond_the_rows_is_said_before_launch(tmp_path, capsys):
+    """Valid (every step repeats rows), so a warning, and the mean labelled positions the run's
+    prediction counts with come back from the data read before launch."""
+    said = {}
+    for batch in (64, 4):
+        cfg = load_config(None, ["model.name=micro", "data.max_rows=18", f"train.global_batch_size={batch}"])
+        cfg.output.dir = str(tmp_path / f"run-{batch}")
+        labels = preflight(cfg)
+        said[batch] = capsys.readouterr().err
+        assert labels and 0 < labels <= cfg.data.max_length
+    assert "train.global_batch_size=64 is more than the 18 training rows" in said[64]
+    assert "is more than the" not in said[4]

@@ -180,3 +180,19 @@ def test_a_revision_for_a_preset_or_a_directory_is_refused(tmp_path):
         check_weight_files(ModelConfig(name="micro", revision="v1"))
     with pytest.raises(ConfigError, match="is a local directory, which has no revisions"):
         check_weight_files(ModelConfig(name=str(tmp_path), revision="v1"))
+
+
+@pytest.mark.parametrize(
+    ("name", "suggested"),
+    [("qwen3-mirco", "micro"), ("mirco", "micro"), ("llama-mcro", "llama-micro"), ("Qwen/Qwen3-4Bx", None)],
+)
+def test_a_misspelt_preset_is_named_before_launch(name, suggested, tmp_path, capsys, monkeypatch):
+    """An unknown name without an owner is no hub id: the nearest preset (also as family-preset) is
+    offered, in one line; a hub id is never "corrected" to a preset."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["train", "--model", name, "--dry-run", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"distft train: error: Model {name!r} is not a preset")
+    assert ("Did you mean" in err) == (suggested is not None)
+    if suggested:
+        assert f"Did you mean `{suggested}`?" in err

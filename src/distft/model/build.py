@@ -130,11 +130,18 @@ def _unreachable_model_message(name: str, err: Exception) -> str:
         else f"loading it failed ({str(err).splitlines()[0]})"
     )
     return (
-        f"Model {name!r} is not a preset, not a local directory, and {why}. "
+        f"Model {name!r} is not a preset, not a local directory, and {why}. {_nearest_preset(name)}"
         f"Use a preset ({', '.join(PRESETS)}), or download the model where there is network "
         f"(`hf download {name} --local-dir DIR`) and point --model at DIR, the directory holding its "
         "config.json and *.safetensors."
     )
+
+
+def _nearest_preset(name: str) -> str:
+    """ "Did you mean ...?" for a misspelt preset, also written with its family ("qwen3-mirco")."""
+    spellings = {key: key for key in PRESETS} | {f"{p.family}-{key}": key for key, p in PRESETS.items()}
+    match = difflib.get_close_matches(name.lower(), list(spellings), n=1, cutoff=0.75)
+    return f"Did you mean `{spellings[match[0]]}`? " if match and "/" not in name else ""
 
 
 def load_base_model(

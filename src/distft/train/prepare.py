@@ -3,6 +3,7 @@ read and tokenised (`prepare_data`), so a bad row is refused before any rank sta
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from distft.data import (
     tokenized_splits,
 )
 from distft.model import is_preset
+from distft.text import plural
 
 
 def resolve_local_paths(cfg: Config) -> None:
@@ -58,4 +60,12 @@ def prepare_data(cfg: Config) -> float | None:
         print(f"token cache: {info['path']} ({n:,} examples, tokenised before)", flush=True)
     if line := skipped_line({"train": train.summary(), "validation": valid.summary()}):
         print(line, flush=True)
+    if 0 < len(train) < cfg.train.global_batch_size:  # valid, but not what the user pictures
+        print(
+            f"distft train: warning: train.global_batch_size={cfg.train.global_batch_size} is more than the "
+            f"{plural(len(train), 'training row')}: every step repeats rows (one step is "
+            f"{cfg.train.global_batch_size / len(train):.1f} epochs). Lower train.global_batch_size, or give more rows.",
+            file=sys.stderr,
+            flush=True,
+        )
     return mean_label_tokens(train)
