@@ -90,7 +90,7 @@ def _step(env: DistEnv, name: str, label: str) -> dict:
         strategy.reduce_loss(loss)
         strategy.clip_grad_norm_(model, 1.0)
         optimizer.step()
-    pp_rank = getattr(strategy, "pp_rank", 0)
+    pp_rank = strategy.pp_rank
     return {
         "counted": dict(counter.stats.bytes),
         "predicted": predict(cfg)["comm_bytes_by_pp_rank"][pp_rank],

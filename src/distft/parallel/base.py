@@ -62,6 +62,7 @@ class Strategy:
         cls.pipelined = "pp" in cls.dims
 
     distributed: ClassVar[bool] = True  # needs a process group (launched through torchrun)
+    pp_rank: int = 0  # this rank's place in its pipeline (a pipeline sets it; 0 without one)
     fixed_sequence_length: ClassVar[bool] = False  # pad every batch to data.max_length (pipelines)
     # The model's forward takes `label_positions` (`LossLM`): the loss head gathers the labelled
     # positions without a host sync. Pipelines and tp-sp compute their loss on their own pieces.

@@ -46,7 +46,7 @@ def expected_step_bytes(
     par = replace(par, ddp=replace(par.ddp, **ddp), **{k: v for k, v in facts.items() if k not in ddp})
     topology = Topology(par.world, 1, _ANY_LINK, _ANY_LINK)
     try:
-        collectives = step_collectives(spec, training, par, topology, getattr(strategy, "pp_rank", 0))
+        collectives = step_collectives(spec, training, par, topology, strategy.pp_rank)
     except (ConfigError, ValueError):  # a layout the planner does not model
         return None
     by_dim = bytes_by_dim(collectives) if STRATEGIES[cfg.parallel.strategy].shard_groups else None
