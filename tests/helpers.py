@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,14 +23,14 @@ import torch
 from safetensors.torch import load_file
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-from distft.cli import main
+from distft.cli import COMMANDS, command, main
 from distft.data import qwen3_tokenizer
 from distft.model import causal_lm
 from distft.parallel.base import unwrap
 from distft.plan.expected import expected_step_bytes
 from distft.plan.model_spec import spec_from_config
 from distft.train.hooks import HOOKS_VARIABLE
-from distft.train.metrics import START_ENV
+from distft.train.metrics import START_ENV, truncate_metrics
 from tests import faults
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: `tests` is a package in it
@@ -107,6 +108,8 @@ def _environment(extra: dict | None) -> dict[str, str]:
 _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(["tests.helpers"])
 qwen3_tokenizer()  # loaded once here (~1 s), inherited by every run forked from the server
+for _command in COMMANDS:  # each command's module, which the CLI imports only when the command runs
+    command(_command)
 # transformers' table of checkpoint renamings, which peft builds at a process's first adapter
 # (~0.2 s of CPU): built here once instead of in every rank of every run.
 get_checkpoint_conversion_mapping("qwen3")
@@ -291,6 +294,20 @@ def write_jsonl(path: Path, records: list) -> Path:
     """`records` as a JSON-lines file at `path`."""
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def crashed_copy(run: Path, out: Path, after_step: int) -> Path:
+    """`run` as a crash during step `after_step + 1` leaves it, copied to `out`: no exported adapter
+    or model, no checkpoint past `after_step` (the last step's included), no step record past it."""
+
+    def later(folder: str, names: list[str]) -> list[str]:
+        if Path(folder) == run:
+            return [n for n in names if n in ("adapter", "model")]
+        return [n for n in names if n.startswith("step-") and int(n.removeprefix("step-")) > after_step]
+
+    shutil.copytree(run, out, ignore=later)
+    truncate_metrics(out / "metrics.jsonl", after_step)
+    return out
 
 
 def metrics(run: Path) -> list[dict]:

@@ -1,6 +1,8 @@
 """The import graph is one-way: a test fails on a cycle, on an import against the layers, and on a
-function-level distft import (which is how cycles hide). Lazy imports of heavy third-party modules
-inside functions stay allowed. docs/architecture.md draws the same layers."""
+function-level distft import (which is how cycles hide). One exception, by design: the CLI imports
+a command's module when that command runs (`distft.cli.COMMANDS`), and the tests read that table as
+the CLI's imports. Lazy imports of heavy third-party modules inside functions stay allowed.
+docs/architecture.md draws the same layers."""
 
 from __future__ import annotations
 
@@ -32,13 +34,16 @@ LAYERS = {
     "distft.parallel": 4,
     "distft.measure": 5,
     "distft.plan": 6,  # below train: a run's expected bytes are the planner's formula
+    "distft.commands": 6,  # every command's flags, light (no torch): the commands above read their defaults
     "distft.train": 7,
     "distft.infer": 8,
     "distft.bench": 9,
     "distft.export": 9,  # on top of distft.infer (8), whose load_trained it reuses
     "distft.doctor": 9,  # the health check alone, with plan's byte units (6) and the hooks of train (7)
-    "distft.cli": 10,
-    "distft.__main__": 11,
+    "distft.export_gguf": 10,  # --format gguf: on top of distft.export (9), whose check_run and merged_model it reuses
+    "distft.export_command": 11,  # `distft export`: either format, on top of distft.export_gguf (10)
+    "distft.cli": 12,
+    "distft.__main__": 13,
 }
 
 
@@ -66,7 +71,17 @@ def distft_imports(tree: ast.AST, name: str, is_package: bool) -> list[tuple[str
         for target in targets:
             if target == "distft" or target.startswith("distft."):
                 found.append((target, node.lineno, id(node) in top_level))
+    if name == "distft.cli":  # each command's module, imported when it runs: checked as a top-level import
+        found += command_modules(tree)
     return found
+
+
+def command_modules(tree: ast.Module) -> list[tuple[str, int, bool]]:
+    """The modules of the CLI's `COMMANDS` table ("module:function" per command)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["COMMANDS"]:
+            return [(value.value.partition(":")[0], value.lineno, True) for value in node.value.values]
+    raise AssertionError("distft.cli has no COMMANDS table")
 
 
 def modules() -> dict[str, tuple[Path, ast.AST]]:

@@ -41,11 +41,17 @@ def uninterrupted(tmp_path_factory):
 
 def test_resume_is_exact(uninterrupted, tmp_path, capsys):
     out = tmp_path / "b"
-    assert main(["train", *RUN, "--checkpoint-every", "2", "output.keep_last=2", "--out", str(out)]) == 0
-    # Keep the last two complete checkpoints (steps 2 and 4; none after the final step).
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert main(["train", *RUN, "--checkpoint-every", "2", "output.keep_last=3", "--out", str(out)]) == 0
+    # Keep the last three complete checkpoints (steps 2, 4 and the last, which extends the run).
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-000002",
+        "step-000004",
+        "step-000006",
+    ]
+    shutil.copytree(out, tmp_path / "finished")
     # Simulate a crash after step 4: drop what came later, then resume.
     shutil.rmtree(out / "adapter")
+    shutil.rmtree(out / "checkpoints" / "step-000006")
     shutil.copytree(out, tmp_path / "damaged")
     assert main(["train", "--resume", str(out)]) == 0
     assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]
@@ -66,6 +72,13 @@ def test_resume_is_exact(uninterrupted, tmp_path, capsys):
     assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]
     a = adapter(out)
     assert all((a[k] == b[k]).all() for k in b)
+
+    # A finished run extended: from its last step, each step once, and the lines name the steps run.
+    out = tmp_path / "finished"
+    assert main(["train", "--resume", str(out), "--max-steps", "8"]) == 0
+    said = capsys.readouterr().out
+    assert "step-000006 (step 6)" in said and "(command start to step 7)" in said and "(step 8)" in said
+    assert [m["step"] for m in metrics(out)] == list(range(1, 9))
 
 
 def test_every_checkpoint_damaged_is_refused_and_nothing_deleted(checkpointed, tmp_path, capsys):
@@ -131,6 +144,7 @@ def checkpointed(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
     assert main(["train", *RUN, "--checkpoint-every", "3", "--out", str(out)]) == 0
     shutil.rmtree(out / "adapter")
+    shutil.rmtree(out / "checkpoints" / "step-000006")  # the last step's: a run stopped before it
     return out
 
 

@@ -2,6 +2,7 @@
 DISTFT_DEBUG=1 adds the traceback."""
 
 import pytest
+import torch
 
 from distft.errors import CheckpointError, ConfigError, DamagedFileError
 from distft.exits import DEBUG_ENV, run_command
@@ -57,3 +58,26 @@ def test_only_rank_0_reports_an_error_every_rank_raises(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert run_command("train", fail(Diverged("step 3 diverged."))) == 1
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "err, said",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "CUDA out of memory"),
+        (MemoryError(), "MemoryError"),
+        (
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory: you tried"
+            ),
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory",
+        ),
+    ],
+    ids=["cuda", "python", "cpu-allocator"],
+)
+def test_running_out_of_memory_is_one_line_naming_memory_and_the_ways_out(err, said, capsys, monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    monkeypatch.setenv("RANK", "1")  # said by the rank that ran out, whichever it is
+    assert run_command("train", fail(err)) == 1
+    line = capsys.readouterr().err
+    assert line.startswith(f"distft train: error: out of memory ({said}") and line.count("\n") == 1
+    assert "model.activation_checkpointing=full" in line and "--dry-run" in line and "unexpected" not in line

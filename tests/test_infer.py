@@ -171,7 +171,7 @@ def test_a_batch_that_fails_midway_leaves_no_output_file(loaded, tmp_path, monke
         ["infer", "--run", "unused", "--input", str(rows), "--output", str(out), "--max-new-tokens", "2"]
     )
     assert code == 1  # one line, no traceback (`distft.errors.run_command`)
-    assert "error: RuntimeError: out of memory" in capsys.readouterr().err
+    assert "error: out of memory (out of memory). Lower train.micro_batch_size" in capsys.readouterr().err
     assert done == [f"{rows}:1", f"{rows}:2"]
     assert list(tmp_path.iterdir()) == [rows]  # neither a half file nor its temporary
 
@@ -542,3 +542,36 @@ def test_an_emptied_run_config_is_damage_not_defaults(run, tmp_path, capsys):
     for command in (["infer"], ["export", "--out", str(tmp_path / "export")]):
         assert main([*command, "--run", str(copy)]) == 2
         assert f"{copy / 'config.toml'} has no [model], [data]" in capsys.readouterr().err
+
+
+def test_infer_and_eval_take_data_overrides_and_piped_text_follows_the_trained_format(
+    run, tmp_path, monkeypatch, capsys
+):
+    import io
+    import sys
+
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in CHATS * 3))
+    copy, _ = retargeted_copy(run, tmp_path, source=str(rows), format="auto")  # detected: chat
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Good evening")))
+    assert main(["infer", "--run", str(copy), "--input", "-", "--max-new-tokens", "2"]) == 0
+    assert "--- generated answer ---" in capsys.readouterr().out  # the user turn, not a meeting
+    # ShareGPT rows with speaker names of their own: scored once data.roles maps them.
+    narrated = tmp_path / "narrated.jsonl"
+    turns = [
+        {"from": "narrator", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello"},
+    ]
+    narrated.write_text(json.dumps({"conversations": turns}) + "\n")
+    base = ["eval", "--run", str(run[0]), "--data", str(narrated), "--rows", "1", "--max-new-tokens", "2"]
+    assert main([*base, "--format", "sharegpt"]) == 2
+    assert "narrator" in capsys.readouterr().err
+    assert main([*base, "--format", "sharegpt", 'data.roles={narrator = "system"}']) == 0
+    assert "1 rows of" in capsys.readouterr().out.replace("1 row of", "1 rows of")
+    # Refused before the model loads: another section, and a value out of range.
+    monkeypatch.setattr("distft.infer.commands.load_trained", None)  # any load would fail loudly
+    assert main(["eval", "--run", str(run[0]), "model.name=tiny"]) == 2
+    assert "infer and eval take [data] settings only" in capsys.readouterr().err
+    assert main(["infer", "--run", str(run[0]), "data.max_length=8"]) == 2
+    assert "`data.max_length` must be at least 32" in capsys.readouterr().err

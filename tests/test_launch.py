@@ -10,7 +10,7 @@ from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from distft import launch
 from distft.config import ParallelConfig
-from distft.distributed import FORKED_ENV
+from distft.exits import FORKED_ENV
 from tests.helpers import in_forked_process
 
 

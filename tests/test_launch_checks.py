@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distft.cli import preflight
 from distft.config import load_config
 from distft.distributed import DistEnv, agree_on_devices, check_local_gpu, init_distributed
 from distft.errors import ConfigError, HealthError
 from distft.health.facts import device_facts, differences, mixed_facts, rank_ranges
 from distft.health.stragglers import StepArrivals, StragglerWindow
+from distft.train.preflight import preflight
 from tests.helpers import distft
 
 SHORT = [  # the micro model, 3 steps of one sequence per rank
@@ -135,7 +135,9 @@ def test_bf16_on_an_older_gpu_is_refused_before_launch(overrides, asks):
 
 
 def test_fp32_on_an_older_gpu_and_bf16_on_a_newer_one_pass_the_check(monkeypatch):
-    monkeypatch.setattr("distft.cli.check_resume", mock.Mock(side_effect=RuntimeError("past the check")))
+    monkeypatch.setattr(
+        "distft.train.preflight.check_resume", mock.Mock(side_effect=RuntimeError("past the check"))
+    )
     for gpu, overrides in [
         (("Tesla V100", (7, 0)), ["model.autocast=false"]),
         (("NVIDIA A100", (8, 0)), ["model.dtype=bfloat16"]),
@@ -300,3 +302,43 @@ def test_a_global_batch_beyond_the_rows_is_said_before_launch(tmp_path, capsys):
         assert labels and 0 < labels <= cfg.data.max_length
     assert "train.global_batch_size=64 is more than the 18 training rows" in said[64]
     assert "is more than the" not in said[4]
+
+
+# ---- one answer for every rank: rank 0 decides (a resume's checksums), the others receive -------
+
+
+def _rank_zero_decides(rank: int, port: int) -> None:
+    from pathlib import Path
+
+    from distft.distributed import decided_by_rank_zero
+    from distft.errors import DamagedFileError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    env = DistEnv(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"), backend="gloo")
+
+    def read_everything():
+        assert rank == 0, "only rank 0 reads and checksums"
+        return Path("run/checkpoints/step-000004"), ["step-000006 (its manifest does not match)"]
+
+    got = decided_by_rank_zero(env, read_everything)  # rank 1 would fail the assertion inside
+    assert got == (Path("run/checkpoints/step-000004"), ["step-000006 (its manifest does not match)"])
+
+    def refuse():
+        raise DamagedFileError("every checkpoint is damaged")
+
+    try:
+        decided_by_rank_zero(env, refuse)
+    except DamagedFileError as err:  # the same class and words on every rank
+        assert str(err) == "every checkpoint is damaged"
+    else:
+        raise AssertionError("the refusal reached no rank")
+    dist.destroy_process_group()
+
+
+def test_rank_zero_decides_and_every_rank_takes_its_answer_or_refusal():
+    from tests.helpers import spawn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn(_rank_zero_decides, (port,), nprocs=2, timeout=120)

@@ -54,8 +54,9 @@ NO_DROPOUT = ["lora.dropout=0.0"]
 
 
 def crash_after_step_2(full: Path, crashed: Path) -> None:
-    """What a crash during step 3 leaves: the run dir with everything after step 2 gone."""
-    shutil.copytree(full, crashed, ignore=shutil.ignore_patterns("adapter"))
+    """What a crash during step 3 leaves: the run dir with everything after step 2 gone (the last
+    step's checkpoint too)."""
+    shutil.copytree(full, crashed, ignore=shutil.ignore_patterns("adapter", "step-000003"))
     truncate_metrics(crashed / "metrics.jsonl", 2)
 
 
@@ -127,7 +128,7 @@ def runs(tmp_path_factory) -> Path:
 def test_resume_is_exact(runs, strategy):
     """Per-step losses, gradient norms and the final adapter equal the uninterrupted run's, bitwise."""
     full, resumed = runs / strategy / "full", runs / strategy / "crashed"
-    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step-000002"]
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
     got, want = metrics(resumed), metrics(full)
     assert [m["step"] for m in got] == [1, 2, 3]
     assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in want]
@@ -215,28 +216,57 @@ def test_nonfinite_step_stops_then_resumes_and_skips(tmp_path, monkeypatch, caps
 # ---- a failed checkpoint write leaves the previous checkpoint loadable ------------------------
 
 
-def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+def _disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("where", ["shards", "shards-in-dcp", "manifest", "export"])
+def test_a_disk_that_fills_during_any_write_keeps_the_previous_state(where, tmp_path, monkeypatch, capsys):
+    """A full disk while a checkpoint's shards, DCP's own wrapper of a rank's failure (a
+    BaseException, not an Exception), its manifest, or the final adapter is written: one line, exit
+    1, nothing half-written in place, and the last checkpoint resumes the run."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import distft.io.checkpoint as checkpoints
+    import distft.io.save as save
 
     out = tmp_path / "disk-full"
-    real_save, calls = dcp.save, []
+    real_save, real_manifest, calls = dcp.save, checkpoints.write_manifest, []
 
     def save_then_fill_the_disk(state, checkpoint_id, **kwargs):
         calls.append(checkpoint_id)
         if len(calls) == 1:
             return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
         (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half a shard")
+        if where == "shards-in-dcp":
+            raise CheckpointException("save", {0: (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), None)})
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(dcp, "save", save_then_fill_the_disk)
+    def manifest_then_fill_the_disk(folder):
+        calls.append(folder)
+        return real_manifest(folder) if len(calls) == 1 else _disk_full()
+
+    if where.startswith("shards"):
+        monkeypatch.setattr(dcp, "save", save_then_fill_the_disk)
+    elif where == "manifest":
+        monkeypatch.setattr(checkpoints, "write_manifest", manifest_then_fill_the_disk)
+    else:
+        monkeypatch.setattr(save, "save_file", _disk_full)  # the adapter's weights
     run = [*SINGLE, "output.checkpoint_every=1", "train.max_steps=3"]
     assert main(["train", *run, "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "Writing the checkpoint of step 2 failed on rank 0" in err and "No space left on device" in err
-    assert "step-000001, is intact" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err and "No space left on device" in err
+    if where == "export":  # every step checkpointed, the last included: a resume only exports
+        assert not (out / "adapter").exists() and (out / "checkpoints" / "step-000003").is_dir()
+        monkeypatch.undo()
+        assert main(["train", "--resume", str(out)]) == 0 and (out / "adapter").is_dir()
+        return
+    assert "Writing the checkpoint of step 2 failed on rank 0" in err and "step-000001, is intact" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]  # no temporary
-
-    monkeypatch.setattr(dcp, "save", real_save)
+    if where != "shards":
+        return
+    monkeypatch.undo()
     assert main(["train", "--resume", str(out)]) == 0
     assert "step-000001 (step 1)" in capsys.readouterr().out  # "resuming from .../step-000001 (step 1)"
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
@@ -312,13 +342,13 @@ BAD_INPUTS = [
     (
         "nproc above the GPUs",
         ["--strategy", "ddp", "--nproc", "2", "train.device=cuda"],
-        lambda mp_: mp_.setattr("distft.cli._cuda_count", lambda: 1),
+        lambda mp_: mp_.setattr("distft.train.preflight._cuda_count", lambda: 1),
         "--nproc 2 asks for more processes than the 1 GPU on this node",
     ),
     (
         "cuda without a GPU",
         ["train.device=cuda"],
-        lambda mp_: mp_.setattr("distft.cli._cuda_count", lambda: 0),
+        lambda mp_: mp_.setattr("distft.train.preflight._cuda_count", lambda: 0),
         "train.device=cuda, but this machine has no CUDA device",
     ),
     (
@@ -420,6 +450,12 @@ BAD_INPUTS = [
         "`parallel.schedule` is 'zigzag'; choose one of gpipe, 1f1b",
     ),
     (
+        "a value no strategy takes, where it is ignored",
+        ["--strategy", "ddp", "--nproc", "2", "parallel.fsdp_param_dtype=int8"],
+        None,
+        "`parallel.fsdp_param_dtype` is 'int8'; choose one of float32, bfloat16",
+    ),
+    (
         "more pipeline stages than layers",
         [
             "--strategy",
@@ -488,10 +524,10 @@ BAD_INPUTS = [
         "rows.json holds a JSON array; distft reads JSON lines",
     ),
     (
-        "CSV data file",
-        lambda t: ["--data", _file(t, "rows.csv", "transcript,summary\n")],
+        "TSV data file",
+        lambda t: ["--data", _file(t, "rows.tsv", "transcript\tsummary\n")],
         None,
-        "a local dataset must be a .jsonl file (.json: also JSON lines) or a .parquet file (CSV: convert",
+        "a local dataset must be a .jsonl file (.json: also JSON lines), a .parquet or a .csv file (tab-separated",
     ),
     (
         "binary config file",
@@ -572,8 +608,8 @@ def test_bad_input_is_refused_before_launch(argv, setup, phrase, tmp_path, monke
 
     monkeypatch.setattr(subprocess, "call", launched)
     monkeypatch.setattr(subprocess, "Popen", launched)
-    monkeypatch.setattr("distft.cli.train", launched)  # the names the CLI calls
-    monkeypatch.setattr("distft.cli.launch_ranks", launched)  # CPU ranks are forked, not Popen'd
+    monkeypatch.setattr("distft.train.command.train", launched)  # the names `distft train` calls
+    monkeypatch.setattr("distft.train.command.launch_ranks", launched)  # CPU ranks are forked, not Popen'd
     if setup:
         setup(monkeypatch)
     args = argv(tmp_path) if callable(argv) else argv
@@ -595,7 +631,7 @@ def test_bad_input_table_is_large_enough():
 def test_settings_the_strategy_ignores_are_warned_before_launch(tmp_path, monkeypatch, capsys):
     """A setting only other strategies read is valid but does nothing: one warning line each,
     printed before the checks that follow (here a refusal, so that nothing is launched)."""
-    monkeypatch.setattr("distft.cli._cuda_count", lambda: 0)
+    monkeypatch.setattr("distft.train.preflight._cuda_count", lambda: 0)
     argv = ["--strategy", "ddp", "--nproc", "2", "parallel.schedule=gpipe", "parallel.fsdp_wrap=model"]
     assert main(["train", "--model", "micro", *argv, "train.device=cuda", "--out", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.splitlines()

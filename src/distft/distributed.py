@@ -14,15 +14,28 @@ import json
 import os
 import re
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from distft.errors import CollectiveError, ConfigError, HealthError
+from distft.errors import (
+    CheckpointError,
+    CollectiveError,
+    ConfigError,
+    DamagedFileError,
+    DataError,
+    HealthError,
+    TrainingError,
+)
+
+T = TypeVar("T")
+# What `decided_by_rank_zero` re-raises on the other ranks, most specific first (`next` takes the
+# exact class: its name is what travels).
+DISTFT_ERRORS = (DamagedFileError, DataError, ConfigError, CheckpointError, TrainingError)
 
 
 @dataclass(frozen=True)
@@ -46,9 +59,6 @@ class DistEnv:
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-FORKED_ENV = "DISTFT_FORKED_RANK"  # set in ranks forked by `distft.launch` (CPU runs)
 
 
 def restart_count() -> int:
@@ -190,32 +200,35 @@ def synchronize(env: DistEnv) -> None:
         torch.cuda.synchronize(env.device)
 
 
+def decided_by_rank_zero(env: DistEnv, decide: Callable[[], T]) -> T:
+    """`decide()` on rank 0 alone, its answer broadcast to every rank: a refusal too, raised on every
+    rank as the same distft error. What reads a lot to answer (a resume checksumming a checkpoint)
+    is read once, not once per rank; and no rank can answer otherwise."""
+    if not env.distributed:
+        return decide()
+    answer: list = [None]
+    if env.is_main:
+        try:
+            answer = [("value", decide())]
+        except DISTFT_ERRORS as err:
+            answer = [("error", type(err).__name__, str(err))]
+    dist.broadcast_object_list(answer, src=0)  # rank 0's own objects: no file is unpickled
+    if answer[0][0] == "error":
+        _, kind, message = answer[0]
+        raise next(e for e in DISTFT_ERRORS if e.__name__ == kind)(message)
+    return answer[0][1]
+
+
 def barrier(env: DistEnv) -> None:
     if env.distributed:
         dist.barrier()
 
 
 def shutdown(env: DistEnv) -> None:
-    """Leave the group cleanly (the process itself ends in `exit_worker`)."""
+    """Leave the group cleanly (the process itself ends in `distft.exits.exit_worker`)."""
     if env.distributed:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def exit_worker(exit_code: int) -> None:
-    """End a rank launched by torchrun hard, after flushing its output (no-op otherwise).
-
-    gloo sometimes aborts a rank at interpreter shutdown ("terminate called without an active
-    exception") after a good run, which torchrun reports as a failure. Outputs are flushed and the
-    group destroyed first, so skipping the interpreter's teardown loses nothing. After a failed
-    collective the group cannot be left cleanly at all; exiting hard is the only clean way out.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Set by torchrun only (not by a group of one). A forked rank returns instead: its launcher
-    # waits for its return value, and multiprocessing ends it with `os._exit` right after.
-    if "TORCHELASTIC_RUN_ID" in os.environ and FORKED_ENV not in os.environ:
-        os._exit(exit_code)
 
 
 # Substrings of the errors gloo and NCCL raise when a peer is slow or gone (plain RuntimeErrors in

@@ -7,7 +7,7 @@
 | 2 | a user error found before anything ran (`ConfigError`, `DataError`, `DamagedFileError`, ...) |
 | 130, 143 | stopped by SIGINT / SIGTERM (`distft.signals`) |
 
-`DISTFT_DEBUG=1` prints the traceback as well.
+`DISTFT_DEBUG=1` prints the traceback as well. A rank under torchrun ends in `exit_worker`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,29 @@ from distft.errors import ConfigError, TrainingError
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 DEBUG_ENV = "DISTFT_DEBUG"  # set to 1: a failure prints its traceback as well
+FORKED_ENV = "DISTFT_FORKED_RANK"  # set in ranks forked by `distft.launch` (CPU runs)
+
+
+OUT_OF_MEMORY = "out of memory"
+MEMORY_ADVICE = (
+    "Lower train.micro_batch_size or data.max_length, set model.activation_checkpointing=full, use "
+    "--method qlora, or shard over more devices (--strategy fsdp); `distft train --dry-run` prints the "
+    "plan's estimate of this run and `--strategy auto` picks a layout that fits."
+)
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """An allocation that failed: torch's CUDA out-of-memory, Python's MemoryError, or the CPU
+    allocator's RuntimeError."""
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(err, RuntimeError) and (
+        any(s in str(err).lower() for s in ("out of memory", "not enough memory", "can't allocate memory"))
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
 
 
 def run_command(command: str, handler: Callable[[], int]) -> int:
@@ -59,7 +82,14 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
     except Exception as err:  # a fault no check foresaw (a disk error, a bug): said plainly
         if debug:
             raise
-        text = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
+        if out_of_memory(err):  # the plan said it fits, or --force launched it: the usual ways out
+            print(  # by the rank that ran out, whichever it is
+                f"distft {command}: error: {OUT_OF_MEMORY} ({_first_line(err) or type(err).__name__}). "
+                f"{MEMORY_ADVICE}",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
+        text = _first_line(err)
         hint = (
             f"Rerun with {DEBUG_ENV}=1 for the traceback."
             if isinstance(err, OSError)  # the disk, a permission: the message says what
@@ -68,3 +98,19 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
         )
         print(f"distft {command}: error: {type(err).__name__}: {text}. {hint}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def exit_worker(exit_code: int) -> None:
+    """End a rank launched by torchrun hard, after flushing its output (no-op otherwise).
+
+    gloo sometimes aborts a rank at interpreter shutdown ("terminate called without an active
+    exception") after a good run, which torchrun reports as a failure. Outputs are flushed and the
+    group destroyed first, so skipping the interpreter's teardown loses nothing. After a failed
+    collective the group cannot be left cleanly at all; exiting hard is the only clean way out.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Set by torchrun only (not by a group of one). A forked rank returns instead: its launcher
+    # waits for its return value, and multiprocessing ends it with `os._exit` right after.
+    if "TORCHELASTIC_RUN_ID" in os.environ and FORKED_ENV not in os.environ:
+        os._exit(exit_code)

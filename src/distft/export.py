@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from distft.commands.export import EXPORT_DTYPES
 from distft.config import Config, load_config
 from distft.data import SummaryRow, data_name, end_of_turn, validation_rows
 from distft.data.sample import SAMPLES, is_sample
@@ -33,9 +34,6 @@ from distft.io.preflight import check_output_path
 from distft.io.save import save_merged_model
 from distft.model import DTYPES, is_preset
 from distft.text import plural
-
-EXPORT_DTYPES = ("bfloat16", "float32")
-
 
 # ---- checks, before anything is loaded -----------------------------------------------------
 

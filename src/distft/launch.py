@@ -51,7 +51,7 @@ import psutil
 
 from distft import signals
 from distft.config import ParallelConfig
-from distft.distributed import FORKED_ENV
+from distft.exits import FORKED_ENV
 
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # the ranks' store is rank 0's, not the agent's
 
@@ -124,8 +124,9 @@ def run_module(module: str, argv: list[str]) -> None:
     """One forked rank: `python -m MODULE ARGV`, with MODULE's imports already done. It returns on
     success: the agent waits for each rank's return value, which a `SystemExit(0)` would skip."""
     sys.argv = [module, *argv]
-    # The module ran its imports in the agent (`distft` itself imports `distft.cli`); running it
-    # again as __main__ is the point, and runpy's warning that it is already imported is noise.
+    # The module ran its imports in the agent (`distft` itself runs `distft.cli`, which imported the
+    # command's module: `COMMANDS`); running it again as __main__ is the point, and runpy's warning
+    # that it is already imported is noise.
     warnings.filterwarnings("ignore", f"'{module}' found in sys.modules", RuntimeWarning)
     try:
         with signals.handling():  # not the agent's handler, inherited by the fork (`distft.signals`)

@@ -134,8 +134,9 @@ def _leave_while_starting(signum: int, frame: object) -> None:
 
 def starting() -> None:
     """Until `started()`: SIGINT/SIGTERM end the command at once, in one line. For the seconds a
-    command spends importing torch, transformers and peft, before `main` runs; nothing is written
-    then. Only where distft is the program (`distft.cli` checks), never in a caller's process."""
+    command spends importing torch, transformers and peft (its module, which `distft.cli` imports
+    before it runs the command); nothing is written then. Only where distft is the program
+    (`distft.cli` checks), never in a caller's process."""
     for sig in HANDLED:
         _before_start[sig] = signal.signal(sig, _leave_while_starting)
 

@@ -106,6 +106,12 @@ def test_loss_agreement_catches_a_planted_divergence(bench):
 # ---- projection and pipeline plots, on fabricated inputs (no runs) -------------------------
 
 
+@pytest.mark.parametrize("mode", [[], ["--seq-sweep"]])
+def test_an_empty_strategy_list_is_named(mode, capsys):
+    assert main(["bench", *mode, "--strategies", " , ", "--out", "unused"]) == 2
+    assert "--strategies is empty (' , '): name at least one" in capsys.readouterr().err
+
+
 def test_profiles_parse_as_the_plan_names_them():
     from distft.bench.predict import parse_profile
     from distft.errors import ConfigError

@@ -82,7 +82,7 @@ DAMAGED = st.builds(  # a real Parquet file cut short, or with one byte changed
 BYTES = st.binary(max_size=300) | st.binary(max_size=100).map(lambda b: b"PAR1" + b + b"PAR1") | DAMAGED
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])
 @given(data=BYTES)
 def test_any_bytes_read_or_refuse(tmp_path, suffix, data):
     path = tmp_path / f"rows{suffix}"

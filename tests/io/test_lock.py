@@ -58,6 +58,22 @@ def test_another_hosts_lock_is_refused_with_how_to_remove_it(tmp_path):
         pass
 
 
+def test_another_hosts_lock_is_taken_over_once_its_heartbeat_stops(tmp_path, capsys, monkeypatch):
+    import distft.io.lock as lock
+
+    plant_lock(tmp_path, 1, host="node-7", start=0)
+    old = time.time() - lock.STALE_S - 60  # its holder stopped touching it 11 minutes ago
+    os.utime(tmp_path / LOCK_FILE, (old, old))
+    monkeypatch.setattr(lock, "HEARTBEAT_S", 0.05)
+    with run_lock(tmp_path):
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == socket.gethostname()
+        os.utime(tmp_path / LOCK_FILE, (old, old))
+        time.sleep(0.5)  # the holder's heartbeat touches it again
+        assert time.time() - (tmp_path / LOCK_FILE).stat().st_mtime < 5
+    err = capsys.readouterr().err
+    assert "took over the stale lock" in err and "on node-7" in err
+
+
 @pytest.mark.parametrize("reused_pid", [False, True], ids=["dead-pid", "pid-reused-by-another-process"])
 def test_a_stale_lock_is_taken_over_with_one_line(tmp_path, capsys, reused_pid):
     if reused_pid:  # a live pid, started after the lock was written: not its holder

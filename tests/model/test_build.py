@@ -12,8 +12,9 @@ from distft.config import ModelConfig, load_config
 from distft.errors import ConfigError
 from distft.infer import load_trained
 from distft.model import PRESETS, load_base_model
-from distft.model.build import base_recipe, check_weight_files, rebuild_base
+from distft.model.build import base_recipe, rebuild_base
 from distft.model.compile import compile_blocks
+from distft.model.files import check_weight_files
 from distft.train import train
 from tests.helpers import distft
 
@@ -127,6 +128,27 @@ def test_a_model_directory_of_pickles_is_refused_unless_allowed(tmp_path, capsys
     allowed = ModelConfig(name=str(tmp_path), allow_pickle_weights=True)
     check_weight_files(allowed)
     assert same_weights(load_base_model(allowed), model)
+
+
+def test_every_model_path_is_named_for_what_it_is_and_damage_is_refused_before_launch(tmp_path, capsys):
+    """A path is never taken for a hub id: missing, a file, a config.json that does not parse, a
+    safetensors file cut short: each one line, exit 2, before anything loads or launches."""
+    model = tmp_path / "model"
+    load_base_model(ModelConfig(name="micro")).save_pretrained(model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cases = [
+        (tmp_path / "moved", "Model directory {} does not exist (a path, not a hub id"),
+        (weights, "--model {} is a file; give the directory"),
+        (model, "{}: model.safetensors holds "),
+    ]
+    for path, said in cases:
+        assert main(["train", "--model", str(path), "--dry-run", "--out", str(tmp_path / "run")]) == 2
+        assert said.format(path) in capsys.readouterr().err
+    weights.unlink()
+    (model / "config.json").write_text('{"model_type": ')  # cut short
+    assert main(["train", "--model", str(model), "--dry-run", "--out", str(tmp_path / "run")]) == 2
+    assert "its config.json cannot be read" in capsys.readouterr().err
 
 
 def test_trust_remote_code_is_off_unless_set_and_said_when_on(tmp_path, capsys):

@@ -14,7 +14,7 @@ from distft.cli import main
 from distft.config import load_config
 from distft.infer import load_trained
 from distft.model import apply_method, load_base_model
-from tests.helpers import PARITY, adapter, assert_same_training, distft, metrics
+from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
 
 WORLD = 2
 ACCUMULATION = 2  # global batch 4 = micro 1 x 2 x 2 ranks
@@ -76,9 +76,7 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(reference, tmp_path):
         "train", "--strategy", "fsdp", "--nproc", "2", *PARITY, "--checkpoint-every", "2", "--out", str(out)
     )
     assert (out / "checkpoints" / "step-000002").is_dir()
-    (out / "metrics.jsonl").write_text(
-        "".join(line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()[:2])
-    )
+    out = crashed_copy(out, tmp_path / "crashed", 2)
     proc = distft("train", "--resume", str(out), "--nproc", "1")
     assert "resuming from" in proc.stdout and "step 2" in proc.stdout
     assert_same_training(out, reference)

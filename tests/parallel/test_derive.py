@@ -58,7 +58,7 @@ def test_every_strategy_runs_with_strategy_and_nproc_alone(capsys):
 def test_derivations_keep_the_global_batch_where_it_splits():
     cfg = parse("--model", "micro", "--strategy", "hsdp", "--nproc", "4")
     assert (cfg.parallel.shard, cfg.train.global_batch_size, cfg.train.micro_batch_size) == (2, 8, 2)
-    assert set(cfg.derived) == {"optim.lr", "parallel.shard", "train.micro_batch_size"}
+    assert set(cfg.derived) == {"optim.lr", "optim.warmup_ratio", "parallel.shard", "train.micro_batch_size"}
     cfg = parse("--model", "micro", "--strategy", "ddp", "--nproc", "3")  # 8 does not split 3 ways
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (12, 4)
     cfg = parse("--model", "micro", "--strategy", "fsdp+pp", "--nproc", "4")
@@ -66,7 +66,7 @@ def test_derivations_keep_the_global_batch_where_it_splits():
     cfg = parse("--model", "micro", "--strategy", "ddp", "--nproc", "4", "train.micro_batch_size=4")
     assert cfg.train.global_batch_size == 16  # the micro-batch was set: the global batch follows it
     cfg = parse("--model", "micro", "--strategy", "ddp", "--nproc", "2")  # passes as it is
-    assert set(cfg.derived) == {"optim.lr"} and cfg.train.micro_batch_size == 4
+    assert set(cfg.derived) == {"optim.lr", "optim.warmup_ratio"} and cfg.train.micro_batch_size == 4
 
 
 @pytest.mark.parametrize(
@@ -109,3 +109,27 @@ def test_learning_rate_follows_the_base_and_the_method(tmp_path, capsys):
     model.mkdir()
     (model / "lineage.json").write_text('{"origin": {"preset": "tiny", "seed": 0}, "stages": []}')
     assert parse("--model", str(model), "--method", "full").optim.lr == RANDOM_PRESET_LR
+
+
+def test_warm_up_is_a_share_of_the_run_unless_set(capsys):
+    from distft.parallel.derive import complete_defaults
+    from distft.train.optim import lr_lambda, training_lines, warmup_steps, warmup_warning
+
+    cfg = parse("--model", "micro", "--max-steps", "5")  # neither set: a tenth of the run, rounded up
+    assert (cfg.optim.warmup_ratio, warmup_steps(cfg)) == (0.1, 1)
+    assert lr_lambda(cfg)(0) == 1.0 and warmup_warning(cfg) is None
+    assert "1 warm-up step (0.1 of the run)" in training_lines(cfg, 8)[0]
+    assert warmup_steps(parse("--model", "micro", "--max-steps", "1000")) == 100
+    assert warmup_steps(parse("--model", "micro", "optim.warmup_ratio=0.25", "--max-steps", "10")) == 3
+    steps = parse("--model", "micro", "optim.warmup_steps=10", "--max-steps", "5")  # set: kept, and said
+    assert (steps.optim.warmup_ratio, warmup_steps(steps)) == (0.0, 10)
+    assert "reaches optim.lr=0.01 never;" in warmup_warning(steps)
+    assert "warning: optim.warmup_steps=10 is as long as the run (5 steps)" in training_lines(steps, 8)[1]
+    with pytest.raises(ConfigError, match="both set the warm-up: keep one"):
+        parse("--model", "micro", "optim.warmup_steps=3", "optim.warmup_ratio=0.2")
+    # `train(cfg)` in Python derives as the command line does; a field changed after loading counts as set.
+    python = load_config(None, ["model.name=Qwen/Qwen3-4B"])
+    python.optim.warmup_steps = 4
+    complete_defaults(python)
+    assert (python.optim.lr, python.optim.warmup_ratio, warmup_steps(python)) == (PRETRAINED_LORA_LR, 0.0, 4)
+    assert "warmup" not in capsys.readouterr().out  # the usual warm-up is said in the header only

@@ -23,7 +23,6 @@ difference meets the method.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ import pytest
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
-from tests.helpers import PARITY, assert_same_training, distft, metrics
+from tests.helpers import PARITY, assert_same_training, crashed_copy, distft, metrics
 
 # The parity preset of each family ("micro" is Qwen3's, tested by the other files here).
 FAMILY_PRESETS = {
@@ -117,8 +116,7 @@ METHOD_SETTINGS = {"lora": [], "full": ["train.eval_batches=1"], "qlora": ["mode
 def resume_step_2(reference: Path, out: Path, strategy: str, *overrides: str) -> list[dict]:
     """The run as a crash during step 2 leaves it (step 1's checkpoint and record, no adapter),
     resumed under `strategy` (and `overrides`); its step records."""
-    shutil.copytree(reference, out, ignore=shutil.ignore_patterns("adapter"))
-    (out / "metrics.jsonl").write_text((reference / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+    crashed_copy(reference, out, 1)
     layout = ["--strategy", strategy, "--nproc", str(NPROC[strategy]), *LAYOUTS.get(strategy, [])]
     proc = distft("train", "--resume", str(out), *layout, *overrides)
     assert "resuming from" in proc.stdout and "(step 1)" in proc.stdout

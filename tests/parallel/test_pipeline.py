@@ -7,7 +7,6 @@ against the analytic count; the timeline file. No timing value is asserted (2 sh
 """
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from distft.config import load_config
 from distft.measure.pipeline import replay
 from distft.parallel.pipeline import Layout, layout
 from distft.parallel.pipeline.stages import schedule_actions
-from tests.helpers import PARITY, adapter, assert_same_training, distft, metrics
+from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
 
 WORLD = 2
 SCHEDULES = {  # schedule -> extra arguments of its run
@@ -155,10 +154,8 @@ def test_adapter_loads_in_one_process(runs, reference, capsys):
 
 def test_resumes_from_a_checkpoint(runs, reference, tmp_path):
     """Stage parameters are checkpointed under their global names; a resumed run ends the same."""
-    out = tmp_path / "resumed"
-    shutil.copytree(runs["interleaved-1f1b"], out)
+    out = crashed_copy(runs["interleaved-1f1b"], tmp_path / "resumed", 2)  # the run never exported
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
-    shutil.rmtree(out / "adapter")  # a crash after step 2: the run never exported
     proc = distft("train", "--resume", str(out))
     assert "resuming from" in proc.stdout
     assert_same_training(out, reference)
@@ -213,7 +210,7 @@ def test_an_uneven_split_trains_like_one_process_and_resumes_under_another(tmp_p
     assert ranks[0]["pipeline"]["even"]["layers_per_stage"] == [2, 2]
 
     # The run as a crash during step 2 leaves it: step 1's checkpoint, no adapter.
-    shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("adapter"))
+    crashed_copy(run, resumed, 1)
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-000001"]
     proc = distft("train", "--resume", str(resumed), "parallel.pp_split=balanced")
     assert "resuming from" in proc.stdout and "(step 1)" in proc.stdout

@@ -308,3 +308,10 @@ def test_the_planner_cuts_as_the_runtime_does():
         runtime, _ = STRATEGIES["pp"].cut_layout(cfg, config, label_tokens=61)
         par = Parallelism("pp", pp=2, schedule=schedule, microbatches=4, pp_split=split)
         assert pipeline_layout(spec, training, par).layers_per_stage == runtime.layers_per_stage
+
+
+def test_the_schedules_the_config_takes_are_the_ones_the_pipeline_runs():
+    from distft.config.choices import PIPELINE_SCHEDULES
+    from distft.parallel.pipeline.layout import SCHEDULES
+
+    assert tuple(SCHEDULES) == PIPELINE_SCHEDULES

@@ -17,7 +17,7 @@ from distft.config import load_config
 from distft.distributed import DistEnv
 from distft.model import apply_method, load_base_model
 from distft.parallel.zero1 import ZeRO1
-from tests.helpers import PARITY, assert_same_training, distft, metrics
+from tests.helpers import PARITY, assert_same_training, crashed_copy, distft, metrics
 from tests.parallel.test_collectives import run_group
 
 WORLD = 2
@@ -47,8 +47,7 @@ def test_matches_single_process_and_resumes_in_one(reference, tmp_path):
     assert first["comm_calls"]["broadcast"] == WORLD  # one flat bucket per rank's partition
 
     # The run crashed after step 2: resume its checkpoint in one process and train on.
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[:2]))
+    out = crashed_copy(out, tmp_path / "crashed", 2)
     proc = distft("train", "--resume", str(out), "--strategy", "single", "--nproc", "1")
     assert "resuming from" in proc.stdout and "step 2" in proc.stdout
     assert_same_training(out, reference)

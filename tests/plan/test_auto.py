@@ -101,3 +101,33 @@ def test_every_rank_moves_the_bytes_the_planner_predicted(strategy, layout, tmp_
     for r in json.loads((tmp_path / "ranks.json").read_text()):
         comm = r["comm_bytes_per_step"]
         assert comm["predicted"] == comm["counted"], (r["rank"], comm)
+
+
+def test_a_run_the_plan_says_cannot_fit_is_refused_before_launch_unless_forced(tmp_path, capsys, monkeypatch):
+    import distft.plan.auto as auto
+
+    monkeypatch.setattr(auto, "device_memory", lambda cfg: (8 << 30, "CPU: 8 GiB each"))
+    out = tmp_path / "run"
+    argv = ["train", "--model", "qwen3-4b", "--out", str(out), *SHORT]
+    for launch in ([], ["--dry-run"]):  # the same refusal, dry run or not, and nothing written
+        assert main([*argv, *launch]) == 2
+        err = capsys.readouterr().err
+        assert "the plan says this run does NOT fit: " in err and "in 7 GiB usable (CPU: 8 GiB each)" in err
+        assert "The planner's choice for 1 process here: --strategy single --method qlora" in err
+        assert "Add --force to launch it anyway." in err and "GPU" not in err  # a CPU run's words
+        assert not out.exists()
+    assert main([*argv, "--dry-run", "--force"]) == 0
+    assert "does NOT fit: " in capsys.readouterr().err
+    # More processes than CPU cores: valid (layouts are checked so), and said.
+    monkeypatch.setattr("distft.train.preflight._cpu_cores", lambda: 2)
+    assert main(["train", "--model", "micro", "--strategy", "ddp", "--nproc", "64", "--dry-run", *SHORT]) == 0
+    assert "warning: --nproc 64 on 2 CPU cores: the processes take turns" in capsys.readouterr().err
+    # --strategy auto on 2 processes where nothing fits as asked: the checkpointing the plan needs, by level.
+    monkeypatch.setattr(auto, "device_memory", lambda cfg: (12 << 30, "CPU: 12 GiB each"))
+    cfg = config_from_args(
+        build_parser().parse_args(["train", "--strategy", "auto", "--nproc", "2", "--model", "qwen3-4b"])
+    )
+    assert (
+        cfg.model.activation_checkpointing == "full"
+        and "Activation checkpointing: full." in capsys.readouterr().out
+    )

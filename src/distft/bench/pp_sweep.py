@@ -11,11 +11,11 @@ the override only when a run starts (`split_override`).
 
 from __future__ import annotations
 
+from distft.commands.bench import DEFAULT_SPLITS
 from distft.errors import ConfigError
 from distft.parallel.pipeline import SCHEDULES
 
 NAMED_SPLITS = ("balanced", "even")
-DEFAULT_SPLITS = "balanced,even"
 # Per run figures of the steps' metrics records: their median over the measured steps.
 STEP_FIGURES = ("idle_fraction", "idle_fraction_theory", "idle_fraction_modelled", "stage_imbalance",
                 "stage_imbalance_modelled")  # fmt: skip

@@ -43,7 +43,6 @@ from distft.model.build import architecture
 from distft.model.positions import max_positions
 from distft.parallel import STRATEGIES, check_config, check_model
 
-DEFAULT_LEVERS = "none,full,offload"
 # The chat prompt, a bundled meeting's summary (46-74 tokens) and the 32 transcript tokens a cut
 # prompt keeps at least take ~150 tokens; from 256 up most of every row is transcript.
 MIN_SEQ_LEN = 256

@@ -21,6 +21,7 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 CHECKPOINTING = ("none", "full", "selective", "offload")  # model.activation_checkpointing
 CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}  # what the setting was when it was a switch
 ROPE_SCALINGS = ("none", "yarn", "linear", "dynamic")  # `distft.model.positions`
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")  # `parallel.pipeline.layout`
 CP_METHODS = ("allgather", "ring")  # parallel.cp_method; `distft.parallel.context`
 MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
 TRUNCATIONS = ("head", "tail", "middle")

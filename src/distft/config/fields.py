@@ -27,6 +27,7 @@ from distft.config.choices import (
     MEASURE_COMM,
     METHODS,
     OPTIMIZERS,
+    PIPELINE_SCHEDULES,
     ROLES,
     ROPE_SCALINGS,
     SCHEDULERS,
@@ -83,7 +84,12 @@ def check_fields(cfg: Config) -> None:
             "flash-attn --no-build-isolation`); model.attn_implementation=auto picks it where it is "
             "installed and runs FlexAttention elsewhere."
         )
+    # Values no strategy accepts are refused whatever the strategy (one that ignores them says so).
     check_choice(cfg.parallel.fsdp_wrap, ("layer", "model"), "parallel.fsdp_wrap")
+    check_choice(cfg.parallel.schedule, PIPELINE_SCHEDULES, "parallel.schedule")
+    for key in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_output_dtype"):
+        if value := getattr(cfg.parallel, key):
+            check_choice(value, DTYPES, f"parallel.{key}")
     _check_pp_split(cfg.parallel.pp_split)
     check_ranges(cfg)
     _check_relations(cfg)
@@ -231,6 +237,7 @@ RANGES: dict[str, Range] = {
     "optim.beta2": FRACTION,
     "optim.eps": POSITIVE,
     "optim.warmup_steps": NON_NEGATIVE,
+    "optim.warmup_ratio": FRACTION,  # 0: unset
     "optim.min_lr_ratio": Range(0, 1),
     "optim.grad_clip": NON_NEGATIVE,  # 0: no clipping
     "optim.momentum": FRACTION,
@@ -245,6 +252,8 @@ RANGES: dict[str, Range] = {
     "train.seed": SEED,
     "train.straggler_window": NON_NEGATIVE,  # 0: no straggler monitor
     "train.straggler_ratio": Range(1, low_open=True),
+    "train.early_stopping_patience": NON_NEGATIVE,  # 0: off
+    "train.early_stopping_delta": NON_NEGATIVE,
     "parallel.nproc": COUNT,
     "parallel.nnodes": COUNT,
     "parallel.node_rank": NON_NEGATIVE,  # and below parallel.nnodes
@@ -294,6 +303,13 @@ def check_ranges(cfg: Config) -> None:
 
 def _check_relations(cfg: Config) -> None:
     """What a range cannot say: a setting that depends on another."""
+    if cfg.train.early_stopping_patience and not (cfg.train.eval_every and cfg.train.eval_batches):
+        raise ConfigError(
+            f"train.early_stopping_patience={cfg.train.early_stopping_patience} counts validations, and this "
+            f"run validates {'never' if not cfg.train.eval_batches else 'only at the end'} (train.eval_every="
+            f"{cfg.train.eval_every}, train.eval_batches={cfg.train.eval_batches}): set both above 0, or "
+            "train.early_stopping_patience=0."
+        )
     if not cfg.lora.target_modules:
         raise ConfigError("`lora.target_modules` is empty: name at least one projection, e.g. q_proj.")
     if cfg.data.streaming and not cfg.data.cache:  # a stream held in every rank's memory defeats it

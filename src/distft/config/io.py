@@ -167,6 +167,11 @@ def load_config(
             f"train.epochs={cfg.train.epochs:g} and train.max_steps={cfg.train.max_steps} both set the "
             "length of the run: keep one (epochs: max_steps = ceil(epochs x rows / global_batch_size))."
         )
+    if cfg.optim.warmup_ratio > 0 and "optim.warmup_steps" in explicit:
+        raise ConfigError(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} and optim.warmup_ratio={cfg.optim.warmup_ratio:g} "
+            "both set the warm-up: keep one (the ratio is a share of train.max_steps)."
+        )
     check_fields(cfg)
     cfg.explicit = frozenset(explicit)  # what a default-deriving caller must leave alone
     return cfg
@@ -224,6 +229,8 @@ def to_toml(cfg: Config) -> str:
         for key, value in dataclasses.asdict(getattr(cfg, section.name)).items():
             if section.name == "train" and key == "max_steps" and cfg.train.epochs > 0:
                 continue  # derived from the epochs at set-up: not a setting of the run
+            if section.name == "optim" and key == "warmup_steps" and cfg.optim.warmup_ratio > 0:
+                continue  # the ratio counts: the steps follow from the run's length
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

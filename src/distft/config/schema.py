@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from distft.config.choices import PROJECTION_NAMES
+from distft.config.data import DataConfig
 
 # ---- Sections -------------------------------------------------------------------------------
 
@@ -40,6 +41,9 @@ class ModelConfig:
     flex (FlexAttention, a document block mask), flash (varlen, CUDA), sdpa (a dense mask), eager."""
     seed: int = 0
     """Seed of the random initialisation of preset models."""
+    added_tokens: list[str] = field(default_factory=list)
+    """Special tokens added to the tokenizer; the embedding and output head grow to hold them, and
+    their rows train beside the adapters (peft's trainable tokens; docs/recipes.md)."""
     trust_remote_code: bool = False
     """Run the Python code a hub model or model directory ships (transformers' `trust_remote_code`).
     Off, distft never runs a model's own code; on, the header says so (docs/security.md)."""
@@ -62,63 +66,6 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
-    source: str = "sample"
-    """`sample` (bundled meetings), `sample-long` (whole meetings of 4k-28k tokens), a .jsonl/.parquet file, or a hub id."""
-    transcript_field: str = ""
-    """Field holding the transcript; empty: detected from the known AMI schemas."""
-    summary_field: str = ""
-    """Field holding the reference summary; empty: detected from the known AMI schemas."""
-    train_split: str = "train"
-    """Split used for training (hub datasets)."""
-    validation_split: str = "validation"
-    """Split used for evaluation; a local file is split by `validation_fraction` instead."""
-    validation_fraction: float = 0.1
-    """Fraction of a single local file held out for validation."""
-    max_length: int = 768
-    """Tokens per example: prompt + transcript + summary. Longer transcripts are truncated."""
-    truncation: str = "middle"
-    """How an over-long transcript is cut: head (keep its start), tail (keep its end) or middle
-    (keep both ends, drop the middle). The summary is never truncated."""
-    system_prompt: str = "You are a helpful assistant that summarizes meeting transcripts."
-    """System message of the chat prompt; empty for none."""
-    instruction: str = "Summarize the following meeting transcript."
-    """User instruction placed before the transcript."""
-    max_rows: int = 0
-    """Use at most this many training rows (0: all)."""
-    format: str = "auto"
-    """Row format: summary (transcript -> summary), chat (`messages`), prompt_completion, alpaca
-    (`instruction`, `input`, `output`), sharegpt (`conversations`), text (plain text, loss on every
-    token), or auto: detected from each row's fields (docs/data.md)."""
-    roles: dict[str, str] = field(default_factory=dict)
-    """ShareGPT rows: turn names (`from`) -> system, user or assistant, on top of the defaults (system;
-    human, user -> user; gpt, assistant, model, bot -> assistant), e.g. {narrator = "system"}."""
-    sources: list[dict[str, Any]] = field(default_factory=list)
-    """Several datasets mixed by weight instead of one `source`: [[data.sources]] tables with `source`,
-    `weight` (default 1) and `format` (default data.format); the rule: docs/data.md, "Mixing"."""
-    skip_long_rows: bool = False
-    """Skip and count the rows whose answer cannot fit data.max_length even truncated, instead of
-    refusing the run at the first one (the header names how many, and the first few)."""
-    enable_thinking: bool = False
-    """Qwen3 thinking mode, passed to the chat template: false pre-fills an empty think block in the
-    prompt; true leaves it to the model, so the think block is part of the trained target."""
-    packing: bool = True
-    """Pack each micro-batch's sequences into one row, with no padding: position ids restart at
-    every document and attention never crosses one (docs/packing.md). Same loss as padded rows, up
-    to float summation order; false: one right-padded row per sequence."""
-    cache: bool = True
-    """Tokenise a file or hub set once into a memory-mapped cache that every rank and later run opens
-    (docs/data.md, "Data at scale"); false: every rank tokenises every row in memory."""
-    cache_dir: str = ""
-    """Token caches' home (multi-node: a shared filesystem); empty: `$DISTFT_CACHE/tokens`, else
-    `~/.cache/distft/tokens`."""
-    streaming: bool = False
-    """Hub datasets: stream rows into the token cache instead of downloading the set first."""
-    revision: str = ""
-    """Hub datasets: branch, tag or commit (empty: the default branch); part of the cache key."""
-
-
-@dataclass
 class LoraConfig:
     rank: int = 16
     """LoRA rank r."""
@@ -136,6 +83,9 @@ class LoraConfig:
     lr_ratio: float = 1.0
     """LoRA+ (Hayou et al. 2402.12354): every lora_B trains at optim.lr x this ratio, in a param group
     of its own (1: off; the paper suggests 16)."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters and saved with them (peft's `modules_to_save`),
+    e.g. embed_tokens, lm_head (docs/recipes.md, "New special tokens"; not under a pipeline)."""
 
 
 @dataclass
@@ -149,14 +99,20 @@ class OptimConfig:
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     beta1: float = 0.9
+    """AdamW's decay of the gradient's running mean."""
     beta2: float = 0.999
+    """AdamW's decay of the squared gradient's running mean."""
     eps: float = 1e-8
+    """AdamW's term added to the denominator."""
     momentum: float = 0.9
     """SGD's momentum (optim.name=sgd; 0: plain SGD, no optimizer state)."""
     scheduler: str = "cosine"
     """After the warm-up: cosine or linear decay to lr * min_lr_ratio at the last step, or constant."""
     warmup_steps: int = 10
-    """Linear warm-up from 0 to `lr`."""
+    """Linear warm-up from 0 to `lr`, in steps (used when optim.warmup_ratio is 0)."""
+    warmup_ratio: float = 0.0
+    """Warm-up as a share of train.max_steps, rounded up (0: optim.warmup_steps counts). Neither
+    set, `distft train` (and `train(cfg)`) derives 0.1 (`distft.parallel.derive`)."""
     min_lr_ratio: float = 0.1
     """The decay (cosine, linear) ends at lr * min_lr_ratio on the last step."""
     grad_clip: float = 1.0
@@ -214,6 +170,11 @@ class TrainConfig:
     (`distft.health.stragglers`): a warning, and `straggler` in ranks.json. 0: off (no gather)."""
     straggler_ratio: float = 1.5
     """A rank taking more than this many times the other ranks' median to reach each step is a straggler."""
+    early_stopping_patience: int = 0
+    """Stop once this many validations in a row bring no improvement of the best validation loss
+    by more than early_stopping_delta (0: off; needs train.eval_every)."""
+    early_stopping_delta: float = 0.0
+    """The least fall of the validation loss that counts as an improvement for early stopping."""
 
 
 @dataclass
@@ -225,6 +186,7 @@ class ParallelConfig:
     nnodes: int = 1
     """Nodes taking part (each runs `distft train` with its own --node-rank)."""
     node_rank: int = 0
+    """This node's index, 0..nnodes-1 (node 0 holds the rendezvous and writes the run's files)."""
     rdzv_endpoint: str = "127.0.0.1:29500"
     """HOST:PORT of the rendezvous for multi-node runs."""
     timeout_s: int = 600

@@ -2,7 +2,8 @@
 rank, and every later run with the same key, opens instead of tokenising.
 
 Key: a sha256 over everything that decides the tokens and the split: the tokenizer
-(`tokenizer_fingerprint`: vocabulary, merges, added tokens, chat template), the data (a file's
+(`tokenizer_fingerprint`: vocabulary, merges, added tokens, chat template: `data.chat_template`'s
+where set), the data (a file's
 path, size and modification time; a hub set's id, splits and `data.revision`), every `data.*`
 setting but those that change neither (packing, the cache's own settings), `train.seed` (which
 rows are held out), and the code that turns rows into a store (this module too). The store lives in
@@ -46,7 +47,7 @@ from distft.data.mixture import data_name, mix_splits, source_configs, source_we
 from distft.data.rows import check_splits, held_out, is_local, load_rows, row_source
 from distft.data.sample import is_sample, sample_files
 from distft.data.store import META, CachedSplit, StoreWriter, open_store
-from distft.data.tokenizer import cache_root, tokenizer_fingerprint
+from distft.data.tokenizer import cache_root, tokenizer_fingerprint, with_chat_template
 from distft.errors import DataError
 
 # Settings that change neither the tokens nor the split: not in the key.
@@ -104,7 +105,7 @@ def cache_key(cfg: DataConfig, seed: int, tokenizer: Any) -> dict:
     return {
         "store": store.STORE_VERSION,
         "code": _code_fingerprint(),
-        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "tokenizer": tokenizer_fingerprint(with_chat_template(tokenizer, cfg.chat_template)),  # as rendered
         "source": source_identity(cfg),
         "data": {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_KEY},
         "seed": seed,

@@ -1,14 +1,16 @@
-"""Rows -> chat tokens with label masks: only the assistant's words carry loss.
+"""Rows -> chat tokens with label masks: the assistant's words carry loss (all, `data.train_on_inputs`).
 
 Every row is a conversation (`distft.data.formats.messages_of`): a meeting becomes [system],
-user = instruction + transcript, assistant = summary; a chat row is its own turns. The model's
-chat template (`tokenizer.apply_chat_template`: the model directory's own, Qwen3's for presets)
-renders it with a marker in place of each text, so the template's own tokens and each text are
-tokenised apart and every token knows where it came from. What carries loss: each assistant
-turn's content and the template's text after it up to its end-of-turn token (`<|im_end|>`,
-`<|eot_id|>`, `</s>`: read from the template, `distft.data.template`), and whatever the template
-opens an answer with beyond the generation prompt (Qwen3's think block with
-`data.enable_thinking`). System and user turns never carry loss.
+user = instruction + transcript, assistant = summary; a chat row is its own turns. The chat
+template (`tokenizer.apply_chat_template`: the model directory's own, Qwen3's for presets, or
+`data.chat_template` in their place: `distft.data.tokenizer`) renders it with a marker in place
+of each text, so the template's own tokens and each text are tokenised apart and every token
+knows where it came from. What carries loss: each assistant turn's content and the template's
+text after it up to its end-of-turn token (`<|im_end|>`, `<|eot_id|>`, `</s>`: read from the
+template, `distft.data.template`), and whatever the template opens an answer with beyond the
+generation prompt (Qwen3's think block with `data.enable_thinking`). System and user turns carry
+none, unless `data.train_on_inputs`: then every token of the rendered chat is a target (each
+position predicts the next), prompt included.
 
 Truncation is a policy, counted per row: a chat drops its earliest exchanges first (never the
 last user turn or the final answer); then the longest prompt text (the transcript, a prompt,
@@ -37,6 +39,7 @@ from typing import Any
 from distft.config import DataConfig
 from distft.data.formats import Message, Row, SummaryRow, TextRow, messages_of
 from distft.data.template import EndOfTurn, end_of_turn, marker, opening, render
+from distft.data.tokenizer import with_chat_template
 from distft.errors import DataError
 
 IGNORE = -100
@@ -69,7 +72,7 @@ class ChatFormatter:
     """Conversations -> token ids and shifted labels, through the tokenizer's chat template."""
 
     def __init__(self, tokenizer: Any, cfg: DataConfig):
-        self.tokenizer = tokenizer
+        self.tokenizer = with_chat_template(tokenizer, cfg.chat_template)  # data.chat_template, if set
         self.cfg = cfg
         # The template only ever sees markers, so what it renders is a function of the chat's shape
         # (each message's role and part count): rendered, cut and tokenised once per shape.
@@ -201,7 +204,7 @@ class ChatFormatter:
         if _length(pieces) > self.cfg.max_length:
             self._cut_longest(pieces, _length(pieces) - self.cfg.max_length, row.origin)
         input_ids = [t for p in pieces for t in p.ids]
-        target = [p.target for p in pieces for _ in p.ids]
+        target = [self.cfg.train_on_inputs or p.target for p in pieces for _ in p.ids]  # the prompt too?
         # Position t predicts token t+1: a label wherever the next token is a target.
         labels = [input_ids[t + 1] if target[t + 1] else IGNORE for t in range(len(input_ids) - 1)]
         return Example(input_ids, [*labels, IGNORE], full - len(input_ids))

@@ -1,11 +1,20 @@
-"""Reading a local file's rows: JSON lines (.jsonl, .json) or Parquet, one row at a time.
+"""Reading a local file's rows: JSON lines (.jsonl, .json), Parquet or CSV, one row at a time.
 
 A file that is not what its name says is refused by its first bytes (`distft.textfiles`); a bad
-line is a `DataError` naming `file:line` (a Parquet row: `file[row N]`).
+line is a `DataError` naming `file:line` (a Parquet row: `file[row N]`; a CSV row: the line it
+starts on).
+
+CSV is read with the standard library's `csv` module, not pyarrow's reader (which reads Parquet):
+every cell stays text, as the row formats want it (pyarrow would infer a prompt "42" to be a
+number, an empty cell null), a row is read at a time, and each row's line is known. The header
+row names the fields, so a CSV row is a record like a JSON line's, and the same formats are
+detected in it: the flat ones (summary, prompt_completion, alpaca, text); a cell is never parsed
+as JSON, so chat and sharegpt rows need JSON lines or Parquet.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +22,8 @@ from typing import Any, BinaryIO
 
 from distft.config import DataConfig
 from distft.data.formats import Row, row_from_record
-from distft.errors import DataError
+from distft.errors import DataError, one_line
+from distft.text import plural
 from distft.textfiles import HEAD_BYTES, JSON_ARRAY, JSON_LINES, PARQUET, looks_like, not_utf8
 
 
@@ -107,12 +117,76 @@ def _iter_parquet(path: Path, cfg: DataConfig, need_answer: bool = True) -> Iter
         yield row_from_record(record, cfg, f"{path}[row {i}]", need_answer)
 
 
+# ---- CSV ---------------------------------------------------------------------------------------
+
+CSV_FIELD_CHARS = 1 << 30  # the csv module's default, 131,072 characters, is short of a long meeting
+
+
+def _check_csv_head(path: Path, head: bytes) -> None:
+    """Refuse a .csv file whose first bytes are not text, or are JSON lines or Parquet."""
+    looks = looks_like(head)
+    if looks is PARQUET or looks is JSON_LINES:
+        real = "parquet" if looks is PARQUET else "jsonl"
+        raise DataError(
+            f"{path} is not a CSV file: it looks like {looks.what}; rename it {path.stem}.{real}."
+        )
+    if not looks.text:
+        advice = f"; {looks.advice}" if looks.advice else ""
+        raise DataError(
+            f"{path} is not UTF-8 text: it looks like {looks.what}{advice}. A .csv file holds rows of "
+            "comma-separated fields in UTF-8, a header row naming the fields first."
+        )
+
+
+def _csv_header(reader: Any, path: Path) -> list[str] | None:
+    """The field names of the first row that is not blank; None for a file without any."""
+    header = next(reader, None)
+    while header == []:
+        header = next(reader, None)
+    if header is not None:
+        twice = sorted({name for name in header if header.count(name) > 1})
+        if twice:
+            raise DataError(f"{path}:{reader.line_num}: the header row names `{one_line(twice[0])}` twice.")
+    return header
+
+
+def iter_csv(path: Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:
+    """A CSV file's rows: the header row's names are the fields; a row spanning several lines (a
+    quoted line break) is named by the line it starts on."""
+    with _open(path) as f:
+        _check_csv_head(path, f.read(HEAD_BYTES))
+    csv.field_size_limit(max(csv.field_size_limit(), CSV_FIELD_CHARS))
+    with path.open(encoding="utf-8-sig", newline="") as f:  # utf-8-sig: a byte-order mark dropped
+        reader = csv.reader(f, strict=True)
+        start = 1
+        try:
+            header = _csv_header(reader, path)
+            start = reader.line_num + 1
+            for cells in reader:
+                where, start = f"{path}:{start}", reader.line_num + 1
+                if cells and len(cells) != len(header):
+                    raise DataError(
+                        f"{where}: {plural(len(cells), 'field')}, and the header row names {len(header)} "
+                        f"({', '.join(map(one_line, header))}). A field holding a comma, a quote or a line "
+                        'break must be quoted ("...", a quote inside it doubled: "").'
+                    )
+                if cells:
+                    yield row_from_record(dict(zip(header, cells, strict=True)), cfg, where, need_answer)
+        except csv.Error as err:
+            raise DataError(f"{path}:{start}: not valid CSV ({err}).") from None
+        except UnicodeDecodeError:
+            raise DataError(_first_bad_byte(path)) from None
+
+
+READERS = {".parquet": _iter_parquet, ".csv": iter_csv}  # by suffix; any other: JSON lines
+
+
 def iter_local(path: Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:
-    return (_iter_parquet if path.suffix == ".parquet" else iter_jsonl)(path, cfg, need_answer)
+    return READERS.get(path.suffix, iter_jsonl)(path, cfg, need_answer)
 
 
 def iter_file(path: str | Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:
-    """The rows of a local .jsonl/.parquet file, unsplit, one at a time (`distft eval --data`,
+    """The rows of a local .jsonl/.parquet/.csv file, unsplit, one at a time (`distft eval --data`,
     `distft infer --input`); with `need_answer=False` a meeting row may lack its summary ("")."""
     path = Path(path)
     check_is_file(path)
@@ -121,6 +195,6 @@ def iter_file(path: str | Path, cfg: DataConfig, need_answer: bool = True) -> It
 
 def check_is_file(path: Path) -> None:
     if path.is_dir():
-        raise DataError(f"Dataset file {path} is a directory; name a .jsonl or .parquet file in it.")
+        raise DataError(f"Dataset file {path} is a directory; name a .jsonl, .parquet or .csv file in it.")
     if not path.is_file():
         raise DataError(f"Dataset file {path} does not exist.")

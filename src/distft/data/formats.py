@@ -227,8 +227,8 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_answ
         )
     texts = []
     for field in fields:
-        if field == fields[1] and field not in record and not need_answer:
-            texts.append("")  # inference: a meeting to summarise need not carry a summary
+        if field == fields[1] and record.get(field) in (None, "") and not need_answer:
+            texts.append("")  # inference: a meeting to summarise need not carry a summary (a CSV cell: empty)
             continue
         if field not in record:
             raise DataError(f"{origin}: missing field `{one_line(field)}` (row has: {_fields_of(record)}).")

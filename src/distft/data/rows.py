@@ -1,7 +1,7 @@
-"""Reading rows: from the bundle, a local JSONL/Parquet file, a hub dataset, or memory.
+"""Reading rows: from the bundle, a local JSONL/Parquet/CSV file, a hub dataset, or memory.
 
 Rows come from the synthetic meetings (`sample`, `sample-long`: `distft.data.sample`), a local
-JSONL/Parquet file (`distft.data.files`), a hub dataset, several of these mixed by weight
+JSONL/Parquet/CSV file (`distft.data.files`), a hub dataset, several of these mixed by weight
 (`data.sources`, `distft.data.mixture`), or a dataset handed to `distft.train.train(cfg,
 dataset=...)` (a list of dicts, a `datasets.Dataset`, or a mapping of split name to either). Each
 record is parsed by `distft.data.formats` (detected or set by `data.format`). A malformed row is a
@@ -36,7 +36,7 @@ from distft.errors import DataError
 from distft.hub import hub_offline
 from distft.text import plural
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 @contextlib.contextmanager
@@ -71,7 +71,7 @@ def _open_hub(dataset_id: str, split: str, cfg: DataConfig, offline: bool) -> It
         where = " The hub cannot be reached, and it is not in the local cache." if offline else ""
         raise DataError(
             f"Could not load dataset {dataset_id!r} split {split!r} ({str(err).splitlines()[0]}).{where} "
-            "Offline, or for a gated set, download it elsewhere and pass the .jsonl/.parquet file with --data."
+            "Offline, or for a gated set, download it elsewhere and pass the .jsonl/.parquet/.csv file with --data."
         ) from None
 
 
@@ -122,7 +122,7 @@ def row_source(cfg: DataConfig) -> RowSource:
         raise DataError(
             f"This run trained on rows handed to train() from Python ({cfg.source}), which distft cannot "
             "read back: say which rows to use, `distft infer --input FILE` (a transcript, or a "
-            ".jsonl/.parquet of rows) or `distft eval --data FILE`."
+            ".jsonl/.parquet/.csv of rows) or `distft eval --data FILE`."
         )
     if is_sample(cfg.source):  # a generated set is written on its first read
         return RowSource(
@@ -137,17 +137,18 @@ def row_source(cfg: DataConfig) -> RowSource:
         check_is_file(path)
         too_few = (
             f"Dataset file {path} has {{n}} row(s); training needs at least 2 (one is held out "
-            "for validation), each a JSON object with a transcript and a summary."
+            "for validation), each a row of one of the formats docs/data.md lists."
         )
         return RowSource(str(path), {"all": lambda: iter_local(path, cfg)}, too_few)
     if Path(cfg.source).exists():
-        csv = (
-            " (CSV: convert it first, e.g. with pandas' to_json(lines=True))"
-            if cfg.source.lower().endswith((".csv", ".tsv"))
+        hint = (
+            " (tab-separated: convert it first, e.g. pandas.read_csv(path, sep='\\t').to_csv('rows.csv', index=False))"
+            if cfg.source.lower().endswith(".tsv")
             else ""
         )
         raise DataError(
-            f"{cfg.source}: a local dataset must be a .jsonl file (.json: also JSON lines) or a .parquet file{csv}."
+            f"{cfg.source}: a local dataset must be a .jsonl file (.json: also JSON lines), a .parquet or a .csv "
+            f"file{hint}."
         )
     offline = hub_offline()  # probed once per set
     train = _open_hub(cfg.source, cfg.train_split, cfg, offline)

@@ -10,7 +10,9 @@ model must learn to write (`distft.data.chat`).
 A template that cannot serve training is refused with a `ConfigError` before launch
 (`check_chat_template`): none at all (a base checkpoint's tokenizer), one that refuses the chat's
 roles (Mistral v0.1 takes no system message), one that never renders an answer, one whose turn
-ends in no special token, and `data.enable_thinking` on a template without a thinking mode.
+ends in no special token, and `data.enable_thinking` on a template without a thinking mode. A
+template given by `data.chat_template` (`distft.data.tokenizer.with_chat_template`) is named by
+that setting in each refusal, with the fix that is the user's to make.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from distft.config import DataConfig
+from distft.data.tokenizer import with_chat_template
 from distft.errors import ConfigError
 
 
@@ -39,6 +42,20 @@ class EndOfTurn:
 
 def model_name(tokenizer: Any) -> str:
     return getattr(tokenizer, "name_or_path", "") or "the model"
+
+
+def template_name(tokenizer: Any) -> str:
+    """How a refusal names the template: `data.chat_template (FILE)` where the run set one, else
+    the chat template of the model."""
+    return getattr(tokenizer, "distft_chat_template", "") or f"The chat template of {model_name(tokenizer)}"
+
+
+def _fix(tokenizer: Any, usual: str) -> str:
+    """The fix a refusal offers: `usual` for a model's own template; for data.chat_template, the
+    template to mend, or the setting to drop."""
+    if getattr(tokenizer, "distft_chat_template", ""):
+        return "Fix the template, or leave data.chat_template empty for the tokenizer's own."
+    return usual
 
 
 def render(tokenizer: Any, slots: list[dict], generation: bool, enable_thinking: bool) -> str:
@@ -62,7 +79,7 @@ def render(tokenizer: Any, slots: list[dict], generation: bool, enable_thinking:
             else ""
         )
         raise ConfigError(
-            f"The chat template of {model_name(tokenizer)} refuses a chat of the roles {roles}: {err}.{hint}"
+            f"{template_name(tokenizer)} refuses a chat of the roles {roles}: {err}.{hint}"
         ) from None
 
 
@@ -76,19 +93,20 @@ def end_of_turn(tokenizer: Any) -> EndOfTurn:
     """The first special token the template writes after an assistant's text."""
     slots = [{"role": "user", "content": marker(0, 0)}, {"role": "assistant", "content": marker(1, 0)}]
     text = render(tokenizer, slots, generation=False, enable_thinking=False)
-    name = model_name(tokenizer)
+    name = template_name(tokenizer)
     if marker(1, 0) not in text:
         raise ConfigError(
-            f"The chat template of {name} does not write an assistant message's content, so distft cannot "
-            "place the answer it trains on. Use the template the model was released with."
+            f"{name} does not write an assistant message's content, so distft cannot place the answer it "
+            f"trains on (no token could carry loss). {_fix(tokenizer, 'Use the template the model was released with.')}"
         )
     closing = text.split(marker(1, 0), 1)[1]
     found = [(closing.find(t), -len(t), t) for t in special_tokens(tokenizer) if t and t in closing]
     if not found:
+        usual = "Mark the end-of-turn token special in the tokenizer's files."
         raise ConfigError(
-            f"The chat template of {name} ends an assistant turn with {closing!r}, which holds no special "
-            "token of its tokenizer: distft needs one to close an answer (the model learns to write it, "
-            "and generation stops at it). Mark the end-of-turn token special in the tokenizer's files."
+            f"{name} ends an assistant turn with {closing!r}, which holds no special token of its "
+            "tokenizer: distft needs one to close an answer (the model learns to write it, and generation "
+            f"stops at it). {_fix(tokenizer, usual)}"
         )
     token = min(found)[2]  # the earliest; of two starting together, the longer
     return EndOfTurn(token, tokenizer.convert_tokens_to_ids(token))
@@ -108,12 +126,13 @@ def opening(tokenizer: Any, slots: list[dict], i: int, text: str, enable_thinkin
 def check_chat_template(tokenizer: Any, cfg: DataConfig) -> EndOfTurn | None:
     """Refuse, before launch, a template that cannot close a turn or think as asked; None for plain
     text. A chat the template refuses (its roles) is refused as it is tokenised, also before launch."""
+    tokenizer = with_chat_template(tokenizer, cfg.chat_template)  # data.chat_template, if set
     if cfg.format == "text" and not cfg.sources:
         return None
     turn = end_of_turn(tokenizer)
     if cfg.enable_thinking and "enable_thinking" not in tokenizer.chat_template:
         raise ConfigError(
-            f"data.enable_thinking=true, and the chat template of {model_name(tokenizer)} has no thinking "
-            "mode (Qwen3's has): set data.enable_thinking=false."
+            f"{template_name(tokenizer)} has no thinking mode (Qwen3's has), and data.enable_thinking=true "
+            "asks for one: set data.enable_thinking=false."
         )
     return turn

@@ -8,10 +8,17 @@ normalisation, the 26 added tokens at their fixed ids (151643..151668) and Qwen3
 (`distft.data.qwen3_template`).
 The result is a `PreTrainedTokenizerFast` that encodes exactly like the released tokenizer
 (tests pin published ids). Building takes a few seconds, so it is cached on disk.
+
+`load_tokenizer` gives a run its tokenizer: a model's own, or this one; with `data.chat_template`
+(a Jinja template inline, or a .jinja/.txt file) in place of the tokenizer's chat template
+(`with_chat_template`), so that everything that renders a chat (the label masks of
+`distft.data.chat`, the checks of `distft.data.template`, generation) renders it with that one,
+and the tokenizer saved beside the run's weights carries it.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -22,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 import transformers
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 from tokenizers import AddedToken, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -134,6 +142,22 @@ def _vocabulary_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(backend.to_str().encode()).hexdigest()
 
 
+def with_added_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[str]) -> PreTrainedTokenizerBase:
+    """`tokenizer` holding `tokens` (model.added_tokens): a copy, each token its vocabulary lacks
+    added as a special token after its last id (a token it has keeps its id and role); `tokenizer`
+    itself when it lacks none. The copy's fingerprint, the token cache's key, covers them."""
+    vocabulary = tokenizer.get_vocab()  # a new dict on every call (151k entries for Qwen)
+    missing = [t for t in dict.fromkeys(tokens) if t not in vocabulary]
+    if not missing:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)  # the offline build is shared by every caller
+    tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+    known = getattr(tokenizer, "distft_vocabulary_hash", None)
+    if known:  # the copied memo (`_vocabulary_hash`) no longer describes it: extend it by the tokens
+        tokenizer.distft_vocabulary_hash = hashlib.sha256(json.dumps([known, missing]).encode()).hexdigest()
+    return tokenizer
+
+
 def qwen3_tokenizer() -> PreTrainedTokenizerFast:
     """The offline Qwen3 tokenizer, built once into the on-disk cache and loaded from it once per
     process (~1 s: its 151k-entry vocabulary is JSON); ranks forked after the checks before launch
@@ -208,9 +232,15 @@ def _embeds_qwen3_ids(model_dir: Path) -> bool:
     return isinstance(config, dict) and int(config.get("vocab_size") or 0) >= FIRST_ADDED_ID + len(_ADDED)
 
 
-def load_tokenizer(model_path: str | None, revision: str = "") -> PreTrainedTokenizerFast:
-    """The tokenizer of a local model directory or hub id (at `revision`), with its own chat
-    template; the offline build for presets (None)."""
+def load_tokenizer(
+    model_path: str | None, revision: str = "", chat_template: str = ""
+) -> PreTrainedTokenizerFast:
+    """The tokenizer of a local model directory or hub id (at `revision`); the offline build for
+    presets (None). Its own chat template, or `chat_template` (data.chat_template) in its place."""
+    return with_chat_template(_model_tokenizer(model_path, revision), chat_template)
+
+
+def _model_tokenizer(model_path: str | None, revision: str) -> PreTrainedTokenizerFast:
     if model_path is None:
         return qwen3_tokenizer()
     if Path(model_path).is_dir():
@@ -236,3 +266,69 @@ def load_tokenizer(model_path: str | None, revision: str = "") -> PreTrainedToke
             "could not fetch the tokenizer of %s (offline?); using the offline Qwen3 tokenizer", model_path
         )
         return qwen3_tokenizer()
+
+
+# ---- data.chat_template ----------------------------------------------------------------------
+
+TEMPLATE_SUFFIXES = (".jinja", ".j2", ".txt")  # data.chat_template names a file; else it is inline
+
+
+def template_path(setting: str) -> Path | None:
+    """The file data.chat_template names, or None when it is a template inline (it holds Jinja's
+    `{{` or `{%`). A relative path is read from the working directory until the run's config
+    makes it absolute (`distft.train.prepare.resolve_local_paths`)."""
+    if not setting or "{{" in setting or "{%" in setting:
+        return None
+    if not setting.endswith(TEMPLATE_SUFFIXES):
+        raise ConfigError(
+            f"data.chat_template={setting[:80]!r} is neither a Jinja chat template (it has no {{{{ or {{%) nor "
+            f"a template file (a name ending in {', '.join(TEMPLATE_SUFFIXES)}): give the template inline, "
+            "or the path of the file that holds it, or leave it empty for the tokenizer's own."
+        )
+    return Path(setting).expanduser()
+
+
+def chat_template_text(setting: str) -> tuple[str, str]:
+    """data.chat_template's Jinja text, and how a refusal names it ("data.chat_template (FILE)")."""
+    path = template_path(setting)
+    if path is None:
+        return setting, "data.chat_template (inline)"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        why = "not UTF-8 text" if isinstance(err, UnicodeDecodeError) else (err.strerror or str(err))
+        raise ConfigError(
+            f"data.chat_template={setting}: the template file cannot be read ({why}). Name a .jinja file "
+            "that holds a chat template, or leave the setting empty for the tokenizer's own template."
+        ) from None
+    if not text.strip():
+        raise ConfigError(f"data.chat_template={setting}: the template file is empty.")
+    return text, f"data.chat_template ({path})"
+
+
+def with_chat_template(tokenizer: PreTrainedTokenizerBase, setting: str) -> PreTrainedTokenizerBase:
+    """`tokenizer` with data.chat_template (`setting`) as its chat template: a shallow copy, the
+    offline tokenizer being shared (its vocabulary is not changed, only the template); `tokenizer`
+    itself when `setting` is empty or it has that template already. Every consumer of a run's
+    tokenizer calls it (`load_tokenizer`, `ChatFormatter`, the cache key, `check_chat_template`),
+    so a caller that loaded the model's own tokenizer renders the run's template all the same. A
+    template that does not parse is a ConfigError naming the setting and the line; what it renders
+    is checked before launch (`distft.data.template`)."""
+    if not setting:
+        return tokenizer
+    text, name = chat_template_text(setting)
+    if tokenizer.chat_template == text:
+        return tokenizer
+    custom = copy.copy(tokenizer)
+    custom.chat_template = text
+    custom.distft_chat_template = name  # how `distft.data.template`'s refusals name the template
+    try:  # transformers compiles the template on its first use: a one-turn chat
+        custom.apply_chat_template([{"role": "user", "content": "probe"}], tokenize=False)
+    except TemplateSyntaxError as err:
+        raise ConfigError(
+            f"{name} is not a Jinja template that parses: line {err.lineno}: {err.message}. Fix the "
+            "template, or leave data.chat_template empty for the tokenizer's own."
+        ) from None
+    except TemplateError:
+        pass  # it parses, and refuses this chat: the checks of its chats say how, before launch
+    return custom

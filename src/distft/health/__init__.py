@@ -2,12 +2,11 @@
 and timed all-reduce naming a missing or slow rank (`check`), all-reduce bandwidth (`bandwidth`).
 docs/multi-node.md shows them in use; `distft doctor` runs them alone."""
 
-from distft.health.bandwidth import DEFAULT_SIZES, Bandwidth, measure_all_reduce
+from distft.health.bandwidth import Bandwidth, measure_all_reduce
 from distft.health.check import HealthHooks, HealthReport, RankPlace, check_health
 from distft.health.network import failure_advice, network_interfaces, network_warnings, print_network_warnings
 
 __all__ = [
-    "DEFAULT_SIZES",
     "Bandwidth",
     "HealthHooks",
     "HealthReport",

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from distft.distributed import DistEnv, synchronize
 
 WARMUP = 2
-DEFAULT_SIZES = (1024, 64 * 1024, 1024**2, 16 * 1024**2, 128 * 1024**2)  # bytes: 1 KiB ... 128 MiB
 
 
 @dataclass(frozen=True)

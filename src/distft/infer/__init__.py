@@ -5,7 +5,7 @@ into summaries (greedy or sampled), `evaluate` scores base against finetuned, an
 the `distft infer` and `distft eval` command lines. docs/serving.md serves the same adapter with vLLM.
 """
 
-from distft.infer.commands import add_eval_parser, add_infer_parser, cmd_eval, cmd_infer
+from distft.infer.commands import cmd_eval, cmd_infer
 from distft.infer.evaluate import evaluate_run, validation_loss
 from distft.infer.generate import Generated, Sampling, generate, summarize
 from distft.infer.load import Loaded, load_trained, preset_notice
@@ -14,8 +14,6 @@ __all__ = [
     "Generated",
     "Loaded",
     "Sampling",
-    "add_eval_parser",
-    "add_infer_parser",
     "cmd_eval",
     "cmd_infer",
     "evaluate_run",

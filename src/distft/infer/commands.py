@@ -1,4 +1,4 @@
-"""`distft infer` and `distft eval`: their flags and what they print.
+"""`distft infer` and `distft eval`: what they run and print (their flags: `distft.commands.infer`).
 
 Flags are checked before the model is loaded, so a mistake costs no load time: one paragraph,
 exit code 2 (`ConfigError`, reported by `distft.cli`). Notices (a preset base, a truncated
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import itertools
 import json
 import os
@@ -20,8 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from distft.config import DataConfig
-from distft.config.choices import DATA_FORMATS
+from distft.config import DataConfig, apply_override, check_fields, load_config
 from distft.data import (
     LOCAL_SUFFIXES,
     ChatRow,
@@ -46,55 +46,27 @@ from distft.textfiles import decode_utf8
 # ---- infer --------------------------------------------------------------------------------------
 
 
-def add_infer_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "infer",
-        help="summarise a meeting (or answer a file of rows in any data format) with a trained run",
-        description="Load base model + adapter and generate summaries (or answers). With no --input: a "
-        "held-out row from the run's validation split. Decoding is greedy unless --temperature, --top-p "
-        "or --top-k is given.",
-    )
-    p.add_argument("--run", help="run directory written by `distft train`")
-    p.add_argument("--adapter", help="a PEFT adapter directory (instead of --run)")
-    p.add_argument(
-        "--model", help="base model for --adapter (default: the adapter's base_model_name_or_path)"
-    )
-    p.add_argument(
-        "--input",
-        help="a transcript (text file, or - for standard input), or a .jsonl/.parquet file of rows, one "
-        "output per row (any format `distft train --data` reads; the answer is optional, a chat may end "
-        "with a user turn)",
-    )
-    _add_format_flag(p, "--input")
-    p.add_argument(
-        "--output",
-        help="write the outputs as JSON lines: origin, summary (response for non-meeting rows), prompt "
-        "and dropped tokens, reference",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=128, help="longest summary to generate (tokens)")
-    g = p.add_argument_group("decoding")
-    g.add_argument("--greedy", action="store_true", help="the most likely token at every step (the default)")
-    g.add_argument("--temperature", type=float, help="sample, with the logits divided by T")
-    g.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with probability P")
-    g.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="penalise repeated tokens (1: off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed, set before every row")
+def check_data_overrides(overrides: list[str]) -> None:
+    """Each override names a [data] setting with a valid value (checked on the defaults, before the
+    model loads); the model and adapter are the run's, so other sections are refused."""
+    for item in overrides:
+        if not item.strip().startswith("data."):
+            raise ConfigError(
+                f"`{item}`: infer and eval take [data] settings only (how rows are read and rendered); "
+                "the model, adapter and training settings are the run's."
+            )
+    load_config(None, overrides)
 
 
-def _add_format_flag(p: argparse.ArgumentParser, rows: str) -> None:
-    p.add_argument(
-        "--format",
-        choices=DATA_FORMATS,
-        help=f"how to read the {rows} rows (default: the run's data.format); e.g. alpaca for rows "
-        "whose input/output fields also fit the qmsum summary schema",
-    )
-
-
-def _with_format(loaded: Loaded, fmt: str | None) -> Loaded:
-    """The run, its rows read as `fmt` (--format) when given."""
-    return (
-        replace(loaded, cfg=replace(loaded.cfg, data=replace(loaded.cfg.data, format=fmt))) if fmt else loaded
-    )
+def _with_data(loaded: Loaded, fmt: str | None, overrides: list[str]) -> Loaded:
+    """The run, its rows read with the [data] overrides and as `fmt` (--format) when given."""
+    cfg = copy.deepcopy(loaded.cfg)
+    for item in overrides:
+        apply_override(cfg, item)
+    if fmt:
+        cfg.data.format = fmt
+    check_fields(cfg)
+    return replace(loaded, cfg=cfg)
 
 
 def sampling_from_args(args: argparse.Namespace) -> Sampling:
@@ -134,7 +106,9 @@ def cmd_infer(args: argparse.Namespace) -> int:
     text = read_input(args.input) if args.input and not batch else None  # refused before the model loads
     if args.output:  # before minutes of generation
         check_output_path(Path(args.output), "--output")
-    loaded = _with_format(load_trained(run=args.run, adapter=args.adapter, model=args.model), args.format)
+    check_data_overrides(args.overrides)
+    loaded = load_trained(run=args.run, adapter=args.adapter, model=args.model)
+    loaded = _with_data(loaded, args.format, args.overrides)
     sampling.check_room(loaded.cfg.data.max_length)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)
@@ -157,11 +131,23 @@ def cmd_infer(args: argparse.Namespace) -> int:
     return 0
 
 
-def _text_row(text: str, origin: str, cfg: DataConfig) -> Row:
-    """A plain-text input: a meeting transcript, or the user turn when the run trained on another format."""
-    if cfg.format in ("auto", "summary"):
+def _text_row(text: str, origin: str, cfg: DataConfig, seed: int) -> Row:
+    """A plain-text input: a meeting transcript where the run trained on meetings, else the user turn."""
+    if _trained_on_meetings(cfg, seed):
         return SummaryRow(text, "", origin)
     return ChatRow((Message("user", (text.strip(),)),), origin)
+
+
+def _trained_on_meetings(cfg: DataConfig, seed: int) -> bool:
+    """data.format, or where it is auto, the format its rows were detected as (the first held-out
+    row's; a source no longer there: meetings, the default workload)."""
+    if cfg.format != "auto":
+        return cfg.format == "summary"
+    try:
+        rows = validation_rows(cfg, seed=seed, limit=1)
+    except (ConfigError, DataError, OSError):
+        return True
+    return not rows or isinstance(rows[0], SummaryRow)
 
 
 def _input_rows(loaded: Loaded, source: str | None, batch: bool, text: str | None) -> Iterable[Row]:
@@ -172,7 +158,7 @@ def _input_rows(loaded: Loaded, source: str | None, batch: bool, text: str | Non
             raise ConfigError(f"--input {source} has no rows to generate for.")
         return itertools.chain([first], rows)
     if text is not None:  # --input FILE or -, read by `read_input`
-        return [_text_row(text, "stdin" if source == "-" else source, loaded.cfg.data)]
+        return [_text_row(text, "stdin" if source == "-" else source, loaded.cfg.data, loaded.cfg.train.seed)]
     (row,) = validation_rows(loaded.cfg.data, seed=loaded.cfg.train.seed, limit=1)
     if isinstance(row, SummaryRow):
         print("--- held-out meeting (first lines) ---")
@@ -214,31 +200,14 @@ def _print_result(row: Row, result: Generated, batch: bool, cfg: DataConfig) -> 
 # ---- eval ---------------------------------------------------------------------------------------
 
 
-def add_eval_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "eval",
-        help="validation loss and ROUGE-L, base model vs finetuned",
-        description="Score the base model and the finetuned one on the run's validation split, or on "
-        "--data: a .jsonl/.parquet file (every row, any data format), a hub dataset or `sample` (its "
-        "validation split). ROUGE-L compares each row's generated last answer with its own.",
-    )
-    p.add_argument("--run", required=True, help="run directory written by `distft train`")
-    p.add_argument(
-        "--data", help="rows to score instead of the run's validation split (any --data distft reads)"
-    )
-    _add_format_flag(p, "--data")
-    p.add_argument("--rows", type=int, default=16, help="rows (meetings) to score: the first N")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="longest generated answer (tokens)")
-    p.add_argument("--output", help="write the scores, the rows and the settings as JSON")
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.rows < 1:
         raise ConfigError(f"--rows must be at least 1, got {args.rows}: it is how many meetings to score.")
     Sampling(max_new_tokens=args.max_new_tokens).check()
     if args.output:
         check_output_path(Path(args.output), "--output")
-    loaded = _with_format(load_trained(run=args.run), args.format)
+    check_data_overrides(args.overrides)
+    loaded = _with_data(load_trained(run=args.run), args.format, args.overrides)
     Sampling(max_new_tokens=args.max_new_tokens).check_room(loaded.cfg.data.max_length)
     if notice := preset_notice(loaded):
         print(notice, file=sys.stderr)

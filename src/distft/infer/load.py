@@ -23,13 +23,15 @@ from transformers import AutoModelForCausalLM
 
 from distft.config import Config, load_config
 from distft.data import data_name
-from distft.data.tokenizer import load_tokenizer
+from distft.data.tokenizer import load_tokenizer, with_added_tokens
 from distft.errors import ConfigError, DamagedFileError
 from distft.io.files import verify_directory
 from distft.io.lineage import describe, is_random, read_lineage
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
-from distft.model.build import RECIPE_FILE, check_weight_files, rebuild_base
+from distft.model.build import RECIPE_FILE, rebuild_base
+from distft.model.files import check_weight_files
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
+from distft.model.tokens import fit_vocabulary
 from distft.text import plural
 
 
@@ -137,9 +139,13 @@ def _load_trained(run: str | None, adapter: str | None, model: str | None) -> Lo
         from_run = Path(base_name).name == "base" and run_config.is_file()
         cfg = load_config(run_config if from_run else None)
         lineage = read_lineage(Path(base_name).parent) if from_run else read_lineage(base_name)
-        tokenizer = load_tokenizer(
-            base_name if Path(base_name).is_dir() or not is_preset(base_name) else None
-        )
+        if (Path(adapter) / "tokenizer.json").is_file():  # saved with it: the run changed the base's
+            tokenizer = load_tokenizer(adapter)
+        else:
+            tokenizer = load_tokenizer(
+                base_name if Path(base_name).is_dir() or not is_preset(base_name) else None
+            )
+        tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # a run's model.added_tokens
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"No adapter in {adapter}: the run has not finished, or it was a full finetune.")
     if not (Path(adapter) / "adapter_model.safetensors").is_file():  # peft would unpickle a .bin
@@ -157,6 +163,7 @@ def _load_trained(run: str | None, adapter: str | None, model: str | None) -> Lo
             causal_lm(base).model.layers,
             NF4Spec(spec["block_size"], spec["scaler_block_size"], spec["double_quant"]),
         )
+    fit_vocabulary(causal_lm(base), tokenizer, cfg.model.seed)  # model.added_tokens: the rows they trained
     with peft_quietly():  # peft's own deprecation warning, not the user's concern
         lm = PeftModel.from_pretrained(base, adapter)
     return Loaded(lm.eval(), tokenizer, cfg, True, preset, lineage, run)
@@ -167,6 +174,11 @@ def _preset(name: str) -> str | None:
 
 
 def _tokenizer_for(run_dir: Path, cfg: Config):
+    """The run's tokenizer: saved beside a preset's base, else the model's; with the tokens the
+    run added (model.added_tokens) and its data.chat_template, as training had them."""
     if (run_dir / "base" / "tokenizer.json").is_file():
-        return load_tokenizer(str(run_dir / "base"))
-    return load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
+        tokenizer = load_tokenizer(str(run_dir / "base"), chat_template=cfg.data.chat_template)
+    else:
+        model = None if is_preset(cfg.model.name) else cfg.model.name
+        tokenizer = load_tokenizer(model, cfg.model.revision, cfg.data.chat_template)
+    return with_added_tokens(tokenizer, cfg.model.added_tokens)

@@ -2,8 +2,9 @@
 
 DIR/checkpoints/step-000040/ holds the trainable weights and optimizer state as DCP shards (each
 rank writes its own; DCP reshards on load, so a data-parallel run can resume at another world
-size), `trainer.json` (the step and the LR scheduler) and `rng-R.safetensors` (rank R's RNG
-states). The data position needs no state: the rows of step s are a function of (seed, s) alone.
+size), `trainer.json` (the step, the LR scheduler and the loop's own state: early stopping's best
+validation loss, `distft.train.early_stopping`) and `rng-R.safetensors` (rank R's RNG states).
+The data position needs no state: the rows of step s are a function of (seed, s) alone.
 
 A checkpoint is data, never code: DCP's own pickles and earlier versions' `trainer.pt`/`rng-R.pt`
 are read by `distft.io.safe_load`, which builds nothing but checkpoint data.
@@ -154,9 +155,11 @@ def save_training_state(
     rank: int,
     world_size: int,
     keep_last: int,
+    loop: dict | None = None,
 ) -> Path:
     """Write `state` (`Strategy.checkpoint_state`: weights and optimizer, this rank's shards),
-    the scheduler, the step and this rank's RNG as `checkpoints/step-NNNNNN`, atomically."""
+    the scheduler, the step, the loop's state (`loop`: JSON, rank 0's; `read_loop_state`) and this
+    rank's RNG as `checkpoints/step-NNNNNN`, atomically."""
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
@@ -175,22 +178,22 @@ def save_training_state(
         save_file(rng, tmp / f"rng-{rank}.safetensors")
         if rank == 0:
             trainer = {"step": step, "scheduler": scheduler.state_dict(), "world_size": world_size}
+            if loop is not None:
+                trainer["loop"] = loop
             (tmp / "trainer.json").write_text(json.dumps(trainer))
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
         # DCP gathers every rank's write result, so a failed write fails on every rank alike.
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"Writing the checkpoint of step {step} failed on rank {rank} ({_first_line(err)}); nothing was "
-            f"renamed into place. {resume_hint(run_dir)} Fix the cause (disk space, permissions) first."
-        ) from err
+        raise _write_failed(run_dir, tmp, step, rank, err) from err
     if distributed:
         dist.barrier()
     if rank == 0:
-        write_manifest(tmp)  # every rank's files are there (the barrier): sizes and checksums
-        for f in tmp.iterdir():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
+        try:
+            write_manifest(tmp)  # every rank's files are there (the barrier): sizes and checksums
+            for f in tmp.iterdir():
+                with f.open("rb") as fh:
+                    os.fsync(fh.fileno())
+        except OSError as err:  # a disk that fills while the manifest is written
+            raise _write_failed(run_dir, tmp, step, rank, err) from err
         tmp.rename(final)
         _fsync_dir(root)
         for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep_last]:
@@ -198,6 +201,18 @@ def save_training_state(
     if distributed:
         dist.barrier()
     return final
+
+
+def _write_failed(
+    run_dir: str | Path, tmp: Path, step: int, rank: int, err: BaseException
+) -> CheckpointError:
+    """The temporary gone (rank 0's to remove), and the one line that says the last checkpoint stands."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return CheckpointError(
+        f"Writing the checkpoint of step {step} failed on rank {rank} ({_first_line(_cause(err))}); nothing "
+        f"was renamed into place. {resume_hint(run_dir)} Fix the cause (disk space, permissions) first."
+    )
 
 
 def _first_line(err: BaseException) -> str:
@@ -231,6 +246,13 @@ def load_training_state(checkpoint: Path, state: dict, scheduler: object, rank: 
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
     return int(trainer["step"])
+
+
+def read_loop_state(checkpoint: Path) -> dict:
+    """The loop's state saved with `checkpoint` (`save_training_state`'s `loop`); {} from a
+    checkpoint written before there was one. Read after `load_training_state` vouched for the file."""
+    loop = _read_trainer(checkpoint).get("loop")
+    return loop if isinstance(loop, dict) else {}
 
 
 def _refusal(checkpoint: Path, err: BaseException) -> str:

@@ -8,8 +8,10 @@ ends, however it ends. A second writer finds the lock and is refused, naming the
 
 A lock whose process is gone (a `kill -9`, a machine that rebooted) is stale: on the same host the
 pid is looked up (its start time too, so a reused pid is not mistaken for the holder), and a dead
-holder's lock is taken over with one line. A holder on another host cannot be looked up from here;
-the message says how to remove its lock by hand once that run is known to be gone.
+holder's lock is taken over with one line. A holder on another host (a multi-node run on a shared
+filesystem) cannot be looked up from here; instead every holder touches its lock every
+`HEARTBEAT_S`, and another host's lock untouched for `STALE_S` is stale: its holder is gone (a
+filesystem's clock may lag a host's by seconds, never by minutes).
 
 The ranks a command launches are part of its run: they inherit the token in `DISTFT_RUN_LOCK`
 and take no lock of their own. A Python caller of `distft.train` gets the same lock from `train`.
@@ -23,6 +25,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,12 +36,17 @@ from distft.errors import RunLockedError
 
 LOCK_FILE = ".lock"
 LOCK_ENV = "DISTFT_RUN_LOCK"  # the holder's token, inherited by the ranks it launches
+HEARTBEAT_S = 30.0  # a holder touches its lock this often
+STALE_S = 600.0  # another host's lock untouched this long: its holder is gone
 
 
-def _holder_alive(holder: dict) -> bool:
-    """Whether the process that wrote `holder` still runs (assumed so on another host)."""
+def _holder_alive(holder: dict, path: Path) -> bool:
+    """Whether the process that wrote `holder` still runs: looked up on this host, else its heartbeat."""
     if holder.get("host") != socket.gethostname():
-        return True
+        try:
+            return time.time() - path.stat().st_mtime < STALE_S
+        except FileNotFoundError:
+            return False
     try:
         process = psutil.Process(int(holder["pid"]))
         return abs(process.create_time() - float(holder.get("process_start", 0))) < 1.0
@@ -76,9 +84,12 @@ def run_lock(directory: Path, command: str = "distft train") -> Iterator[None]:
     token = _acquire(directory, path, command)
     previous = os.environ.get(LOCK_ENV)
     os.environ[LOCK_ENV] = token
+    stop = threading.Event()
+    threading.Thread(target=_heartbeat, args=(path, token, stop), name="distft-lock", daemon=True).start()
     try:
         yield
     finally:
+        stop.set()
         if previous is None:
             os.environ.pop(LOCK_ENV, None)
         else:
@@ -87,6 +98,15 @@ def run_lock(directory: Path, command: str = "distft train") -> Iterator[None]:
             path.unlink(missing_ok=True)
         if created and directory.is_dir() and not any(directory.iterdir()):
             directory.rmdir()  # a command refused before it wrote anything leaves no directory
+
+
+def _heartbeat(path: Path, token: str, stop: threading.Event) -> None:
+    """Touch the lock while this run holds it, so another host can tell it from a dead one's."""
+    while not stop.wait(HEARTBEAT_S):
+        if (_read(path) or {}).get("token") != token:
+            return  # released, or taken over
+        with contextlib.suppress(OSError):  # a full or read-only disk: the run itself will say
+            os.utime(path)
 
 
 def _acquire(directory: Path, path: Path, command: str) -> str:
@@ -117,11 +137,12 @@ def _link(mine: Path, path: Path, directory: Path, token: str) -> str:
             found = _read(path)
             if found is None:
                 continue  # released just now
-            if found and _holder_alive(found):
+            if found and _holder_alive(found, path):
                 raise RunLockedError(
                     f"{directory} is in use: {_describe(found)} is writing it. Two runs in one directory "
                     f"would corrupt each other; wait for it to finish, or use another --out. If that "
-                    f"process is gone (a crash on another machine), delete {path} and run again."
+                    f"process is gone (a crash on another machine), delete {path} and run again, or wait: "
+                    f"a lock untouched for {STALE_S / 60:g} minutes is taken over."
                 ) from None
             what = f"left by {_describe(found)}, which is gone" if found else "written half-way"
             print(f"distft: took over the stale lock of {directory} ({what})", file=sys.stderr, flush=True)

@@ -36,14 +36,23 @@ def save_adapter(
     out: Path,
     base_ref: str,
     quantization: dict | None = None,
+    tokenizer: object | None = None,
 ) -> None:
-    """Write `state` (the trained LoRA weights, peft's full names) as a PEFT adapter in `out`.
+    """Write `state` (the trained LoRA weights, peft's full names, with what trains beside them:
+    `distft.model.tokens`) as a PEFT adapter in `out`; with `tokenizer` (a run that changed the
+    base's: data.chat_template, model.added_tokens), that tokenizer beside it, so the adapter alone
+    carries what it was trained with.
 
     A QLoRA adapter also gets `quantization.json` (`distft.model.nf4`): it was trained against the
     NF4-quantized base, which `distft infer` rebuilds (dequantized) before loading it."""
     from peft import get_peft_model_state_dict
 
-    adapter = get_peft_model_state_dict(peft_model, state_dict=state)
+    # The embeddings are saved where they train (lora.modules_to_save, the rows of added tokens:
+    # `distft.model.tokens`), never whole because the vocabulary grew ("auto" would also ask the
+    # hub for the base's config.json).
+    adapter = get_peft_model_state_dict(
+        peft_model, state_dict=tied_names(peft_model, state), save_embedding_layers=False
+    )
     config = peft_model.peft_config["default"]
     config.base_model_name_or_path = base_ref
     with atomic_directory(out) as tmp:
@@ -55,6 +64,23 @@ def save_adapter(
         )
         if quantization is not None:
             (tmp / QUANTIZATION_FILE).write_text(json.dumps(quantization, indent=1) + "\n")
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+
+
+def tied_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` under every name of each of its parameters. A tied embedding / lm_head trained beside
+    the adapters (`distft.model.tokens`) is one parameter, named once by `named_parameters()`, and
+    peft saves it under each module that holds it (a copy each, as peft's own `save_pretrained`)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    out = dict(state)
+    for aliases in names.values():
+        known = next((n for n in aliases if n in state), None)
+        if known is not None:  # a copy each: safetensors writes no tensors that share storage
+            out.update({n: state[known].clone() for n in aliases if n != known})
+    return out
 
 
 def save_full_model(

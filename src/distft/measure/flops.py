@@ -71,12 +71,13 @@ class ModelFlops:
                     trainable += n
                 else:
                     frozen += n
-        config, head = lm.config, lm.lm_head
+        # The weight lm_head computes with: peft's wrappers (`distft.model.tokens`) give theirs.
+        config, head = lm.config, lm.lm_head.weight  # (vocab, hidden)
         return cls(
             frozen=frozen,
             trainable=trainable,
-            head=head.in_features * head.out_features,
-            head_trains=head.weight.requires_grad,
+            head=head.shape[0] * head.shape[1],
+            head_trains=head.requires_grad,
             layers=config.num_hidden_layers,
             attn_dim=attention_dim(config),
         )

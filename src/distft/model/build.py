@@ -25,13 +25,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from distft.config import Config, ModelConfig, lora_target_names
 from distft.config.choices import LORA_TARGET_PRESETS
-from distft.errors import ConfigError
+from distft.errors import ConfigError, DamagedFileError
 from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
+from distft.model.files import check_model_path
 from distft.model.lm import causal_lm
 from distft.model.nf4 import NF4Spec, quantize_base
 from distft.model.positions import scale_rope
 from distft.model.presets import DTYPES, PRESETS
+from distft.model.tokens import beside_adapters, fit_vocabulary
 
 
 def model_config(name: str, trust_remote_code: bool = False, revision: str = "") -> PretrainedConfig:
@@ -39,10 +41,17 @@ def model_config(name: str, trust_remote_code: bool = False, revision: str = "")
     `revision`)."""
     if name in PRESETS:
         return PRESETS[name].to_config()
+    check_model_path(name)
     if Path(name).is_dir():
         if not (Path(name) / "config.json").is_file():
             raise ConfigError(f"Model directory {name} has no config.json.")
-        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        try:
+            return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:  # config.json cut short, or not a transformers model's
+            raise DamagedFileError(
+                f"Model directory {name}: its config.json cannot be read ({str(err).strip().splitlines()[0]}). "
+                "It is damaged or not a transformers model's: download or export it again."
+            ) from None
     try:
         return AutoConfig.from_pretrained(
             name,
@@ -90,34 +99,6 @@ def check_target_modules(cfg: Config, model_config: PretrainedConfig) -> None:
         raise ConfigError(
             f"`lora.target_modules` names {', '.join(named)}, which {cfg.model.name} does not have: its "
             f"Linear layers are {', '.join(names)}.{hint}"
-        )
-
-
-def check_weight_files(cfg: ModelConfig) -> None:
-    """Refuse, before launch, a model directory whose weights are pickles only (`*.bin`, `*.pt`):
-    unpickling runs whatever the file asks for, so it needs `model.allow_pickle_weights=true`. And
-    a `model.revision` for a model that has none (a preset, a directory)."""
-    folder = Path(cfg.name)
-    if cfg.revision and (cfg.name in PRESETS or folder.is_dir()):
-        kind = "a preset" if cfg.name in PRESETS else "a local directory"
-        raise ConfigError(
-            f"model.revision={cfg.revision!r} pins a commit of a hub model, but {cfg.name} is {kind}, which "
-            "has no revisions. Leave model.revision empty, or give a hub id (e.g. Qwen/Qwen3-4B)."
-        )
-    if (
-        cfg.allow_pickle_weights
-        or cfg.name in PRESETS
-        or not folder.is_dir()
-        or any(folder.glob("*.safetensors"))
-    ):
-        return
-    pickles = sorted(p.name for p in [*folder.glob("*.bin"), *folder.glob("*.pt")])
-    if pickles:
-        raise ConfigError(
-            f"Model directory {folder} holds its weights as pickles only ({', '.join(pickles)}), and loading a "
-            "pickle runs whatever code it asks for. If you trust where it came from, set "
-            "model.allow_pickle_weights=true; better, convert it once to safetensors (`model.save_pretrained(DIR)` "
-            "in transformers writes them) and point --model at that."
         )
 
 
@@ -256,9 +237,16 @@ def rebuild_base(recipe: dict) -> nn.Module:
     return load_base_model(cfg, "cuda" if recipe["device"] == "cuda" else None).to("cpu")
 
 
-def apply_method(model: nn.Module, cfg: Config) -> nn.Module:
+def apply_method(model: nn.Module, cfg: Config, tokenizer=None) -> nn.Module:
     """LoRA: freeze the base and inject adapters (peft). QLoRA: the same on a base whose decoder
-    projections are 4-bit NF4 (`distft.model.nf4`). Full: every weight trains."""
+    projections are 4-bit NF4 (`distft.model.nf4`). Full: every weight trains. Beside the
+    adapters, `lora.modules_to_save` and the rows of `model.added_tokens` train too, the
+    embedding grown for those first (`distft.model.tokens`): `tokenizer` is the run's, which
+    holds them (`distft.data.tokenizer.with_added_tokens`)."""
+    if cfg.model.added_tokens:
+        if tokenizer is None:
+            raise ValueError("model.added_tokens: apply_method needs the run's tokenizer, which holds them")
+        fit_vocabulary(causal_lm(model), tokenizer, cfg.model.seed)
     if cfg.train.method == "full":
         model.requires_grad_(True)
         return model
@@ -274,6 +262,7 @@ def apply_method(model: nn.Module, cfg: Config) -> nn.Module:
         use_rslora=cfg.lora.variant == "rslora",
         bias="none",
         task_type="CAUSAL_LM",
+        **beside_adapters(cfg, causal_lm(model), tokenizer),
     )
     with peft_quietly():
         peft_model = get_peft_model(model, lora)

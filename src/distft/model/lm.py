@@ -154,12 +154,22 @@ def summed_loss(
     else:
         hidden = hidden.flatten(0, 1).index_select(0, label_positions)
         labels = labels.flatten().index_select(0, label_positions)
+    lm_head = trained_copy(lm_head)
     if chunkable(lm_head):
         chunk = chunk or loss_chunk(hidden.shape[0], lm_head.out_features)
         if chunk:
             return chunked_cross_entropy(hidden, lm_head.weight, labels, chunk)
     logits = lm_head(hidden).float()  # (n_labelled, vocab); fp32 for a stable softmax
     return F.cross_entropy(logits, labels, reduction="sum")
+
+
+def trained_copy(module: nn.Module) -> nn.Module:
+    """The module that runs in `module`'s place: under `lora.modules_to_save`, peft's wrapper runs
+    its trained copy (`distft.model.tokens`), which the chunked loss can take as a plain Linear."""
+    copies = getattr(module, "modules_to_save", None)
+    if isinstance(copies, nn.ModuleDict) and not module.disable_adapters and module.active_adapters:
+        return copies[module.active_adapters[0]]
+    return module
 
 
 def chunkable(lm_head: nn.Module) -> bool:

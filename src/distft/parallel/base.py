@@ -75,6 +75,11 @@ class Strategy:
     # row of W + BA; a strategy that splits projections over ranks says why it cannot (`checks.py`).
     supports_dora: ClassVar[bool] = True
     dora_refusal: ClassVar[str] = ""
+    # lora.modules_to_save and model.added_tokens under LoRA: peft's wrappers train a module copy
+    # (or an embedding's rows) beside the adapters, which each strategy must hold, shard and
+    # reduce like its own weights (`distft.model.tokens`); only those that opt in run them.
+    supports_modules_to_save: ClassVar[bool] = False
+    modules_to_save_refusal: ClassVar[str] = "has not been taught to hold peft's trained module copies"
     # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held

@@ -20,6 +20,7 @@ from distft.errors import ConfigError
 from distft.model.build import check_target_modules
 from distft.model.families import check_sequence_length, family_of
 from distft.model.positions import check_positions
+from distft.model.tokens import check_modules_to_save
 from distft.parallel.base import Strategy
 from distft.parallel.registry import STRATEGIES
 
@@ -39,6 +40,7 @@ def check_config(cfg: Config) -> BatchShape:
     strategy = STRATEGIES[cfg.parallel.strategy]
     _check_method(cfg, strategy)
     _check_training(cfg, strategy)
+    _check_beside_adapters(cfg, strategy)
     _check_layout(cfg, strategy)
     _check_compile(cfg, strategy)
     strategy.validate_config(cfg)
@@ -52,6 +54,7 @@ def check_model(cfg: Config, model_config: PretrainedConfig) -> None:
     check_sequence_length(model_config, cfg.model.name, cfg.data.max_length)
     check_positions(model_config, cfg.model.name, cfg.data.max_length)
     check_target_modules(cfg, model_config)
+    check_modules_to_save(cfg, model_config)
     STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config)
 
 
@@ -164,6 +167,26 @@ def _check_training(cfg: Config, strategy: type[Strategy]) -> None:
             f"train.master_weights=fp32 cannot run with --strategy {name}: it computes with the weights "
             f"it holds, so fp32 masters would mean fp32 compute. fp32 masters run with "
             f"{_takers('fp32_masters')}; or set train.master_weights=model (bf16 weights and state)."
+        )
+
+
+def _check_beside_adapters(cfg: Config, strategy: type[Strategy]) -> None:
+    """lora.modules_to_save, and model.added_tokens under LoRA (their rows train beside the
+    adapters, `distft.model.tokens`), where the strategy can hold what peft trains there."""
+    if cfg.train.method == "full":
+        return
+    setting = "lora.modules_to_save" if cfg.lora.modules_to_save else "model.added_tokens"
+    if (cfg.lora.modules_to_save or cfg.model.added_tokens) and not strategy.supports_modules_to_save:
+        raise ConfigError(
+            f"{setting} cannot run with --method {cfg.train.method} under --strategy {strategy.name}, which "
+            f"{strategy.modules_to_save_refusal}; it runs with {_takers('supports_modules_to_save')}."
+        )
+    if cfg.lora.modules_to_save and cfg.model.dtype == "bfloat16" and strategy.shards != "none":
+        takers = _strategies(lambda c: c.supports_modules_to_save and c.shards == "none")
+        raise ConfigError(
+            f"lora.modules_to_save with model.dtype=bfloat16 cannot run under --strategy {strategy.name}: "
+            "peft's module copies train in bfloat16 beside float32 adapters, and its sharded optimizer "
+            f"or parameter groups hold one dtype; it runs with {', '.join(takers)}, or in float32."
         )
 
 

@@ -53,6 +53,7 @@ class DDP(Strategy):
     page = "ddp.md"
     wraps = "ddp"
     supports_qlora: ClassVar[bool] = True
+    supports_modules_to_save: ClassVar[bool] = True
     builds_on_device: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")

@@ -15,7 +15,9 @@ fitted to the layout, in this order:
    is the optimization: it stays what the user, or the single-process default, asked for); only
    when it cannot split, the global batch itself: micro-batch x data-parallel ranks x accumulation;
 3. the learning rate (`default_lr`): random presets learn at 1e-2; pretrained checkpoints would be
-   wrecked by it.
+   wrecked by it;
+4. the warm-up: `optim.warmup_ratio` 0.1 when neither it nor `optim.warmup_steps` is set, so a
+   5-step run warms up for 1 step and a 1,000-step run for 100.
 
 A value the user set is never changed: its error stays the one they see. Nothing is derived when
 the defaults already pass. The result is `Config.derived` (field -> why), one line before launch
@@ -25,6 +27,7 @@ and in the run's header. Pure: `check_config` only, no model, no files but a run
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -43,6 +46,7 @@ from distft.text import plural
 RANDOM_PRESET_LR = 1e-2  # a random tiny/micro learns the sample's words in a few hundred steps
 PRETRAINED_LORA_LR = 2e-4  # LoRA/QLoRA on a pretrained checkpoint: the QLoRA paper's, PEFT's usual
 PRETRAINED_FULL_LR = 2e-5  # every weight of a pretrained checkpoint: the usual SFT rate, 10x below
+DEFAULT_WARMUP_RATIO = 0.1  # a tenth of the run: the usual share (transformers' and axolotl's recipes)
 
 
 def random_base(model_name: str) -> bool:
@@ -70,6 +74,7 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
     if "optim.lr" not in cfg.explicit:
         cfg.optim.lr, why = default_lr(cfg.model.name, cfg.train.method)
         derived["optim.lr"] = f"{cfg.optim.lr:g}: {why}, optim.lr not set"
+    derived.update(_derive_warmup(cfg))
     if cfg.parallel.strategy not in STRATEGIES or _passes(cfg):
         cfg.derived = derived
         return derived
@@ -84,10 +89,32 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
     return derived
 
 
+def _derive_warmup(cfg: Config) -> dict[str, str]:
+    """optim.warmup_ratio when no warm-up was set (both set: refused by `load_config`)."""
+    if {"optim.warmup_steps", "optim.warmup_ratio"} & cfg.explicit:
+        return {}
+    cfg.optim.warmup_ratio = DEFAULT_WARMUP_RATIO
+    return {"optim.warmup_ratio": f"{DEFAULT_WARMUP_RATIO:g}: a tenth of the run, no warm-up set"}
+
+
+def complete_defaults(cfg: Config) -> dict[str, str]:
+    """`derive_defaults` for a config built in Python (`distft.train.train(cfg)` without the CLI):
+    a field changed from its default after `load_config` counts as set, like one on the command line."""
+    defaults = Config()
+    changed = {
+        f"{section}.{f.name}"
+        for section in ("model", "data", "lora", "optim", "train", "parallel", "output")
+        for f in dataclasses.fields(getattr(defaults, section))
+        if getattr(getattr(cfg, section), f.name) != getattr(getattr(defaults, section), f.name)
+    }
+    cfg.explicit = cfg.explicit | changed
+    return derive_defaults(cfg)
+
+
 def derived_line(cfg: Config) -> str | None:
     """One line naming what was derived and why (the learning rate of a random preset, which is
-    the schema's default, only in the header)."""
-    hidden = {"parallel.strategy"}  # `--strategy auto` prints its own paragraph
+    the schema's default, and the usual warm-up only in the header)."""
+    hidden = {"parallel.strategy", "optim.warmup_ratio"}  # `--strategy auto` prints its own paragraph
     if cfg.optim.lr == RANDOM_PRESET_LR:
         hidden.add("optim.lr")
     shown = {k: v for k, v in cfg.derived.items() if k not in hidden}

@@ -109,19 +109,14 @@ class FSDP(Strategy):
     wraps = "fully_shard"
     reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
     supports_qlora: ClassVar[bool] = True
+    supports_modules_to_save: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True  # each layer compiled before fully_shard wraps it
     fp32_masters: ClassVar[bool] = True  # fp32 shards, gathered in bf16 (`mixed_precision`)
     collectives = "the all-gathers of parameters / reduce-scatters of gradients (fsdp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
-        p = cfg.parallel
-        for key in ("fsdp_param_dtype", "fsdp_reduce_dtype", "fsdp_output_dtype"):
-            value = getattr(p, key)
-            if value and value not in DTYPES:
-                raise ConfigError(
-                    f"`parallel.{key}` is {value!r}; choose float32, bfloat16, or empty for the model dtype."
-                )
+        p = cfg.parallel  # its dtypes' values: `config.fields` (refused under every strategy)
         if p.fsdp_prefetch < 0:
             raise ConfigError(f"`parallel.fsdp_prefetch` cannot be negative, got {p.fsdp_prefetch}.")
         if cfg.train.method == "qlora" and cfg.world_size == 1:

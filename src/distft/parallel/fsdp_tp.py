@@ -76,6 +76,7 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
     wraps = "fully_shard"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     supports_dora: ClassVar[bool] = False
+    supports_modules_to_save: ClassVar[bool] = True
     dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
 
     @classmethod

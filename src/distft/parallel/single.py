@@ -22,6 +22,7 @@ class Single(Strategy):
     dims = ()
     distributed: ClassVar[bool] = False
     supports_qlora: ClassVar[bool] = True
+    supports_modules_to_save: ClassVar[bool] = True
     builds_on_device: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")

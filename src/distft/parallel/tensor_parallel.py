@@ -156,6 +156,7 @@ class TensorParallel(Strategy):
     moves = "all-reduce activations inside every layer (`parallelize_module`)"
     page = "tp.md"
     dims = ("tp",)
+    supports_modules_to_save: ClassVar[bool] = True  # embedding and lm_head stay whole on every rank
     tensor_parallel = "dtensor"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     supports_dora: ClassVar[bool] = False

@@ -16,14 +16,14 @@ Imports run one way, top to bottom:
 - `explain`, `decide`: the decision tree; `run_line`: the `distft train` line for the answer;
 - `auto`: the planner on a training config (`--strategy auto`, `--dry-run`, the prediction a run
   records beside what it measured);
-- `report`: the rich table and the JSON document.
+- `report`: the rich table and the JSON document;
+- here: `make_request` checks `distft plan`'s flags (`distft.commands.plan`), `cmd_plan` answers.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from distft.config.choices import ATTENTION_CHOICES, CHECKPOINTING, ROPE_SCALINGS
 from distft.errors import ConfigError
 from distft.model.positions import check_positions, scale_rope
 from distft.plan.activations import activation_bytes
@@ -31,9 +31,9 @@ from distft.plan.auto import complete, dry_run, predict, resolve_auto, try_predi
 from distft.plan.decide import decide
 from distft.plan.estimate import Estimate, Request, evaluate, parallelism_for, runnable
 from distft.plan.explain import Recommendation
+from distft.plan.fits import check_fits
 from distft.plan.hardware import (
     GPUS,
-    INTERCONNECTS,
     LINKS,
     comm_time,
     find_gpu,
@@ -43,7 +43,7 @@ from distft.plan.hardware import (
     match_gpu,
     parse_bytes,
 )
-from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS, Parallelism, Training
+from distft.plan.inputs import PRECISIONS, Parallelism, Training
 from distft.plan.memory import qlora_base_bytes, state_bytes
 from distft.plan.model_spec import ModelSpec, resolve_model
 from distft.plan.report import print_json, print_rich
@@ -61,6 +61,7 @@ __all__ = [
     "Request",
     "Training",
     "activation_bytes",
+    "check_fits",
     "comm_time",
     "complete",
     "decide",
@@ -78,106 +79,6 @@ __all__ = [
     "state_bytes",
     "try_predict",
 ]
-
-
-def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="memory and time per GPU for every strategy, and which one to use",
-        description="Estimate, for every parallel strategy, the bytes each GPU holds (parameters, gradients, "
-        "optimizer state, activations, communication buffers), whether that fits, the bytes moved per "
-        "step and their time on the interconnect, the time of a step and of the run; then walk the "
-        "decision tree to a recommendation.",
-    )
-    p.add_argument(
-        "--model",
-        required=True,
-        help="preset, hub id (Qwen/Qwen3-4B, meta-llama/Llama-3.1-8B, llama-3-70b ...), directory or config.json",
-    )
-    p.add_argument(
-        "--method", default="lora", choices=["full", "lora", "qlora"], help="what trains (default lora)"
-    )
-    p.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpu", help=f"GPU profile: {', '.join(GPUS)}")
-    p.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB, 80GB (default: the profile's)")
-    p.add_argument(
-        "--interconnect",
-        choices=INTERCONNECTS,
-        help="link between GPUs of a node (pcie, nvlink: the profile's generation) or between nodes "
-        "(infiniband = NDR 400 Gb/s, ib-hdr = 200 Gb/s); default: the profile's link inside a node, NDR between",
-    )
-    _add_sequence_arguments(p)
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=list(ATTENTION_CHOICES),
-        help="attention kernel (model.attn_implementation)",
-    )
-    p.add_argument(
-        "--precision", default="mixed", choices=list(PRECISIONS), help="bytes per weight/grad/state"
-    )
-    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (all attention and MLP projections)")
-    p.add_argument(
-        "--lora-variant",
-        default="lora",
-        choices=["lora", "dora", "rslora"],
-        help="lora.variant: dora adds a trained magnitude per output feature (counted); rslora changes no memory",
-    )
-    p.add_argument(
-        "--master-weights",
-        choices=["fp32", "model"],
-        help="full finetuning: fp32 counts distft's train.master_weights=fp32 (fp32 weights, gradients and "
-        "moments, bf16 compute); default: as --precision says",
-    )
-    p.add_argument("--pp-schedule", default="1f1b", choices=list(PLANNED_SCHEDULES))
-    p.add_argument("--pp-microbatches", type=int, help="micro-batches per pipeline step (default 2 x stages)")
-    p.add_argument(
-        "--mfu",
-        type=float,
-        help="model FLOPs utilisation assumed for compute time (default: distft's measured 0.37 LoRA, "
-        "0.36 QLoRA, 0.43 full finetuning; docs/plan.md)",
-    )
-    p.add_argument(
-        "--tokens", help="tokens in the training data (50M, 1.2B): the run's length, with --epochs"
-    )
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over --tokens (default 1)")
-    p.add_argument(
-        "--steps", type=int, help="optimizer steps of the run (train.max_steps); instead of --tokens"
-    )
-    p.add_argument(
-        "--overhead", default="1GiB", help="memory per GPU not available to tensors (default 1GiB)"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-
-
-def _add_sequence_arguments(p: argparse.ArgumentParser) -> None:
-    """What a sequence is and what its activations keep: length, positions, batch, checkpointing."""
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    p.add_argument(
-        "--rope-scaling",
-        default="none",
-        choices=list(ROPE_SCALINGS),
-        help="stretch the rotary embeddings past the model's positions (model.rope_scaling; yarn for Qwen3)",
-    )
-    p.add_argument("--rope-factor", type=float, default=0.0, help="with --rope-scaling: the factor (> 1)")
-    p.add_argument(
-        "--mlp-tiles", type=int, default=0, help="the MLP in N checkpointed sequence slices (model.mlp_tiles)"
-    )
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on a GPU (default 1)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
-    p.add_argument(
-        "--label-tokens", type=int, default=256, help="loss positions per sequence (default 256: a summary)"
-    )
-    p.add_argument(
-        "--activation-checkpointing",
-        nargs="?",
-        const="full",
-        default="none",
-        choices=list(CHECKPOINTING),
-        help="what a layer keeps for backward (model.activation_checkpointing): full when given alone; "
-        "selective recomputes the MLP only, offload moves each layer's input to host memory",
-    )
 
 
 # How `check_positions` spells its fix here: the plan's own flags.

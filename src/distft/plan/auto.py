@@ -187,10 +187,13 @@ def resolve_auto(cfg: Config) -> str:
         **cfg.derived,
         "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
     }
-    return f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {rec.reason}" + (
-        f" Activation checkpointing: {rec.activation_checkpointing}."
-        if rec.activation_checkpointing != "none"
-        else ""
+    return (
+        f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {device_words(cfg, rec.reason)}"
+        + (
+            f" Activation checkpointing: {rec.activation_checkpointing}."
+            if rec.activation_checkpointing != "none"
+            else ""
+        )
     )
 
 
@@ -259,6 +262,7 @@ def predict(cfg: Config, label_tokens: float | None = None) -> dict:
             "host": int(est.host_activations),
         },
         "fits": est.fits,
+        "modelled": est.applicable,  # false: a layout the planner does not model (one FSDP rank); no verdict
         "usable_bytes": req.usable,
         "comm_bytes": by_pp_rank[0],
         "comm_bytes_by_pp_rank": by_pp_rank,
@@ -281,6 +285,8 @@ def prediction_line(prediction: dict) -> str:
     )
     comm = sum(prediction["comm_bytes"].values())
     verdict = "fits" if prediction["fits"] else "does NOT fit"
+    if not prediction.get("modelled", True):
+        verdict = "no verdict (a layout the planner does not model)"
     time = prediction.get("step_time")
     step = format_seconds(StepTime(**time).seconds) if time else f"n/a ({prediction.get('step_time_note')})"
     return (
@@ -288,6 +294,14 @@ def prediction_line(prediction: dict) -> str:
         f"per process at the fullest ({parts}); {verdict} in {format_bytes(prediction['usable_bytes'])} usable; "
         f"{format_bytes(comm)} of collectives per process per step; step time {step}"
     )
+
+
+def device_words(cfg: Config, text: str) -> str:
+    """The decision tree's text, which speaks of GPUs (it answers `distft plan`), in the words of a
+    CPU run, where each process is a device."""
+    if on_cuda(cfg):
+        return text
+    return text.replace("GPUs", "processes").replace("GPU", "process")
 
 
 def dry_run(cfg: Config) -> int:

@@ -323,7 +323,7 @@ def _nothing_fits(walk: _Walk) -> Recommendation:
         r = decide(walk.with_training(activation_checkpointing="full"), depth=1)
         if r.strategy:
             reason = f"{what} With activation checkpointing {r.label} fits: {r.reason}"
-            return Recommendation(r.strategy, t.method, True, reason, steps, r.alternatives, r.parallelism)
+            return replace(r, reason=reason, steps=steps)  # its checkpointing level, not a flag
     if walk.depth == 0 and t.method == "full":
         # Prefer an adapter method that fits on one GPU (then DDP adds throughput): LoRA, else QLoRA;
         # failing both, LoRA with whatever sharding it needs.

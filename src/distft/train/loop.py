@@ -33,6 +33,7 @@ from distft.measure.step import StepMeasurements
 from distft.model import DTYPES, causal_lm
 from distft.model.nf4 import quantization
 from distft.parallel.base import unwrap
+from distft.parallel.derive import complete_defaults
 from distft.train.hooks import TrainHooks
 from distft.train.metrics import (
     MetricsWriter,
@@ -62,9 +63,11 @@ class TrainResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
     output_dir: Path | None = None
     model: torch.nn.Module | None = None  # this rank's trained `LossLM` (unwrapped)
+    early_stop: dict | None = None  # why validation ended the run (`distft.train.early_stopping`)
     stopped_by: int | None = None  # the signal that stopped the run early (`distft.signals`)
     stopped_after: int = 0  # ... after this step
     checkpoint: Path | None = None  # ... having written this checkpoint (None: none written)
+    first_step: int = 1  # the first step this command ran (a resumed run's is past 1)
 
     def add(self, record: dict) -> None:
         """One step's figures (its `metrics.jsonl` record): its loss, measured and predicted time."""
@@ -73,7 +76,7 @@ class TrainResult:
         self.predicted_step_times.append(record["step_time_predicted_s"])
 
     def time_line(self, prediction: dict | None) -> str:
-        return step_time_line(prediction, self.step_times, self.predicted_step_times)
+        return step_time_line(prediction, self.step_times, self.predicted_step_times, self.first_step)
 
     def stopped_line(self, max_steps: int) -> str:
         """The one line a run stopped by a signal ends with: where, what was saved, how to go on."""
@@ -88,6 +91,9 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     """Train as `cfg` says; `hooks` run at fixed points of every step (none by default); `dataset`
     (a list of dicts, a `datasets.Dataset`, or a dict of splits) replaces `cfg.data.source`."""
     hooks = hooks or TrainHooks()
+    complete_defaults(
+        cfg
+    )  # what `distft train` derives, for a config built in Python too (a no-op in its ranks)
     # Rank 0 holds the run directory's lock (`distft.io.lock`), unless the command that launched it does.
     lock = run_lock(Path(cfg.output.dir)) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with lock:
@@ -115,7 +121,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, expected_bytes(run), run.out)
     metrics = start_outputs(run, progress, measure.header_lines())
     trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
-    result = TrainResult(output_dir=run.out)
+    result = TrainResult(output_dir=run.out, first_step=run.start_step + 1)
     names = [str(p) for p in run.health.places] if run.health else None
     stragglers = StepArrivals.start(
         env, tc.straggler_window, tc.straggler_ratio, names
@@ -153,17 +159,18 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
                     progress.console.print(f"step {step}: loss {loss}, grad_norm {grad_norm}: skipped")
             last = step == tc.max_steps
             if tc.eval_batches and ((tc.eval_every and step % tc.eval_every == 0) or last):
-                with run.collective(f"the all-reduce of the validation loss after step {step}"):
-                    record["eval_loss"] = result.eval_losses[step] = evaluate(run)
+                last |= validate(run, step, record, result)  # early stopping: this step is the last
             if metrics and (step % tc.log_every == 0 or last or "eval_loss" in record):
                 metrics.write(record)
                 trackers.log(record)
             progress.update(record)
-            saved = bool(cfg.output.checkpoint_every) and step % cfg.output.checkpoint_every == 0 and not last
+            # The last step too: a finished run is extended (`--resume DIR --max-steps N`) from it.
+            saved = bool(cfg.output.checkpoint_every) and (step % cfg.output.checkpoint_every == 0 or last)
             if saved:
                 checkpoint(run, step)
             if not last and (signum := stop_requested(run, step)):
                 stop(run, step, signum, result, saved)
+            if last or result.stopped_by is not None:
                 break
 
     if result.stopped_by is not None:  # no export: the run goes on with `--resume`
@@ -228,13 +235,26 @@ def kernels_line(run: Run) -> str:
     return f"attention {run.attention} (model.attn_implementation={cfg.attn_implementation}); {compiling}"
 
 
+def validate(run: Run, step: int, record: dict, result: TrainResult) -> bool:
+    """The validation loss after step `step`, into `record` and `result`; True when early stopping
+    ends the run after this step (`distft.train.early_stopping`), on every rank alike: the loss is
+    the same float on each (`evaluate`)."""
+    with run.collective(f"the all-reduce of the validation loss after step {step}"):
+        loss = record["eval_loss"] = result.eval_losses[step] = evaluate(run)
+    if not run.early_stopping.update(loss, step) or step == run.cfg.train.max_steps:
+        return False  # improving, or the last step anyway: an ordinary end
+    record["early_stop"] = result.early_stop = run.early_stopping.record(step, loss)
+    return True
+
+
 def checkpoint(run: Run, step: int) -> Path:
-    """Write the training state after step `step` (`distft.io.checkpoint`), every rank its shards."""
+    """Write the training state after step `step` (`distft.io.checkpoint`), every rank its shards,
+    with the loop's own state (early stopping's best validation loss)."""
+    loop = {"early_stopping": run.early_stopping.state_dict()}
     with run.collective(f"writing the checkpoint of step {step}"):
         state = run.strategy.checkpoint_state(run.model, run.optimizer)
-        return save_training_state(
-            run.out, step, state, run.scheduler, run.env.rank, run.env.world_size, run.cfg.output.keep_last
-        )
+        env, keep = run.env, run.cfg.output.keep_last
+        return save_training_state(run.out, step, state, run.scheduler, env.rank, env.world_size, keep, loop)
 
 
 def stop_requested(run: Run, step: int) -> int:
@@ -271,7 +291,15 @@ def export(run: Run, summary: dict) -> list[dict]:
         return ranks
     lm = unwrap(run.model).lm
     if run.cfg.train.method in ("lora", "qlora"):
-        save_adapter(lm, state, run.out / "adapter", run.base_ref, quantization(run.cfg))
+        changed = run.cfg.data.chat_template or run.cfg.model.added_tokens  # the base's tokenizer, altered
+        save_adapter(
+            lm,
+            state,
+            run.out / "adapter",
+            run.base_ref,
+            quantization(run.cfg),
+            run.tokenizer if changed else None,
+        )
     else:  # in the model's dtype: fp32 master weights (train.master_weights) export as bf16
         state = {k: v.to(DTYPES[run.cfg.model.dtype]) for k, v in state.items()}
         save_full_model(causal_lm(lm), state, run.out / "model", run.tokenizer, run.lineage)

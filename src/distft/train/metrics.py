@@ -5,7 +5,8 @@ per token and MFU, `distft.measure.flops`; `mfu` is null off a known GPU), its m
 the planner's prediction for it (`step_time_predicted_s`: `distft plan`'s step time rescaled to
 this step's FLOPs; null on a device with no bf16 peak, or without a prediction) and peak memory, plus
 what `distft.train.measure` adds (collective bytes, saved activations, a pipeline's timeline),
-`skipped` for a step whose update was skipped, and `eval_loss` where the run evaluated.
+`skipped` for a step whose update was skipped, `eval_loss` where the run evaluated, and
+`early_stop` on the step after which early stopping ended the run (`distft.train.early_stopping`).
 """
 
 from __future__ import annotations
@@ -106,15 +107,17 @@ def predicted_step_seconds(prediction: dict | None, flops: float) -> float | Non
     return StepTime(**parts).for_flops(flops) if parts else None
 
 
-def step_time_line(prediction: dict | None, measured: list[float], predicted: list[float | None]) -> str:
+def step_time_line(
+    prediction: dict | None, measured: list[float], predicted: list[float | None], first_step: int = 1
+) -> str:
     """The end-of-run line: predicted against measured step time, medians over the steps after
-    the first (which compiles and warms up) when there are several."""
+    the first this command ran (which compiles and warms up; `first_step`: a resumed run's) when
+    there are several."""
     if not measured:
         return "step time: no step ran"
     start = 1 if len(measured) > 1 else 0
-    which = (
-        f"median of steps {start + 1}-{len(measured)}" if len(measured) > start + 1 else f"step {start + 1}"
-    )
+    first, last = first_step + start, first_step + len(measured) - 1
+    which = f"median of steps {first}-{last}" if last > first else f"step {first}"
     got = f"measured {statistics.median(measured[start:]):.3g} s ({which})"
     if prediction is None:
         return f"step time: no prediction (the planner could not model this model), {got}"
@@ -140,7 +143,7 @@ def speed_line(run: Run, record: dict) -> str:
     if run.compiled_nf4:
         compiled += f", {run.compiled_nf4} NF4 projections dequantized by compiled kernels"
     return (
-        f"start-up {record['startup_s']:.1f} s (command start to step 1); {mfu} ({run.peak_note}); "
+        f"start-up {record['startup_s']:.1f} s (command start to step {record['step']}); {mfu} ({run.peak_note}); "
         f"{record['flops_per_token'] / 1e9:.3g} GFLOP/token; {compiled}"
     )
 

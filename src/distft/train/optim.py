@@ -8,7 +8,8 @@
   bypass `Strategy.build_optimizer` (ZeRO-1 wraps it); the two groups are built here instead and the
   strategy builds over them. Every group follows the same schedule: LambdaLR scales each group's
   own initial learning rate.
-- `optim.scheduler`: linear warm-up over `optim.warmup_steps`, then cosine or linear decay to
+- `optim.scheduler`: linear warm-up over `warmup_steps` (`optim.warmup_ratio` of the run, or
+  `optim.warmup_steps`), then cosine or linear decay to
   `min_lr_ratio` of the peak at the last step, or constant.
 - `lr_scaling_hint`: the learning rate a recipe tuned at another global batch would scale to (square
   root for Adam, Malladi et al. 2205.10287; linear for SGD, Goyal et al. 1706.02677). Printed, never
@@ -27,11 +28,33 @@ from torch import nn
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.parallel import Strategy, master_weights
+from distft.text import plural
+
+
+def warmup_steps(cfg: Config) -> int:
+    """Steps of linear warm-up: `optim.warmup_ratio` of the run (rounded up) when set, else
+    `optim.warmup_steps`."""
+    if cfg.optim.warmup_ratio > 0:
+        return math.ceil(cfg.optim.warmup_ratio * cfg.train.max_steps)
+    return cfg.optim.warmup_steps
+
+
+def warmup_warning(cfg: Config) -> str | None:
+    """A warm-up as long as the run keeps the learning rate below the one it was given: said before
+    launch. (One warm-up step is none: the first step runs at the peak.)"""
+    warmup, total = warmup_steps(cfg), cfg.train.max_steps
+    if warmup <= 1 or warmup < total:
+        return None
+    reaches = "only on the last step" if warmup == total else "never"
+    return (
+        f"optim.warmup_steps={warmup} is as long as the run ({plural(total, 'step')}): the learning rate "
+        f"reaches optim.lr={cfg.optim.lr:g} {reaches}; set optim.warmup_ratio (e.g. 0.1) or fewer warm-up steps"
+    )
 
 
 def lr_lambda(cfg: Config):
     """Linear warm-up to the peak, then `optim.scheduler` (cosine, linear, constant) to the last step."""
-    warmup, total, floor = cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.min_lr_ratio
+    warmup, total, floor = warmup_steps(cfg), cfg.train.max_steps, cfg.optim.min_lr_ratio
     kind = cfg.optim.scheduler
 
     def factor(step: int) -> float:
@@ -109,8 +132,10 @@ def training_lines(cfg: Config, rows: int) -> list[str]:
     length from epochs, the master weights, and the learning-rate hint."""
     o, t, lora = cfg.optim, cfg.train, cfg.lora
     extra = f", momentum {o.momentum:g}" if o.name == "sgd" else ""
+    warmup = warmup_steps(cfg)
+    share = f" ({o.warmup_ratio:g} of the run)" if o.warmup_ratio > 0 else ""
     lines = [
-        f"optimizer {o.name} (lr {o.lr:g}{extra}), {o.warmup_steps} warm-up steps then {o.scheduler}"
+        f"optimizer {o.name} (lr {o.lr:g}{extra}), {plural(warmup, 'warm-up step')}{share} then {o.scheduler}"
         + (f" to {o.min_lr_ratio:g} x lr" if o.scheduler != "constant" else "")
         + f", {t.max_steps} steps"
     ]
@@ -130,6 +155,8 @@ def training_lines(cfg: Config, rows: int) -> list[str]:
             if master_weights(cfg) == "fp32"
             else "master weights: none (bf16 weights, gradients and optimizer state; train.master_weights=model)"
         )
+    if warning := warmup_warning(cfg):
+        lines.append(f"warning: {warning}")
     hint = lr_scaling_hint(cfg)
     return [*lines, f"hint: {hint}"] if hint else lines
 

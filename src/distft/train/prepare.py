@@ -16,13 +16,15 @@ from distft.data import (
     skipped_line,
     tokenized_splits,
 )
+from distft.data.tokenizer import template_path, with_added_tokens
 from distft.model import is_preset
 from distft.text import plural
 
 
 def resolve_local_paths(cfg: Config) -> None:
-    """A local data file or model directory, made absolute: the run's config.toml then works for
-    `distft eval`/`infer` from any directory (a relative path would be read from where they run)."""
+    """A local data file, model directory or chat template file (data.chat_template), made
+    absolute: the run's config.toml then works for the ranks and for `distft eval`/`infer` from
+    any directory (a relative path would be read from where they run)."""
     if Path(cfg.data.source).is_file():
         cfg.data.source = str(Path(cfg.data.source).resolve())
     for entry in cfg.data.sources:  # a mixture's files too
@@ -30,6 +32,9 @@ def resolve_local_paths(cfg: Config) -> None:
             entry["source"] = str(Path(entry["source"]).resolve())
     if not is_preset(cfg.model.name) and Path(cfg.model.name).is_dir():
         cfg.model.name = str(Path(cfg.model.name).resolve())
+    template = template_path(cfg.data.chat_template)  # None: a template inline, or none
+    if template is not None and template.is_file():
+        cfg.data.chat_template = str(template.resolve())
     if cfg.data.cache_dir:  # every rank, and a resumed run, finds the same cache
         cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
 
@@ -38,8 +43,11 @@ def prepare_data(cfg: Config) -> float | None:
     """Every row read and tokenised before launch, so a bad one is refused here; with `data.cache`
     into the token cache, which the ranks then only open (docs/data.md, "Data at scale"). Returns
     the training rows' mean labelled positions, which the run's prediction counts with."""
-    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
-    check_chat_template(tokenizer, cfg.data)  # the model's own template: can it close a turn, think?
+    # The model's template, or data.chat_template (one that does not parse: refused here).
+    model = None if is_preset(cfg.model.name) else cfg.model.name
+    tokenizer = load_tokenizer(model, cfg.model.revision, cfg.data.chat_template)
+    tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # model.added_tokens
+    check_chat_template(tokenizer, cfg.data)  # can the template close a turn, think?
     start = time.perf_counter()
     next_line = start + 30
 

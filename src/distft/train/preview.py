@@ -29,35 +29,13 @@ from distft.data import (
     training_rows,
 )
 from distft.data.preview import decode
+from distft.data.tokenizer import with_added_tokens
 from distft.errors import ConfigError
 from distft.model import is_preset
 from distft.text import plural
 
 OPEN, CLOSE = "[[", "]]"  # around each run of tokens that carry loss
 PREVIEW_FLAGS = {"model": "model.name", "data": "data.source"}  # flag -> the config field it sets
-
-
-def add_data_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "data",
-        help="look at the training data as a run sees it",
-        description="Look at the training data as `distft train` would see it, before training.",
-    )
-    actions = p.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
-    q = actions.add_parser(
-        "preview",
-        help="the first training rows, tokenised, with the tokens that carry loss marked",
-        description="Print the first training rows as the run tokenises them: the data format, the "
-        "decoded text with every token that carries loss inside [[...]], and the counts (tokens, "
-        "trained tokens, truncation). Settings as for `distft train`. See docs/data.md.",
-    )
-    q.add_argument("--config", help="TOML file, as for `distft train --config`")
-    q.add_argument("--model", help="the model whose tokenizer and chat template to use (as for train)")
-    q.add_argument("--data", help="the rows (as for train): sample, a .jsonl/.parquet file, a hub id")
-    q.add_argument("--rows", type=int, default=1, help="how many training rows to show (default 1)")
-    q.add_argument(
-        "overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.max_length=512"
-    )
 
 
 def cmd_data(args: argparse.Namespace) -> int:
@@ -67,6 +45,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     flags = [f"{field}={getattr(args, flag)}" for flag, field in PREVIEW_FLAGS.items() if getattr(args, flag)]
     cfg = load_config(args.config, [*args.overrides, *flags])
     tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
+    tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # model.added_tokens
     check_chat_template(tokenizer, cfg.data)  # refused here as `distft train` refuses it
     rows = training_rows(cfg.data, cfg.train.seed, args.rows)
     console = Console(highlight=False, soft_wrap=True)  # no wrapping: the text is shown as it is

@@ -20,6 +20,7 @@ from distft.io.lineage import describe, is_random
 from distft.model import is_preset
 from distft.parallel.derive import derived_line
 from distft.text import plural
+from distft.train.early_stopping import stop_line
 
 
 class TrainingProgress:
@@ -146,6 +147,8 @@ class TrainingProgress:
             if "eval_loss" in record:
                 line += f"  eval_loss {record['eval_loss']:.4f}"
             self._progress.console.print(line)
+        if "early_stop" in record:  # the run's last step: validation stopped improving
+            self._progress.console.print(stop_line(record["early_stop"]), soft_wrap=True, markup=False)
 
     def warn(self, message: str) -> None:
         """A warning line, on the logging rank only."""

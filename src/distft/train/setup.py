@@ -20,14 +20,21 @@ from transformers import PretrainedConfig
 from distft.config import Config, to_toml
 from distft.data import CachedSplit, TokenizedSplit, mean_label_tokens, tokenized_splits
 from distft.data.rows import memory_source
-from distft.data.tokenizer import load_tokenizer
-from distft.distributed import DistEnv, init_distributed, naming_collective, restart_count
+from distft.data.tokenizer import load_tokenizer, with_added_tokens
+from distft.distributed import (
+    DistEnv,
+    decided_by_rank_zero,
+    init_distributed,
+    naming_collective,
+    restart_count,
+)
 from distft.errors import ConfigError
 from distft.health import HealthHooks, HealthReport, check_health, failure_advice
 from distft.io.checkpoint import (
     check_resume,
     clear_checkpoints,
     load_training_state,
+    read_loop_state,
     resume_hint,
     set_aside_newer,
 )
@@ -46,6 +53,7 @@ from distft.model.presets import DTYPES
 from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model, master_weights
 from distft.plan.model_spec import ModelSpec, spec_from_config
 from distft.tensors import local_bytes
+from distft.train.early_stopping import EarlyStopping
 from distft.train.optim import build_optimizer, check_optimizer, epoch_steps, lr_lambda
 
 
@@ -82,6 +90,7 @@ class Run:
     health: HealthReport | None = None  # the pre-flight health check's (`distft.health`); None: not run
     token_cache: dict | None = None  # how this rank had its examples (`distft.data.cache.tokenized_splits`)
     architecture: ModelSpec | None = None  # the built model's shapes, for the bytes formula (`distft.plan`)
+    early_stopping: EarlyStopping = field(default_factory=EarlyStopping)  # the best validation loss so far
 
     @property
     def pad_id(self) -> int:
@@ -116,7 +125,9 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     if dataset is not None:  # what the run trained on, in its config.toml, header and lineage
         dataset = list(dataset) if isinstance(dataset, Iterator) else dataset  # read twice
         cfg.data.source = memory_source(dataset)
-    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
+    model = None if is_preset(cfg.model.name) else cfg.model.name
+    tokenizer = load_tokenizer(model, cfg.model.revision, cfg.data.chat_template)  # data.chat_template
+    tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # model.added_tokens
     # The token cache, memory-mapped (built before launch by the CLI; else once per node, here).
     train_set, val_set, token_cache = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, dataset)
     if cfg.train.epochs > 0:  # the run's length, from the rows every rank counts alike
@@ -141,7 +152,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     base_ref = str((out / "base").resolve()) if is_preset(cfg.model.name) else cfg.model.name
 
     torch.manual_seed(cfg.train.seed)  # LoRA's random init: identical on every rank
-    lm = apply_method(base, cfg)
+    lm = apply_method(base, cfg, tokenizer)
     enable_checkpointing(causal_lm(lm), cfg.model.activation_checkpointing, cfg.model.mlp_tiles)
     parameters = count_parameters(lm)
     flops = ModelFlops.from_model(lm)  # whole, before a strategy shards it
@@ -170,6 +181,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     run.peak_flops, run.peak_note = peak_flops(env.device)
     run.lineage, run.health, run.token_cache = lineage, health, token_cache
     run.architecture = architecture
+    run.early_stopping = EarlyStopping(cfg.train.early_stopping_patience, cfg.train.early_stopping_delta)
     resume(run)
     return run
 
@@ -182,10 +194,19 @@ def run_architecture(cfg: Config, model_config: PretrainedConfig) -> ModelSpec |
         return None
 
 
+def _resumable(cfg: Config) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from (None: start over) and the damaged ones passed over."""
+    skipped: list[str] = []
+    # An elastic restart (torchrun --max-restarts) resumes its own run even with output.resume=false.
+    return check_resume(cfg, force=restart_count() > 0, skipped=skipped), skipped
+
+
 def resume(run: Run) -> None:
     """Load the latest checkpoint into `run`, if this run resumes; a new run clears old ones."""
-    # An elastic restart (torchrun --max-restarts) resumes its own run even with output.resume=false.
-    run.checkpoint = check_resume(run.cfg, force=restart_count() > 0, skipped=run.skipped_checkpoints)
+    # Rank 0 reads and checksums the checkpoints; every rank resumes from its choice (or its refusal).
+    with run.collective("choosing the checkpoint to resume from"):
+        chosen, skipped = decided_by_rank_zero(run.env, lambda: _resumable(run.cfg))
+    run.checkpoint, run.skipped_checkpoints = chosen, skipped
     if run.checkpoint is None and run.env.is_main and restart_count() == 0:
         clear_checkpoints(run.out)  # starting over: the old run's checkpoints would outrank ours
     if run.checkpoint is not None:
@@ -195,3 +216,4 @@ def resume(run: Run) -> None:
             state = run.strategy.checkpoint_state(run.model, run.optimizer)
             run.start_step = load_training_state(run.checkpoint, state, run.scheduler, run.env.rank)
             run.strategy.load_checkpoint_state(run.model, run.optimizer, state)
+        run.early_stopping.load_state_dict(read_loop_state(run.checkpoint).get("early_stopping"))

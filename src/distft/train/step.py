@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distft.config import Config
@@ -118,7 +119,8 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(run: Run) -> float:
-    """Mean token loss over the first `train.eval_batches` global batches of the validation split."""
+    """Mean token loss over the first `train.eval_batches` global batches of the validation split,
+    the same float on every rank (early stopping decides on it, `distft.train.early_stopping`)."""
     model, strategy, examples = run.model, run.strategy, run.val_set
     model.eval()
     gb = run.cfg.train.global_batch_size
@@ -133,4 +135,9 @@ def evaluate(run: Run) -> float:
             with run.autocast:
                 loss_sum += strategy.forward_only(model, rank_batches(batch, strategy, run.cfg, run.pad_id))
     model.train()
-    return strategy.reduce_loss(loss_sum).item() / n_tokens
+    total = strategy.reduce_loss(loss_sum).double()  # float32 -> float64 is exact: the value is unchanged
+    # `reduce_loss` gives every rank the sum, by an all-reduce or, where each rank computed the whole
+    # loss (tensor parallel), by computing the same thing: rank 0's value makes it the same bits.
+    if run.env.distributed and run.env.world_size > 1:
+        dist.broadcast(total, src=0)
+    return total.item() / n_tokens

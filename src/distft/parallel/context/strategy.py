@@ -51,6 +51,7 @@ class ContextParallel(StateUnderTheWrapper, Strategy):
     )
     page = "long-context.md"  # under docs/, as every strategy's (`registry.strategy_table`)
     dims = ("cp",)
+    supports_modules_to_save: ClassVar[bool] = True
     supports_qlora: ClassVar[bool] = True  # nothing is sharded: each rank holds the whole NF4 base
     builds_on_device: ClassVar[bool] = True  # the whole model on each rank, as DDP
     supports_compile: ClassVar[bool] = False

@@ -67,6 +67,7 @@ class TensorSequenceParallel(Strategy):
     moves = "all-gather / reduce-scatter activations along the sequence (hand-written Megatron)"
     page = "tp-sp.md"
     dims = ("tp",)
+    supports_modules_to_save: ClassVar[bool] = True  # replicated; partial under SP like the norms
     tensor_parallel = "megatron"
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     supports_dora: ClassVar[bool] = False

@@ -30,7 +30,8 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.parallel.pipeline.cost import CostModel, even_cut
 
-# schedule name -> (torch class, stages per rank when parallel.stages_per_rank is 0, V-shaped placement)
+# schedule name (`config.choices.PIPELINE_SCHEDULES`, which the config is checked against) -> (torch
+# class, stages per rank when parallel.stages_per_rank is 0, V-shaped placement)
 SCHEDULES: dict[str, tuple[type, int, bool]] = {
     "gpipe": (ScheduleGPipe, 1, False),  # all forwards, then all backwards (fill, drain)
     "1f1b": (Schedule1F1B, 1, False),  # one forward, one backward in the steady state
@@ -114,10 +115,7 @@ def layout(cfg: Config, ranks: int | None = None, replicas: int = 1) -> Layout:
     `ranks`: pipeline ranks (default: the world size); `replicas`: data-parallel copies of the
     pipeline (ddp+pp, fsdp+pp, fsdp+tp+pp), each running its share of the global batch through its own schedule.
     """
-    par, train = cfg.parallel, cfg.train
-    if par.schedule not in SCHEDULES:
-        choices = ", ".join(SCHEDULES)
-        raise ConfigError(f"`parallel.schedule` is {par.schedule!r}; choose one of {choices}.")
+    par, train = cfg.parallel, cfg.train  # parallel.schedule is one of SCHEDULES (`config.fields`)
     p = ranks or cfg.world_size
     if p < 2:
         raise ConfigError("--strategy pp splits the model across processes: use --nproc 2 or more.")

@@ -53,6 +53,10 @@ class PipelineParallel(Strategy):
     fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
     takes_label_positions: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True  # stages hold the compiled decoder layers as they are
+    modules_to_save_refusal: ClassVar[str] = (
+        "puts the embedding and lm_head on different stages, where peft's trained rows of a tied pair "
+        "would be one parameter that each stage updates with half its gradient"
+    )
     # What the loss is multiplied by before backward: FSDP's reduce-scatter averages over its dp
     # ranks where the pipeline wants the sum (fsdp+pp sets dp; ddp+pp sums itself).
     loss_scale: int = 1

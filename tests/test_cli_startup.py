@@ -1,0 +1,135 @@
+"""`distft --help`, `--version`, `config`, every command's --help and a refused setting answer
+without importing torch, transformers, peft or datasets: the parser is `distft.commands`' and a
+command's module is imported when it runs (`distft.cli.COMMANDS`). Each case runs the real entry
+point, `python -X importtime -m distft.cli ARGS`, and reads the modules it imported from
+importtime's lines. No timing is asserted here (docs/bench.md, "Command start-up", measures it).
+
+The light tables the help texts list (strategies, the planner's precisions, schedules and links,
+bench's studies) are copies of tables in modules that import torch: each is held equal to its
+source below."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import distft
+from distft import cli
+from distft.commands import bench as bench_flags
+from distft.commands import plan as plan_flags
+from distft.commands import train as train_flags
+
+HEAVY = ("torch", "transformers", "peft", "datasets")
+
+
+def run_cli(*args: str) -> tuple[int, str, str, set[str]]:
+    """Exit code, stdout, stderr (importtime's lines removed) and the top-level packages imported."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "distft.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = proc.stderr.splitlines()
+    imported = {
+        line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines if line.startswith("import time:")
+    }
+    stderr = "".join(f"{line}\n" for line in lines if not line.startswith("import time:"))
+    return proc.returncode, proc.stdout, stderr, imported
+
+
+def heavy(imported: set[str]) -> list[str]:
+    return sorted(imported & set(HEAVY))
+
+
+COMMAND_HELP = [[], *([name] for name in cli.COMMANDS), ["data", "preview"]]
+
+
+@pytest.mark.parametrize("command", COMMAND_HELP, ids=[" ".join(c) or "distft" for c in COMMAND_HELP])
+def test_every_help_is_light(command):
+    code, out, err, imported = run_cli(*command, "--help")
+    assert (code, err) == (0, "")
+    assert out.startswith(f"usage: distft {' '.join(command)}".rstrip())
+    if len(command) < 2:  # the epilog of distft's and each command's --help
+        assert "`distft config` lists every one" in out
+    assert heavy(imported) == []
+
+
+def test_version_is_light():
+    code, out, err, imported = run_cli("--version")
+    assert (code, out, err) == (0, f"distft {distft.__version__}\n", "")
+    assert heavy(imported) == []
+
+
+def test_config_is_light():
+    code, out, err, imported = run_cli("config", "lr")
+    assert (code, err) == (0, "")
+    assert out.startswith("optim.lr = ")
+    assert heavy(imported) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["optim.lr=abc"], "distft train: error: `optim.lr` must be a number, got 'abc'.\n"),
+        (
+            ["nosuch.key=1"],
+            "distft train: error: Unknown config section `nosuch`. Valid: data, lora, model, optim, output, "
+            "parallel, train.\n",
+        ),
+        (["--config", "BAD"], "is not valid TOML: Expected ']' at the end of a table declaration"),
+    ],
+    ids=["bad value", "unknown key", "malformed toml"],
+)
+def test_a_refused_setting_is_light(args, message, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim\nlr = 1\n")
+    code, out, err, imported = run_cli("train", *[str(bad) if a == "BAD" else a for a in args])
+    assert (code, out) == (2, "")
+    assert message in err and len(err.splitlines()) == 1, err
+    assert heavy(imported) == []
+
+
+def test_a_command_imports_its_module_when_it_runs():
+    """A setting the strategy refuses is checked after the import, as before: one line, exit 2."""
+    code, _, err, imported = run_cli("train", "--model", "micro", "--strategy", "nosuch")
+    assert code == 2 and err.startswith("distft train: error: ") and len(err.splitlines()) == 1, err
+    assert "torch" in imported
+
+
+# ---- the command table and the light copies ------------------------------------------------------
+
+
+def test_the_command_table_names_every_command_and_its_function():
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert list(cli.COMMANDS) == list(sub.choices)
+    for name in cli.COMMANDS:
+        assert callable(cli.command(name)), name
+    from distft.train.command import config_from_args
+
+    assert cli.config_from_args is config_from_args  # `from distft.cli import config_from_args` still works
+
+
+def test_the_strategy_names_train_lists_are_the_registry():
+    from distft.parallel import STRATEGIES
+
+    assert tuple(STRATEGIES) == train_flags.STRATEGY_NAMES, "add the strategy to commands/train.py"
+    qlora = tuple(name for name, cls in STRATEGIES.items() if cls.supports_qlora)
+    assert qlora == train_flags.QLORA_STRATEGIES
+
+
+def test_the_plan_tables_plan_lists_are_the_planner():
+    from distft.plan.hardware import INTERCONNECTS
+    from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS
+
+    assert tuple(PRECISIONS) == plan_flags.PRECISIONS
+    assert plan_flags.PLANNED_SCHEDULES == PLANNED_SCHEDULES
+    assert plan_flags.INTERCONNECTS == INTERCONNECTS
+
+
+def test_the_studies_bench_lists_are_the_studies():
+    from distft.bench.study import STUDIES
+
+    assert tuple(sorted(STUDIES)) == bench_flags.STUDIES
