@@ -21,7 +21,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     )
     q.add_argument("--config", help="TOML file, as for `distft train --config`")
     q.add_argument("--model", help="the model whose tokenizer and chat template to use (as for train)")
-    q.add_argument("--data", help="the rows (as for train): sample, a .jsonl/.parquet file, a hub id")
+    q.add_argument("--data", help="the rows (as for train): sample, a .jsonl/.parquet/.csv file, a hub id")
     q.add_argument("--rows", type=int, default=1, help="how many training rows to show (default 1)")
     q.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="config overrides, e.g. data.max_length=512"

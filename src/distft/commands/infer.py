@@ -22,7 +22,7 @@ def add_infer_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--input",
-        help="a transcript (text file, or - for standard input), or a .jsonl/.parquet file of rows, one "
+        help="a transcript (text file, or - for standard input), or a .jsonl/.parquet/.csv file of rows, one "
         "output per row (any format `distft train --data` reads; the answer is optional, a chat may end "
         "with a user turn)",
     )
@@ -48,7 +48,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "eval",
         help="validation loss and ROUGE-L, base model vs finetuned",
         description="Score the base model and the finetuned one on the run's validation split, or on "
-        "--data: a .jsonl/.parquet file (every row, any data format), a hub dataset or `sample` (its "
+        "--data: a .jsonl/.parquet/.csv file (every row, any data format), a hub dataset or `sample` (its "
         "validation split). ROUGE-L compares each row's generated last answer with its own.",
     )
     p.add_argument("--run", required=True, help="run directory written by `distft train`")

@@ -18,7 +18,7 @@ import typing
 from functools import cache
 from pathlib import Path
 
-from distft.config.io import load_config, to_toml
+from distft.config.io import load_config, to_toml, toml_value
 from distft.config.schema import Config
 from distft.errors import ConfigError
 
@@ -81,16 +81,8 @@ def render(chosen: list[Setting]) -> str:
     blocks = []
     for s in chosen:
         doc = textwrap.fill(s.doc, 96, initial_indent="    ", subsequent_indent="    ") if s.doc else ""
-        blocks.append(f"{s.key} = {_toml(s.default)}  ({s.type})\n{doc}".rstrip())
+        blocks.append(f"{s.key} = {toml_value(s.default)}  ({s.type})\n{doc}".rstrip())
     return "\n\n".join(blocks)
-
-
-def _toml(value: object) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, str):
-        return f'"{value}"'
-    return str(value)
 
 
 # The names the anchors give settings distft names otherwise (transformers' TrainingArguments,

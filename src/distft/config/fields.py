@@ -131,7 +131,7 @@ def _check_data(data: DataConfig) -> None:
                 )
         if not isinstance(entry.get("source"), str) or not entry["source"]:
             raise ConfigError(
-                f"`{where}` needs a `source`: a local .jsonl/.parquet file, a hub id or sample."
+                f"`{where}` needs a `source`: a local .jsonl/.parquet/.csv file, a hub id or sample."
             )
         weight = entry.get("weight", 1.0)
         if (

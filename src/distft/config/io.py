@@ -208,7 +208,7 @@ def _escaped(c: str) -> str:
     return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):
@@ -216,9 +216,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return '"' + "".join(_escaped(c) for c in value) + '"'
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # an inline table, its keys quoted
-        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{toml_value(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
@@ -231,7 +231,7 @@ def to_toml(cfg: Config) -> str:
                 continue  # derived from the epochs at set-up: not a setting of the run
             if section.name == "optim" and key == "warmup_steps" and cfg.optim.warmup_ratio > 0:
                 continue  # the ratio counts: the steps follow from the run's length
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 

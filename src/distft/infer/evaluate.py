@@ -1,7 +1,7 @@
 """Scoring a trained run: validation loss and ROUGE-L, the base model against the finetuned one.
 
 The rows come from the run's own validation split (never trained on), or from any source distft
-reads (`--data`), in any of its formats: a local .jsonl/.parquet file from its first row, a hub
+reads (`--data`), in any of its formats: a local .jsonl/.parquet/.csv file from its first row, a hub
 dataset or `sample` by its validation split. Either way only the rows scored are held in memory
 (`distft.data.validation_rows`): scoring 16 rows of a set of millions keeps none of the rest.
 Loss is the mean over the answer tokens of the whole row, tokenised as in training
