@@ -92,6 +92,16 @@ def test_a_refused_setting_is_light(args, message, tmp_path):
     assert heavy(imported) == []
 
 
+def test_export_flags_that_do_not_go_together_are_light():
+    code, out, err, imported = run_cli("export", "--run", "r", "--out", "o", "--adapter-only")
+    assert (code, out) == (2, "")
+    assert err == (
+        "distft export: error: --adapter-only is for --format gguf; a transformers export takes "
+        "--dtype bfloat16 or float32.\n"
+    )
+    assert heavy(imported) == []
+
+
 def test_a_command_imports_its_module_when_it_runs():
     """A setting the strategy refuses is checked after the import, as before: one line, exit 2."""
     code, _, err, imported = run_cli("train", "--model", "micro", "--strategy", "nosuch")

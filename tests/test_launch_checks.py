@@ -5,8 +5,11 @@ patched, so they run on any CPU; tests/test_health.py runs the gathered comparis
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from unittest import mock
 
@@ -14,13 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distft import signals
 from distft.config import load_config
 from distft.distributed import DistEnv, agree_on_devices, check_local_gpu, init_distributed
 from distft.errors import ConfigError, HealthError
 from distft.health.facts import device_facts, differences, mixed_facts, rank_ranges
-from distft.health.stragglers import StepArrivals, StragglerWindow
+from distft.health.stragglers import StragglerWindow
+from distft.train.boundary import StepBoundary
 from distft.train.preflight import preflight
-from tests.helpers import distft
+from tests.helpers import distft, free_port, spawn
 
 SHORT = [  # the micro model, 3 steps of one sequence per rank
     "--model", "micro", "train.max_steps=3", "train.global_batch_size=2", "train.micro_batch_size=1",
@@ -259,10 +264,34 @@ def test_two_ranks_the_slow_one_alone_is_named():
     assert window.message(found).startswith("rank 1 is a straggler")
 
 
-def test_the_monitor_is_off_for_one_process_and_window_zero():
+def test_the_monitor_is_off_for_one_process_and_window_zero_and_one_process_reads_its_own_signal():
     cpu = torch.device("cpu")
-    assert StepArrivals.start(DistEnv(0, 1, 0, cpu, None), 8, 1.5) is None
-    assert StepArrivals.start(DistEnv(0, 2, 0, cpu, "gloo"), 0, 1.5) is None
+    alone = StepBoundary.start(DistEnv(0, 1, 0, cpu, None), 8, 1.5)
+    assert alone.window is None and not alone.collective and alone.of(0) is None
+    assert alone.cross(1) == ([], 0)  # no collective, no signal
+    with signals.handling(), signals.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert alone.cross(2) == ([], signal.SIGTERM)
+    off = StepBoundary.start(DistEnv(0, 2, 0, cpu, "gloo"), 0, 1.5)
+    assert off.window is None and off.collective  # the stop signal still crosses
+
+
+def _cross_two_boundaries(rank: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    boundary = StepBoundary.start(DistEnv(rank, 2, rank, torch.device("cpu"), "gloo"), 1, 1.5)
+    with signals.handling(), signals.deferred():
+        assert boundary.cross(1) == ([], 0)  # no arrival time before the first boundary
+        if rank == 1:
+            time.sleep(0.3)  # rank 1 arrives late at step 2, and alone received SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
+        findings, signum = boundary.cross(2)
+    assert signum == signal.SIGTERM  # on both ranks: both stop after step 1
+    assert [f.rank for f in findings] == [1] and findings[0].seconds >= 0.3
+    dist.destroy_process_group()
+
+
+def test_one_all_reduce_between_steps_carries_every_arrival_and_any_rank_s_signal():
+    spawn(_cross_two_boundaries, (free_port(),), nprocs=2, timeout=120)
 
 
 def test_a_slow_rank_is_named_in_the_log_and_ranks_json_and_mixed_ranks_allowed(tmp_path):

@@ -6,8 +6,10 @@ __version__ = "0.1.0"
 
 # transformers imports torchao (QLoRA's NF4, `distft.model.nf4`) whenever it is installed. On a CPU
 # build of torch its CUDA extensions fail to load, and it registers enums the deprecated way: a
-# warning each, in every process. NF4 is pure PyTorch and needs neither; errors still show.
-for _name in ("torchao", "torch.utils._pytree"):
+# warning each, in every process. NF4 is pure PyTorch and needs neither; errors still show. peft
+# imports bitsandbytes (`optim.name=adamw-8bit`) whenever it is installed, which on a CPU with
+# bf16 instructions warns of a 4-bit kernel package distft never uses.
+for _name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 # Two more warnings on every command are silenced where they arise, by message, so any other

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """The command, its module imported first (a Ctrl-C meanwhile is one line, `signals.starting`).
     `distft train` reads and checks its settings before that import: a refused setting (a bad
-    value, an unknown key, a malformed --config) answers without torch."""
+    value, an unknown key, a malformed --config) answers without torch; so do flags another
+    command's parser refuses together (its `check`)."""
     settings: Config | None = None
     if args.command == "train":
 
@@ -131,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
 
         if code := run_command("train", read_settings):
             return code
+    elif (check := getattr(args, "check", None)) and (
+        code := run_command(args.command, lambda: check(args) or 0)
+    ):
+        return code  # flags that do not go together (`distft.commands`)
     runs = command(args.command)
     signals.started()  # the imports are done: each command's own handling from here
     # `distft train` stops at a step boundary on SIGINT/SIGTERM (`distft.signals`).

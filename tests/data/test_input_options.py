@@ -320,9 +320,11 @@ def test_preview_marks_the_prompt_as_trained_and_renders_the_custom_template(tmp
     jsonl, _ = write_both(tmp_path, CSV_ROWS * 2)
     argv = ["data", "preview", "--model", "micro", "--data", str(jsonl), "data.validation_fraction=0.2"]
     assert main(argv) == 0
-    assert "[[hi<|im_end|>]]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[[hi<|im_end|>]]" in out and "; the tokenizer of micro, its chat template\n" in out
     assert main([*argv, "data.train_on_inputs=true", f"data.chat_template={json.dumps(TEMPLATE)}"]) == 0
     out = capsys.readouterr().out
+    assert "; the tokenizer of micro, the inline data.chat_template\n" in out  # the header names it
     assert '[[ user\nSay "hi", then stop.<|im_end|>\n### assistant\nhi<|im_end|>]]' in out, out
     assert "<|im_start|>" not in out  # Qwen3's role headers: not this template's
 

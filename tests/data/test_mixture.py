@@ -9,7 +9,7 @@ import pytest
 from distft.config import DataConfig, load_config
 from distft.data import data_name, load_rows, tokenized_splits, validation_rows
 from distft.data.cache import cache_key
-from distft.data.mixture import mixture_picks
+from distft.data.mixture import mixture_picks, mixture_shares, starved_sources
 from distft.errors import ConfigError
 from distft.train import train
 from tests.helpers import write_jsonl
@@ -122,3 +122,26 @@ def test_a_run_trains_on_a_mixture_of_sharegpt_and_text_rows(tmp_path, capsys):
     assert saved.roles == {"narrator": "system"} and saved.skip_long_rows
     stage = json.loads((result.output_dir / "lineage.json").read_text())["stages"][-1]
     assert stage["data"] == f"mixture of {a} (weight 2), {b} (weight 1)"
+
+
+def test_a_source_whose_share_rounds_to_no_row_is_warned_of_where_the_mixture_is_composed(
+    two_sources, tmp_path, tokenizer, capsys
+):
+    """A weight of 0.01 against 1 over 12 training rows: round(0.12) = 0 rows. Said by the in-memory
+    path and the cache's build alike, naming the source, its weight and its rows."""
+    chat, alpaca = two_sources
+    sources = [{"source": str(chat), "weight": 1.0}, {"source": str(alpaca), "weight": 0.01}]
+    cfg = DataConfig(sources=sources, validation_fraction=0.2)
+    assert starved_sources(cfg, [8, 4]) == (
+        f"warning: data.sources: {alpaca} (weight 0.01, 4 rows) contributes no row to the 12 training rows "
+        "of the mixture: its share, weight / 1.01 of 12 rows, rounds to 0. Raise its weight, or leave it out."
+    )
+    assert starved_sources(cfg, [8, 0]) is None  # an empty source: nothing to lose
+    assert mixture_shares([8, 4], [1.0, 0.01]) == [12, 0]
+    rows = load_rows(cfg, seed=0)
+    assert not any(r.origin.startswith(str(alpaca)) for r in rows["train"])
+    assert f"{alpaca} (weight 0.01, 4 rows) contributes no row" in capsys.readouterr().err
+    tokenized_splits(
+        DataConfig(sources=sources, cache_dir=str(tmp_path / "c"), validation_fraction=0.2), 0, tokenizer
+    )
+    assert "contributes no row" in capsys.readouterr().err

@@ -19,6 +19,7 @@ Context parallelism's ring form (`parallel.cp_method=ring`) keeps exactly the pl
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import replace
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from distft.config import load_config
+from distft.data.tokenizer import qwen3_tokenizer, with_added_tokens
 from distft.distributed import DistEnv
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
@@ -76,6 +78,7 @@ def _storage_bytes(tensors) -> int:
 
 
 # What else each layout is counted with: DoRA's magnitudes (data-parallel layouts), QLoRA's NF4 base,
+# the module copies and token rows that train beside LoRA's adapters,
 # full finetuning of a bf16 model over fp32 master weights (train.master_weights=fp32, where the
 # strategy keeps them) and in bf16 alone (master_weights=model), FSDP2's dtype overrides; state
 # and collectives.
@@ -88,12 +91,30 @@ EXTRA = {
     "bf16": ("full", [*BF16, "train.master_weights=model"], {"precision": "bf16-pure"}, tuple(LAYOUTS)),
     # FSDP2's dtype overrides on an fp32 model: bf16 gathers (and reductions), or fp32 reductions.
     "fsdp-bf16": ("full", ["parallel.fsdp_param_dtype=bfloat16"], {}, ("fsdp",)),
+    # What trains beside the adapters: a copy of the final norm, and two rows of the embedding
+    # (tokens the vocabulary holds, so it does not grow).
+    "beside": (
+        "lora",
+        ['lora.modules_to_save=["norm"]', 'model.added_tokens=["<think>", "</think>"]'],
+        {"modules_to_save": ("norm",), "trainable_tokens": 2},
+        DATA_PARALLEL,
+    ),
+    # Each optimizer's state: bitsandbytes' 8-bit AdamW where it is built, SGD's momentum.
+    "adamw-8bit": ("lora", ["optim.name=adamw-8bit"], {"optimizer": "adamw-8bit"}, ("single", "ddp")),
+    "sgd": ("full", ["optim.name=sgd"], {"optimizer": "sgd"}, ("single", "zero1", "fsdp")),
     "fsdp-fp32-reduce": (
         "lora",
         ["parallel.fsdp_param_dtype=bfloat16", "parallel.fsdp_reduce_dtype=float32"],
         {},
         ("zero2",),
     ),
+}
+
+
+OPTIMIZERS = {  # optim.name -> (class, its arguments), as `distft.train.optim` builds them
+    "adamw": lambda: (torch.optim.AdamW, {"lr": 1e-3}),
+    "adamw-8bit": lambda: (importlib.import_module("bitsandbytes.optim").AdamW8bit, {"lr": 1e-3}),
+    "sgd": lambda: (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
 }
 
 
@@ -146,9 +167,13 @@ def _count(env, spec, method, name, layout, world, overrides=(), extra=None, lab
     strategy = STRATEGIES[name](cfg, env)
     base = load_base_model(cfg.model)
     base = base.float() if extra.get("fp32_masters") else base  # as `train.setup` keeps the masters
-    model = strategy.parallelize(LossLM(apply_method(base, cfg)))
+    tokenizer = (
+        with_added_tokens(qwen3_tokenizer(), cfg.model.added_tokens) if cfg.model.added_tokens else None
+    )
+    model = strategy.parallelize(LossLM(apply_method(base, cfg, tokenizer)))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = strategy.build_optimizer(trainable, torch.optim.AdamW, lr=1e-3)
+    optimizer_class, defaults = OPTIMIZERS[extra.get("optimizer", "adamw")]()
+    optimizer = strategy.build_optimizer(trainable, optimizer_class, **defaults)
 
     # One step of one fixed-length micro-batch per rank, as the loop runs it (the first: DDP has not
     # rebuilt its buckets yet), counted by kind: the planner's prediction for this config
@@ -199,9 +224,9 @@ def _count(env, spec, method, name, layout, world, overrides=(), extra=None, lab
         "parameters": _storage_bytes([p for p in params if not is_nf4(p)])
         + sum(v for k, v in storage_layout(model).items() if k != "dense"),
         "gradients": _storage_bytes([p.grad for p in params if p.grad is not None]),
-        "optimizer": sum(
-            _local(v).untyped_storage().nbytes()
-            for state in strategy.local_optimizer(optimizer).state.values()  # ZeRO-1: its partition
+        "optimizer": _storage_bytes(  # ZeRO-1: its partition; AdamW8bit's code books shared
+            v
+            for state in strategy.local_optimizer(optimizer).state.values()
             for v in state.values()
             if torch.is_tensor(v)
         ),

@@ -1,8 +1,8 @@
 """Optimizers, schedules, LoRA variants and LoRA+, epochs, master weights: what each setting does,
 and what each strategy refuses before launch.
 
-One in-process run (a bf16 full finetune over fp32 master weights, its length in epochs); the
-rest builds models or reads configs. The data-parallel parity of DoRA and LoRA+ is in
+One in-process run (a bf16 full finetune over fp32 master weights, its length in epochs), and
+8-bit AdamW's runs (one process, two DDP ranks, a resume); the rest builds models or reads configs. The data-parallel parity of DoRA and LoRA+ is in
 tests/parallel/test_data_parallel.py, their exact resume in tests/test_checkpoint.py.
 """
 
@@ -13,12 +13,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from distft.cli import main
 from distft.config import load_config
 from distft.errors import ConfigError
 from distft.model import apply_method, load_base_model
 from distft.parallel import check_config, master_weights
 from distft.train import train
 from distft.train.optim import check_optimizer, lr_lambda, lr_scaling_hint, param_groups
+from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
 
 QUICK = ["model.name=micro", "data.max_length=256", "data.max_rows=8", "train.global_batch_size=4"]
 
@@ -99,10 +101,33 @@ def test_config_mistakes(overrides, message):
         load_config(None, overrides)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None, reason="bitsandbytes is installed")
-def test_adamw_8bit_without_bitsandbytes_is_refused():
+def test_adamw_8bit_without_bitsandbytes_is_refused(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     with pytest.raises(ConfigError, match="needs bitsandbytes"):
         check_optimizer(load_config(None, ["optim.name=adamw-8bit"]), "cpu")
+
+
+def test_adamw_8bit_trains_under_ddp_as_in_one_process_and_resumes_exactly(tmp_path):
+    """bitsandbytes' 8-bit AdamW (a dev dependency: it steps on the CPU from 0.50) in a real run:
+    its state is 8-bit (checked beside the planner's bytes in tests/plan/test_counted.py), two DDP
+    ranks train as one process does on the same global batch, and a run cut after step 2 resumes
+    from its checkpoint to the same adapter, bit for bit (the quantized state round-trips)."""
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    eight_bit = [*PARITY, "optim.name=adamw-8bit", "output.checkpoint_every=1"]
+    assert main(["train", *eight_bit, "--out", str(single)]) == 0
+    distft("train", *eight_bit, "--strategy", "ddp", "--nproc", "2", "--out", str(ddp))
+    assert_same_training(ddp, single, rtol=1e-4)
+    first = metrics(single)
+    assert first[-1]["loss"] < first[0]["loss"]  # it learns
+
+    cut = crashed_copy(single, tmp_path / "cut", after_step=2)
+    assert main(["train", "--resume", str(cut)]) == 0
+    assert [m["loss"] for m in metrics(cut)] == [m["loss"] for m in first]
+    resumed, whole = adapter(cut), adapter(single)
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 
 def test_lr_hint_square_root_for_adam_linear_for_sgd():

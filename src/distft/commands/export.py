@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from distft.errors import ConfigError
+
 EXPORT_DTYPES = ("bfloat16", "float32")  # --format safetensors: a transformers model
 GGUF_DTYPES = ("float32", "float16", "bfloat16")  # --format gguf
 
@@ -39,3 +41,17 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--push-to-hub", metavar="REPO", help="also upload to this hub repository (user/name)")
     p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    p.set_defaults(check=check_export_flags)
+
+
+def check_export_flags(args: argparse.Namespace) -> None:
+    """Flags that do not go together, refused before the command's imports (torch)."""
+    if args.format == "gguf" and args.push_to_hub:
+        raise ConfigError(
+            "--push-to-hub uploads a transformers export; push a GGUF file with huggingface-cli upload."
+        )
+    if args.format == "safetensors" and (args.adapter_only or args.dtype not in EXPORT_DTYPES):
+        what = "--adapter-only" if args.adapter_only else f"--dtype {args.dtype}"
+        raise ConfigError(
+            f"{what} is for --format gguf; a transformers export takes --dtype {' or '.join(EXPORT_DTYPES)}."
+        )

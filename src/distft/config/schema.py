@@ -165,9 +165,9 @@ class TrainConfig:
     """Collectives' bytes and overlap: `every` step, the `first` only, `off`, or auto: every step on
     CPU, the first on CUDA (a host hook on every op would slow the steps it measures)."""
     straggler_window: int = 8
-    """Multi-process runs: each rank's arrival at every step is gathered (4 bytes a rank), and a rank
-    whose median over this many steps is over `straggler_ratio` x the others' is named
-    (`distft.health.stragglers`): a warning, and `straggler` in ranks.json. 0: off (no gather)."""
+    """Multi-process runs: each rank's arrival at every step rides the stop signal's all-reduce
+    before it (`distft.train.boundary`), and a rank whose median over this many steps is over
+    `straggler_ratio` x the others' is named: a warning, and `straggler` in ranks.json. 0: off."""
     straggler_ratio: float = 1.5
     """A rank taking more than this many times the other ranks' median to reach each step is a straggler."""
     early_stopping_patience: int = 0

@@ -43,7 +43,7 @@ from distft.config import DataConfig
 from distft.data import chat, files, formats, mixture, rows, store
 from distft.data.chat import ENCODE_CHUNK, ChatFormatter, TokenizedSplit, tokenize_rows
 from distft.data.formats import Row
-from distft.data.mixture import data_name, mix_splits, source_configs, source_weights
+from distft.data.mixture import data_name, mix_splits, source_configs
 from distft.data.rows import check_splits, held_out, is_local, load_rows, row_source
 from distft.data.sample import is_sample, sample_files
 from distft.data.store import META, CachedSplit, StoreWriter, open_store
@@ -210,7 +210,7 @@ def build_store(
         parts = [
             _source_splits(sub, seed, formatter, writer, skipped, progress) for sub in source_configs(cfg)
         ]
-        splits = mix_splits(parts, source_weights(cfg), seed)
+        splits = mix_splits(parts, cfg, seed)
     else:
         splits = _source_splits(cfg, seed, formatter, writer, skipped, progress)
     if cfg.max_rows:

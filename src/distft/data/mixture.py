@@ -21,6 +21,7 @@ in-memory path (`distft.data.rows.load_rows`) train on the same rows in the same
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -50,15 +51,38 @@ def data_name(cfg: DataConfig) -> str:
     return "mixture of " + ", ".join(parts)
 
 
+def mixture_shares(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """How many training rows each source contributes: k_i = round(w_i / sum(w) x T), 0 for an empty source."""
+    total, weight_sum = sum(sizes), sum(weights)
+    return [round(w / weight_sum * total) if n else 0 for n, w in zip(sizes, weights, strict=True)]
+
+
+def starved_sources(cfg: DataConfig, sizes: Sequence[int]) -> str | None:
+    """The warning for sources with training rows whose share rounds to none of the mixture, or None.
+    Said where the mixture is composed (the token cache's build, or rows read in memory)."""
+    weights = source_weights(cfg)
+    shares = mixture_shares(sizes, weights)
+    starved = [
+        f"{e['source']} (weight {w:g}, {n:,} rows)"
+        for e, w, n, k in zip(cfg.sources, weights, sizes, shares, strict=True)
+        if n and not k
+    ]
+    if not starved:
+        return None
+    return (
+        f"warning: data.sources: {', '.join(starved)} contributes no row to the {sum(shares):,} training rows "
+        f"of the mixture: its share, weight / {sum(weights):g} of {sum(sizes):,} rows, rounds to 0. "
+        "Raise its weight, or leave it out."
+    )
+
+
 def mixture_picks(sizes: Sequence[int], weights: Sequence[float], seed: int) -> tuple[np.ndarray, np.ndarray]:
     """The training mixture as (source, position) pairs, in training order (the rule above)."""
-    total, weight_sum = sum(sizes), sum(weights)
     generator = torch.Generator().manual_seed(seed)
     sources, positions = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
-    for i, (n, w) in enumerate(zip(sizes, weights, strict=True)):
+    for i, (n, k) in enumerate(zip(sizes, mixture_shares(sizes, weights), strict=True)):
         sample = torch.randperm(n, generator=generator).numpy()  # drawn for every source: stable
-        k = round(w / weight_sum * total)
-        if n == 0 or k == 0:
+        if k == 0:
             continue
         whole, rest = divmod(k, n)
         picked = np.concatenate([np.tile(np.arange(n, dtype=np.int64), whole), sample[:rest]])
@@ -69,12 +93,13 @@ def mixture_picks(sizes: Sequence[int], weights: Sequence[float], seed: int) -> 
     return source[order], position[order]
 
 
-def mix_splits(
-    parts: list[dict[str, np.ndarray]], weights: Sequence[float], seed: int
-) -> dict[str, np.ndarray]:
+def mix_splits(parts: list[dict[str, np.ndarray]], cfg: DataConfig, seed: int) -> dict[str, np.ndarray]:
     """Each source's split arrays (of anything: example numbers) mixed: train by `mixture_picks`,
-    validation concatenated."""
-    source, position = mixture_picks([len(p["train"]) for p in parts], weights, seed)
+    validation concatenated. A source left out by rounding is warned of."""
+    sizes = [len(p["train"]) for p in parts]
+    if line := starved_sources(cfg, sizes):
+        print(line, file=sys.stderr, flush=True)
+    source, position = mixture_picks(sizes, source_weights(cfg), seed)
     starts = np.cumsum([0] + [len(p["train"]) for p in parts])
     train = np.concatenate([p["train"] for p in parts])[starts[source] + position]
     return {"train": train, "validation": np.concatenate([p["validation"] for p in parts])}

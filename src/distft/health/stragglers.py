@@ -17,21 +17,14 @@ a rank slower only inside forward/backward (a throttled GPU under DDP or FSDP): 
 collectives absorb that, and every rank's step time grows alike (compare the run's MFU with a
 healthy one's, or `distft doctor` per node).
 
-Cost: one all-reduce of `4 x world_size` bytes before each step, outside the step's timing and
-outside its `comm_bytes` (which count the step's own collectives, as `comm_bytes_expected`
-predicts them).
+The arrival times ride the one collective between steps, with the stop signal
+(`distft.train.boundary`); this module only judges them.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as dist
-
-from distft.distributed import DistEnv
 
 
 @dataclass(frozen=True)
@@ -89,34 +82,3 @@ class StragglerWindow:
             "collective waits for it. It is overloaded, or slower at the work it does alone (its data, its "
             "host, its disk); ranks.json keeps the steps."
         )
-
-
-class StepArrivals:
-    """The gather before each step, feeding a `StragglerWindow`."""
-
-    def __init__(self, env: DistEnv, window: int, ratio: float, names: list[str] | None = None):
-        self.env = env
-        self.window = StragglerWindow(window, ratio, names or [])
-        self._left: float | None = None  # when this rank left the previous step's all-reduce
-
-    @classmethod
-    def start(
-        cls, env: DistEnv, window: int, ratio: float, names: list[str] | None = None
-    ) -> StepArrivals | None:
-        """The monitor of a multi-process run, or None (one process, or `window` 0)."""
-        on = env.distributed and env.world_size > 1 and window > 0
-        return cls(env, window, ratio, names) if on else None
-
-    def arrive(self, step: int) -> list[Finding]:
-        """A collective, every rank before step `step`: the ranks named when a window completes."""
-        mine = torch.zeros(self.env.world_size, dtype=torch.float32, device=self.env.device)
-        first = self._left is None
-        mine[self.env.rank] = 0.0 if first else time.perf_counter() - self._left
-        dist.all_reduce(mine)  # each rank fills its own slot: the sum is everyone's
-        seconds = mine.tolist()
-        self._left = time.perf_counter()
-        return [] if first else self.window.add(step, seconds)
-
-    def of(self, rank: int) -> dict | None:
-        """What ranks.json says of `rank`: its worst ratio and the steps it was named for, or None."""
-        return self.window.found.get(rank)

@@ -254,6 +254,9 @@ class Strategy:
         # the whole frozen base (and full finetuning's weights twice).
         trainable = {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
         model_state = {k: v for k, v in model_state.items() if k in trainable}
+        # bitsandbytes (0.50) nests a tensor's 8-bit state under one key in its state_dict, but not
+        # in its live state, whose names loading follows: kept flat, as it loads.
+        optim_state = {k.replace(f".{BNB_STATE}.", "."): v for k, v in optim_state.items()}
         # Flattened optimizer state: `state.<fqn>.<exp_avg|exp_avg_sq|step>` (state_dict_options).
         optimized = {optimizer_state_owner(k)[0] for k in optim_state if k.startswith("state.")}
         assert optimized <= trainable, "optimizer state under names the model lacks"
@@ -284,6 +287,9 @@ class Strategy:
         """What the bytes formula (`distft.plan.traffic`) needs of this running strategy beyond
         its config: `Parallelism` fields (a pipeline's cut as it ran), or `DDPSettings` ones."""
         return {}
+
+
+BNB_STATE = "__bnb_optimizer_quant_state__"  # where bitsandbytes nests a tensor's 8-bit state
 
 
 def optimizer_state_owner(key: str) -> tuple[str, str]:

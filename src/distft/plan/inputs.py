@@ -71,6 +71,10 @@ class Training:
         False  # full finetuning with train.master_weights=fp32: weights, grads, moments in fp32
     )
     adapter_bytes: int = 4  # PEFT keeps adapters in fp32 over a 16-bit base (autocast_adapter_dtype)
+    optimizer: str = "adamw"  # optim.name: adamw | adamw-8bit | sgd (`plan.optimizer`)
+    sgd_momentum: bool = True  # sgd keeps a momentum buffer (optim.momentum > 0)
+    modules_to_save: tuple[str, ...] = ()  # LoRA: modules trained whole beside the adapters (a copy each)
+    trainable_tokens: int = 0  # LoRA: added tokens whose embedding (and untied lm_head) rows train
     autocast: bool = True  # bf16 autocast around forward/backward (distft on CUDA; off on CPU)
     seq_len: int = 2048
     micro_batch: int = 1

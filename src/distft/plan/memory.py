@@ -7,15 +7,15 @@ Five components, in bytes per rank:
    torchao's NF4Tensor, scales in the model dtype); embeddings, norms, biases (Qwen2's q/k/v) and
    lm_head stay 16-bit.
 2. Gradients. Trainable weights only, in `Precision.grad`: the whole model for full finetuning,
-   the adapters alone for (Q)LoRA.
-3. Optimizer state. AdamW keeps two moments per trainable element (`Precision.state` bytes each)
-   and, under mixed precision, an fp32 master copy (`Precision.master`), plus one fp32 step
-   counter per trainable tensor. Mixed precision is therefore 2 + 2 + 4 + 4 + 4 = 16 bytes per
+   for (Q)LoRA the adapters and what trains beside them (`trained_beside`).
+3. Optimizer state (each `optim.name`'s: `optimizer.py`). AdamW keeps two moments per trainable
+   element (`Precision.state` bytes each) and, under mixed precision, an fp32 master copy
+   (`Precision.master`), plus one fp32 step counter per trainable tensor. Mixed precision is therefore 2 + 2 + 4 + 4 + 4 = 16 bytes per
    trained parameter; bf16 weights with fp32 moments and no master copy is 12 (the blog series' 13B
    table: 26 + 26 + 104 = 156 GB). LoRA pays this only on the adapters, which PEFT keeps in fp32
    over a 16-bit base (`autocast_adapter_dtype`): 4 + 4 + 8 = 16 bytes per adapter parameter.
-4. Activations: what autograd saves for backward (`activations.activation_bytes`), plus a transient working set (one layer's recompute under activation checkpointing,
-   or the logits at the loss).
+4. Activations: what autograd saves for backward (`activations.activation_bytes`), plus a
+   transient working set (one layer's recompute under activation checkpointing, or the logits).
 5. Communication buffers: FSDP's gathered (unsharded) parameters and unsharded gradients
    before their reduce-scatter, TP/SP and pipeline send/receive buffers, the dequantized QLoRA
    weight (`comm_buffer_bytes`). ZeRO-1 adds none: its broadcast buckets are the weights
@@ -45,7 +45,7 @@ The activation model is in `activations.py`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from distft.model.nf4 import NF4Spec, nf4_bytes
 from distft.plan.inputs import (
@@ -57,9 +57,9 @@ from distft.plan.inputs import (
     rank_layers,
 )
 from distft.plan.model_spec import ModelSpec, TensorSpec
+from distft.plan.optimizer import optimizer_state_bytes, shared_state_bytes, zero1_partition
 
 ADAPTER_KINDS = ("lora_A", "lora_B", "lora_magnitude")  # trainable adapter tensors, in adapter_bytes
-STEP_BYTES = 4  # AdamW's `step`: one fp32 scalar tensor per trainable tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,12 +73,8 @@ def nf4_tensor_bytes(numel: int, quant: NF4Spec, itemsize: int, shards: int = 1)
 
 
 def qlora_base_bytes(spec: ModelSpec, quant: NF4Spec | None = None, unquantized_bytes: int = 2) -> int:
-    """The frozen base of a QLoRA model: projection weights in NF4, everything else 16-bit.
-
-    Embeddings, norms, biases and lm_head (the embedding itself when tied) stay in
-    `unquantized_bytes` per element, the NF4 scales too (torchao keeps them in the model dtype). Adapters are not
-    included (`state_bytes` adds them).
-    """
+    """The frozen base of a QLoRA model: projection weights in NF4; embeddings, norms, biases,
+    lm_head and the NF4 scales in `unquantized_bytes` per element. Adapters: `state_bytes`."""
     quant = quant or NF4Spec()
     total = 0
     for t in spec.tensors():
@@ -121,7 +117,8 @@ def stage_tensors(
         layers, first, last = set(lay.layers_of(stage)), stage == 0, stage == lay.num_stages - 1
     full = training.method == "full"
     out = []
-    for t in spec.tensors():
+    base = [(t, full) for t in spec.tensors()] + [(t, True) for t in trained_beside(spec, training)]
+    for t, trains in base:
         if t.layer is not None:
             keep = t.layer in layers
         elif t.kind == "embed":
@@ -129,7 +126,7 @@ def stage_tensors(
         else:
             keep = last
         if keep:
-            out.append((t, full))
+            out.append((t, trains))
     if training.lora:
         out += [
             (t, True)
@@ -166,18 +163,19 @@ def param_element_bytes(t: TensorSpec, training: Training) -> float:
     return training.precision.param
 
 
-def trained_element_bytes(t: TensorSpec, training: Training) -> tuple[int, int]:
-    """(gradient, optimizer state) bytes per element of a trainable tensor.
+def trained_element_bytes(t: TensorSpec, training: Training) -> tuple[int, int, int]:
+    """(gradient, one AdamW moment, master copy) bytes per element of a trainable tensor
+    (`optimizer.optimizer_state_bytes` turns the last two into each optimizer's state).
 
     fp32 adapters carry fp32 gradients and fp32 AdamW moments and need no master copy: 4 + 8
     bytes, whatever the base's precision (adapters as light as 16-bit follow the precision).
     """
     p = training.precision
     if t.kind in ADAPTER_KINDS and training.adapter_bytes == 4:
-        return 4, 8
+        return 4, 4, 0
     if training.fp32_masters and training.method == "full":
-        return 4, 2 * 4  # fp32 gradients (of the fp32 weights) and fp32 moments; no separate master
-    return p.grad, 2 * p.state + p.master
+        return 4, 4, 0  # fp32 gradients (of the fp32 weights) and fp32 moments; no separate master
+    return p.grad, p.state, p.master
 
 
 def _param_bytes(t: TensorSpec, training: Training, shape: tuple[int, ...], shards: int) -> int:
@@ -210,43 +208,62 @@ def state_bytes(
     trained = [math.prod(local_shape(t, par.tp, tp_rank)) for t, trains in held if trains]
     # ZeRO-1: the rank whose AdamW updates each trained tensor.
     owners = iter(zero1_partition(trained, par.dp) if par.shard == "optimizer" else [])
+    kept = []  # local elements of the whole tensors whose state this rank keeps
     for t, trainable in held:
         shape = local_shape(t, par.tp, tp_rank)
         numel = math.prod(shape)
         rest = numel // shape[0] if shape[0] else 0
-        gbytes, obytes = trained_element_bytes(t, training)
+        gbytes, moment, master = trained_element_bytes(t, training)
         out.params += _param_bytes(t, training, shape, n if sharded else 1)
         if not trainable:
             continue
         if sharded:
             out.grads += math.ceil(shape[0] / n) * rest * gbytes
             # dp_rank % n: the rank's place in its shard group (HSDP's replicas hold the same chunks).
-            out.optimizer += chunk_rows(shape[0], n, dp_rank % n) * rest * obytes + STEP_BYTES
+            out.optimizer += optimizer_state_bytes(
+                chunk_rows(shape[0], n, dp_rank % n) * rest, moment, master, training
+            )
         elif par.shard == "optimizer":  # ZeRO-1: whole gradients, the state of this rank's tensors
             out.grads += numel * gbytes
             if next(owners) == dp_rank:
-                out.optimizer += numel * obytes + STEP_BYTES
+                out.optimizer += optimizer_state_bytes(numel, moment, master, training)
         else:
             out.grads += numel * gbytes
-            out.optimizer += numel * obytes + STEP_BYTES
+            out.optimizer += optimizer_state_bytes(numel, moment, master, training)
+            kept.append(numel)
+    out.optimizer += shared_state_bytes(kept, training)  # strategies that shard build no 8-bit AdamW
     return out
 
 
-def zero1_partition(numels: list[int], n: int) -> list[int]:
-    """The rank whose optimizer holds each tensor's state under torch's ZeroRedundancyOptimizer:
-    tensors largest first (ties in their order), each to the rank with the fewest elements so far
-    (the lowest such rank)."""
-    owners, sizes = [0] * len(numels), [0] * n
-    for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):
-        owners[i] = sizes.index(min(sizes))
-        sizes[owners[i]] += numels[i]
-    return owners
+def trained_beside(spec: ModelSpec, training: Training) -> list[TensorSpec]:
+    """What trains beside LoRA's adapters (`distft.model.tokens`), in the base's dtype: a copy of
+    every weight of each `lora.modules_to_save` module (peft's ModulesToSaveWrapper; a tied
+    embedding and lm_head copied once), and a delta of each added token's row in the embedding and
+    an untied lm_head (peft's TrainableTokensLayer) where that module is not copied whole."""
+    if not training.lora:
+        return []
+    names = set(training.modules_to_save)
+    if spec.tie_word_embeddings and "lm_head" in names:
+        names.add("embed_tokens")  # the tied lm_head is the embedding
+    tensors = spec.tensors()
+    copies = [
+        replace(t, name=f"{t.name}.modules_to_save")
+        for t in tensors
+        if (t.module or t.name.rsplit(".", 1)[-1]) in names
+    ]
+    rows = [
+        TensorSpec(f"{t.name}.trainable_tokens", (training.trainable_tokens, spec.hidden_size), t.kind)
+        for t in tensors
+        if t.kind in ("embed", "lm_head") and t.name not in names and training.trainable_tokens
+    ]
+    return copies + rows
 
 
 def trainable_params(spec: ModelSpec, training: Training) -> int:
     if training.method == "full":
         return spec.num_params()
-    return sum(t.numel for t in spec.lora_tensors(training.lora_rank, training.lora_targets, training.dora))
+    lora = spec.lora_tensors(training.lora_rank, training.lora_targets, training.dora)
+    return sum(t.numel for t in lora + trained_beside(spec, training))
 
 
 # ---------------------------------------------------------------------------------------------

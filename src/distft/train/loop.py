@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from distft import signals
 from distft.config import Config
 from distft.distributed import shutdown
-from distft.health.stragglers import StepArrivals
 from distft.io.checkpoint import latest_checkpoint, resume_hint, save_training_state
 from distft.io.files import atomic_write_text
 from distft.io.lock import run_lock
@@ -34,6 +32,7 @@ from distft.model import DTYPES, causal_lm
 from distft.model.nf4 import quantization
 from distft.parallel.base import unwrap
 from distft.parallel.derive import complete_defaults
+from distft.train.boundary import StepBoundary
 from distft.train.hooks import TrainHooks
 from distft.train.metrics import (
     MetricsWriter,
@@ -123,22 +122,25 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
     result = TrainResult(output_dir=run.out, first_step=run.start_step + 1)
     names = [str(p) for p in run.health.places] if run.health else None
-    stragglers = StepArrivals.start(
-        env, tc.straggler_window, tc.straggler_ratio, names
-    )  # None: one process, or off
+    boundary = StepBoundary.start(env, tc.straggler_window, tc.straggler_ratio, names)
 
     # ---- the loop -------------------------------------------------------------------------
     startup_s = startup_seconds()  # command start to the first step
     run.model.train()
     with progress:
         progress.advance_to(run.start_step)
+        saved = False  # whether the step before this one was checkpointed
         for step in range(run.start_step + 1, tc.max_steps + 1):  # 1-based
             hooks.before_step(step, env.rank)
             examples = global_batch(run, step)
-            if stragglers:  # every rank's arrival at this step (`distft.health.stragglers`)
-                with run.collective(f"the all-reduce of arrival times before step {step}"):
-                    for finding in stragglers.arrive(step):
-                        progress.warn(stragglers.window.message(finding))
+            # Stragglers named; every rank stops after the same step (`distft.train.boundary`).
+            with run.collective(f"the all-reduce of arrival times and stop signals before step {step}"):
+                findings, signum = boundary.cross(step)
+            for finding in findings:
+                progress.warn(boundary.window.message(finding))
+            if signum and step > run.start_step + 1:
+                stop(run, step - 1, signum, result, saved)
+                break
             if env.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -168,9 +170,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
             saved = bool(cfg.output.checkpoint_every) and (step % cfg.output.checkpoint_every == 0 or last)
             if saved:
                 checkpoint(run, step)
-            if not last and (signum := stop_requested(run, step)):
-                stop(run, step, signum, result, saved)
-            if last or result.stopped_by is not None:
+            if last:
                 break
 
     if result.stopped_by is not None:  # no export: the run goes on with `--resume`
@@ -180,7 +180,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
         return result
 
     # ---- export ---------------------------------------------------------------------------
-    straggler = stragglers.of(env.rank) if stragglers else None
+    straggler = boundary.of(env.rank)
     summary = rank_summary(run, measure.saved_activation_bytes) | measure.rank_record()
     prediction = prediction_record(run, measure.first_comm_bytes, measure.saved_activation_bytes)
     summary |= {"straggler": straggler, **prediction}
@@ -255,22 +255,6 @@ def checkpoint(run: Run, step: int) -> Path:
         state = run.strategy.checkpoint_state(run.model, run.optimizer)
         env, keep = run.env, run.cfg.output.keep_last
         return save_training_state(run.out, step, state, run.scheduler, env.rank, env.world_size, keep, loop)
-
-
-def stop_requested(run: Run, step: int) -> int:
-    """The signal on which every rank stops after step `step` (0: none), the same on every rank.
-
-    Ranks see a signal at different steps (or only some see it), so they agree: the largest
-    signal number any rank has, by an all-reduce of 4 bytes. It runs after the step, outside what
-    `distft.measure` counts: the loss and norm all-reduces inside the step run over other groups
-    per strategy (or not at all), so none of them reaches every rank everywhere."""
-    mine = signals.received() or 0
-    if not run.env.distributed:
-        return mine
-    flag = torch.tensor([mine], dtype=torch.int32, device=run.env.device)
-    with run.collective(f"the all-reduce of the stop flag after step {step}"):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
 
 
 def stop(run: Run, step: int, signum: int, result: TrainResult, saved: bool) -> None:

@@ -63,9 +63,17 @@ def cmd_data(args: argparse.Namespace) -> int:
 def header(cfg: Config) -> str:
     """What every row below shares: the source, its format, the length policy, the tokenizer."""
     data: DataConfig = cfg.data
+    inline = "{{" in data.chat_template or "{%" in data.chat_template
+    template = (
+        "its chat template"
+        if not data.chat_template
+        else "the inline data.chat_template"
+        if inline
+        else f"the chat template of {data.chat_template}"
+    )
     return (
         f"data: {data_name(data)}, format {data_format(data)}; max_length {data.max_length}, truncation "
-        f"{data.truncation}; tokenizer and chat template of {cfg.model.name}\n"
+        f"{data.truncation}; the tokenizer of {cfg.model.name}, {template}\n"
         f"the tokens inside {OPEN}...{CLOSE} carry loss; the rest is context the model reads"
     )
 
