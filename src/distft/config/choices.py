@@ -1,6 +1,8 @@
 """The choices of the string settings that take one of a few values (`distft.config.fields` checks them)."""
 
 METHODS = ("lora", "qlora", "full")
+OBJECTIVES = ("sft", "dpo", "orpo")  # train.objective; `distft.model.preference`
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # dpo.loss_type
 LORA_VARIANTS = ("lora", "dora", "rslora")
 # The projections of a decoder layer, every family's, in the order transformers registers them
 # (`distft.model.families.PROJECTIONS` adds their module paths and tensor-parallel styles).
@@ -25,6 +27,6 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 CP_METHODS = ("allgather", "ring")  # parallel.cp_method; `distft.parallel.context`
 MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
 TRUNCATIONS = ("head", "tail", "middle")
-DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca", "sharegpt", "text")
+DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca", "sharegpt", "text", "preference")
 ROLES = ("system", "user", "assistant")  # chat turns; data.roles maps ShareGPT names onto them
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`

@@ -19,6 +19,7 @@ from distft.config.choices import (
     COMPILE_CHOICES,
     CP_METHODS,
     DATA_FORMATS,
+    DPO_LOSSES,
     DTYPES,
     FUSED_CHOICES,
     LORA_TARGET_PRESETS,
@@ -26,6 +27,7 @@ from distft.config.choices import (
     MASTER_WEIGHTS,
     MEASURE_COMM,
     METHODS,
+    OBJECTIVES,
     OPTIMIZERS,
     PIPELINE_SCHEDULES,
     ROLES,
@@ -55,6 +57,8 @@ def check_choice(value: str, choices: tuple[str, ...] | list[str], where: str) -
 def check_fields(cfg: Config) -> None:
     """Checks that need only the config itself; strategy and model checks: `distft.parallel.checks`."""
     check_choice(cfg.train.method, METHODS, "train.method")
+    check_choice(cfg.train.objective, OBJECTIVES, "train.objective")
+    check_choice(cfg.dpo.loss_type, DPO_LOSSES, "dpo.loss_type")
     check_choice(cfg.model.dtype, DTYPES, "model.dtype")
     check_choice(cfg.model.attn_implementation, ATTENTION_CHOICES, "model.attn_implementation")
     checkpointing = cfg.model.activation_checkpointing
@@ -231,6 +235,8 @@ RANGES: dict[str, Range] = {
     "lora.alpha": POSITIVE,
     "lora.dropout": FRACTION,
     "lora.lr_ratio": POSITIVE,  # 1: LoRA+ off
+    "dpo.beta": POSITIVE,
+    "dpo.label_smoothing": Range(0, 0.5, high_open=True),
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,
     "optim.beta1": FRACTION,

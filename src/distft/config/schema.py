@@ -1,7 +1,7 @@
 """The run configuration: plain dataclasses, one per section, a docstring under every field.
 
-A run is fully described by one `Config` in seven sections (`model`, `data`, `lora`, `optim`,
-`train`, `parallel`, `output`). `distft.config.fields.check_fields` holds the checks that need nothing but
+A run is fully described by one `Config` in eight sections (`model`, `data`, `lora`, `optim`,
+`train`, `dpo`, `parallel`, `output`). `distft.config.fields.check_fields` holds the checks that need nothing but
 the config itself: choices, and the range of every int and float field (`fields.RANGES`, one
 table; floats finite); checks that depend on a strategy or a model architecture run later, in
 `distft.parallel.checks`, before any process is launched.
@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from distft.config.choices import PROJECTION_NAMES
 from distft.config.data import DataConfig
+from distft.config.preference import PreferenceConfig
 
 # ---- Sections -------------------------------------------------------------------------------
 
@@ -130,6 +131,10 @@ class TrainConfig:
     method: str = "lora"
     """lora (adapters on a frozen base), qlora (adapters on a frozen 4-bit NF4 base, `distft.model.nf4`)
     or full (every weight trains)."""
+    objective: str = "sft"
+    """sft (the answers' token loss), dpo (prefer the chosen answer of each pair over the rejected
+    one, against the starting model) or orpo (sft plus an odds-ratio term, no reference): the
+    preference objectives train on pairs (docs/preference.md; settings in [dpo])."""
     max_steps: int = 100
     """Optimizer steps (leave it unset when train.epochs sets them)."""
     epochs: float = 0.0
@@ -290,6 +295,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

@@ -1,4 +1,4 @@
-"""Row formats: what one dataset row says, whichever of the six shapes it comes in.
+"""Row formats: what one dataset row says, whichever of the seven shapes it comes in.
 
 - `summary`: a meeting transcript and its summary, in one of the AMI schemas (`KNOWN_SCHEMAS`) or
   in fields named by `data.transcript_field` / `data.summary_field`;
@@ -7,7 +7,8 @@
 - `alpaca`: `{"instruction", "input", "output"}`, `input` optional;
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`, its turn
   names mapped to chat roles by `DEFAULT_ROLES` and `data.roles`;
-- `text`: `{"text": ...}`, plain text with loss on every token (a `TextRow`).
+- `text`: `{"text": ...}`, plain text with loss on every token (a `TextRow`);
+- `preference`: `{"prompt", "chosen", "rejected"}` or whole conversations (`distft.data.preference`).
 
 `data.format=auto` detects the format from the fields each row has. A row whose fields fit more
 than one format (alpaca's `input`/`output` are also qmsum-cleaned's transcript/summary) is
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from distft.config import DataConfig
-from distft.config.choices import ROLES
+from distft.data.messages import Message, parse_messages
+from distft.data.preference import PreferenceRow, preference_row
 from distft.errors import DataError, one_line
 
 # ShareGPT turn names (`from`) -> chat roles; data.roles adds names or maps them anew.
@@ -58,6 +60,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),
     "alpaca": ("instruction", "output"),
     "sharegpt": ("conversations",),
+    "preference": ("chosen", "rejected"),  # `distft.data.preference`
 }
 ANSWER = {"prompt_completion": "completion", "alpaca": "output"}  # optional in a row to generate for
 
@@ -67,19 +70,6 @@ class SummaryRow:
     transcript: str
     summary: str
     origin: str  # "file.jsonl:12" or "dataset[split][7]": where to look when something is wrong
-
-
-@dataclass(frozen=True)
-class Message:
-    """One chat turn. Its content is its parts joined by a blank line: truncation may cut a part
-    of a prompt turn (alpaca's input, not its instruction), never an assistant turn."""
-
-    role: str  # system | user | assistant
-    parts: tuple[str, ...]
-
-    @property
-    def content(self) -> str:
-        return "\n\n".join(self.parts)
 
 
 @dataclass(frozen=True)
@@ -98,12 +88,12 @@ class TextRow:
     origin: str
 
 
-Row = SummaryRow | ChatRow | TextRow
+Row = SummaryRow | ChatRow | TextRow | PreferenceRow
 
 
 def row_format(row: Row) -> str:
     """The `data.format` value `row` was read as (what `data.format=auto` detected for it)."""
-    if isinstance(row, ChatRow):
+    if isinstance(row, ChatRow | PreferenceRow):
         return row.format
     return "text" if isinstance(row, TextRow) else "summary"
 
@@ -112,6 +102,8 @@ def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
     """The conversation a row stands for; a meeting gets the configured system prompt and instruction."""
     if isinstance(row, ChatRow):
         return row.messages
+    if isinstance(row, PreferenceRow):  # SFT on preference rows: the chosen answers
+        return row.chosen_messages
     if isinstance(row, TextRow):
         return (Message("user", (row.text,)),)
     system = (Message("system", (cfg.system_prompt,)),) if cfg.system_prompt else ()
@@ -169,7 +161,8 @@ def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_ans
     raise DataError(
         f"{origin}: no transcript/summary fields found, nor any other known format (row has: {_fields_of(record)}). "
         f"Summary schemas: {known}; chat {{messages}}; prompt_completion {{prompt, completion}}; alpaca "
-        "{instruction, input, output}; sharegpt {conversations}; text {text}. Name a summary's fields "
+        "{instruction, input, output}; sharegpt {conversations}; preference {prompt, chosen, rejected}; "
+        "text {text}. Name a summary's fields "
         "with data.transcript_field=... data.summary_field=..."
     )
 
@@ -243,21 +236,7 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_answ
 
 
 def _chat_row(record: dict[str, Any], origin: str, need_answer: bool = True, fmt: str = "chat") -> ChatRow:
-    turns = record.get("messages")
-    if not isinstance(turns, list) or not turns:
-        raise DataError(f"{origin}: `messages` must be a non-empty list of {{role, content}} objects.")
-    messages = []
-    for i, turn in enumerate(turns):
-        where = f"{origin}: message {i}"
-        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
-            raise DataError(f"{where} is not a {{role, content}} object (got {turn!r:.80}).")
-        if turn["role"] not in ROLES:
-            raise DataError(f"{where} has role {turn['role']!r}; chat rows take {', '.join(ROLES)} turns.")
-        if not isinstance(turn["content"], str):
-            raise DataError(
-                f"{where} ({turn['role']}): content is not text (got {type(turn['content']).__name__})."
-            )
-        messages.append(Message(turn["role"], (turn["content"].strip(),)))
+    messages = parse_messages(record.get("messages"), origin)
     if not need_answer:  # a chat to continue: it may end with a user turn, or an empty answer to fill
         if messages[-1].role == "assistant" and not messages[-1].content:
             messages.pop()
@@ -333,4 +312,6 @@ def row_from_record(record: Any, cfg: DataConfig, origin: str, need_answer: bool
         return _sharegpt_row(record, cfg, origin, need_answer)
     if fmt == "text":
         return _text_row(record, origin)
+    if fmt == "preference":
+        return preference_row(record, origin)
     return _alpaca_row(record, origin, need_answer)

@@ -41,6 +41,7 @@ from distft.model.attention import FLEX, packed_attention_masks
 from distft.model.checkpointing import HostOffload, offloads
 from distft.model.families import layer_types
 from distft.model.loss import chunked_cross_entropy, loss_chunk
+from distft.model.preference import PreferenceLoss, sequence_logps
 
 
 def causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -51,17 +52,19 @@ def causal_lm(model: nn.Module) -> PreTrainedModel:
 
 
 class LossLM(nn.Module):
-    """A causal LM whose forward returns (sum of token losses, number of labelled tokens).
+    """A causal LM whose forward returns the sum of its token losses (or, for a preference
+    objective, of its pairs' losses: `distft.model.preference`).
 
     `labels` are already shifted: labels[b, t] is the token that position t must predict, or -100.
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, preference: PreferenceLoss | None = None):
         super().__init__()
         self.lm = lm  # the peft model (LoRA) or the plain causal LM (full); saved as-is
         inner = causal_lm(lm)
         self.backbone = inner.model  # e.g. LlamaModel: embeddings, decoder layers, final norm
         self.lm_head = inner.lm_head
+        self.preference = preference  # train.objective dpo | orpo (`distft.model.preference`)
 
     def forward(
         self,
@@ -70,12 +73,28 @@ class LossLM(nn.Module):
         attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens (padded)
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         label_positions: torch.Tensor | None = None,  # (n_labelled,) flat indices where labels != -100
+        token_weight: torch.Tensor | None = None,  # ORPO: pairs / chosen tokens of the global batch
     ) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
+        if self.preference is None:
+            return summed_loss(hidden, self.lm_head, labels, label_positions)
+        reference = None
+        if self.preference.needs_reference:  # the base with the adapters disabled, no graph kept
+            with torch.no_grad(), self.lm.disable_adapter():
+                reference = sequence_logps(
+                    self.hidden_states(input_ids, attention_mask, position_ids), self.lm_head, labels
+                )[0]
+        logps, counts = sequence_logps(hidden, self.lm_head, labels)
+        return self.preference(logps, counts, reference, token_weight)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The final norm's output, (batch, seq, hidden)."""
         backbone = self.backbone
         hidden = backbone.embed_tokens(input_ids)
         hidden = run_layers(backbone, enumerate(backbone.layers), hidden, attention_mask, position_ids)
-        hidden = backbone.norm(hidden)
-        return summed_loss(hidden, self.lm_head, labels, label_positions)
+        return backbone.norm(hidden)
 
 
 def run_layers(

@@ -80,6 +80,9 @@ class Strategy:
     # reduce like its own weights (`distft.model.tokens`); only those that opt in run them.
     supports_modules_to_save: ClassVar[bool] = False
     modules_to_save_refusal: ClassVar[str] = "has not been taught to hold peft's trained module copies"
+    # train.objective dpo | orpo: the loss head sees every row whole on one rank, both answers of a
+    # pair together (`LossLM.forward`); heads that see a sequence shard, or a pipeline stage, do not.
+    supports_preference: ClassVar[bool] = False
     # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held
@@ -96,13 +99,15 @@ class Strategy:
     collectives: ClassVar[str] = "collectives"
 
     @classmethod
-    def step_scalars(cls, dp: int, sequence_split: bool = False) -> tuple[int, ...]:
+    def step_scalars(cls, dp: int, sequence_split: bool = False, pair_statistics: int = 0) -> tuple[int, ...]:
         """Bytes of each scalar a step all-reduces beside its tensors: the loss sum (fp32, 4 B)
         where ranks hold different rows or positions (data-parallel replicas, a pipeline's last
-        stage, a sequence split), and the squared gradient norm (float64, 8 B) where a gradient is
-        sharded (FSDP, TP) or split across stages (`grads.clip_grad_norm_`). The planner and the
-        runtime's expected bytes both count them here."""
-        loss = (4,) if dp > 1 or cls.pipelined or sequence_split or "cp" in cls.dims else ()
+        stage, a sequence split), with a preference objective's `pair_statistics` fp32 sums beside
+        it (`distft.model.preference.STATS`), and the squared gradient norm (float64, 8 B) where a
+        gradient is sharded (FSDP, TP) or split across stages (`grads.clip_grad_norm_`). The
+        planner and the runtime's expected bytes both count them here."""
+        reduced = dp > 1 or cls.pipelined or sequence_split or "cp" in cls.dims
+        loss = ((4,) + ((4 * pair_statistics,) if pair_statistics else ())) if reduced else ()
         norm = (8,) if cls.shards == "full" or "tp" in cls.dims or cls.pipelined else ()
         return loss + norm
 

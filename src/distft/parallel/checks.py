@@ -41,6 +41,7 @@ def check_config(cfg: Config) -> BatchShape:
     _check_method(cfg, strategy)
     _check_training(cfg, strategy)
     _check_beside_adapters(cfg, strategy)
+    _check_objective(cfg, strategy)
     _check_layout(cfg, strategy)
     _check_compile(cfg, strategy)
     strategy.validate_config(cfg)
@@ -187,6 +188,28 @@ def _check_beside_adapters(cfg: Config, strategy: type[Strategy]) -> None:
             f"lora.modules_to_save with model.dtype=bfloat16 cannot run under --strategy {strategy.name}: "
             "peft's module copies train in bfloat16 beside float32 adapters, and its sharded optimizer "
             f"or parameter groups hold one dtype; it runs with {', '.join(takers)}, or in float32."
+        )
+
+
+def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
+    """A preference objective (train.objective): a strategy whose head sees whole rows, a
+    reference (DPO: the base under the adapters), and rows kept apart."""
+    objective = cfg.train.objective
+    if objective == "sft":
+        return
+    if not strategy.supports_preference:
+        raise ConfigError(
+            f"train.objective={objective} cannot run under --strategy {strategy.name}, whose loss head sees a "
+            f"sequence shard or a pipeline stage, not both answers of a pair; it runs with {_takers('supports_preference')}."
+        )
+    if objective == "dpo" and cfg.train.method == "full":
+        raise ConfigError(
+            "train.objective=dpo takes its reference from the base with the LoRA adapters disabled, and "
+            "--method full trains the base itself: use --method lora or qlora, or train.objective=orpo (no reference)."
+        )
+    if cfg.data.packing:
+        raise ConfigError(
+            f"train.objective={objective} scores each answer as one row: set data.packing=false."
         )
 
 

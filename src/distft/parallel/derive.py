@@ -75,6 +75,11 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
         cfg.optim.lr, why = default_lr(cfg.model.name, cfg.train.method)
         derived["optim.lr"] = f"{cfg.optim.lr:g}: {why}, optim.lr not set"
     derived.update(_derive_warmup(cfg))
+    if cfg.train.objective != "sft" and cfg.data.packing and "data.packing" not in cfg.explicit:
+        cfg.data.packing = False
+        derived["data.packing"] = (
+            f"false: train.objective={cfg.train.objective} scores each answer as one row"
+        )
     if cfg.parallel.strategy not in STRATEGIES or _passes(cfg):
         cfg.derived = derived
         return derived
@@ -103,7 +108,7 @@ def complete_defaults(cfg: Config) -> dict[str, str]:
     defaults = Config()
     changed = {
         f"{section}.{f.name}"
-        for section in ("model", "data", "lora", "optim", "train", "parallel", "output")
+        for section in ("model", "data", "lora", "optim", "train", "dpo", "parallel", "output")
         for f in dataclasses.fields(getattr(defaults, section))
         if getattr(getattr(cfg, section), f.name) != getattr(getattr(defaults, section), f.name)
     }

@@ -101,6 +101,7 @@ def shard_units(
 
 class FSDP(Strategy):
     name = "fsdp"
+    supports_preference: ClassVar[bool] = True
     label = "FSDP / ZeRO-3"
     holds = "1/N of params, grads, optimizer state"
     moves = "all-gather params (forward and backward), reduce-scatter grads"

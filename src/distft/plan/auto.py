@@ -26,6 +26,7 @@ from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
 from distft.model import DTYPES
 from distft.model.nf4 import NF4Spec
+from distft.model.preference import STATS
 from distft.parallel import STRATEGIES, check_config, master_weights
 from distft.parallel.derive import derive_defaults, derived_line
 from distft.parallel.dims import ParallelDims
@@ -90,11 +91,14 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "dora": cfg.lora.variant == "dora",
         "optimizer": cfg.optim.name,
         "sgd_momentum": cfg.optim.momentum > 0,
+        "pair_statistics": 0 if cfg.train.objective == "sft" else len(STATS),
+        "reference_forward": cfg.train.objective == "dpo",
         "modules_to_save": tuple(cfg.lora.modules_to_save),
         "trainable_tokens": len(dict.fromkeys(cfg.model.added_tokens)),
         "fp32_masters": master_weights(cfg) == "fp32",
         "seq_len": cfg.data.max_length,
-        "micro_batch": cfg.train.micro_batch_size,
+        # A preference objective's micro-batch of pairs is twice as many rows (`distft.data.pairs`).
+        "micro_batch": cfg.train.micro_batch_size * (1 if cfg.train.objective == "sft" else 2),
         "label_tokens": min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
         "activation_checkpointing": cfg.model.activation_checkpointing,
         "mlp_tiles": cfg.model.mlp_tiles,

@@ -59,7 +59,13 @@ class Topology:
 
 
 def held_bytes(
-    spec: ModelSpec, training: Training, par: Parallelism, what: str, rank: int = 0, stage: int | None = None
+    spec: ModelSpec,
+    training: Training,
+    par: Parallelism,
+    what: str,
+    rank: int = 0,
+    stage: int | None = None,
+    layers_only: bool = False,  # the decoder layers' tensors alone (not the root's)
 ) -> float:
     """Logical bytes of pipeline rank `rank`'s TP/PP slice of the model (or of its stage `stage`),
     FSDP2's dim-0 padding included: `gradients` (trainable, in the gradient dtype; FSDP2's reduce
@@ -70,7 +76,7 @@ def held_bytes(
     sharded = par.shard == "full"
     masters = training.fp32_masters and training.method == "full"
     for t, trains in stage_tensors(spec, training, par, rank, stage):
-        if what != "gathered" and not trains:
+        if (what != "gathered" and not trains) or (layers_only and t.layer is None):
             continue
         shape = local_shape(t, par.tp, 0)
         numel = math.prod(shape)

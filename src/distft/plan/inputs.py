@@ -73,6 +73,8 @@ class Training:
     adapter_bytes: int = 4  # PEFT keeps adapters in fp32 over a 16-bit base (autocast_adapter_dtype)
     optimizer: str = "adamw"  # optim.name: adamw | adamw-8bit | sgd (`plan.optimizer`)
     sgd_momentum: bool = True  # sgd keeps a momentum buffer (optim.momentum > 0)
+    reference_forward: bool = False  # DPO: a no-grad forward of the base under the adapters per micro-batch
+    pair_statistics: int = 0  # a preference objective's sums all-reduced each step (`model.preference.STATS`)
     modules_to_save: tuple[str, ...] = ()  # LoRA: modules trained whole beside the adapters (a copy each)
     trainable_tokens: int = 0  # LoRA: added tokens whose embedding (and untied lm_head) rows train
     autocast: bool = True  # bf16 autocast around forward/backward (distft on CUDA; off on CPU)

@@ -146,6 +146,14 @@ def dp_collectives(
     gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
     params = held_bytes(spec, training, par, "gathered", rank) * gathers * m
     calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
+    if training.reference_forward and par.reshard_after_forward and layers:
+        # DPO's reference forward (`distft.model.preference`) runs inside the root's forward, so
+        # every layer is gathered once more, the root not. And FSDP2 prefetches in backward along
+        # the order the forwards ran: after the policy's first layer it gathers the layer that
+        # ended the reference forward, the last one, again. Per micro-batch, layers + 1 gathers.
+        layer_bytes = held_bytes(spec, training, par, "gathered", rank, layers_only=True)
+        params += layer_bytes * (layers + 1) / layers * m
+        calls += (layers + 1) * m
     return [
         Collective("parameters", "all_gather", params, calls, n, link, True),
         Collective("gradients", "reduce_scatter", grads * m, (layers + 1) * m, n, link, True),
@@ -284,7 +292,11 @@ def step_collectives(
     if par.cp > 1:
         add("cp", cp_collectives(spec, training, par, topo.link(par.cp, 1)))
     sequence_split = par.tp > 1 and par.tensor_parallel == "megatron" and par.sp
-    scalars = STRATEGIES[par.name].step_scalars(par.dp, sequence_split) if par.world > 1 else ()
+    scalars = (
+        STRATEGIES[par.name].step_scalars(par.dp, sequence_split, training.pair_statistics)
+        if par.world > 1
+        else ()
+    )
     if scalars:
         link = topo.link(par.world, 1)
         what = "loss, gradient norm"

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from distft.data import Example
+from distft.data.pairs import rows_of
 from distft.distributed import DistEnv
 from distft.io.files import atomic_write_text
 from distft.measure.flops import StepTime
@@ -81,6 +82,7 @@ def step_record(
     run: Run, step: int, examples: list[Example], loss: float, grad_norm: float, step_time: float
 ) -> dict:
     """The figures every step records, in `metrics.jsonl`'s order."""
+    examples = rows_of(examples)  # a preference objective's pairs: both rows
     tokens = sum(len(e.input_ids) for e in examples)
     flops = run.flops.step(examples)  # the whole global batch, every rank together
     peak = run.peak_flops * run.env.world_size if run.peak_flops else None
@@ -97,6 +99,7 @@ def step_record(
         "step_time_predicted_s": predicted_step_seconds(run.cfg.prediction, flops),
         "peak_mem_bytes": peak_memory_bytes(run.env),
         **compile_record(run),
+        **run.preference,  # a preference objective: rewards, margin, accuracy, log-probabilities
     }
 
 

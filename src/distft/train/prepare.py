@@ -14,8 +14,8 @@ from distft.data import (
     load_tokenizer,
     mean_label_tokens,
     skipped_line,
-    tokenized_splits,
 )
+from distft.data.pairs import training_splits
 from distft.data.tokenizer import template_path, with_added_tokens
 from distft.model import is_preset
 from distft.text import plural
@@ -60,7 +60,9 @@ def prepare_data(cfg: Config) -> float | None:
                 flush=True,
             )
 
-    train, valid, info = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, progress=progress)
+    train, valid, info = training_splits(
+        cfg.data, cfg.train.objective, cfg.train.seed, tokenizer, progress=progress
+    )
     n = len(train) + len(valid)
     if info["state"] == "built":
         print(f"tokenised {n:,} examples into {info['path']} in {info['seconds']:.1f} s", flush=True)

@@ -18,7 +18,8 @@ import torch
 from transformers import PretrainedConfig
 
 from distft.config import Config, to_toml
-from distft.data import CachedSplit, TokenizedSplit, mean_label_tokens, tokenized_splits
+from distft.data import CachedSplit, TokenizedSplit, mean_label_tokens
+from distft.data.pairs import training_splits
 from distft.data.rows import memory_source
 from distft.data.tokenizer import load_tokenizer, with_added_tokens
 from distft.distributed import (
@@ -49,6 +50,7 @@ from distft.model.checkpointing import enable_checkpointing
 from distft.model.compile import CompileStats, compile_blocks, compile_wanted
 from distft.model.nf4 import storage_layout
 from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
+from distft.model.preference import preference_loss
 from distft.model.presets import DTYPES
 from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model, master_weights
 from distft.plan.model_spec import ModelSpec, spec_from_config
@@ -91,6 +93,7 @@ class Run:
     token_cache: dict | None = None  # how this rank had its examples (`distft.data.cache.tokenized_splits`)
     architecture: ModelSpec | None = None  # the built model's shapes, for the bytes formula (`distft.plan`)
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)  # the best validation loss so far
+    preference: dict = field(default_factory=dict)  # the last step's (or validation's) pair statistics
 
     @property
     def pad_id(self) -> int:
@@ -128,8 +131,9 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     model = None if is_preset(cfg.model.name) else cfg.model.name
     tokenizer = load_tokenizer(model, cfg.model.revision, cfg.data.chat_template)  # data.chat_template
     tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # model.added_tokens
-    # The token cache, memory-mapped (built before launch by the CLI; else once per node, here).
-    train_set, val_set, token_cache = tokenized_splits(cfg.data, cfg.train.seed, tokenizer, dataset)
+    # The token cache (built before launch by the CLI), or pairs for a preference objective.
+    splits = training_splits(cfg.data, cfg.train.objective, cfg.train.seed, tokenizer, dataset)
+    train_set, val_set, token_cache = splits
     if cfg.train.epochs > 0:  # the run's length, from the rows every rank counts alike
         cfg.train.max_steps = epoch_steps(cfg, len(train_set))
 
@@ -163,7 +167,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     nf4_compiled = dequantize_compiled_wanted(cfg.model.compile, env.device)  # QLoRA: one kernel per weight
     compiled_nf4 = use_compiled_dequantize(lm, nf4_compiled) if nf4_compiled else 0
     strategy.label_tokens = mean_label_tokens(train_set)  # a pipeline cuts its stages by them
-    model = strategy.parallelize(LossLM(lm))
+    model = strategy.parallelize(LossLM(lm, preference_loss(cfg.train.objective, cfg.dpo)))
     param_bytes = storage_layout(model)  # NF4 parts apart (distft.model.nf4)
     # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
     # before a forward-only pass can leave ZeRO-2's parameters gathered.

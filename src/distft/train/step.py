@@ -25,10 +25,13 @@ from distft.data import (
     micro_batch,
     rank_micro_batches,
 )
+from distft.data.pairs import rows_of
 from distft.errors import NonFiniteError
 from distft.io.checkpoint import resume_hint
 from distft.model.compile import SEQUENCE_BUCKET, compile_errors_unwrapped, compile_wanted
+from distft.model.preference import STATS
 from distft.parallel import Strategy
+from distft.parallel.base import unwrap
 from distft.plan.expected import expected_step_bytes
 from distft.train.setup import Run
 
@@ -53,12 +56,29 @@ def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_i
     compiled = compile_wanted(cfg.model.compile, device, strategy.supports_compile) or device.type == "cuda"
     multiple = SEQUENCE_BUCKET if compiled else 1
     batches = []
+    weight = orpo_token_weight(examples, cfg)
     for mb in rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size):
-        batch = micro_batch(mb, pad_id, packed, pad_to, multiple)
+        batch = micro_batch(rows_of(mb), pad_id, packed, pad_to, multiple)  # a pair: its two rows
         if strategy.takes_label_positions:
             batch["label_positions"] = label_positions(batch["labels"])
+        if weight is not None:
+            batch["token_weight"] = weight
         batches.append(to_device(batch, strategy.env.device))
     return batches
+
+
+def normaliser(examples: list, cfg: Config) -> int:
+    """What the global batch's summed loss is divided by: its labelled tokens (sft), or its
+    pairs (a preference objective: the mean pair loss, `distft.model.preference`)."""
+    return count_label_tokens(examples) if cfg.train.objective == "sft" else len(examples)
+
+
+def orpo_token_weight(examples: list, cfg: Config) -> torch.Tensor | None:
+    """ORPO: pairs / chosen answer tokens of the global batch, which turns each pair's summed NLL
+    into its share of the global batch's mean token NLL once the step divides by the pairs."""
+    if cfg.train.objective != "orpo":
+        return None
+    return torch.tensor(len(examples) / count_label_tokens([p.chosen for p in examples]))
 
 
 def expected_bytes(run: Run) -> Callable[[list[Example]], tuple | None]:
@@ -89,7 +109,7 @@ def train_step(
     non-finite loss or norm stops the run (`train.on_nonfinite=stop`) or skips the update (`skip`).
     """
     cfg, strategy, model = run.cfg, run.strategy, run.model
-    n_tokens = count_label_tokens(examples)
+    n_tokens = normaliser(examples, cfg)
     batches = rank_batches(examples, strategy, cfg, run.pad_id)
     what = f"{strategy.collectives} in step {step}'s forward/backward"
     with run.autocast, run.collective(what), compile_errors_unwrapped():
@@ -98,9 +118,13 @@ def train_step(
     with run.collective(f"the all-reduces of the gradient norm and the loss in step {step}"):
         norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
         total = strategy.reduce_loss(loss_sum)
+        stats = pair_statistics(run)  # a preference objective's rewards, margins, accuracy
         # The step's one host sync: loss and norm come back together (the branch below needs both).
-        total, grad_norm = torch.stack([total.double(), norm.double()]).tolist()
+        total, grad_norm, *stats = torch.cat(
+            [torch.stack([total.double(), norm.double()]), stats.double()]
+        ).tolist()
     loss = total / n_tokens
+    run.preference = {name: value / n_tokens for name, value in zip(STATS, stats, strict=False)}
     # Both are global (reduced over ranks), so every rank takes the same branch here.
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
@@ -117,6 +141,15 @@ def train_step(
     return loss, grad_norm, finite
 
 
+def pair_statistics(run: Run) -> torch.Tensor:
+    """The sums of `distft.model.preference.STATS` over the global batch (empty for sft), reduced
+    over ranks as the loss is."""
+    preference = unwrap(run.model).preference
+    if preference is None:
+        return torch.zeros(0, device=run.env.device)
+    return run.strategy.reduce_loss(preference.take_stats(run.env.device))
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean token loss over the first `train.eval_batches` global batches of the validation split,
@@ -131,13 +164,17 @@ def evaluate(run: Run) -> float:
     with torch.compiler.set_stance("eager_on_recompile"):
         for b in range(max(n_batches, 1)):
             batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
-            n_tokens += count_label_tokens(batch)
+            n_tokens += normaliser(batch, run.cfg)
             with run.autocast:
                 loss_sum += strategy.forward_only(model, rank_batches(batch, strategy, run.cfg, run.pad_id))
     model.train()
+    stats = pair_statistics(run)
     total = strategy.reduce_loss(loss_sum).double()  # float32 -> float64 is exact: the value is unchanged
     # `reduce_loss` gives every rank the sum, by an all-reduce or, where each rank computed the whole
     # loss (tensor parallel), by computing the same thing: rank 0's value makes it the same bits.
     if run.env.distributed and run.env.world_size > 1:
         dist.broadcast(total, src=0)
+    run.preference = {
+        f"eval_{name}": value / n_tokens for name, value in zip(STATS, stats.tolist(), strict=False)
+    }
     return total.item() / n_tokens

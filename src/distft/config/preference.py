@@ -1,0 +1,17 @@
+"""The `[dpo]` section of the run configuration (`distft.config.schema`): the settings of the
+preference objectives (`train.objective = dpo | orpo`, `distft.model.preference`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PreferenceConfig:
+    beta: float = 0.1
+    """DPO's beta (how far the policy may move from the reference; IPO's tau), or ORPO's lambda (the
+    weight of its odds-ratio term beside the SFT loss)."""
+    loss_type: str = "sigmoid"
+    """DPO's loss of the reward margin: sigmoid (the DPO paper's), ipo (squared, per token) or hinge (SLiC)."""
+    label_smoothing: float = 0.0
+    """DPO sigmoid only: the share of pairs assumed mislabelled (conservative DPO); 0: plain DPO."""

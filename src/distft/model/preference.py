@@ -1,0 +1,148 @@
+"""The preference objectives: each answer's log-probability, and the losses built on them.
+
+A micro-batch of B pairs is 2B rows, the B chosen answers first (`distft.data.pairs`). The head
+gives each row's log-probability under the policy, log pi(y|x), the sum of its answer tokens'
+log-probabilities (`sequence_logps`), and from those one loss per pair:
+
+DPO (Rafailov et al. 2023, arXiv 2305.18290), with the reference pi_ref the model as it starts:
+    h = beta x [(log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))]
+    sigmoid:  -(1 - eps) log sigmoid(h) - eps log sigmoid(-h)    (eps: dpo.label_smoothing, cDPO)
+    hinge:    max(0, 1 - h)                                     (SLiC, arXiv 2305.10425)
+    ipo:      (d - 1 / (2 beta))^2, d the same margin with each answer's log-ratio divided by its
+              token count                                       (IPO, arXiv 2310.12036)
+    rewards:  beta x (log pi(y) - log pi_ref(y)) per answer; accuracy: chosen reward > rejected.
+TRL's `DPOTrainer._compute_loss` (trl 1.16, trainer/dpo_trainer.py) computes the same terms.
+
+ORPO (Hong et al. 2024, arXiv 2403.07691), no reference, with mean token log-probabilities
+m = log pi(y) / |y|:
+    log odds(y) = m - log(1 - exp(m));   L = NLL(y_c) - lambda x log sigmoid(log odds(y_c) - log odds(y_r))
+NLL is the chosen answers' mean token loss over the global batch, lambda is dpo.beta; the second
+term is TRL's `ORPOTrainer.odds_ratio_loss` (trl.experimental.orpo), rewards lambda x m.
+
+The reference costs no second model: under LoRA and QLoRA it is the same base with the adapters
+disabled (peft's `disable_adapter`), run under `no_grad` in the same forward, which is the model
+as a fresh adapter starts (lora_B = 0).
+
+Every loss is summed over the micro-batch's pairs; the step divides by the pairs of the global
+batch (`Strategy.forward_backward`'s normaliser), so the result is the mean over the global batch
+whatever the split across ranks. ORPO's NLL is per token: each pair's NLL sum arrives weighted by
+pairs / chosen tokens of the global batch (`token_weight`), so that it too ends a global mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STATS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin", "logps_chosen", "logps_rejected")
+
+
+def sequence_logps(
+    hidden: torch.Tensor,  # (rows, seq, hidden)
+    lm_head: nn.Module,
+    labels: torch.Tensor,  # (rows, seq), shifted, -100 where no loss
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of its labelled tokens, and their count: (rows,) each."""
+    keep = labels != -100
+    rows = keep.nonzero()[:, 0]
+    logits = lm_head(hidden[keep]).float()  # (labelled, vocab)
+    token_logps = -F.cross_entropy(logits, labels[keep], reduction="none")
+    logps = torch.zeros(labels.shape[0], device=hidden.device).index_add(0, rows, token_logps)
+    counts = keep.sum(dim=1).float()
+    return logps, counts
+
+
+def dpo_losses(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair: the DPO loss, the chosen and the rejected reward (formulas above)."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    h = beta * (chosen_ratio - rejected_ratio)
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - h)
+    elif loss_type == "ipo":
+        assert chosen_tokens is not None and rejected_tokens is not None, "ipo averages per token"
+        d = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+        losses = (d - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {loss_type!r}")
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def log_odds(mean_logps: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) of p = exp(mean_logps), stable near p = 1."""
+    return mean_logps - torch.log(-torch.expm1(mean_logps))
+
+
+def orpo_odds_term(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per pair: lambda x log sigmoid(log odds(y_c) - log odds(y_r)), the term ORPO subtracts."""
+    return beta * F.logsigmoid(log_odds(chosen_mean) - log_odds(rejected_mean))
+
+
+@dataclass
+class PreferenceLoss:
+    """What `LossLM` computes for a preference objective, and the step's statistics so far."""
+
+    objective: str  # dpo | orpo
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    stats: torch.Tensor | None = field(default=None, repr=False)  # sums of `STATS` over this rank's pairs
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.objective == "dpo"
+
+    def __call__(
+        self,
+        logps: torch.Tensor,
+        counts: torch.Tensor,
+        reference: torch.Tensor | None,
+        token_weight: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The sum of this micro-batch's pair losses, from every row's (policy) log-probability and
+        token count, the reference's, and (ORPO) pairs / chosen tokens of the global batch."""
+        chosen, rejected = logps.chunk(2)
+        chosen_n, rejected_n = counts.chunk(2)
+        if self.objective == "dpo":
+            ref_chosen, ref_rejected = reference.chunk(2)
+            losses, reward_c, reward_r = dpo_losses(
+                chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
+                self.label_smoothing, chosen_n, rejected_n,
+            )  # fmt: skip
+        else:
+            chosen_mean, rejected_mean = chosen / chosen_n.clamp(min=1), rejected / rejected_n.clamp(min=1)
+            losses = -chosen * token_weight - orpo_odds_term(chosen_mean, rejected_mean, self.beta)
+            reward_c, reward_r = self.beta * chosen_mean.detach(), self.beta * rejected_mean.detach()
+        self._record(reward_c, reward_r, chosen.detach(), rejected.detach())
+        return losses.sum()
+
+    def _record(self, reward_c, reward_r, chosen, rejected) -> None:
+        margin = reward_c - reward_r
+        sums = torch.stack([reward_c, reward_r, (margin > 0).float(), margin, chosen, rejected]).sum(dim=1)
+        self.stats = sums if self.stats is None else self.stats + sums
+
+    def take_stats(self, device: torch.device) -> torch.Tensor:
+        """The sums since the last call (zeros if none), and start afresh."""
+        stats, self.stats = self.stats, None
+        return stats.float() if stats is not None else torch.zeros(len(STATS), device=device)
+
+
+def preference_loss(objective: str, settings) -> PreferenceLoss | None:
+    """The head of `train.objective` with its `[dpo]` settings (None: sft)."""
+    if objective == "sft":
+        return None
+    return PreferenceLoss(objective, settings.beta, settings.loss_type, settings.label_smoothing)

@@ -1,0 +1,86 @@
+"""The preference losses against their oracle, on the same log-probabilities.
+
+ORPO's odds-ratio term is TRL's own function (`ORPOTrainer.odds_ratio_loss`, trl.experimental.orpo,
+a test dependency). TRL 1.16 computes DPO inside `DPOTrainer._compute_loss`, from a model's
+outputs, with no function to call on given log-probabilities: its formulas are re-derived below
+from that method (trl/trainer/dpo_trainer.py: `sigmoid`, `hinge`, `ipo`), with conservative DPO's
+label smoothing as TRL's `dpo_loss` wrote it before 1.0 (Mitchell's cDPO note). And each answer's
+log-probability is the sum over its own tokens, whatever else the row holds."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distft.model.preference import PreferenceLoss, dpo_losses, orpo_odds_term, sequence_logps
+
+torch.manual_seed(0)
+PAIRS = 6
+CHOSEN, REJECTED = -torch.rand(PAIRS) * 40 - 1, -torch.rand(PAIRS) * 40 - 1
+REF_CHOSEN, REF_REJECTED = CHOSEN + torch.randn(PAIRS), REJECTED + torch.randn(PAIRS)
+TOKENS_C, TOKENS_R = torch.randint(3, 30, (PAIRS,)).float(), torch.randint(3, 30, (PAIRS,)).float()
+
+
+def trl_dpo(loss_type: str, beta: float, smoothing: float = 0.0) -> torch.Tensor:
+    """TRL 1.16 `DPOTrainer._compute_loss`, reverse-KL (standard DPO), per sequence."""
+    chosen_scores, rejected_scores = CHOSEN - REF_CHOSEN, REJECTED - REF_REJECTED
+    delta = chosen_scores - rejected_scores
+    if loss_type == "sigmoid":  # pre-1.0 `dpo_loss`: -logsig(b d)(1 - eps) - logsig(-b d) eps
+        return -F.logsigmoid(beta * delta) * (1 - smoothing) - F.logsigmoid(-beta * delta) * smoothing
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    ipo_delta = chosen_scores / TOKENS_C.clamp(min=1.0) - rejected_scores / TOKENS_R.clamp(min=1.0)
+    return (ipo_delta - 1 / (2 * beta)) ** 2
+
+
+def test_dpo_matches_trl_for_every_loss_type_and_smoothing():
+    for loss_type, beta, smoothing in [
+        ("sigmoid", 0.1, 0.0),
+        ("sigmoid", 0.5, 0.2),
+        ("hinge", 0.1, 0.0),
+        ("ipo", 0.3, 0.0),
+    ]:
+        losses, reward_c, reward_r = dpo_losses(
+            CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta, loss_type, smoothing, TOKENS_C, TOKENS_R
+        )
+        torch.testing.assert_close(losses, trl_dpo(loss_type, beta, smoothing), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(reward_c, beta * (CHOSEN - REF_CHOSEN))  # TRL's rewards
+        torch.testing.assert_close(reward_r, beta * (REJECTED - REF_REJECTED))
+    # The policy at the reference: every margin 0, the sigmoid loss log 2 (a run's first step).
+    same, _, _ = dpo_losses(CHOSEN, REJECTED, CHOSEN, REJECTED, 0.1)
+    torch.testing.assert_close(same, torch.full((PAIRS,), math.log(2)))
+
+
+def test_orpo_odds_term_is_trls_own_function():
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    mean_c, mean_r = CHOSEN / TOKENS_C, REJECTED / TOKENS_R  # ORPO's mean token log-probabilities
+    trainer = types.SimpleNamespace(beta=0.25, accelerator=types.SimpleNamespace(device="cpu"))
+    losses, reward_c, reward_r, _, _ = ORPOTrainer.odds_ratio_loss(trainer, mean_c, mean_r)
+    torch.testing.assert_close(orpo_odds_term(mean_c, mean_r, 0.25), losses, rtol=1e-6, atol=1e-7)
+    # ORPO's loss, NLL - mean(term), from the head: chosen token mean NLL through token_weight.
+    head = PreferenceLoss("orpo", beta=0.25)
+    logps, counts = torch.cat([CHOSEN, REJECTED]), torch.cat([TOKENS_C, TOKENS_R])
+    weight = torch.tensor(PAIRS / TOKENS_C.sum().item())
+    total = head(logps, counts, None, weight) / PAIRS  # the step divides by the pairs
+    torch.testing.assert_close(total, -CHOSEN.sum() / TOKENS_C.sum() - losses.mean())
+    stats = head.take_stats(torch.device("cpu")) / PAIRS
+    torch.testing.assert_close(stats[:2], torch.stack([reward_c.mean(), reward_r.mean()]))
+    assert head.take_stats(torch.device("cpu")).eq(0).all()  # taken: afresh
+
+
+def test_each_rows_log_probability_sums_its_own_labelled_tokens():
+    """Two rows of different lengths (one padded): each row's sum over its labels only."""
+    torch.manual_seed(1)
+    head = nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(2, 5, 8)
+    labels = torch.tensor([[-100, 3, 4, -100, -100], [-100, -100, 7, 1, 2]])
+    logps, counts = sequence_logps(hidden, head, labels)
+    log_softmax = head(hidden).float().log_softmax(-1)
+    want = [sum(log_softmax[r, t, labels[r, t]] for t in range(5) if labels[r, t] != -100) for r in range(2)]
+    torch.testing.assert_close(logps, torch.stack(want))
+    assert counts.tolist() == [2.0, 3.0]
