@@ -4,10 +4,12 @@ the chosen answer."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from distft.config import DataConfig
-from distft.data import ChatFormatter, row_from_record
+from distft.data import ChatFormatter, load_rows, row_from_record
 from distft.data.chat import IGNORE
 from distft.data.formats import messages_of, row_format
 from distft.data.pairs import encode_pairs, rows_of
@@ -15,6 +17,7 @@ from distft.data.preference import PreferenceRow
 from distft.errors import DataError
 
 TURNS = [{"role": "user", "content": "Who owns the budget?"}]
+ACTION = r"(\w+) will (.+?) by ([^.]+)\."  # an action item of a sample summary
 SHAPES = {
     "strings": {
         "prompt": "Who owns the budget?",
@@ -99,3 +102,23 @@ def test_a_preference_objective_refuses_rows_that_are_not_pairs(tokenizer):
     )
     with pytest.raises(DataError, match=r"c\.jsonl:2: a preference objective"):
         encode_pairs(ChatFormatter(tokenizer, DataConfig()), [chat])
+
+
+def test_the_bundled_meetings_as_pairs_swap_the_action_owners_and_ask_as_a_summary_row_does(tokenizer):
+    """`sample-pairs`: the bundled meetings, in order; chosen is the true summary, rejected the same
+    with its two action owners swapped; the prompt is the summary row's (system prompt, instruction,
+    transcript), so a model trained on `sample` is asked exactly what it learnt to answer."""
+    cfg = DataConfig(source="sample-pairs", max_rows=4)
+    pairs, meetings = load_rows(cfg, seed=0)["train"], load_rows(DataConfig(max_rows=4), seed=0)["train"]
+    for pair, meeting in zip(pairs, meetings, strict=True):
+        assert pair.chosen[-1].content == meeting.summary
+        assert messages_of(pair, cfg) == messages_of(meeting, DataConfig())  # SFT on pairs: the same rows
+        chosen, rejected = pair.chosen[-1].content, pair.rejected[-1].content
+        (a, task_a, day_a), (b, task_b, day_b) = re.findall(ACTION, chosen)
+        assert a != b and re.findall(ACTION, rejected) == [(b, task_a, day_a), (a, task_b, day_b)]
+        assert (
+            rejected[: rejected.index(f"{b} will")] == chosen[: chosen.index(f"{a} will")]
+        )  # decisions kept
+    row = row_from_record({"transcript": "A: hi.", "chosen": "Hi.", "rejected": "Bye."}, DataConfig(), "m:1")
+    (pair,), _ = encode_pairs(ChatFormatter(tokenizer, DataConfig()), [row])
+    assert answers(tokenizer, pair.chosen) == "Hi.<|im_end|>"

@@ -4,13 +4,14 @@ others are refused before launch, in one line."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
 import pytest
 
 from distft.cli import main
-from tests.helpers import assert_same_training, distft, metrics, write_jsonl
+from tests.helpers import assert_same_training, crashed_copy, distft, metrics, write_jsonl
 
 NAMES, DAYS = ["Anna", "Bob", "Chen", "Dana", "Eli", "Fay"], ["Monday", "Friday", "next week"]
 PAIR_STATS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin", "logps_chosen", "logps_rejected")
@@ -32,7 +33,7 @@ def pairs(tmp_path_factory):
 
 def settings(data: str, objective: str) -> list[str]:
     return [
-        "--model", "micro", "--data", data, f"train.objective={objective}", "train.max_steps=3",
+        "--model", "micro", "--data", data, "--objective", objective, "train.max_steps=3",
         "train.global_batch_size=4", "train.micro_batch_size=1", "data.max_length=128",
         "optim.warmup_steps=1", "optim.lr=1e-3", "train.eval_every=0", "train.eval_batches=1",
     ]  # fmt: skip
@@ -70,7 +71,7 @@ def test_trains_like_one_process(objective, strategies, pairs, tmp_path):
     [
         (["--strategy", "tp-sp", "--nproc", "2"], "train.objective=dpo cannot run under --strategy tp-sp"),
         (["--strategy", "pp", "--nproc", "2"], "train.objective=dpo cannot run under --strategy pp"),
-        (["--method", "full"], "--method full trains the base itself"),
+        (["--method", "full", "dpo.precompute_reference=false"], "set dpo.precompute_reference=true"),
         (["data.packing=true"], "set data.packing=false"),
     ],
     ids=["tp-sp", "pp", "full", "packing"],
@@ -80,3 +81,45 @@ def test_what_cannot_run_is_refused_before_launch(flags, says, pairs, tmp_path, 
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_precomputed_reference_trains_as_the_disabled_adapters_do_and_full_finetuning_uses_it(
+    pairs, tmp_path
+):
+    """dpo.precompute_reference scores every pair once, before the first step, with the model as
+    it starts: under LoRA the same reference the disabled adapters give in every step, so the same
+    training; under --method full (derived there) two DDP ranks train as one process, and a run cut
+    after step 2 resumes from the scores the run directory kept, not from the trained model."""
+    live, kept = tmp_path / "live", tmp_path / "kept"
+    assert main(["train", *settings(pairs, "dpo"), "--out", str(live)]) == 0
+    assert main(["train", *settings(pairs, "dpo"), "dpo.precompute_reference=true", "--out", str(kept)]) == 0
+    assert (kept / "reference_logps.safetensors").is_file() and not (
+        live / "reference_logps.safetensors"
+    ).exists()
+    assert_same_training(kept, live)
+    assert_same_pairs(kept, live)
+    # distft eval on a preference run: how often each model finds the chosen answer more likely.
+    scores = tmp_path / "eval.json"
+    assert (
+        main(["eval", "--run", str(live), "--rows", "4", "--max-new-tokens", "4", "--output", str(scores)])
+        == 0
+    )
+    models = json.loads(scores.read_text())["models"]
+    assert {"base", "finetuned"} <= set(models)
+    for s in models.values():
+        assert 0 <= s["preference_accuracy"] <= 1 and s["rougeL"] is not None  # against the chosen answer
+    assert models["finetuned"]["preference_margin"] > models["base"]["preference_margin"]
+
+    full = [*settings(pairs, "dpo"), "--method", "full", "output.checkpoint_every=1"]
+    single, ddp = tmp_path / "full", tmp_path / "full-ddp"
+    assert main(["train", *full, "--out", str(single)]) == 0
+    assert metrics(single)[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # the reference is the start
+    distft("train", *full, "--strategy", "ddp", "--nproc", "2", "--out", str(ddp))
+    for got, want in zip(metrics(ddp), metrics(single), strict=True):  # full finetuning: no adapter
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5) and got["grad_norm"] == pytest.approx(
+            want["grad_norm"], rel=1e-5
+        )
+    assert_same_pairs(ddp, single)
+    cut = crashed_copy(single, tmp_path / "cut", after_step=2)
+    assert main(["train", "--resume", str(cut)]) == 0
+    assert [m["loss"] for m in metrics(cut)] == [m["loss"] for m in metrics(single)]

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from distft.config import Config, load_config
+from distft.config.choices import OBJECTIVES
 from distft.errors import ConfigError
 
 # The registry's names, in its order (`distft.parallel.STRATEGIES`, which imports torch), and those
@@ -21,6 +22,7 @@ QLORA_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "cp", "fs
 TRAIN_FLAGS = {  # flag -> config field it sets
     "model": "model.name",
     "method": "train.method",
+    "objective": "train.objective",
     "data": "data.source",
     "max_steps": "train.max_steps",
     "out": "output.dir",
@@ -57,8 +59,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         f"({', '.join(QLORA_STRATEGIES)}), or full finetuning",
     )
     p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        help="sft (the answers' token loss), or a preference objective on pairs of answers: dpo, orpo "
+        "(docs/preference.md; settings in [dpo])",
+    )
+    p.add_argument(
         "--data",
-        help="sample (bundled meetings), sample-long (whole 4k-28k-token meetings), a .jsonl/.parquet/.csv file, or a hub dataset id",
+        help="sample (bundled meetings), sample-pairs (them as preference pairs), sample-long (whole 4k-28k-token meetings), a .jsonl/.parquet/.csv file, or a hub dataset id",
     )
     p.add_argument("--max-steps", type=int, help="optimizer steps")
     p.add_argument("--out", help="run directory for adapter/, metrics.jsonl and config.toml")

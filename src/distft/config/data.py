@@ -10,7 +10,8 @@ from typing import Any
 @dataclass
 class DataConfig:
     source: str = "sample"
-    """`sample` (bundled meetings), `sample-long` (whole meetings of 4k-28k tokens), a .jsonl/.parquet/.csv file, or a hub id."""
+    """`sample` (bundled meetings), `sample-pairs` (them as preference pairs), `sample-long` (whole
+    meetings of 4k-28k tokens), a .jsonl/.parquet/.csv file, or a hub id."""
     transcript_field: str = ""
     """Field holding the transcript; empty: detected from the known AMI schemas."""
     summary_field: str = ""

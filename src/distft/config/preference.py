@@ -15,3 +15,7 @@ class PreferenceConfig:
     """DPO's loss of the reward margin: sigmoid (the DPO paper's), ipo (squared, per token) or hinge (SLiC)."""
     label_smoothing: float = 0.0
     """DPO sigmoid only: the share of pairs assumed mislabelled (conservative DPO); 0: plain DPO."""
+    precompute_reference: bool = False
+    """DPO: the reference's log-probabilities computed once, before the first step, with the model
+    as it starts, and kept in the run directory for a resume; needed for --method full (derived
+    there). Off: the base under the disabled LoRA adapters, in every step's forward."""

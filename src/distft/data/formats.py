@@ -313,5 +313,5 @@ def row_from_record(record: Any, cfg: DataConfig, origin: str, need_answer: bool
     if fmt == "text":
         return _text_row(record, origin)
     if fmt == "preference":
-        return preference_row(record, origin)
+        return preference_row(record, cfg, origin)
     return _alpaca_row(record, origin, need_answer)

@@ -14,7 +14,7 @@ row by its origin, and again in each rank.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from distft.config import DataConfig
@@ -31,6 +31,7 @@ from distft.errors import DataError
 class Pair:
     chosen: Example
     rejected: Example
+    reference: tuple[float, float] | None = None  # DPO's precomputed reference log-probabilities
 
 
 def answers_only(chosen: Example, rejected: Example, origin: str) -> Pair:
@@ -77,6 +78,13 @@ def encode_pairs(formatter: ChatFormatter, rows: list[PreferenceRow]) -> tuple[l
     return pairs, skipped
 
 
+def reference_of(pairs: list[Any]) -> list[float] | None:
+    """The precomputed reference log-probabilities of a micro-batch's rows (chosen, then rejected), or None."""
+    if not pairs or not isinstance(pairs[0], Pair) or pairs[0].reference is None:
+        return None
+    return [p.reference[0] for p in pairs] + [p.reference[1] for p in pairs]
+
+
 def rows_of(items: list[Any]) -> list[Example]:
     """The sequences of a micro-batch: examples as they are; pairs as their chosen, then their rejected."""
     if not items or not isinstance(items[0], Pair):
@@ -91,13 +99,15 @@ class PairSplit:
     pairs: list[Pair]
     skipped: list[str] = field(default_factory=list)
     reads: int = field(default=0, compare=False)  # pairs handed out by position (the loop's batches)
+    reference: list[tuple[float, float]] | None = None  # per pair (`distft.train.reference`)
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def __getitem__(self, i: int) -> Pair:
         self.reads += 1
-        return self.pairs[i]
+        pair = self.pairs[i]
+        return pair if self.reference is None else replace(pair, reference=self.reference[i])
 
     def label_count(self, i: int) -> float:
         """Labelled positions per sequence of pair `i` (the mean of its two answers')."""

@@ -5,7 +5,8 @@ Two shapes, told apart by the fields a row has (`data.format = preference`, or `
 
 - `{"prompt", "chosen", "rejected"}`: the prompt a string (one user turn) or a list of
   {role, content} turns; each answer a string (one assistant turn) or the list of turns that
-  follows the prompt;
+  follows the prompt; or `{"transcript", "chosen", "rejected"}`, a meeting asked for its summary
+  as a summary row is (`data.system_prompt`, `data.instruction`; `--data sample-pairs`);
 - whole conversations under `chosen` and `rejected`, each a list of turns that starts with the
   prompt's own (Anthropic's HH-RLHF as messages, UltraFeedback-binarized, which also repeats the
   prompt as a string under `prompt`): what the two share is the prompt, found token by token when
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from distft.config import DataConfig
 from distft.data.messages import Message, parse_messages
 from distft.errors import DataError
 
@@ -53,8 +55,15 @@ def _turns(value: Any, role: str, origin: str, field: str) -> tuple[Message, ...
     return tuple(parse_messages(value, origin, field))
 
 
-def preference_row(record: dict[str, Any], origin: str) -> PreferenceRow:
-    """A record with `chosen` and `rejected` (and a `prompt`, unless they are whole conversations)."""
+def meeting_prompt(transcript: str, cfg: DataConfig) -> tuple[Message, ...]:
+    """The prompt of a meeting's summary, as a summary row's (`distft.data.formats.messages_of`)."""
+    system = (Message("system", (cfg.system_prompt,)),) if cfg.system_prompt else ()
+    return (*system, Message("user", (cfg.instruction, transcript)))
+
+
+def preference_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> PreferenceRow:
+    """A record with `chosen` and `rejected`, and a `prompt` (or a meeting's `transcript`, asked for
+    its summary as a summary row is), unless they are whole conversations."""
     for field in PREFERENCE_FIELDS:
         if field not in record:
             raise DataError(
@@ -67,6 +76,8 @@ def preference_row(record: dict[str, Any], origin: str) -> PreferenceRow:
         prompt: tuple[Message, ...] = ()
     elif "prompt" in record:
         prompt = _turns(record["prompt"], "user", origin, "prompt")
+    elif isinstance(record.get("transcript"), str) and record["transcript"].strip():
+        prompt = meeting_prompt(record["transcript"].strip(), cfg)
     else:
         raise DataError(
             f"{origin}: `chosen` holds only the answer, and the row has no `prompt` to answer: add one, "

@@ -8,7 +8,8 @@ objections and agreement, spoken disfluencies, decisions and action items. The s
 from the same facts, so a model can learn the mapping from transcript to summary.
 
 `SAMPLES` names the synthetic sets `data.source` may be: `sample`, these meetings (a few hundred
-tokens, 0.9 MB), bundled in the package; and `sample-long`, whole meetings of 4k-32k tokens
+tokens, 0.9 MB), bundled in the package; `sample-pairs`, the same meetings as preference rows (the
+true summary chosen, one with its action owners swapped rejected: `train.objective=dpo`); and `sample-long`, whole meetings of 4k-32k tokens
 (`distft.data.sample_long`): 3.9 MB for 72 rows, four times the bundle and a pure function of the
 code, so it is not shipped but written in half a second on first use into distft's cache
 (`$DISTFT_CACHE`, else ~/.cache/distft; an installed package's directory may be read-only), under
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -235,6 +237,23 @@ def generate_meeting(rng: random.Random, meeting_id: str) -> dict[str, str]:
     return {"id": meeting_id, "transcript": "\n".join(lines), "summary": summary}
 
 
+def generate_meeting_pair(rng: random.Random, meeting_id: str) -> dict[str, str]:
+    """A meeting as a preference row: {"id", "transcript", "chosen", "rejected"}, the true summary
+    chosen and, rejected, the same summary with its two action items' owners swapped: as fluent,
+    and wrong about who does what. The same meetings as `sample`, drawn from the same seeds."""
+    meeting = generate_meeting(rng, meeting_id)
+    summary = meeting["summary"]
+    (a, task_a, day_a), (b, task_b, day_b) = re.findall(r"(\w+) will (.+?) by ([^.]+)\.", summary)
+    start = summary.index(f"{a} will {task_a}")
+    swapped = f"{b} will {task_a} by {day_a}. {a} will {task_b} by {day_b}."
+    return {
+        "id": meeting_id,
+        "transcript": meeting["transcript"],
+        "chosen": summary,
+        "rejected": summary[:start] + swapped,
+    }
+
+
 # ---- the synthetic sets `data.source` may name --------------------------------------------------
 
 
@@ -251,6 +270,12 @@ class Sample:
 
 SAMPLES: dict[str, Sample] = {
     "sample": Sample("the bundled synthetic meetings", SAMPLE_SPLITS, generate_meeting, True),
+    "sample-pairs": Sample(
+        "the bundled meetings as preference pairs (action owners swapped)",
+        SAMPLE_SPLITS,
+        generate_meeting_pair,
+        False,
+    ),
     "sample-long": Sample(
         "the long synthetic meetings of 4k-32k tokens", LONG_SPLITS, sample_long.generate_long_meeting, False
     ),

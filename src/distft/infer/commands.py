@@ -215,11 +215,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     scores = compare(loaded, args.run, rows, args.max_new_tokens)
     source = args.data or f"{data_name(loaded.cfg.data)} (validation split)"
     what = "meetings" if all(isinstance(r, SummaryRow) for r in rows) else "rows"
-    table = Table("model", "what", "loss", "ROUGE-L", title=f"{args.run}: {len(rows)} {what} of {source}")
+    pairs = "preference_accuracy" in scores["finetuned"]  # preference rows: which answer each prefers
+    extra = ("prefers chosen", "log-prob margin") if pairs else ()
+    table = Table(
+        "model", "what", "loss", "ROUGE-L", *extra, title=f"{args.run}: {len(rows)} {what} of {source}"
+    )
     labels = model_labels(loaded)
     for name, s in scores.items():
         rouge = "n/a" if s["rougeL"] is None else f"{s['rougeL']:.4f}"
-        table.add_row(name, labels.get(name, ""), f"{s['loss']:.4f}", rouge)
+        preferred = (f"{s['preference_accuracy']:.0%}", f"{s['preference_margin']:+.3f}") if pairs else ()
+        table.add_row(name, labels.get(name, ""), f"{s['loss']:.4f}", rouge, *preferred)
     Console().print(table)
     if unscored := without_reference(loaded, rows):  # their ROUGE-L would read as a zero score
         rest = len(rows) - unscored

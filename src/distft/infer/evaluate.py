@@ -1,4 +1,5 @@
-"""Scoring a trained run: validation loss and ROUGE-L, the base model against the finetuned one.
+"""Scoring a trained run: validation loss and ROUGE-L, the base model against the finetuned one
+(and, on preference rows, how often each finds the chosen answer more likely than the rejected).
 
 The rows come from the run's own validation split (never trained on), or from any source distft
 reads (`--data`), in any of its formats: a local .jsonl/.parquet/.csv file from its first row, a hub
@@ -29,12 +30,15 @@ from distft.data import (
     tokenize_rows,
     validation_rows,
 )
+from distft.data.pairs import encode_pairs, rows_of
+from distft.data.preference import PreferenceRow
 from distft.errors import ConfigError
 from distft.infer.generate import Sampling, generate
 from distft.infer.load import Loaded, _load_base, load_trained
 from distft.io.lineage import is_random
 from distft.model import LossLM
 from distft.model.build import rebuild_base
+from distft.model.preference import sequence_logps
 
 
 def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> list[Row]:
@@ -82,7 +86,28 @@ def score(loaded: Loaded, rows: list[Row], max_new_tokens: int) -> dict[str, flo
         if reference.strip():
             rouge.append(scorer.score(reference, generate(loaded, row, greedy).summary)["rougeL"].fmeasure)
     mean = sum(rouge) / len(rouge) if rouge else None
-    return {"loss": validation_loss(loaded.model, loaded, rows), "rougeL": mean}
+    scores = {"loss": validation_loss(loaded.model, loaded, rows), "rougeL": mean}
+    pairs = [row for row in rows if isinstance(row, PreferenceRow)]
+    return scores | (preference_scores(loaded, pairs) if pairs else {})
+
+
+@torch.no_grad()
+def preference_scores(loaded: Loaded, rows: list[PreferenceRow]) -> dict[str, float]:
+    """Of preference rows: the share of pairs whose chosen answer the model finds more likely than
+    the rejected one (log-probability, `distft.model.preference.sequence_logps`), and the mean
+    margin of log-probabilities, chosen minus rejected."""
+    pairs, _ = encode_pairs(ChatFormatter(loaded.tokenizer, loaded.cfg.data), rows)
+    head, margins = LossLM(loaded.model), []
+    mb = loaded.cfg.train.micro_batch_size
+    for i in range(0, len(pairs), mb):
+        batch = collate(rows_of(pairs[i : i + mb]), loaded.tokenizer.pad_token_id)
+        hidden = head.hidden_states(batch["input_ids"], batch["attention_mask"], None)
+        chosen, rejected = sequence_logps(hidden, head.lm_head, batch["labels"])[0].chunk(2)
+        margins += (chosen - rejected).tolist()
+    return {
+        "preference_accuracy": sum(m > 0 for m in margins) / len(margins),
+        "preference_margin": sum(margins) / len(margins),
+    }
 
 
 def without_reference(loaded: Loaded, rows: list[Row]) -> int:

@@ -95,6 +95,10 @@ class ModelFlops:
         """The LM head's share of `sequence`, on the labelled positions only."""
         return matmul(self.head, self.head_trains, labelled).total
 
+    def forward(self, tokens: int, labelled: int) -> int:
+        """Forward alone over one sequence, no backward (DPO's reference under the disabled adapters)."""
+        return self._layers(tokens).forward + matmul(self.head, self.head_trains, labelled).forward
+
     def recompute(self, tokens: int) -> int:
         """The layers' forward once more (activation checkpointing)."""
         return self._layers(tokens).forward

@@ -65,6 +65,7 @@ class LossLM(nn.Module):
         self.backbone = inner.model  # e.g. LlamaModel: embeddings, decoder layers, final norm
         self.lm_head = inner.lm_head
         self.preference = preference  # train.objective dpo | orpo (`distft.model.preference`)
+        self.scoring = False  # forward returns each row's log-probability (DPO's precomputed reference)
 
     def forward(
         self,
@@ -74,12 +75,14 @@ class LossLM(nn.Module):
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         label_positions: torch.Tensor | None = None,  # (n_labelled,) flat indices where labels != -100
         token_weight: torch.Tensor | None = None,  # ORPO: pairs / chosen tokens of the global batch
+        reference: torch.Tensor | None = None,  # DPO: each row's reference log-probability, precomputed
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         if self.preference is None:
             return summed_loss(hidden, self.lm_head, labels, label_positions)
-        reference = None
-        if self.preference.needs_reference:  # the base with the adapters disabled, no graph kept
+        if self.scoring:  # each row's log-probability, nothing else (`distft.train.reference`)
+            return sequence_logps(hidden, self.lm_head, labels)[0]
+        if self.preference.needs_reference and reference is None:  # the base under disabled adapters
             with torch.no_grad(), self.lm.disable_adapter():
                 reference = sequence_logps(
                     self.hidden_states(input_ids, attention_mask, position_ids), self.lm_head, labels

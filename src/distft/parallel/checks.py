@@ -202,10 +202,10 @@ def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
             f"train.objective={objective} cannot run under --strategy {strategy.name}, whose loss head sees a "
             f"sequence shard or a pipeline stage, not both answers of a pair; it runs with {_takers('supports_preference')}."
         )
-    if objective == "dpo" and cfg.train.method == "full":
+    if objective == "dpo" and cfg.train.method == "full" and not cfg.dpo.precompute_reference:
         raise ConfigError(
-            "train.objective=dpo takes its reference from the base with the LoRA adapters disabled, and "
-            "--method full trains the base itself: use --method lora or qlora, or train.objective=orpo (no reference)."
+            "train.objective=dpo with --method full trains the base, the reference of LoRA's DPO: set "
+            "dpo.precompute_reference=true (scored once before the first step), or use --method lora."
         )
     if cfg.data.packing:
         raise ConfigError(

@@ -80,6 +80,15 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
         derived["data.packing"] = (
             f"false: train.objective={cfg.train.objective} scores each answer as one row"
         )
+    if (
+        cfg.train.objective == "dpo"
+        and cfg.train.method == "full"
+        and "dpo.precompute_reference" not in cfg.explicit
+    ):
+        cfg.dpo.precompute_reference = True
+        derived["dpo.precompute_reference"] = (
+            "true: --method full trains the base, so the reference is scored first"
+        )
     if cfg.parallel.strategy not in STRATEGIES or _passes(cfg):
         cfg.derived = derived
         return derived

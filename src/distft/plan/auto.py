@@ -92,7 +92,7 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "optimizer": cfg.optim.name,
         "sgd_momentum": cfg.optim.momentum > 0,
         "pair_statistics": 0 if cfg.train.objective == "sft" else len(STATS),
-        "reference_forward": cfg.train.objective == "dpo",
+        "reference_forward": cfg.train.objective == "dpo" and not cfg.dpo.precompute_reference,
         "modules_to_save": tuple(cfg.lora.modules_to_save),
         "trainable_tokens": len(dict.fromkeys(cfg.model.added_tokens)),
         "fp32_masters": master_weights(cfg) == "fp32",

@@ -49,6 +49,7 @@ from distft.train.metrics import (
 )
 from distft.train.optim import training_lines
 from distft.train.progress import TrainingProgress
+from distft.train.reference import attach_reference
 from distft.train.setup import Run, setup
 from distft.train.step import evaluate, expected_bytes, global_batch, train_step
 from distft.train.tracking import Trackers
@@ -97,6 +98,7 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     lock = run_lock(Path(cfg.output.dir)) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with lock:
         run = setup(cfg, dataset, hooks.health)
+        attach_reference(run)  # DPO with dpo.precompute_reference: scored once, before the first step
         # From here SIGINT/SIGTERM only ask the loop to stop at its next step boundary.
         with signals.deferred():
             result = steps_and_export(run, hooks)

@@ -23,7 +23,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from distft.data import Example
+from distft.data import IGNORE, Example
 from distft.data.pairs import rows_of
 from distft.distributed import DistEnv
 from distft.io.files import atomic_write_text
@@ -85,6 +85,10 @@ def step_record(
     examples = rows_of(examples)  # a preference objective's pairs: both rows
     tokens = sum(len(e.input_ids) for e in examples)
     flops = run.flops.step(examples)  # the whole global batch, every rank together
+    if run.cfg.train.objective == "dpo" and not run.cfg.dpo.precompute_reference:  # the reference's forward
+        flops += sum(
+            run.flops.forward(len(e.input_ids), sum(t != IGNORE for t in e.labels)) for e in examples
+        )
     peak = run.peak_flops * run.env.world_size if run.peak_flops else None
     return {
         "step": step,

@@ -25,7 +25,7 @@ from distft.data import (
     micro_batch,
     rank_micro_batches,
 )
-from distft.data.pairs import rows_of
+from distft.data.pairs import reference_of, rows_of
 from distft.errors import NonFiniteError
 from distft.io.checkpoint import resume_hint
 from distft.model.compile import SEQUENCE_BUCKET, compile_errors_unwrapped, compile_wanted
@@ -63,6 +63,8 @@ def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_i
             batch["label_positions"] = label_positions(batch["labels"])
         if weight is not None:
             batch["token_weight"] = weight
+        if (reference := reference_of(mb)) is not None:  # DPO's, computed before the first step
+            batch["reference"] = torch.tensor(reference)
         batches.append(to_device(batch, strategy.env.device))
     return batches
 
