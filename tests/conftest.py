@@ -56,6 +56,7 @@ LONGEST_FIRST = [
     "parallel/test_packing_parity.py",
     "bench/test_bench.py",
     "parallel/test_tensor_parallel.py",
+    "parallel/test_preference.py",
     "test_export_families.py",
     "bench/test_gpu_suite.py",
     "test_signals.py",

@@ -84,3 +84,18 @@ def test_each_rows_log_probability_sums_its_own_labelled_tokens():
     want = [sum(log_softmax[r, t, labels[r, t]] for t in range(5) if labels[r, t] != -100) for r in range(2)]
     torch.testing.assert_close(logps, torch.stack(want))
     assert counts.tolist() == [2.0, 3.0]
+
+
+def test_a_packed_rows_documents_are_scored_each_on_its_own():
+    """Three documents end to end (positions restart at 0), the last a fill without labels."""
+    torch.manual_seed(2)
+    head = nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(1, 7, 8)
+    labels = torch.tensor([[4, -100, 2, 9, -100, -100, -100]])
+    positions = torch.tensor([[0, 1, 0, 1, 2, 0, 1]])
+    logps, counts = sequence_logps(hidden, head, labels, positions)
+    log_softmax = head(hidden).float().log_softmax(-1)[0]
+    torch.testing.assert_close(
+        logps, torch.stack([log_softmax[0, 4], log_softmax[2, 2] + log_softmax[3, 9], torch.tensor(0.0)])
+    )
+    assert counts.tolist() == [1.0, 2.0, 0.0] and PreferenceLoss.pairs_in(logps) == 1  # the fill is no pair

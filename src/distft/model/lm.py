@@ -80,14 +80,14 @@ class LossLM(nn.Module):
         hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         if self.preference is None:
             return summed_loss(hidden, self.lm_head, labels, label_positions)
-        if self.scoring:  # each row's log-probability, nothing else (`distft.train.reference`)
-            return sequence_logps(hidden, self.lm_head, labels)[0]
+        if self.scoring:  # each sequence's log-probability, nothing else (`distft.train.reference`)
+            logps = sequence_logps(hidden, self.lm_head, labels, position_ids)[0]
+            return logps[: 2 * self.preference.pairs_in(logps)]  # not a packed row's fill
         if self.preference.needs_reference and reference is None:  # the base under disabled adapters
             with torch.no_grad(), self.lm.disable_adapter():
-                reference = sequence_logps(
-                    self.hidden_states(input_ids, attention_mask, position_ids), self.lm_head, labels
-                )[0]
-        logps, counts = sequence_logps(hidden, self.lm_head, labels)
+                again = self.hidden_states(input_ids, attention_mask, position_ids)
+                reference = sequence_logps(again, self.lm_head, labels, position_ids)[0]
+        logps, counts = sequence_logps(hidden, self.lm_head, labels, position_ids)
         return self.preference(logps, counts, reference, token_weight)
 
     def hidden_states(

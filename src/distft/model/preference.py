@@ -44,14 +44,20 @@ def sequence_logps(
     hidden: torch.Tensor,  # (rows, seq, hidden)
     lm_head: nn.Module,
     labels: torch.Tensor,  # (rows, seq), shifted, -100 where no loss
+    position_ids: torch.Tensor | None = None,  # packed: from 0 at each document
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's summed log-probability of its labelled tokens, and their count: (rows,) each."""
+    """Each sequence's summed log-probability of its labelled tokens, and their count: (sequences,)
+    each. A sequence is a row, or in a packed row each document (its positions restart at 0)."""
     keep = labels != -100
-    rows = keep.nonzero()[:, 0]
+    if position_ids is None:
+        owner, sequences = keep.nonzero()[:, 0], labels.shape[0]
+    else:  # one packed row: the document of each position, counted from the row's start
+        documents = (position_ids.flatten() == 0).cumsum(0) - 1
+        owner, sequences = documents[keep.flatten()], int(documents[-1]) + 1
     logits = lm_head(hidden[keep]).float()  # (labelled, vocab)
     token_logps = -F.cross_entropy(logits, labels[keep], reduction="none")
-    logps = torch.zeros(labels.shape[0], device=hidden.device).index_add(0, rows, token_logps)
-    counts = keep.sum(dim=1).float()
+    logps = torch.zeros(sequences, device=hidden.device).index_add(0, owner, token_logps)
+    counts = torch.zeros(sequences, device=hidden.device).index_add(0, owner, torch.ones_like(token_logps))
     return logps, counts
 
 
@@ -115,8 +121,11 @@ class PreferenceLoss:
     ) -> torch.Tensor:
         """The sum of this micro-batch's pair losses, from every row's (policy) log-probability and
         token count, the reference's, and (ORPO) pairs / chosen tokens of the global batch."""
-        chosen, rejected = logps.chunk(2)
-        chosen_n, rejected_n = counts.chunk(2)
+        pairs = self.pairs_in(logps)
+        chosen, rejected = logps[:pairs], logps[pairs : 2 * pairs]
+        chosen_n, rejected_n = counts[:pairs], counts[pairs : 2 * pairs]
+        if reference is not None:
+            reference = reference[: 2 * pairs]
         if self.objective == "dpo":
             ref_chosen, ref_rejected = reference.chunk(2)
             losses, reward_c, reward_r = dpo_losses(
@@ -129,6 +138,11 @@ class PreferenceLoss:
             reward_c, reward_r = self.beta * chosen_mean.detach(), self.beta * rejected_mean.detach()
         self._record(reward_c, reward_r, chosen.detach(), rejected.detach())
         return losses.sum()
+
+    @staticmethod
+    def pairs_in(logps: torch.Tensor) -> int:
+        """Pairs among the sequences: 2B rows, or 2B documents and a packed row's fill after them."""
+        return logps.shape[0] // 2
 
     def _record(self, reward_c, reward_r, chosen, rejected) -> None:
         margin = reward_c - reward_r

@@ -192,8 +192,8 @@ def _check_beside_adapters(cfg: Config, strategy: type[Strategy]) -> None:
 
 
 def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
-    """A preference objective (train.objective): a strategy whose head sees whole rows, a
-    reference (DPO: the base under the adapters), and rows kept apart."""
+    """A preference objective (train.objective): a strategy whose head sees whole rows, and a
+    reference (DPO: the base under the adapters, or scored first)."""
     objective = cfg.train.objective
     if objective == "sft":
         return
@@ -206,10 +206,6 @@ def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
         raise ConfigError(
             "train.objective=dpo with --method full trains the base, the reference of LoRA's DPO: set "
             "dpo.precompute_reference=true (scored once before the first step), or use --method lora."
-        )
-    if cfg.data.packing:
-        raise ConfigError(
-            f"train.objective={objective} scores each answer as one row: set data.packing=false."
         )
 
 

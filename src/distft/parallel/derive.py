@@ -75,11 +75,6 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
         cfg.optim.lr, why = default_lr(cfg.model.name, cfg.train.method)
         derived["optim.lr"] = f"{cfg.optim.lr:g}: {why}, optim.lr not set"
     derived.update(_derive_warmup(cfg))
-    if cfg.train.objective != "sft" and cfg.data.packing and "data.packing" not in cfg.explicit:
-        cfg.data.packing = False
-        derived["data.packing"] = (
-            f"false: train.objective={cfg.train.objective} scores each answer as one row"
-        )
     if (
         cfg.train.objective == "dpo"
         and cfg.train.method == "full"

@@ -78,6 +78,11 @@ def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
     return replace(generic_gpu(memory), label="cpu")
 
 
+def rows_per_example(cfg: Config) -> int:
+    """Sequences per example of a micro-batch: a preference objective's pair is two (`distft.data.pairs`)."""
+    return 1 if cfg.train.objective == "sft" else 2
+
+
 def training_of(cfg: Config, precision: Precision, **shape) -> Training:
     """What `cfg` trains, as the planner models it: the method, the LoRA adapters (their module
     names: a preset expanded) and variant, fp32 master weights where the run keeps them
@@ -97,8 +102,7 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "trainable_tokens": len(dict.fromkeys(cfg.model.added_tokens)),
         "fp32_masters": master_weights(cfg) == "fp32",
         "seq_len": cfg.data.max_length,
-        # A preference objective's micro-batch of pairs is twice as many rows (`distft.data.pairs`).
-        "micro_batch": cfg.train.micro_batch_size * (1 if cfg.train.objective == "sft" else 2),
+        "micro_batch": cfg.train.micro_batch_size * rows_per_example(cfg),
         "label_tokens": min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
         "activation_checkpointing": cfg.model.activation_checkpointing,
         "mlp_tiles": cfg.model.mlp_tiles,
@@ -134,7 +138,7 @@ def request_for(
         cfg,
         PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
         autocast=on_cuda(cfg) and cfg.model.autocast,
-        micro_batch=micro_batch or cfg.train.micro_batch_size,
+        micro_batch=(micro_batch or cfg.train.micro_batch_size) * rows_per_example(cfg),
         **({"label_tokens": min(label_tokens, cfg.data.max_length)} if label_tokens else {}),
     )
     par = cfg.parallel

@@ -200,6 +200,10 @@ def tp_collectives(
             for n, first in rank_stages(spec, training, par, rank)
         )
         adapters = tp_adapter_calls(layers, targets, ckpt)
+        if (
+            training.reference_forward
+        ):  # DPO's reference: the row projections' outputs once more, adapters off
+            calls += 2 * layers
         logical = c * positions * (spec.hidden_size * calls + training.lora_rank * adapters)
         out.append(
             Collective("activations", "all_reduce", logical, m * (calls + adapters), par.tp, link, False)
