@@ -32,7 +32,7 @@ from typing import Any
 
 from distft.config import DataConfig
 from distft.data.messages import Message, parse_messages
-from distft.data.preference import PreferenceRow, preference_row
+from distft.data.preference import PreferenceRow, meeting_prompt, preference_row
 from distft.errors import DataError, one_line
 
 # ShareGPT turn names (`from`) -> chat roles; data.roles adds names or maps them anew.
@@ -106,8 +106,7 @@ def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
         return row.chosen_messages
     if isinstance(row, TextRow):
         return (Message("user", (row.text,)),)
-    system = (Message("system", (cfg.system_prompt,)),) if cfg.system_prompt else ()
-    return (*system, Message("user", (cfg.instruction, row.transcript)), Message("assistant", (row.summary,)))
+    return (*meeting_prompt(row.transcript, cfg), Message("assistant", (row.summary,)))
 
 
 def prompt_and_reference(row: Row, cfg: DataConfig) -> tuple[tuple[Message, ...], str]:

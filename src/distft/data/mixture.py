@@ -93,13 +93,18 @@ def mixture_picks(sizes: Sequence[int], weights: Sequence[float], seed: int) -> 
     return source[order], position[order]
 
 
+def warn_starved(cfg: DataConfig, sizes: Sequence[int]) -> None:
+    """Say `starved_sources`' warning, if any, on stderr."""
+    if line := starved_sources(cfg, sizes):
+        print(line, file=sys.stderr, flush=True)
+
+
 def mix_splits(parts: list[dict[str, np.ndarray]], cfg: DataConfig, seed: int) -> dict[str, np.ndarray]:
     """Each source's split arrays (of anything: example numbers) mixed: train by `mixture_picks`,
     validation concatenated. A source left out by rounding is warned of."""
     sizes = [len(p["train"]) for p in parts]
-    if line := starved_sources(cfg, sizes):
-        print(line, file=sys.stderr, flush=True)
+    warn_starved(cfg, sizes)
     source, position = mixture_picks(sizes, source_weights(cfg), seed)
-    starts = np.cumsum([0] + [len(p["train"]) for p in parts])
+    starts = np.cumsum([0, *sizes])
     train = np.concatenate([p["train"] for p in parts])[starts[source] + position]
     return {"train": train, "validation": np.concatenate([p["validation"] for p in parts])}

@@ -56,7 +56,8 @@ def _turns(value: Any, role: str, origin: str, field: str) -> tuple[Message, ...
 
 
 def meeting_prompt(transcript: str, cfg: DataConfig) -> tuple[Message, ...]:
-    """The prompt of a meeting's summary, as a summary row's (`distft.data.formats.messages_of`)."""
+    """The prompt that asks for a meeting's summary: the system prompt, then the instruction and
+    the transcript (a summary row's, `distft.data.formats.messages_of`, and a meeting pair's)."""
     system = (Message("system", (cfg.system_prompt,)),) if cfg.system_prompt else ()
     return (*system, Message("user", (cfg.instruction, transcript)))
 

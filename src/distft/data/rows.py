@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from distft.config import DataConfig
 from distft.data.files import check_is_file, iter_jsonl, iter_local
 from distft.data.formats import Row, row_from_record
-from distft.data.mixture import data_name, mix_splits, source_configs
+from distft.data.mixture import data_name, mixture_picks, source_configs, source_weights, warn_starved
 from distft.data.sample import SAMPLES, is_sample, sample_path
 from distft.errors import DataError
 from distft.hub import hub_offline
@@ -256,15 +255,11 @@ def load_rows(cfg: DataConfig, seed: int = 0, dataset: Any = None) -> dict[str, 
         name = "(in memory)"
     elif cfg.sources:  # each source split on its own, then mixed (`distft.data.mixture`)
         parts = [load_rows(sub, seed) for sub in source_configs(cfg)]
-        rows = [row for p in parts for part in ("train", "validation") for row in p[part]]
-        numbers, start = [], 0  # each source's rows numbered in `rows`, mixed as the cache mixes them
-        for p in parts:
-            n_train, n_valid = len(p["train"]), len(p["validation"])
-            train, valid = np.arange(n_train) + start, np.arange(n_valid) + start + n_train
-            numbers.append({"train": train, "validation": valid})
-            start += n_train + n_valid
-        mixed = mix_splits(numbers, cfg, seed)
-        splits = {part: [rows[k] for k in picked.tolist()] for part, picked in mixed.items()}
+        sizes = [len(p["train"]) for p in parts]
+        warn_starved(cfg, sizes)
+        source, position = mixture_picks(sizes, source_weights(cfg), seed)
+        train = [parts[i]["train"][j] for i, j in zip(source.tolist(), position.tolist(), strict=True)]
+        splits = {"train": train, "validation": [row for p in parts for row in p["validation"]]}
         name = data_name(cfg)
     else:
         source = row_source(cfg)
