@@ -11,8 +11,8 @@ import pytest
 from distft.config import DataConfig
 from distft.data import ChatFormatter, load_rows, row_from_record
 from distft.data.chat import IGNORE
-from distft.data.formats import messages_of, row_format
-from distft.data.pairs import encode_pairs, rows_of
+from distft.data.formats import messages_of, prompt_and_reference, row_format
+from distft.data.pairs import encode_completions, encode_pairs, rows_of
 from distft.data.preference import PreferenceRow
 from distft.errors import DataError
 
@@ -87,13 +87,48 @@ def test_whole_conversations_share_a_multi_turn_prompt_found_token_by_token(toke
             "rejected message 0 has role 'robot'",
         ),
         ({"chosen": TURNS, "rejected": TURNS}, "`chosen` must end with a non-empty assistant turn"),
+        (
+            {"prompt": "Q", "completion": "A", "label": "yes"},
+            "pairs.jsonl:7: an unpaired row's `label` is true (a desirable answer) or false",
+        ),
+        ({"completion": "A", "label": True}, "pairs.jsonl:7: `completion` holds only the answer"),
     ],
-    ids=["same answers", "no prompt", "empty answer", "bad role", "no answer"],
+    ids=["same answers", "no prompt", "empty answer", "bad role", "no answer", "label", "unpaired prompt"],
 )
 def test_a_bad_row_is_named_by_its_origin(record, says):
     with pytest.raises(DataError) as err:
         row_from_record(record, DataConfig(), "pairs.jsonl:7")
     assert says in str(err.value)
+
+
+def test_unpaired_rows_and_pairs_are_kto_answers_each_with_a_mismatched_one_of_another_prompt(tokenizer):
+    """KTO's rows: {prompt, completion, label} (not prompt_completion, for its label), or a pair as
+    two; loss on each answer alone; each answer's KL sequence is its prompt with the answer of the
+    nearest earlier row that asks something else (cyclically)."""
+    cfg = DataConfig()
+    good = row_from_record(
+        {"prompt": "Who owns the budget?", "completion": "Anna, by Friday.", "label": True}, cfg, "u.jsonl:1"
+    )
+    bad = row_from_record(
+        {"transcript": "Anna: I own it.", "completion": "Bob.", "label": False}, cfg, "u.jsonl:2"
+    )
+    assert row_format(good) == "unpaired" and good.desirable and not bad.desirable
+    assert messages_of(good, cfg)[-1].content == "Anna, by Friday."  # SFT: a desirable answer is a chat
+    with pytest.raises(DataError, match=r"u\.jsonl:2: an undesirable answer \(label false\)"):
+        messages_of(bad, cfg)  # ... an undesirable one is refused, named
+    assert prompt_and_reference(bad, cfg) == (bad.prompt, "")  # eval has no answer to compare with
+    pair = row_from_record(SHAPES["conversations"], cfg, "p.jsonl:1")  # the same prompt as `good`
+    completions, skipped = encode_completions(ChatFormatter(tokenizer, cfg), [good, bad, pair])
+    assert skipped == [] and [c.desirable for c in completions] == [True, False, True, False]
+    said = ["Anna, by Friday.", "Bob.", "Anna, by Friday.", "Bob, by Monday."]
+    assert [answers(tokenizer, c.example) for c in completions] == [f"{a}<|im_end|>" for a in said]
+    # Partners: rows 0, 2 and 3 share a prompt, so each takes row 1's answer, and row 1 row 0's.
+    assert [answers(tokenizer, c.mismatched) for c in completions] == [
+        f"{said[j]}<|im_end|>" for j in (1, 0, 1, 1)
+    ]
+    meeting = tokenizer.decode(completions[1].mismatched.input_ids)
+    assert "Anna: I own it." in meeting and "Anna, by Friday." in meeting  # its prompt, another's answer
+    assert rows_of(completions[:2]) == [completions[0].example, completions[1].example]
 
 
 def test_a_preference_objective_refuses_rows_that_are_not_pairs(tokenizer):
@@ -104,21 +139,25 @@ def test_a_preference_objective_refuses_rows_that_are_not_pairs(tokenizer):
         encode_pairs(ChatFormatter(tokenizer, DataConfig()), [chat])
 
 
-def test_the_bundled_meetings_as_pairs_swap_the_action_owners_and_ask_as_a_summary_row_does(tokenizer):
+def test_the_bundled_meetings_as_pairs_reject_a_detail_the_meeting_never_had(tokenizer):
     """`sample-pairs`: the bundled meetings, in order; chosen is the true summary, rejected the same
-    with its two action owners swapped; the prompt is the summary row's (system prompt, instruction,
-    transcript), so a model trained on `sample` is asked exactly what it learnt to answer."""
-    cfg = DataConfig(source="sample-pairs", max_rows=4)
-    pairs, meetings = load_rows(cfg, seed=0)["train"], load_rows(DataConfig(max_rows=4), seed=0)["train"]
+    with one day, decision or owner replaced by one nobody said; the prompt is the summary row's
+    (system prompt, instruction, transcript), so a model trained on `sample` is asked exactly what
+    it learnt to answer."""
+    cfg = DataConfig(source="sample-pairs", max_rows=12)
+    pairs, meetings = load_rows(cfg, seed=0)["train"], load_rows(DataConfig(max_rows=12), seed=0)["train"]
+    kinds = set()
     for pair, meeting in zip(pairs, meetings, strict=True):
         assert pair.chosen[-1].content == meeting.summary
         assert messages_of(pair, cfg) == messages_of(meeting, DataConfig())  # SFT on pairs: the same rows
         chosen, rejected = pair.chosen[-1].content, pair.rejected[-1].content
-        (a, task_a, day_a), (b, task_b, day_b) = re.findall(ACTION, chosen)
-        assert a != b and re.findall(ACTION, rejected) == [(b, task_a, day_a), (a, task_b, day_b)]
-        assert (
-            rejected[: rejected.index(f"{b} will")] == chosen[: chosen.index(f"{a} will")]
-        )  # decisions kept
+        start = next(i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b)
+        start = chosen.rindex(" ", 0, start) + 1  # the detail's first word
+        end = next(i for i in range(1, len(chosen)) if chosen[-i:] != rejected[-i:]) - 1
+        said, wrong = chosen[start : len(chosen) - end], rejected[start : len(rejected) - end]
+        assert said in meeting.transcript and not re.search(rf"\b{re.escape(wrong)}\b", meeting.transcript)
+        kinds.add("owner" if start > chosen.index(". ", chosen.index("agreed on")) else "decision")
+    assert kinds == {"owner", "decision"}  # days too: the owner's sentence holds both
     row = row_from_record({"transcript": "A: hi.", "chosen": "Hi.", "rejected": "Bye."}, DataConfig(), "m:1")
     (pair,), _ = encode_pairs(ChatFormatter(tokenizer, DataConfig()), [row])
     assert answers(tokenizer, pair.chosen) == "Hi.<|im_end|>"

@@ -5,18 +5,21 @@ a test dependency). TRL 1.16 computes DPO inside `DPOTrainer._compute_loss`, fro
 outputs, with no function to call on given log-probabilities: its formulas are re-derived below
 from that method (trl/trainer/dpo_trainer.py: `sigmoid`, `hinge`, `ipo`), with conservative DPO's
 label smoothing as TRL's `dpo_loss` wrote it before 1.0 (Mitchell's cDPO note). And each answer's
-log-probability is the sum over its own tokens, whatever else the row holds."""
+log-probability is the sum over its own tokens, whatever else the row holds. KTO likewise: TRL
+1.16 computes it inside `KTOTrainer._compute_loss` (trl/trainer/kto_trainer.py, loss_type "kto"),
+re-derived below."""
 
 from __future__ import annotations
 
 import math
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distft.model.preference import PreferenceLoss, dpo_losses, orpo_odds_term, sequence_logps
+from distft.model.preference import KTO_SUMS, PreferenceLoss, dpo_losses, orpo_odds_term, sequence_logps
 
 torch.manual_seed(0)
 PAIRS = 6
@@ -71,6 +74,43 @@ def test_orpo_odds_term_is_trls_own_function():
     stats = head.take_stats(torch.device("cpu")) / PAIRS
     torch.testing.assert_close(stats[:2], torch.stack([reward_c.mean(), reward_r.mean()]))
     assert head.take_stats(torch.device("cpu")).eq(0).all()  # taken: afresh
+
+
+def trl_kto(labels, kl_policy, kl_reference, beta, desirable_weight, undesirable_weight):
+    """TRL 1.16 `KTOTrainer._compute_loss`, loss_type "kto", one process: the loss, the rewards of
+    the desirable and the undesirable answers, and the KL estimate z0."""
+    kl = (kl_policy - kl_reference).mean().detach().clamp(min=0)
+    chosen_logratios = CHOSEN[labels] - REF_CHOSEN[labels]
+    rejected_logratios = CHOSEN[~labels] - REF_CHOSEN[~labels]
+    chosen_losses = 1 - F.sigmoid(beta * (chosen_logratios - kl))
+    rejected_losses = 1 - F.sigmoid(beta * (kl - rejected_logratios))
+    losses = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses), 0)
+    return losses.nanmean(), beta * chosen_logratios, beta * rejected_logratios, kl
+
+
+def test_kto_matches_trl_with_weights_and_a_kl_estimate_kept_at_or_above_zero():
+    labels = torch.tensor([True, False, True, True, False, True])
+    for beta, wd, wu, shift in [(0.1, 1.0, 1.0, 0.7), (0.5, 1.0, 1.33, 0.0), (0.2, 0.8, 1.0, -2.0)]:
+        kl_policy = CHOSEN + shift + torch.randn(PAIRS)  # shift < 0: the mean is below 0, clamped
+        loss, reward_d, reward_u, kl = trl_kto(labels, kl_policy, CHOSEN, beta, wd, wu)
+        head = PreferenceLoss("kto", beta=beta, desirable_weight=wd, undesirable_weight=wu)
+        ours = (kl_policy - CHOSEN).mean().clamp(min=0)  # what `distft.train.step.with_kl` computes
+        torch.testing.assert_close(ours, kl)
+        # The answers of a micro-batch and a packed row's fill after them (no label: not scored).
+        logps, counts = torch.cat([CHOSEN, torch.zeros(1)]), torch.cat([TOKENS_C, torch.zeros(1)])
+        total = head(logps, counts, torch.cat([REF_CHOSEN, torch.zeros(1)]), desirable=labels, kl=ours)
+        torch.testing.assert_close(total / PAIRS, loss, rtol=1e-6, atol=1e-7)  # the step divides by answers
+        means = head.means(head.take_stats(torch.device("cpu")).tolist(), PAIRS)
+        assert means["rewards_chosen"] == pytest.approx(reward_d.mean().item(), rel=1e-5)
+        assert means["rewards_rejected"] == pytest.approx(reward_u.mean().item(), rel=1e-5)
+        assert means["margin"] == pytest.approx((reward_d.mean() - reward_u.mean()).item(), rel=1e-5)
+        assert means["logps_chosen"] == pytest.approx(CHOSEN[labels].mean().item(), rel=1e-5)
+    # At the reference (step 1: z0 = 0, every ratio 0) each answer's loss is 1 - sigmoid(0) = 1/2.
+    head = PreferenceLoss("kto")
+    assert head(CHOSEN, TOKENS_C, CHOSEN, desirable=labels, kl=torch.tensor(0.0)).item() == PAIRS / 2
+    # A batch without undesirable answers has no mean for them.
+    sums = dict.fromkeys(KTO_SUMS, 1.0) | {"undesirable": 0.0}
+    assert head.means(list(sums.values()), 1)["rewards_rejected"] is None
 
 
 def test_each_rows_log_probability_sums_its_own_labelled_tokens():

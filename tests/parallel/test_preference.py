@@ -1,13 +1,14 @@
-"""DPO and ORPO under the strategies whose loss head sees whole rows (data parallel, sharded,
+"""DPO, ORPO and KTO under the strategies whose loss head sees whole rows (data parallel, sharded,
 tensor parallel and a 2-D mesh): each trains as one process does on the same global batch of pairs
-(losses, gradient norms, rewards and the adapter), with the bytes its formula predicts; the others
-are refused before launch, in one line."""
+(KTO: of labelled answers), in losses, gradient norms, rewards and the adapter, with the bytes its
+formula predicts; the others are refused before launch, in one line."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from tests.helpers import adapter, assert_same_training, crashed_copy, distft, m
 
 NAMES, DAYS = ["Anna", "Bob", "Chen", "Dana", "Eli", "Fay"], ["Monday", "Friday", "next week"]
 PAIR_STATS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin", "logps_chosen", "logps_rejected")
+KTO_STATS = ("rewards_chosen", "rewards_rejected", "margin", "logps_chosen", "logps_rejected", "kl")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,17 @@ def pairs(tmp_path_factory):
     return str(write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", rows))
 
 
+@pytest.fixture(scope="module")
+def unpaired(pairs, tmp_path_factory):
+    """The pairs as KTO's rows: two in three answers desirable, the rest the rejected answer."""
+    rows = [json.loads(line) for line in Path(pairs).read_text().splitlines()]
+    labelled = [
+        {"prompt": r["prompt"], "completion": r["chosen" if i % 3 else "rejected"], "label": bool(i % 3)}
+        for i, r in enumerate(rows)
+    ]
+    return str(write_jsonl(tmp_path_factory.mktemp("unpaired") / "unpaired.jsonl", labelled))
+
+
 def settings(data: str, objective: str) -> list[str]:
     return [
         "--model", "micro", "--data", data, "--objective", objective, "train.max_steps=3",
@@ -40,11 +53,16 @@ def settings(data: str, objective: str) -> list[str]:
     ]  # fmt: skip
 
 
-def assert_same_pairs(run, reference, rtol: float = 1e-5) -> None:
-    """The pair statistics of every step equal the reference's (rewards, margin, accuracy, log-probs)."""
+def assert_same_pairs(run, reference, rtol: float = 1e-5, names=PAIR_STATS, atol: float = 1e-6) -> None:
+    """The pair statistics of every step equal the reference's (rewards, margin, accuracy, log-probs;
+    KTO's KL estimate). KTO's margin is a difference of two means of ratios of log-probabilities
+    near -80, so its absolute tolerance is 1e-5."""
     for got, want in zip(metrics(run), metrics(reference), strict=True):
-        for name in PAIR_STATS:
-            assert got[name] == pytest.approx(want[name], rel=rtol, abs=1e-6), (got["step"], name)
+        for name in names:
+            if want[name] is None:  # KTO: no answer of that label in the global batch
+                assert got[name] is None, (got["step"], name)
+            else:
+                assert got[name] == pytest.approx(want[name], rel=rtol, abs=atol), (got["step"], name)
 
 
 LAYOUTS = {"fsdp+tp": ["parallel.dp=1", "parallel.tp=2"]}  # a 2-D mesh on 2 ranks (one FSDP shard)
@@ -52,6 +70,9 @@ LAYOUTS = {"fsdp+tp": ["parallel.dp=1", "parallel.tp=2"]}  # a 2-D mesh on 2 ran
 # 1e-6, but DPO weights each token's gradient by its pair's sigmoid and Adam divides near-zero
 # gradients by their own magnitude, so after 3 steps one lora_B tensor differs by 1.4e-3 of its norm.
 ADAPTER_RTOL = {"fsdp+tp": 1e-2}
+# KTO likewise: every answer's gradient is weighted by a sigmoid of its ratio less z0, a sum over the
+# whole global batch in another order on each layout; after 3 steps one lora_B differs by 1.6e-4.
+KTO_ADAPTER_RTOL = 1e-3
 
 
 def assert_same_steps(run, reference, rtol: float) -> None:
@@ -60,11 +81,27 @@ def assert_same_steps(run, reference, rtol: float) -> None:
             assert got[name] == pytest.approx(want[name], rel=rtol), (got["step"], name)
 
 
-@pytest.mark.parametrize("objective, strategies", [("dpo", ["ddp", "fsdp", "fsdp+tp"]), ("orpo", ["tp"])])
-def test_trains_like_one_process(objective, strategies, pairs, tmp_path):
+@pytest.mark.parametrize(
+    "objective, strategies", [("dpo", ["fsdp", "fsdp+tp"]), ("orpo", ["tp"]), ("kto", ["fsdp", "tp"])]
+)
+def test_trains_like_one_process(objective, strategies, pairs, unpaired, tmp_path):
+    """(DDP trains DPO as one process in the full-finetuning test below.)"""
+    data = unpaired if objective == "kto" else pairs
+    stats = KTO_STATS if objective == "kto" else PAIR_STATS
     reference = tmp_path / "single"
-    assert main(["train", *settings(pairs, objective), "--out", str(reference)]) == 0
+    assert main(["train", *settings(data, objective), "--out", str(reference)]) == 0
     first = metrics(reference)[0]
+    if objective == "kto":  # at the reference: z0 = 0, every answer's loss 1 - sigmoid(0)
+        assert first["loss"] == 0.5 and first["kl"] == 0.0
+        assert all(m["kl"] >= 0 for m in metrics(reference)) and metrics(reference)[-1]["kl"] > 0
+        # Scored before the first step, the reference (and so z0) is the same as the disabled adapters'.
+        kept = tmp_path / "kept"
+        assert (
+            main(["train", *settings(data, objective), "dpo.precompute_reference=true", "--out", str(kept)])
+            == 0
+        )
+        assert_same_training(kept, reference)
+        assert_same_pairs(kept, reference, names=stats, atol=1e-5)
     if objective == "dpo":  # the policy starts as its reference: every margin 0, the loss log 2
         assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
         assert first["margin"] == first["rewards_chosen"] == 0.0 and first["accuracy"] == 0.0
@@ -77,15 +114,16 @@ def test_trains_like_one_process(objective, strategies, pairs, tmp_path):
     for strategy in strategies:
         run = tmp_path / strategy
         layout = ["--strategy", strategy, "--nproc", "2", *LAYOUTS.get(strategy, [])]
-        distft("train", *settings(pairs, objective), *layout, "--out", str(run))
-        if strategy in ADAPTER_RTOL:  # steps as above; the adapter norm-wise, looser
+        distft("train", *settings(data, objective), *layout, "--out", str(run))
+        loose = ADAPTER_RTOL.get(strategy, KTO_ADAPTER_RTOL if objective == "kto" else None)
+        if loose:  # steps as above; the adapter norm-wise, looser
             assert_same_steps(run, reference, rtol=1e-5)
             a, b = adapter(run), adapter(reference)
-            assert all((a[k] - b[k]).norm() <= ADAPTER_RTOL[strategy] * b[k].norm() for k in b), strategy
+            assert all((a[k] - b[k]).norm() <= loose * b[k].norm() for k in b), strategy
         else:
             assert_same_training(run, reference)
-        assert_same_pairs(run, reference)
-        # The bytes of both rows of every pair, counted as any run's are, match the formula.
+        assert_same_pairs(run, reference, names=stats, atol=1e-5 if objective == "kto" else 1e-6)
+        # The bytes of both rows of every pair (KTO: and of its KL term's forwards), counted as any run's are, match the formula.
         counted = [m for m in metrics(run) if "comm_bytes_expected" in m]
         assert counted and all(m["comm_bytes"] == m["comm_bytes_expected"] for m in counted), strategy
 

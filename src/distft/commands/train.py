@@ -61,8 +61,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--objective",
         choices=OBJECTIVES,
-        help="sft (the answers' token loss), or a preference objective on pairs of answers: dpo, orpo "
-        "(docs/preference.md; settings in [dpo])",
+        help="sft (the answers' token loss), or a preference objective: dpo, orpo (pairs of answers), "
+        "kto (answers labelled desirable or not) (docs/preference.md; settings in [dpo])",
     )
     p.add_argument(
         "--data",

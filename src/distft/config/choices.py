@@ -1,7 +1,8 @@
 """The choices of the string settings that take one of a few values (`distft.config.fields` checks them)."""
 
 METHODS = ("lora", "qlora", "full")
-OBJECTIVES = ("sft", "dpo", "orpo")  # train.objective; `distft.model.preference`
+OBJECTIVES = ("sft", "dpo", "orpo", "kto")  # train.objective; `distft.model.preference`
+WITH_REFERENCE = ("dpo", "kto")  # the objectives that compare the policy with the model as it starts
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # dpo.loss_type
 LORA_VARIANTS = ("lora", "dora", "rslora")
 # The projections of a decoder layer, every family's, in the order transformers registers them
@@ -27,6 +28,16 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 CP_METHODS = ("allgather", "ring")  # parallel.cp_method; `distft.parallel.context`
 MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
 TRUNCATIONS = ("head", "tail", "middle")
-DATA_FORMATS = ("auto", "summary", "chat", "prompt_completion", "alpaca", "sharegpt", "text", "preference")
+DATA_FORMATS = (
+    "auto",
+    "summary",
+    "chat",
+    "prompt_completion",
+    "alpaca",
+    "sharegpt",
+    "text",
+    "preference",
+    "unpaired",
+)
 ROLES = ("system", "user", "assistant")  # chat turns; data.roles maps ShareGPT names onto them
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`

@@ -237,6 +237,8 @@ RANGES: dict[str, Range] = {
     "lora.lr_ratio": POSITIVE,  # 1: LoRA+ off
     "dpo.beta": POSITIVE,
     "dpo.label_smoothing": Range(0, 0.5, high_open=True),
+    "dpo.desirable_weight": POSITIVE,
+    "dpo.undesirable_weight": POSITIVE,
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,
     "optim.beta1": FRACTION,

@@ -133,8 +133,9 @@ class TrainConfig:
     or full (every weight trains)."""
     objective: str = "sft"
     """sft (the answers' token loss), dpo (prefer the chosen answer of each pair over the rejected
-    one, against the starting model) or orpo (sft plus an odds-ratio term, no reference): the
-    preference objectives train on pairs (docs/preference.md; settings in [dpo])."""
+    one, against the starting model), orpo (sft plus an odds-ratio term, no reference), or kto
+    (answers each labelled desirable or not, against the starting model): the preference
+    objectives (docs/preference.md; settings in [dpo])."""
     max_steps: int = 100
     """Optimizer steps (leave it unset when train.epochs sets them)."""
     epochs: float = 0.0

@@ -1,4 +1,4 @@
-"""Row formats: what one dataset row says, whichever of the seven shapes it comes in.
+"""Row formats: what one dataset row says, whichever of the eight shapes it comes in.
 
 - `summary`: a meeting transcript and its summary, in one of the AMI schemas (`KNOWN_SCHEMAS`) or
   in fields named by `data.transcript_field` / `data.summary_field`;
@@ -8,12 +8,13 @@
 - `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`, its turn
   names mapped to chat roles by `DEFAULT_ROLES` and `data.roles`;
 - `text`: `{"text": ...}`, plain text with loss on every token (a `TextRow`);
-- `preference`: `{"prompt", "chosen", "rejected"}` or whole conversations (`distft.data.preference`).
+- `preference`: `{"prompt", "chosen", "rejected"}` or whole conversations (`distft.data.preference`);
+- `unpaired`: `{"prompt", "completion", "label"}`, one answer labelled desirable or not (KTO).
 
 `data.format=auto` detects the format from the fields each row has. A row whose fields fit more
 than one format (alpaca's `input`/`output` are also qmsum-cleaned's transcript/summary) is
-refused rather than guessed, except two overlaps resolved by rule: a row with an `instruction` is
-alpaca, not qmsum's `{input, output}`; and `text` fits only a row that fits nothing else (many
+refused rather than guessed, except three overlaps resolved by rule: a row with an `instruction` is
+alpaca, not qmsum's `{input, output}`; a row with a `label` is unpaired, not prompt_completion; and `text` fits only a row that fits nothing else (many
 datasets carry a rendered `text` beside their `messages`). Every row becomes a `SummaryRow`
 (summary), a `TextRow` (text) or a `ChatRow` (the rest); `messages_of` turns each into the
 conversation that is tokenised (a text row: one user turn, which is what generation starts from).
@@ -32,7 +33,7 @@ from typing import Any
 
 from distft.config import DataConfig
 from distft.data.messages import Message, parse_messages
-from distft.data.preference import PreferenceRow, meeting_prompt, preference_row
+from distft.data.preference import PreferenceRow, UnpairedRow, meeting_prompt, preference_row, unpaired_row
 from distft.errors import DataError, one_line
 
 # ShareGPT turn names (`from`) -> chat roles; data.roles adds names or maps them anew.
@@ -61,6 +62,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "alpaca": ("instruction", "output"),
     "sharegpt": ("conversations",),
     "preference": ("chosen", "rejected"),  # `distft.data.preference`
+    "unpaired": ("completion", "label"),  # and a prompt or transcript
 }
 ANSWER = {"prompt_completion": "completion", "alpaca": "output"}  # optional in a row to generate for
 
@@ -88,12 +90,12 @@ class TextRow:
     origin: str
 
 
-Row = SummaryRow | ChatRow | TextRow | PreferenceRow
+Row = SummaryRow | ChatRow | TextRow | PreferenceRow | UnpairedRow
 
 
 def row_format(row: Row) -> str:
     """The `data.format` value `row` was read as (what `data.format=auto` detected for it)."""
-    if isinstance(row, ChatRow | PreferenceRow):
+    if isinstance(row, ChatRow | PreferenceRow | UnpairedRow):
         return row.format
     return "text" if isinstance(row, TextRow) else "summary"
 
@@ -104,6 +106,13 @@ def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
         return row.messages
     if isinstance(row, PreferenceRow):  # SFT on preference rows: the chosen answers
         return row.chosen_messages
+    if isinstance(row, UnpairedRow):
+        if not row.desirable:
+            raise DataError(
+                f"{row.origin}: an undesirable answer (label false) is not one to learn: unpaired rows "
+                "train under train.objective=kto."
+            )
+        return row.messages
     if isinstance(row, TextRow):
         return (Message("user", (row.text,)),)
     return (*meeting_prompt(row.transcript, cfg), Message("assistant", (row.summary,)))
@@ -112,6 +121,8 @@ def messages_of(row: Row, cfg: DataConfig) -> tuple[Message, ...]:
 def prompt_and_reference(row: Row, cfg: DataConfig) -> tuple[tuple[Message, ...], str]:
     """What to generate from and what to compare with: the conversation up to (not including) its
     last assistant turn, and that turn's text; a row ending in another turn is all prompt, no reference."""
+    if isinstance(row, UnpairedRow) and not row.desirable:  # no answer to compare with
+        return row.prompt, ""
     messages = messages_of(row, cfg)
     if messages[-1].role == "assistant":
         return messages[:-1], messages[-1].content
@@ -130,7 +141,7 @@ def _fits(record: dict[str, Any], cfg: DataConfig, need_answer: bool = True) -> 
     fits = ["summary"] if schemas else []
     for name, fields in REQUIRED.items():
         needed = fields if need_answer else [f for f in fields if f != ANSWER.get(name)]
-        if all(f in record for f in needed):
+        if all(f in record for f in needed) and not (name == "prompt_completion" and "label" in record):
             fits.append(name)
     return fits or (["text"] if "text" in record else [])  # text: the format of last resort
 
@@ -161,6 +172,7 @@ def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_ans
         f"{origin}: no transcript/summary fields found, nor any other known format (row has: {_fields_of(record)}). "
         f"Summary schemas: {known}; chat {{messages}}; prompt_completion {{prompt, completion}}; alpaca "
         "{instruction, input, output}; sharegpt {conversations}; preference {prompt, chosen, rejected}; "
+        "unpaired {prompt, completion, label}; "
         "text {text}. Name a summary's fields "
         "with data.transcript_field=... data.summary_field=..."
     )
@@ -313,4 +325,6 @@ def row_from_record(record: Any, cfg: DataConfig, origin: str, need_answer: bool
         return _text_row(record, origin)
     if fmt == "preference":
         return preference_row(record, cfg, origin)
+    if fmt == "unpaired":
+        return unpaired_row(record, cfg, origin)
     return _alpaca_row(record, origin, need_answer)

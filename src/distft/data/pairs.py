@@ -7,6 +7,11 @@ least its turns; whole conversations share whatever they repeat, found here). Th
 a pair always travel together: a batch of B pairs is one micro-batch of 2B rows, the chosen ones
 first (`rows_of`), so both answers of a pair meet in one forward on one rank.
 
+KTO's rows are single answers (`Completion`), each labelled desirable or not, with a second
+sequence: the same prompt followed by another row's answer (`mismatched`: the nearest earlier row
+with another prompt, TRL's cycling of completions), which KTO's KL term scores. The answer's labels
+are found as a pair's are, against a probe: the prompt followed by a one-character answer.
+
 Pairs are tokenised in memory (the token cache holds single examples), before launch to name a bad
 row by its origin, and again in each rank.
 """
@@ -21,8 +26,9 @@ from distft.config import DataConfig
 from distft.data.cache import tokenized_splits
 from distft.data.chat import IGNORE, ChatFormatter, Example, split_summary
 from distft.data.formats import ChatRow
+from distft.data.messages import Message
 from distft.data.mixture import data_name
-from distft.data.preference import PreferenceRow
+from distft.data.preference import PreferenceRow, UnpairedRow, unpaired
 from distft.data.rows import check_splits, load_rows
 from distft.errors import DataError
 
@@ -33,29 +39,61 @@ class Pair:
     rejected: Example
     reference: tuple[float, float] | None = None  # DPO's precomputed reference log-probabilities
 
+    @property
+    def sequences(self) -> tuple[Example, Example]:  # what the reference scores
+        return self.chosen, self.rejected
+
+    @property
+    def rows(self) -> tuple[Example, ...]:  # what trains
+        return self.chosen, self.rejected
+
+
+@dataclass(frozen=True)
+class Completion:
+    """KTO's example: an answer, whether it is desirable, and its prompt with another row's answer."""
+
+    example: Example
+    mismatched: Example  # scored without gradients for KTO's KL term
+    desirable: bool
+    reference: tuple[float, float] | None = None  # precomputed: the answer's and the mismatched one's
+
+    @property
+    def sequences(self) -> tuple[Example, Example]:
+        return self.example, self.mismatched
+
+    @property
+    def rows(self) -> tuple[Example, ...]:
+        return (self.example,)
+
+
+def shared_tokens(a: Example, b: Example) -> int:
+    """The position that predicts the first token where `a` and `b` differ (position t predicts
+    token t+1): every label before it is on tokens both share."""
+    shared = 0
+    for x, y in zip(a.input_ids, b.input_ids, strict=False):
+        if x != y:
+            break
+        shared += 1
+    return max(shared - 1, 0)
+
+
+def labels_from(e: Example, first: int, origin: str, name: str) -> Example:
+    """`e` with no label before position `first`; a DataError if none is left."""
+    labels = [IGNORE] * first + e.labels[first:]
+    if all(t == IGNORE for t in labels):
+        raise DataError(
+            f"{origin}: the {name} answer has no token of its own after the part both answers share "
+            f"(the pair may have been cut to data.max_length)."
+        )
+    return Example(e.input_ids, labels, e.truncated_tokens)
+
 
 def answers_only(chosen: Example, rejected: Example, origin: str) -> Pair:
     """The pair with the labels of the tokens both share from the start dropped."""
-    shared = 0
-    for a, b in zip(chosen.input_ids, rejected.input_ids, strict=False):
-        if a != b:
-            break
-        shared += 1
-    # Position t predicts token t+1: the first differing token is predicted at position shared - 1.
-    first = max(shared - 1, 0)
-
-    def cut(e: Example) -> Example:
-        labels = [IGNORE] * first + e.labels[first:]
-        return Example(e.input_ids, labels, e.truncated_tokens)
-
-    pair = Pair(cut(chosen), cut(rejected))
-    for name, e in (("chosen", pair.chosen), ("rejected", pair.rejected)):
-        if all(t == IGNORE for t in e.labels):
-            raise DataError(
-                f"{origin}: the {name} answer has no token of its own after the part both answers share "
-                f"(the pair may have been cut to data.max_length)."
-            )
-    return pair
+    first = shared_tokens(chosen, rejected)
+    return Pair(
+        labels_from(chosen, first, origin, "chosen"), labels_from(rejected, first, origin, "rejected")
+    )
 
 
 def encode_pairs(formatter: ChatFormatter, rows: list[PreferenceRow]) -> tuple[list[Pair], list[str]]:
@@ -78,25 +116,94 @@ def encode_pairs(formatter: ChatFormatter, rows: list[PreferenceRow]) -> tuple[l
     return pairs, skipped
 
 
-def reference_of(pairs: list[Any]) -> list[float] | None:
-    """The precomputed reference log-probabilities of a micro-batch's rows (chosen, then rejected), or None."""
-    if not pairs or not isinstance(pairs[0], Pair) or pairs[0].reference is None:
+def _probe(row: UnpairedRow) -> tuple[Message, ...]:
+    """The row's prompt with a one-character answer that starts unlike its own."""
+    text = "!" if row.completion[0].content.startswith("?") else "?"
+    return (*row.prompt, Message("assistant", (text,)))
+
+
+def mismatched_partners(rows: list[UnpairedRow]) -> list[int]:
+    """For each row, the nearest earlier row (cyclically) whose prompt differs: its answer is the
+    row's mismatched one (two rows of one pair share their prompt). The row before, if none does."""
+    n = len(rows)
+    return [
+        next((j % n for j in range(i - 1, i - n, -1) if rows[j % n].prompt != rows[i].prompt), (i - 1) % n)
+        for i in range(n)
+    ]
+
+
+def encode_completions(formatter: ChatFormatter, rows: list[Any]) -> tuple[list[Completion], list[str]]:
+    """Each unpaired row (a pair: two, `unpaired`) as a `Completion`, labels on its answer only, and
+    the origins of the rows skipped as too long (`data.skip_long_rows`)."""
+    unpaired_rows = []
+    for row in rows:
+        if isinstance(row, PreferenceRow):
+            unpaired_rows += unpaired(row)
+        elif isinstance(row, UnpairedRow):
+            unpaired_rows.append(row)
+        else:
+            raise DataError(
+                f"{row.origin}: train.objective=kto trains on answers labelled desirable or not "
+                "({prompt, completion, label}) or on pairs (docs/preference.md), and this row is neither."
+            )
+    partners = mismatched_partners(unpaired_rows)
+    chats = [
+        ChatRow(messages, row.origin)
+        for row, j in zip(unpaired_rows, partners, strict=True)
+        for messages in (row.messages, row.prompt + unpaired_rows[j].completion, _probe(row))
+    ]
+    examples = formatter.encode_many(chats)
+    completions, skipped = [], []
+    for i, row in enumerate(unpaired_rows):
+        answer, mismatched, probe = examples[3 * i : 3 * i + 3]
+        if answer is None or mismatched is None or probe is None:
+            skipped.append(row.origin)
+            continue
+        answer = labels_from(answer, shared_tokens(answer, probe), row.origin, "completion")
+        mismatched = labels_from(mismatched, shared_tokens(mismatched, probe), row.origin, "mismatched")
+        completions.append(Completion(answer, mismatched, row.desirable))
+    return completions, skipped
+
+
+def reference_of(items: list[Any]) -> list[float] | None:
+    """The precomputed reference log-probabilities of a micro-batch's rows (`rows_of`), or None."""
+    if not items or not isinstance(items[0], Pair | Completion) or items[0].reference is None:
         return None
-    return [p.reference[0] for p in pairs] + [p.reference[1] for p in pairs]
+    if isinstance(items[0], Completion):
+        return [c.reference[0] for c in items]
+    return [p.reference[0] for p in items] + [p.reference[1] for p in items]
 
 
 def rows_of(items: list[Any]) -> list[Example]:
-    """The sequences of a micro-batch: examples as they are; pairs as their chosen, then their rejected."""
-    if not items or not isinstance(items[0], Pair):
+    """The rows a micro-batch trains: examples as they are; pairs as their chosen, then their
+    rejected; KTO's completions as their answers."""
+    if not items or not isinstance(items[0], Pair | Completion):
         return items
-    return [p.chosen for p in items] + [p.rejected for p in items]
+    return [e for k in range(len(items[0].rows)) for e in (item.rows[k] for item in items)]
+
+
+def desirable_of(items: list[Any]) -> list[bool] | None:
+    """KTO: each answer's label; None for anything else."""
+    return [c.desirable for c in items] if items and isinstance(items[0], Completion) else None
+
+
+def micro_batch_part(items: list[Any], part: str = "train") -> tuple[list[Example], list[float] | None]:
+    """The sequences of a micro-batch a forward runs, and their precomputed reference log-probabilities:
+    "train" the rows it trains (`rows_of`); "score" every item's two sequences, first ones first
+    (the reference scored before the first step); "kl" KTO's mismatched answers (its KL term)."""
+    if part == "score":
+        return [item.sequences[0] for item in items] + [item.sequences[1] for item in items], None
+    if part == "kl":
+        reference = [c.reference[1] for c in items] if items[0].reference is not None else None
+        return [c.mismatched for c in items], reference
+    return rows_of(items), reference_of(items)
 
 
 @dataclass
 class PairSplit:
-    """A split of pairs in memory, read by position like a split of examples."""
+    """A split of pairs (or KTO's completions) in memory, read by position like a split of examples."""
 
-    pairs: list[Pair]
+    pairs: list[Pair | Completion]
     skipped: list[str] = field(default_factory=list)
     reads: int = field(default=0, compare=False)  # pairs handed out by position (the loop's batches)
     reference: list[tuple[float, float]] | None = None  # per pair (`distft.train.reference`)
@@ -104,29 +211,31 @@ class PairSplit:
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def __getitem__(self, i: int) -> Pair:
+    def __getitem__(self, i: int) -> Pair | Completion:
         self.reads += 1
         pair = self.pairs[i]
         return pair if self.reference is None else replace(pair, reference=self.reference[i])
 
     def label_count(self, i: int) -> float:
-        """Labelled positions per sequence of pair `i` (the mean of its two answers')."""
-        return sum(t != IGNORE for e in (self.pairs[i].chosen, self.pairs[i].rejected) for t in e.labels) / 2
+        """Labelled positions per row of item `i` (a pair: the mean of its two answers')."""
+        rows = self.pairs[i].rows
+        return sum(t != IGNORE for e in rows for t in e.labels) / len(rows)
 
     def summary(self) -> dict[str, float]:
-        rows = [e for p in self.pairs for e in (p.chosen, p.rejected)]
+        rows = [e for p in self.pairs for e in p.rows]
         return split_summary(
             [len(e.input_ids) for e in rows], [e.truncated_tokens for e in rows], self.skipped
         )
 
 
 def preference_splits(
-    cfg: DataConfig, seed: int, tokenizer: Any, dataset: Any = None
+    cfg: DataConfig, seed: int, tokenizer: Any, dataset: Any = None, objective: str = "dpo"
 ) -> tuple[PairSplit, PairSplit]:
-    """The train and validation pairs of a preference run."""
+    """The train and validation pairs of a preference run (KTO: completions)."""
     formatter = ChatFormatter(tokenizer, cfg)
     splits = load_rows(cfg, seed, dataset)
-    train, valid = (PairSplit(*encode_pairs(formatter, splits[name])) for name in ("train", "validation"))
+    encode = encode_completions if objective == "kto" else encode_pairs
+    train, valid = (PairSplit(*encode(formatter, splits[name])) for name in ("train", "validation"))
     return train, valid
 
 
@@ -138,6 +247,6 @@ def training_splits(
     if objective == "sft":
         return tokenized_splits(cfg, seed, tokenizer, dataset, progress=progress)
     start = time.perf_counter()
-    train, valid = preference_splits(cfg, seed, tokenizer, dataset)
+    train, valid = preference_splits(cfg, seed, tokenizer, dataset, objective)
     check_splits(len(train), len(valid), data_name(cfg))
     return train, valid, {"state": "memory", "path": None, "seconds": round(time.perf_counter() - start, 3)}

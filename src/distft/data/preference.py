@@ -1,7 +1,8 @@
 """Preference rows: two answers to one prompt, the one to prefer and the one to avoid, for the
-preference objectives (`train.objective = dpo | orpo`, `distft.model.preference`).
+preference objectives (`train.objective = dpo | orpo | kto`, `distft.model.preference`); and
+unpaired rows, one answer labelled desirable or not (KTO's data).
 
-Two shapes, told apart by the fields a row has (`data.format = preference`, or `auto`):
+Pairs come in two shapes, told apart by the fields a row has (`data.format = preference`, or `auto`):
 
 - `{"prompt", "chosen", "rejected"}`: the prompt a string (one user turn) or a list of
   {role, content} turns; each answer a string (one assistant turn) or the list of turns that
@@ -12,9 +13,14 @@ Two shapes, told apart by the fields a row has (`data.format = preference`, or `
   prompt as a string under `prompt`): what the two share is the prompt, found token by token when
   the pair is tokenised (`distft.data.pairs`), so only the answers carry loss.
 
+An unpaired row is `{"prompt", "completion", "label"}` (TRL's unpaired preference shape; a
+meeting's `transcript` may stand for the prompt), `label` true for a desirable answer
+(`data.format = unpaired`, or `auto`). KTO also reads pairs, each as two unpaired rows: the chosen
+answer desirable, the rejected one not (`unpaired`).
+
 A row whose answers are the same, or that does not end both in an assistant turn, is refused with
 its origin. Read by an SFT run, a preference row trains on its chosen answer (`messages_of`), and
-`distft eval` scores against it.
+`distft eval` scores against it; an unpaired row's undesirable answer is refused there.
 """
 
 from __future__ import annotations
@@ -62,6 +68,65 @@ def meeting_prompt(transcript: str, cfg: DataConfig) -> tuple[Message, ...]:
     return (*system, Message("user", (cfg.instruction, transcript)))
 
 
+@dataclass(frozen=True)
+class UnpairedRow:
+    prompt: tuple[Message, ...]
+    completion: tuple[Message, ...]  # the turns after the prompt, ending with an assistant turn
+    desirable: bool  # `label`
+    origin: str
+    format: str = "unpaired"
+
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        return self.prompt + self.completion
+
+
+def _prompt(record: dict[str, Any], cfg: DataConfig, origin: str, answer: str) -> tuple[Message, ...]:
+    """A row's `prompt`, or a meeting's `transcript` asked for its summary as a summary row is."""
+    if "prompt" in record:
+        return _turns(record["prompt"], "user", origin, "prompt")
+    if isinstance(record.get("transcript"), str) and record["transcript"].strip():
+        return meeting_prompt(record["transcript"].strip(), cfg)
+    raise DataError(
+        f"{origin}: `{answer}` holds only the answer, and the row has no `prompt` to answer: add one"
+        + (", or give whole conversations under `chosen` and `rejected`." if answer == "chosen" else ".")
+    )
+
+
+def _ends_in_answer(turns: tuple[Message, ...], origin: str, name: str) -> None:
+    if turns[-1].role != "assistant" or not turns[-1].content:
+        raise DataError(f"{origin}: `{name}` must end with a non-empty assistant turn.")
+
+
+def unpaired_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> UnpairedRow:
+    """A record with a `completion`, its `label` (true: desirable) and a `prompt` (or `transcript`)."""
+    label = record.get("label")
+    if not isinstance(label, bool):
+        raise DataError(
+            f"{origin}: an unpaired row's `label` is true (a desirable answer) or false (an undesirable "
+            f"one); got {label!r:.40}."
+        )
+    completion = _turns(record.get("completion", ""), "assistant", origin, "completion")
+    _ends_in_answer(completion, origin, "completion")
+    return UnpairedRow(_prompt(record, cfg, origin, "completion"), completion, label, origin)
+
+
+def unpaired(row: PreferenceRow) -> tuple[UnpairedRow, UnpairedRow]:
+    """A pair as KTO reads it: its chosen answer desirable, its rejected one not. Whole
+    conversations give their shared leading turns as the prompt."""
+    prompt = row.prompt
+    if not prompt:
+        shared = 0
+        while (
+            shared < min(len(row.chosen), len(row.rejected)) - 1
+            and row.chosen[shared] == row.rejected[shared]
+        ):
+            shared += 1
+        prompt = row.chosen[:shared]
+    chosen, rejected = row.chosen_messages[len(prompt) :], row.rejected_messages[len(prompt) :]
+    return UnpairedRow(prompt, chosen, True, row.origin), UnpairedRow(prompt, rejected, False, row.origin)
+
+
 def preference_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> PreferenceRow:
     """A record with `chosen` and `rejected`, and a `prompt` (or a meeting's `transcript`, asked for
     its summary as a summary row is), unless they are whole conversations."""
@@ -73,20 +138,9 @@ def preference_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> Pref
     chosen = _turns(record["chosen"], "assistant", origin, "chosen")
     rejected = _turns(record["rejected"], "assistant", origin, "rejected")
     whole = chosen[0].role != "assistant"  # a conversation that carries its prompt
-    if whole:
-        prompt: tuple[Message, ...] = ()
-    elif "prompt" in record:
-        prompt = _turns(record["prompt"], "user", origin, "prompt")
-    elif isinstance(record.get("transcript"), str) and record["transcript"].strip():
-        prompt = meeting_prompt(record["transcript"].strip(), cfg)
-    else:
-        raise DataError(
-            f"{origin}: `chosen` holds only the answer, and the row has no `prompt` to answer: add one, "
-            "or give whole conversations under `chosen` and `rejected`."
-        )
+    prompt = () if whole else _prompt(record, cfg, origin, "chosen")
     for name, turns in (("chosen", chosen), ("rejected", rejected)):
-        if turns[-1].role != "assistant" or not turns[-1].content:
-            raise DataError(f"{origin}: `{name}` must end with a non-empty assistant turn.")
+        _ends_in_answer(turns, origin, name)
     if chosen == rejected:
         raise DataError(f"{origin}: `chosen` and `rejected` are the same answer: nothing to prefer.")
     return PreferenceRow(prompt, chosen, rejected, origin)

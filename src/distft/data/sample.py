@@ -9,7 +9,7 @@ from the same facts, so a model can learn the mapping from transcript to summary
 
 `SAMPLES` names the synthetic sets `data.source` may be: `sample`, these meetings (a few hundred
 tokens, 0.9 MB), bundled in the package; `sample-pairs`, the same meetings as preference rows (the
-true summary chosen, one with its action owners swapped rejected: `train.objective=dpo`); and `sample-long`, whole meetings of 4k-32k tokens
+true summary chosen, one with a detail the meeting never had rejected: `train.objective=dpo`); and `sample-long`, whole meetings of 4k-32k tokens
 (`distft.data.sample_long`): 3.9 MB for 72 rows, four times the bundle and a pure function of the
 code, so it is not shipped but written in half a second on first use into distft's cache
 (`$DISTFT_CACHE`, else ~/.cache/distft; an installed package's directory may be read-only), under
@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from distft.data import sample_long
 from distft.data.sample_long import DAYS, NAMES  # the people and days both generators draw from
+from distft.data.sample_pairs import with_unsaid_detail
 from distft.data.tokenizer import cache_root
 from distft.errors import DataError
 
@@ -238,20 +238,9 @@ def generate_meeting(rng: random.Random, meeting_id: str) -> dict[str, str]:
 
 
 def generate_meeting_pair(rng: random.Random, meeting_id: str) -> dict[str, str]:
-    """A meeting as a preference row: {"id", "transcript", "chosen", "rejected"}, the true summary
-    chosen and, rejected, the same summary with its two action items' owners swapped: as fluent,
-    and wrong about who does what. The same meetings as `sample`, drawn from the same seeds."""
-    meeting = generate_meeting(rng, meeting_id)
-    summary = meeting["summary"]
-    (a, task_a, day_a), (b, task_b, day_b) = re.findall(r"(\w+) will (.+?) by ([^.]+)\.", summary)
-    start = summary.index(f"{a} will {task_a}")
-    swapped = f"{b} will {task_a} by {day_a}. {a} will {task_b} by {day_b}."
-    return {
-        "id": meeting_id,
-        "transcript": meeting["transcript"],
-        "chosen": summary,
-        "rejected": summary[:start] + swapped,
-    }
+    """A meeting as a preference row (`distft.data.sample_pairs.with_unsaid_detail`): the same
+    meetings as `sample`, drawn from the same seeds."""
+    return with_unsaid_detail(generate_meeting(rng, meeting_id), DOMAINS)
 
 
 # ---- the synthetic sets `data.source` may name --------------------------------------------------
@@ -271,7 +260,7 @@ class Sample:
 SAMPLES: dict[str, Sample] = {
     "sample": Sample("the bundled synthetic meetings", SAMPLE_SPLITS, generate_meeting, True),
     "sample-pairs": Sample(
-        "the bundled meetings as preference pairs (action owners swapped)",
+        "the bundled meetings as preference pairs (a detail the meeting never had, rejected)",
         SAMPLE_SPLITS,
         generate_meeting_pair,
         False,
@@ -304,7 +293,8 @@ def _generated(name: str) -> Path:
     """The directory of a set written on first use: in distft's cache, named by a hash of the
     generators' code. Written whole into a temporary directory, then renamed into place: under
     torchrun several ranks may race here, and a crash leaves no half set."""
-    code = hashlib.sha256(Path(__file__).read_bytes() + Path(sample_long.__file__).read_bytes())
+    generators = (Path(__file__), Path(sample_long.__file__), Path(__file__).with_name("sample_pairs.py"))
+    code = hashlib.sha256(b"".join(path.read_bytes() for path in generators))
     final = cache_root() / "samples" / f"{name}-{code.hexdigest()[:12]}"
 
     def complete() -> bool:

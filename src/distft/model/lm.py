@@ -65,7 +65,10 @@ class LossLM(nn.Module):
         self.backbone = inner.model  # e.g. LlamaModel: embeddings, decoder layers, final norm
         self.lm_head = inner.lm_head
         self.preference = preference  # train.objective dpo | orpo (`distft.model.preference`)
-        self.scoring = False  # forward returns each row's log-probability (DPO's precomputed reference)
+        # forward returns each sequence's log-probability instead of the loss (True: the reference
+        # scored before the first step, `distft.train.reference`), or ("ratio") its log-ratio to
+        # the reference's (KTO's KL term, scored before each step).
+        self.scoring: bool | str = False
 
     def forward(
         self,
@@ -75,20 +78,33 @@ class LossLM(nn.Module):
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         label_positions: torch.Tensor | None = None,  # (n_labelled,) flat indices where labels != -100
         token_weight: torch.Tensor | None = None,  # ORPO: pairs / chosen tokens of the global batch
-        reference: torch.Tensor | None = None,  # DPO: each row's reference log-probability, precomputed
+        reference: torch.Tensor | None = None,  # DPO, KTO: each row's reference log-probability, precomputed
+        desirable: torch.Tensor | None = None,  # KTO: (rows,) bool, each answer's label
+        kl: torch.Tensor | None = None,  # KTO: the global batch's KL estimate (0-d)
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         if self.preference is None:
             return summed_loss(hidden, self.lm_head, labels, label_positions)
         if self.scoring:  # each sequence's log-probability, nothing else (`distft.train.reference`)
-            logps = sequence_logps(hidden, self.lm_head, labels, position_ids)[0]
-            return logps[: 2 * self.preference.pairs_in(logps)]  # not a packed row's fill
-        if self.preference.needs_reference and reference is None:  # the base under disabled adapters
-            with torch.no_grad(), self.lm.disable_adapter():
-                again = self.hidden_states(input_ids, attention_mask, position_ids)
-                reference = sequence_logps(again, self.lm_head, labels, position_ids)[0]
+            logps, counts = sequence_logps(hidden, self.lm_head, labels, position_ids)
+            logps = logps[counts > 0]  # every sequence has a label; a packed row's fill has none
+            if self.scoring != "ratio":
+                return logps
+            # KTO's KL term: log pi - log pi_ref, the reference given (precomputed) or run here.
+            if reference is None:
+                reference = self.reference_logps(input_ids, labels, attention_mask, position_ids)[counts > 0]
+            return logps - reference
+        if self.preference.needs_reference and reference is None:
+            reference = self.reference_logps(input_ids, labels, attention_mask, position_ids)
         logps, counts = sequence_logps(hidden, self.lm_head, labels, position_ids)
-        return self.preference(logps, counts, reference, token_weight)
+        return self.preference(logps, counts, reference, token_weight, desirable, kl)
+
+    @torch.no_grad()
+    def reference_logps(self, input_ids, labels, attention_mask, position_ids) -> torch.Tensor:
+        """Each sequence's log-probability under the base: the model with its adapters disabled."""
+        with self.lm.disable_adapter():
+            hidden = self.hidden_states(input_ids, attention_mask, position_ids)
+            return sequence_logps(hidden, self.lm_head, labels, position_ids)[0]
 
     def hidden_states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None

@@ -19,11 +19,23 @@ m = log pi(y) / |y|:
 NLL is the chosen answers' mean token loss over the global batch, lambda is dpo.beta; the second
 term is TRL's `ORPOTrainer.odds_ratio_loss` (trl.experimental.orpo), rewards lambda x m.
 
+KTO (Ethayarajh et al. 2024, arXiv 2402.01306, eq. 7) on single answers y, each desirable or not,
+r = log pi(y) - log pi_ref(y):
+    z0 = max(0, mean over the global batch of log pi(y') - log pi_ref(y'))   no gradient
+    desirable:    lambda_D x (1 - sigmoid(beta x (r - z0)))
+    undesirable:  lambda_U x (1 - sigmoid(beta x (z0 - r)))
+    rewards beta x r, averaged over the desirable and the undesirable answers apart.
+z0 estimates KL(pi || pi_ref) from mismatched answers y' (each prompt with another row's answer,
+`distft.data.pairs`), scored before the step's forward (`distft.train.reference.kto_kl`) so that
+it is one number for the whole global batch, whatever its split; lambda_D and lambda_U are
+dpo.desirable_weight and dpo.undesirable_weight. TRL's `KTOTrainer._compute_loss` (trl 1.16,
+trainer/kto_trainer.py) computes the same terms, its z0 over each step's micro-batches.
+
 The reference costs no second model: under LoRA and QLoRA it is the same base with the adapters
 disabled (peft's `disable_adapter`), run under `no_grad` in the same forward, which is the model
 as a fresh adapter starts (lora_B = 0).
 
-Every loss is summed over the micro-batch's pairs; the step divides by the pairs of the global
+Every loss is summed over the micro-batch's pairs (KTO: answers); the step divides by those of the global
 batch (`Strategy.forward_backward`'s normaliser), so the result is the mean over the global batch
 whatever the split across ranks. ORPO's NLL is per token: each pair's NLL sum arrives weighted by
 pairs / chosen tokens of the global batch (`token_weight`), so that it too ends a global mean.
@@ -38,6 +50,15 @@ import torch.nn.functional as F
 from torch import nn
 
 STATS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin", "logps_chosen", "logps_rejected")
+# KTO's sums, as many: rewards and log-probabilities of the desirable and the undesirable answers, and their counts.
+KTO_SUMS = (
+    "rewards_chosen",
+    "rewards_rejected",
+    "logps_chosen",
+    "logps_rejected",
+    "desirable",
+    "undesirable",
+)
 
 
 def sequence_logps(
@@ -88,6 +109,25 @@ def dpo_losses(
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
+def kto_losses(
+    logps: torch.Tensor,
+    reference: torch.Tensor,
+    desirable: torch.Tensor,  # bool, per answer
+    kl: torch.Tensor,  # z0, 0-d, no gradient
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per answer: the KTO loss and its reward (formulas above)."""
+    ratio = logps - reference
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))),
+    )
+    return losses, beta * ratio.detach()
+
+
 def log_odds(mean_logps: torch.Tensor) -> torch.Tensor:
     """log(p / (1 - p)) of p = exp(mean_logps), stable near p = 1."""
     return mean_logps - torch.log(-torch.expm1(mean_logps))
@@ -102,25 +142,32 @@ def orpo_odds_term(chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, beta:
 class PreferenceLoss:
     """What `LossLM` computes for a preference objective, and the step's statistics so far."""
 
-    objective: str  # dpo | orpo
+    objective: str  # dpo | orpo | kto
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
-    stats: torch.Tensor | None = field(default=None, repr=False)  # sums of `STATS` over this rank's pairs
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    stats: torch.Tensor | None = field(default=None, repr=False)  # sums of `STATS` (`KTO_SUMS`) on this rank
 
     @property
     def needs_reference(self) -> bool:
-        return self.objective == "dpo"
+        return self.objective in ("dpo", "kto")
 
     def __call__(
         self,
         logps: torch.Tensor,
         counts: torch.Tensor,
         reference: torch.Tensor | None,
-        token_weight: torch.Tensor | None,
+        token_weight: torch.Tensor | None = None,
+        desirable: torch.Tensor | None = None,
+        kl: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The sum of this micro-batch's pair losses, from every row's (policy) log-probability and
-        token count, the reference's, and (ORPO) pairs / chosen tokens of the global batch."""
+        token count, the reference's, and (ORPO) pairs / chosen tokens of the global batch; KTO's
+        from each answer's label and the global batch's KL estimate."""
+        if self.objective == "kto":
+            return self._kto(logps[: len(desirable)], reference[: len(desirable)], desirable, kl)
         pairs = self.pairs_in(logps)
         chosen, rejected = logps[:pairs], logps[pairs : 2 * pairs]
         chosen_n, rejected_n = counts[:pairs], counts[pairs : 2 * pairs]
@@ -138,6 +185,35 @@ class PreferenceLoss:
             reward_c, reward_r = self.beta * chosen_mean.detach(), self.beta * rejected_mean.detach()
         self._record(reward_c, reward_r, chosen.detach(), rejected.detach())
         return losses.sum()
+
+    def _kto(self, logps, reference, desirable, kl) -> torch.Tensor:
+        losses, rewards = kto_losses(
+            logps, reference, desirable, kl, self.beta, self.desirable_weight, self.undesirable_weight
+        )
+        d, u = desirable.float(), (~desirable).float()
+        sums = torch.stack(
+            [rewards @ d, rewards @ u, logps.detach() @ d, logps.detach() @ u, d.sum(), u.sum()]
+        )
+        self.stats = sums if self.stats is None else self.stats + sums
+        return losses.sum()
+
+    def means(self, sums: list[float], n: int) -> dict[str, float]:
+        """The step's statistics from their sums over the global batch of `n` pairs (KTO: answers)."""
+        if self.objective != "kto":
+            return {name: value / n for name, value in zip(STATS, sums, strict=True)}
+        s = dict(zip(KTO_SUMS, sums, strict=True))
+
+        def mean(name: str, count: str) -> float | None:  # None: no such answer in the batch
+            return s[name] / s[count] if s[count] else None
+
+        chosen, rejected = mean("rewards_chosen", "desirable"), mean("rewards_rejected", "undesirable")
+        return {
+            "rewards_chosen": chosen,
+            "rewards_rejected": rejected,
+            "margin": None if chosen is None or rejected is None else chosen - rejected,
+            "logps_chosen": mean("logps_chosen", "desirable"),
+            "logps_rejected": mean("logps_rejected", "undesirable"),
+        }
 
     @staticmethod
     def pairs_in(logps: torch.Tensor) -> int:
@@ -159,4 +235,7 @@ def preference_loss(objective: str, settings) -> PreferenceLoss | None:
     """The head of `train.objective` with its `[dpo]` settings (None: sft)."""
     if objective == "sft":
         return None
-    return PreferenceLoss(objective, settings.beta, settings.loss_type, settings.label_smoothing)
+    return PreferenceLoss(
+        objective, settings.beta, settings.loss_type, settings.label_smoothing,
+        settings.desirable_weight, settings.undesirable_weight,
+    )  # fmt: skip

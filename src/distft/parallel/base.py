@@ -99,15 +99,21 @@ class Strategy:
     collectives: ClassVar[str] = "collectives"
 
     @classmethod
-    def step_scalars(cls, dp: int, sequence_split: bool = False, pair_statistics: int = 0) -> tuple[int, ...]:
+    def step_scalars(
+        cls, dp: int, sequence_split: bool = False, pair_statistics: int = 0, kl_sum: bool = False
+    ) -> tuple[int, ...]:
         """Bytes of each scalar a step all-reduces beside its tensors: the loss sum (fp32, 4 B)
         where ranks hold different rows or positions (data-parallel replicas, a pipeline's last
         stage, a sequence split), with a preference objective's `pair_statistics` fp32 sums beside
-        it (`distft.model.preference.STATS`), and the squared gradient norm (float64, 8 B) where a
+        it (`distft.model.preference.STATS`) and KTO's KL sum before them (`kl_sum`, fp32), and the squared gradient norm (float64, 8 B) where a
         gradient is sharded (FSDP, TP) or split across stages (`grads.clip_grad_norm_`). The
         planner and the runtime's expected bytes both count them here."""
         reduced = dp > 1 or cls.pipelined or sequence_split or "cp" in cls.dims
-        loss = ((4,) + ((4 * pair_statistics,) if pair_statistics else ())) if reduced else ()
+        loss = (
+            ((4,) + ((4 * pair_statistics,) if pair_statistics else ()) + ((4,) if kl_sum else ()))
+            if reduced
+            else ()
+        )
         norm = (8,) if cls.shards == "full" or "tp" in cls.dims or cls.pipelined else ()
         return loss + norm
 

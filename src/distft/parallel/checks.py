@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from distft.config import Config, check_choice
+from distft.config.choices import WITH_REFERENCE
 from distft.errors import ConfigError
 from distft.model.build import check_target_modules
 from distft.model.families import check_sequence_length, family_of
@@ -202,9 +203,9 @@ def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
             f"train.objective={objective} cannot run under --strategy {strategy.name}, whose loss head sees a "
             f"sequence shard or a pipeline stage, not both answers of a pair; it runs with {_takers('supports_preference')}."
         )
-    if objective == "dpo" and cfg.train.method == "full" and not cfg.dpo.precompute_reference:
+    if objective in WITH_REFERENCE and cfg.train.method == "full" and not cfg.dpo.precompute_reference:
         raise ConfigError(
-            "train.objective=dpo with --method full trains the base, the reference of LoRA's DPO: set "
+            f"train.objective={objective} with --method full trains the base, the reference under LoRA: set "
             "dpo.precompute_reference=true (scored once before the first step), or use --method lora."
         )
 

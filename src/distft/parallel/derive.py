@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from distft.config import Config
+from distft.config.choices import WITH_REFERENCE
 from distft.errors import ConfigError
 from distft.io.lineage import read_lineage
 from distft.model import is_preset
@@ -76,7 +77,7 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
         derived["optim.lr"] = f"{cfg.optim.lr:g}: {why}, optim.lr not set"
     derived.update(_derive_warmup(cfg))
     if (
-        cfg.train.objective == "dpo"
+        cfg.train.objective in WITH_REFERENCE
         and cfg.train.method == "full"
         and "dpo.precompute_reference" not in cfg.explicit
     ):

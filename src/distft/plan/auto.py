@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from distft.config import Config, lora_target_names
+from distft.config.choices import WITH_REFERENCE
 from distft.errors import ConfigError
 from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
@@ -79,8 +80,8 @@ def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
 
 
 def rows_per_example(cfg: Config) -> int:
-    """Sequences per example of a micro-batch: a preference objective's pair is two (`distft.data.pairs`)."""
-    return 1 if cfg.train.objective == "sft" else 2
+    """Sequences per example of a micro-batch: a preference pair is two (`distft.data.pairs`); KTO's answer one."""
+    return 2 if cfg.train.objective in ("dpo", "orpo") else 1
 
 
 def training_of(cfg: Config, precision: Precision, **shape) -> Training:
@@ -97,7 +98,8 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "optimizer": cfg.optim.name,
         "sgd_momentum": cfg.optim.momentum > 0,
         "pair_statistics": 0 if cfg.train.objective == "sft" else len(STATS),
-        "reference_forward": cfg.train.objective == "dpo" and not cfg.dpo.precompute_reference,
+        "reference_forward": cfg.train.objective in WITH_REFERENCE and not cfg.dpo.precompute_reference,
+        "kl_forwards": (1 + (not cfg.dpo.precompute_reference)) if cfg.train.objective == "kto" else 0,
         "modules_to_save": tuple(cfg.lora.modules_to_save),
         "trainable_tokens": len(dict.fromkeys(cfg.model.added_tokens)),
         "fp32_masters": master_weights(cfg) == "fp32",

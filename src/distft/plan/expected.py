@@ -33,13 +33,25 @@ _DDP_FACTS = {f.name for f in fields(DDPSettings)}
 
 
 def expected_step_bytes(
-    cfg: Config, strategy: Strategy, model: nn.Module, spec: ModelSpec, batches: list[Batch]
+    cfg: Config,
+    strategy: Strategy,
+    model: nn.Module,
+    spec: ModelSpec,
+    batches: list[Batch],
+    kl_batches: list[Batch] = (),
 ) -> tuple[dict[str, int], dict[str, dict[str, int]] | None] | None:
     """(bytes per kind, bytes per mesh dimension or None) this rank's collectives should move in a
-    step over `batches`, its micro-batches; None where the planner cannot model the run."""
+    step over `batches`, its micro-batches (and KTO's `kl_batches`, scored before them); None where
+    the planner cannot model the run."""
     precision = PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"]
-    shapes = tuple((int(b["input_ids"].shape[0]), int(b["input_ids"].shape[1])) for b in batches)
-    training = training_of(cfg, precision, autocast=on_cuda(cfg) and cfg.model.autocast, batch_shapes=shapes)
+
+    def shapes_of(micro_batches: list[Batch]) -> tuple[tuple[int, int], ...]:
+        return tuple((int(b["input_ids"].shape[0]), int(b["input_ids"].shape[1])) for b in micro_batches)
+
+    training = training_of(
+        cfg, precision, autocast=on_cuda(cfg) and cfg.model.autocast, batch_shapes=shapes_of(batches),
+        kl_batch_shapes=shapes_of(kl_batches),
+    )  # fmt: skip
     facts = strategy.traffic_facts(model)
     par = parallelism_of(cfg, cfg.parallel.schedule)  # the schedule that ran (traffic: any of them)
     ddp = {k: v for k, v in facts.items() if k in _DDP_FACTS}

@@ -75,6 +75,9 @@ class Training:
     sgd_momentum: bool = True  # sgd keeps a momentum buffer (optim.momentum > 0)
     reference_forward: bool = False  # DPO: a no-grad forward of the base under the adapters per micro-batch
     pair_statistics: int = 0  # a preference objective's sums all-reduced each step (`model.preference.STATS`)
+    # KTO: forwards without backward per micro-batch before the step (its KL term: the policy's,
+    # with the reference's inside it unless precomputed), and the sum they all-reduce.
+    kl_forwards: int = 0
     modules_to_save: tuple[str, ...] = ()  # LoRA: modules trained whole beside the adapters (a copy each)
     trainable_tokens: int = 0  # LoRA: added tokens whose embedding (and untied lm_head) rows train
     autocast: bool = True  # bf16 autocast around forward/backward (distft on CUDA; off on CPU)
@@ -92,6 +95,7 @@ class Training:
     # (rows, positions) of each micro-batch of a step where a running step knows them (dynamic
     # padding, packed rows); empty: `Parallelism.microbatches` of (micro_batch, seq_len).
     batch_shapes: tuple[tuple[int, int], ...] = ()
+    kl_batch_shapes: tuple[tuple[int, int], ...] = ()  # KTO's KL micro-batches; empty: as `batch_shapes`
     # FSDP2's MixedPrecisionPolicy as parallel.fsdp_*_dtype sets it, bytes per element; 0: the default.
     fsdp_param_bytes: int = 0
     fsdp_reduce_bytes: int = 0

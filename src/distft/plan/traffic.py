@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from distft.model.families.family import ROW_PARALLEL
 from distft.parallel import STRATEGIES
 from distft.parallel.context.model import layers_without_kv_gradient, padded_length
 from distft.plan.collective import (
@@ -154,6 +155,13 @@ def dp_collectives(
         layer_bytes = held_bytes(spec, training, par, "gathered", rank, layers_only=True)
         params += layer_bytes * (layers + 1) / layers * m
         calls += (layers + 1) * m
+    if training.kl_forwards and par.reshard_after_forward and layers:
+        # KTO's KL term, scored before the step (`distft.train.step.with_kl`): per micro-batch one
+        # root forward without backward, each layer gathered for each model it runs (policy, reference).
+        layer_bytes = held_bytes(spec, training, par, "gathered", rank, layers_only=True)
+        root_bytes = held_bytes(spec, training, par, "gathered", rank) - layer_bytes
+        params += (root_bytes + layer_bytes * training.kl_forwards) * m
+        calls += (1 + layers * training.kl_forwards) * m
     return [
         Collective("parameters", "all_gather", params, calls, n, link, True),
         Collective("gradients", "reduce_scatter", grads * m, (layers + 1) * m, n, link, True),
@@ -205,9 +213,16 @@ def tp_collectives(
         ):  # DPO's reference: the row projections' outputs once more, adapters off
             calls += 2 * layers
         logical = c * positions * (spec.hidden_size * calls + training.lora_rank * adapters)
-        out.append(
-            Collective("activations", "all_reduce", logical, m * (calls + adapters), par.tp, link, False)
-        )
+        count = m * (calls + adapters)
+        if training.kl_forwards:  # KTO's KL term over the mismatched answers: forwards only, the
+            # row projections' outputs per model run (policy, reference), the policy's adapters after lora_A
+            kl_shapes = training.kl_batch_shapes or training.shapes(par.microbatches)
+            kl_calls = 2 * layers * training.kl_forwards
+            kl_adapters = layers * sum(name in targets for name in ROW_PARALLEL)
+            kl_positions = sum(rows * seq for rows, seq in kl_shapes)
+            logical += c * kl_positions * (spec.hidden_size * kl_calls + training.lora_rank * kl_adapters)
+            count += len(kl_shapes) * (kl_calls + kl_adapters)
+        out.append(Collective("activations", "all_reduce", logical, count, par.tp, link, False))
     partial = partial_grad_bytes(spec, training, par, rank)
     if partial:
         out.append(Collective("partial gradients", "all_reduce", partial, 1, par.tp, link, False))
@@ -297,7 +312,9 @@ def step_collectives(
         add("cp", cp_collectives(spec, training, par, topo.link(par.cp, 1)))
     sequence_split = par.tp > 1 and par.tensor_parallel == "megatron" and par.sp
     scalars = (
-        STRATEGIES[par.name].step_scalars(par.dp, sequence_split, training.pair_statistics)
+        STRATEGIES[par.name].step_scalars(
+            par.dp, sequence_split, training.pair_statistics, kl_sum=training.kl_forwards > 0
+        )
         if par.world > 1
         else ()
     )

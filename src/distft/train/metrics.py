@@ -23,6 +23,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from distft.config.choices import WITH_REFERENCE
 from distft.data import IGNORE, Example
 from distft.data.pairs import rows_of
 from distft.distributed import DistEnv
@@ -82,13 +83,17 @@ def step_record(
     run: Run, step: int, examples: list[Example], loss: float, grad_norm: float, step_time: float
 ) -> dict:
     """The figures every step records, in `metrics.jsonl`'s order."""
-    examples = rows_of(examples)  # a preference objective's pairs: both rows
+    items, examples = examples, rows_of(examples)  # a preference objective's pairs: both rows
     tokens = sum(len(e.input_ids) for e in examples)
     flops = run.flops.step(examples)  # the whole global batch, every rank together
-    if run.cfg.train.objective == "dpo" and not run.cfg.dpo.precompute_reference:  # the reference's forward
-        flops += sum(
-            run.flops.forward(len(e.input_ids), sum(t != IGNORE for t in e.labels)) for e in examples
-        )
+    live = run.cfg.train.objective in WITH_REFERENCE and not run.cfg.dpo.precompute_reference
+    # Forwards without backward: the reference's (adapters off), KTO's KL term (policy, reference).
+    extra = [(e, int(live)) for e in examples]
+    if run.cfg.train.objective == "kto":
+        extra += [(c.mismatched, 1 + live) for c in items]
+    flops += sum(
+        n * run.flops.forward(len(e.input_ids), sum(t != IGNORE for t in e.labels)) for e, n in extra
+    )
     peak = run.peak_flops * run.env.world_size if run.peak_flops else None
     return {
         "step": step,

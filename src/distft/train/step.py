@@ -25,7 +25,7 @@ from distft.data import (
     micro_batch,
     rank_micro_batches,
 )
-from distft.data.pairs import reference_of, rows_of
+from distft.data.pairs import desirable_of, micro_batch_part
 from distft.errors import NonFiniteError
 from distft.io.checkpoint import resume_hint
 from distft.model.compile import SEQUENCE_BUCKET, compile_errors_unwrapped, compile_wanted
@@ -45,8 +45,11 @@ def global_batch(run: Run, step: int) -> list[Example]:
     return [run.train_set[i] for i in idx]  # read now: a memory-mapped split holds no rows
 
 
-def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_id: int) -> list[Batch]:
-    """This rank's micro-batches of `examples`, packed or padded (`data.packing`), on its device."""
+def rank_batches(
+    examples: list[Example], strategy: Strategy, cfg: Config, pad_id: int, part: str = "train"
+) -> list[Batch]:
+    """This rank's micro-batches of `examples`, packed or padded (`data.packing`), on its device;
+    of a preference objective's, the `part` a forward runs (`distft.data.pairs.micro_batch_part`)."""
     size, packed = strategy.micro_batch_size(cfg), cfg.data.packing
     # One shape every step (pipelines): a sequence of max_length, or a packed row of `size` of them.
     pad_to = cfg.data.max_length * (size if packed else 1) if strategy.fixed_sequence_length else None
@@ -58,20 +61,23 @@ def rank_batches(examples: list[Example], strategy: Strategy, cfg: Config, pad_i
     batches = []
     weight = orpo_token_weight(examples, cfg)
     for mb in rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size):
-        batch = micro_batch(rows_of(mb), pad_id, packed, pad_to, multiple)  # a pair: its two rows
+        rows, reference = micro_batch_part(mb, part)  # a pair: its two rows
+        batch = micro_batch(rows, pad_id, packed, pad_to, multiple)
         if strategy.takes_label_positions:
             batch["label_positions"] = label_positions(batch["labels"])
         if weight is not None:
             batch["token_weight"] = weight
-        if (reference := reference_of(mb)) is not None:  # DPO's, computed before the first step
+        if reference is not None:  # computed before the first step (dpo.precompute_reference)
             batch["reference"] = torch.tensor(reference)
+        if part == "train" and (desirable := desirable_of(mb)) is not None:  # KTO's labels
+            batch["desirable"] = torch.tensor(desirable)
         batches.append(to_device(batch, strategy.env.device))
     return batches
 
 
 def normaliser(examples: list, cfg: Config) -> int:
     """What the global batch's summed loss is divided by: its labelled tokens (sft), or its
-    pairs (a preference objective: the mean pair loss, `distft.model.preference`)."""
+    pairs (a preference objective: the mean pair loss, `distft.model.preference`; KTO's answers)."""
     return count_label_tokens(examples) if cfg.train.objective == "sft" else len(examples)
 
 
@@ -90,7 +96,9 @@ def expected_bytes(run: Run) -> Callable[[list[Example]], tuple | None]:
         if run.architecture is None:  # an architecture the planner does not model
             return None
         batches = rank_batches(examples, run.strategy, run.cfg, run.pad_id)
-        return expected_step_bytes(run.cfg, run.strategy, run.model, run.architecture, batches)
+        kto = run.cfg.train.objective == "kto"
+        kl_batches = rank_batches(examples, run.strategy, run.cfg, run.pad_id, part="kl") if kto else []
+        return expected_step_bytes(run.cfg, run.strategy, run.model, run.architecture, batches, kl_batches)
 
     return on
 
@@ -115,18 +123,19 @@ def train_step(
     batches = rank_batches(examples, strategy, cfg, run.pad_id)
     what = f"{strategy.collectives} in step {step}'s forward/backward"
     with run.autocast, run.collective(what), compile_errors_unwrapped():
+        with_kl(run, examples, batches)  # KTO's: scored before the forward that uses it
         loss_sum = strategy.forward_backward(model, batches, n_tokens)
     after_backward(model, step)
     with run.collective(f"the all-reduces of the gradient norm and the loss in step {step}"):
         norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
         total = strategy.reduce_loss(loss_sum)
-        stats = pair_statistics(run)  # a preference objective's rewards, margins, accuracy
+        stats = pair_statistics(run, batches)  # a preference objective's rewards, margins, accuracy
         # The step's one host sync: loss and norm come back together (the branch below needs both).
         total, grad_norm, *stats = torch.cat(
             [torch.stack([total.double(), norm.double()]), stats.double()]
         ).tolist()
     loss = total / n_tokens
-    run.preference = {name: value / n_tokens for name, value in zip(STATS, stats, strict=False)}
+    run.preference = preference_means(run, stats, n_tokens)
     # Both are global (reduced over ranks), so every rank takes the same branch here.
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
@@ -143,13 +152,45 @@ def train_step(
     return loss, grad_norm, finite
 
 
-def pair_statistics(run: Run) -> torch.Tensor:
+def pair_statistics(run: Run, batches: list[Batch]) -> torch.Tensor:
     """The sums of `distft.model.preference.STATS` over the global batch (empty for sft), reduced
-    over ranks as the loss is."""
+    over ranks as the loss is; KTO's KL estimate after them (the same on every rank)."""
     preference = unwrap(run.model).preference
     if preference is None:
         return torch.zeros(0, device=run.env.device)
-    return run.strategy.reduce_loss(preference.take_stats(run.env.device))
+    sums = run.strategy.reduce_loss(preference.take_stats(run.env.device))
+    return torch.cat([sums, batches[0]["kl"].reshape(1)]) if "kl" in batches[0] else sums
+
+
+def preference_means(run: Run, stats: list[float], n: int, prefix: str = "") -> dict[str, float]:
+    """The step's preference statistics (`pair_statistics`) as metrics.jsonl records them."""
+    preference = unwrap(run.model).preference
+    if preference is None:
+        return {}
+    means = preference.means(stats[: len(STATS)], n)
+    if len(stats) > len(STATS):
+        means["kl"] = stats[len(STATS)]
+    return {prefix + name: value for name, value in means.items()}
+
+
+@torch.no_grad()
+def with_kl(run: Run, examples: list, batches: list[Batch]) -> None:
+    """KTO: give each micro-batch the global batch's z0 (`distft.model.preference`). Each rank
+    scores its slice of the mismatched answers against the reference, the sum is reduced over
+    the ranks as a loss is, and every rank divides by the global batch's answers."""
+    if run.cfg.train.objective != "kto":
+        return
+    lm = unwrap(run.model)
+    lm.scoring = "ratio"
+    total = torch.zeros((), device=run.env.device)
+    try:
+        for batch in rank_batches(examples, run.strategy, run.cfg, run.pad_id, part="kl"):
+            total += run.model(**batch).float().sum()
+    finally:
+        lm.scoring = False
+    kl = (run.strategy.reduce_loss(total) / len(examples)).clamp(min=0)
+    for batch in batches:
+        batch["kl"] = kl
 
 
 @torch.no_grad()
@@ -167,16 +208,16 @@ def evaluate(run: Run) -> float:
         for b in range(max(n_batches, 1)):
             batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
             n_tokens += normaliser(batch, run.cfg)
+            batches = rank_batches(batch, strategy, run.cfg, run.pad_id)
             with run.autocast:
-                loss_sum += strategy.forward_only(model, rank_batches(batch, strategy, run.cfg, run.pad_id))
+                with_kl(run, batch, batches)
+                loss_sum += strategy.forward_only(model, batches)
     model.train()
-    stats = pair_statistics(run)
+    stats = pair_statistics(run, batches)
     total = strategy.reduce_loss(loss_sum).double()  # float32 -> float64 is exact: the value is unchanged
     # `reduce_loss` gives every rank the sum, by an all-reduce or, where each rank computed the whole
     # loss (tensor parallel), by computing the same thing: rank 0's value makes it the same bits.
     if run.env.distributed and run.env.world_size > 1:
         dist.broadcast(total, src=0)
-    run.preference = {
-        f"eval_{name}": value / n_tokens for name, value in zip(STATS, stats.tolist(), strict=False)
-    }
+    run.preference = preference_means(run, stats.tolist(), n_tokens, prefix="eval_")
     return total.item() / n_tokens
