@@ -64,7 +64,7 @@ class LossLM(nn.Module):
         inner = causal_lm(lm)
         self.backbone = inner.model  # e.g. LlamaModel: embeddings, decoder layers, final norm
         self.lm_head = inner.lm_head
-        self.preference = preference  # train.objective dpo | orpo (`distft.model.preference`)
+        self.preference = preference  # train.objective dpo | orpo | kto (`distft.model.preference`)
         # forward returns each sequence's log-probability instead of the loss (True: the reference
         # scored before the first step, `distft.train.reference`), or ("ratio") its log-ratio to
         # the reference's (KTO's KL term, scored before each step).
