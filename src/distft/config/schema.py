@@ -87,6 +87,11 @@ class LoraConfig:
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full beside the adapters and saved with them (peft's `modules_to_save`),
     e.g. embed_tokens, lm_head (docs/recipes.md, "New special tokens"; not under a pipeline)."""
+    init_adapter: str = ""
+    """A trained adapter to start from (a run directory, or an adapter directory): its weights are
+    this run's at step 0, trained further with a fresh optimizer; its rank, alpha, targets and
+    variant must be this run's. DPO and KTO then take the model as it starts, base + that adapter,
+    as their reference (dpo.precompute_reference, derived). Empty: a fresh adapter."""
 
 
 @dataclass

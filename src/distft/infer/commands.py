@@ -251,10 +251,18 @@ def model_labels(loaded: Loaded) -> dict[str, str]:
     """What each row of the eval table is: the random preset, then each training stage on top."""
     cfg, lineage = loaded.cfg, loaded.lineage
     if not is_random(lineage):
-        return {"base": cfg.model.name, "finetuned": f"+ {cfg.train.max_steps} steps of {cfg.train.method}"}
+        return {
+            "base": cfg.model.name,
+            "finetuned": f"+ {cfg.train.max_steps} steps of {cfg.train.method}",
+        } | start_label(cfg)
     *earlier, last = lineage["stages"]
     labels = {"untrained": origin_text(lineage), "base": origin_text(lineage)}
     if earlier:
         labels["base"] = "+ " + ", + ".join(stage_text(s) for s in earlier)
     labels["finetuned"] = "+ " + stage_text(last, loaded.run)
-    return labels
+    return labels | start_label(cfg)
+
+
+def start_label(cfg) -> dict[str, str]:
+    """The eval table's row of the adapter a run started from (`lora.init_adapter`), if any."""
+    return {"start": f"+ the adapter of {cfg.lora.init_adapter}"} if cfg.lora.init_adapter else {}

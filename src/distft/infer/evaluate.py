@@ -37,8 +37,9 @@ from distft.infer.generate import Sampling, generate
 from distft.infer.load import Loaded, _load_base, load_trained
 from distft.io.lineage import is_random
 from distft.model import LossLM
-from distft.model.build import rebuild_base
+from distft.model.build import peft_quietly, rebuild_base
 from distft.model.preference import sequence_logps
+from distft.model.start import adapter_directory
 
 
 def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> list[Row]:
@@ -118,7 +119,8 @@ def without_reference(loaded: Loaded, rows: list[Row]) -> int:
 def compare(
     loaded: Loaded, run: str, rows: list[Row], max_new_tokens: int
 ) -> dict[str, dict[str, float | None]]:
-    """{"base": scores, "finetuned": scores}: the adapter switched off (or the base reloaded) and on.
+    """{"base": scores, "finetuned": scores}: the adapter switched off (or the base reloaded) and on;
+    {"start": scores} too for a run from `lora.init_adapter`, that adapter in the run's place.
     A base that is itself a trained random preset (`make demo`'s LoRA stage on its stage-1 model)
     also gets {"untrained": scores}: the random preset the chain started from, rebuilt."""
     if max_new_tokens < 1:
@@ -130,11 +132,26 @@ def compare(
     if loaded.has_adapter:
         with loaded.model.disable_adapter():
             scores["base"] = score(loaded, rows, max_new_tokens)
+        if start := loaded.cfg.lora.init_adapter:  # the trained adapter the run started from
+            scores["start"] = start_scores(loaded, start, rows, max_new_tokens)
     else:
         run_base = Path(run) / "base"
         base_model = _load_base(str(run_base) if run_base.is_dir() else loaded.cfg.model.name, loaded.cfg)
         scores["base"] = score(replace(loaded, model=base_model.eval()), rows, max_new_tokens)
     return {**scores, "finetuned": finetuned}
+
+
+def start_scores(loaded: Loaded, path: str, rows: list[Row], max_new_tokens: int) -> dict[str, float | None]:
+    """The scores of the base with `lora.init_adapter`: loaded beside the run's adapter, active
+    while it is scored."""
+    with peft_quietly():
+        loaded.model.load_adapter(str(adapter_directory(path)), adapter_name="start")
+    loaded.model.set_adapter("start")
+    try:
+        return score(loaded, rows, max_new_tokens)
+    finally:
+        loaded.model.set_adapter("default")
+        loaded.model.delete_adapter("start")
 
 
 def untrained_model(loaded: Loaded) -> nn.Module | None:

@@ -33,6 +33,7 @@ from distft.model.lm import causal_lm
 from distft.model.nf4 import NF4Spec, quantize_base
 from distft.model.positions import scale_rope
 from distft.model.presets import DTYPES, PRESETS
+from distft.model.start import load_init_adapter
 from distft.model.tokens import beside_adapters, fit_vocabulary
 
 
@@ -267,6 +268,8 @@ def apply_method(model: nn.Module, cfg: Config, tokenizer=None) -> nn.Module:
     with peft_quietly():
         peft_model = get_peft_model(model, lora)
     # peft initialises lora_A from the global RNG: the caller seeds it so every rank agrees.
+    if cfg.lora.init_adapter:  # or a trained adapter's weights are the run's at step 0
+        load_init_adapter(peft_model, cfg.lora.init_adapter)
     return peft_model
 
 

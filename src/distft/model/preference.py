@@ -66,15 +66,19 @@ def sequence_logps(
     lm_head: nn.Module,
     labels: torch.Tensor,  # (rows, seq), shifted, -100 where no loss
     position_ids: torch.Tensor | None = None,  # packed: from 0 at each document
+    documents: tuple[torch.Tensor, int] | None = None,  # a sequence shard's: (rows, seq) ids, and how many
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's summed log-probability of its labelled tokens, and their count: (sequences,)
-    each. A sequence is a row, or in a packed row each document (its positions restart at 0)."""
+    each. A sequence is a row, or in a packed row each document (its positions restart at 0); a
+    shard of the sequence (tp-sp) gives its positions' documents and their number in the row."""
     keep = labels != -100
-    if position_ids is None:
+    if documents is not None:
+        owner, sequences = documents[0][keep], documents[1]
+    elif position_ids is None:
         owner, sequences = keep.nonzero()[:, 0], labels.shape[0]
     else:  # one packed row: the document of each position, counted from the row's start
-        documents = (position_ids.flatten() == 0).cumsum(0) - 1
-        owner, sequences = documents[keep.flatten()], int(documents[-1]) + 1
+        ids = (position_ids.flatten() == 0).cumsum(0) - 1
+        owner, sequences = ids[keep.flatten()], int(ids[-1]) + 1
     logits = lm_head(hidden[keep]).float()  # (labelled, vocab)
     token_logps = -F.cross_entropy(logits, labels[keep], reduction="none")
     logps = torch.zeros(sequences, device=hidden.device).index_add(0, owner, token_logps)
@@ -149,6 +153,7 @@ class PreferenceLoss:
     desirable_weight: float = 1.0
     undesirable_weight: float = 1.0
     stats: torch.Tensor | None = field(default=None, repr=False)  # sums of `STATS` (`KTO_SUMS`) on this rank
+    share: float = field(default=1.0, repr=False)  # of the micro-batch being computed (`__call__`)
 
     @property
     def needs_reference(self) -> bool:
@@ -162,12 +167,16 @@ class PreferenceLoss:
         token_weight: torch.Tensor | None = None,
         desirable: torch.Tensor | None = None,
         kl: torch.Tensor | None = None,
+        share: float = 1.0,
     ) -> torch.Tensor:
         """The sum of this micro-batch's pair losses, from every row's (policy) log-probability and
         token count, the reference's, and (ORPO) pairs / chosen tokens of the global batch; KTO's
-        from each answer's label and the global batch's KL estimate."""
+        from each answer's label and the global batch's KL estimate. `share`: this rank's share of
+        a loss every rank of a sequence split computes whole (tp-sp), the loss and statistics
+        scaled by it, so that their sum over the ranks is the loss once."""
+        self.share = share
         if self.objective == "kto":
-            return self._kto(logps[: len(desirable)], reference[: len(desirable)], desirable, kl)
+            return self._kto(logps[: len(desirable)], reference[: len(desirable)], desirable, kl) * share
         pairs = self.pairs_in(logps)
         chosen, rejected = logps[:pairs], logps[pairs : 2 * pairs]
         chosen_n, rejected_n = counts[:pairs], counts[pairs : 2 * pairs]
@@ -184,7 +193,7 @@ class PreferenceLoss:
             losses = -chosen * token_weight - orpo_odds_term(chosen_mean, rejected_mean, self.beta)
             reward_c, reward_r = self.beta * chosen_mean.detach(), self.beta * rejected_mean.detach()
         self._record(reward_c, reward_r, chosen.detach(), rejected.detach())
-        return losses.sum()
+        return losses.sum() * share
 
     def _kto(self, logps, reference, desirable, kl) -> torch.Tensor:
         losses, rewards = kto_losses(
@@ -194,7 +203,7 @@ class PreferenceLoss:
         sums = torch.stack(
             [rewards @ d, rewards @ u, logps.detach() @ d, logps.detach() @ u, d.sum(), u.sum()]
         )
-        self.stats = sums if self.stats is None else self.stats + sums
+        self._add(sums)
         return losses.sum()
 
     def means(self, sums: list[float], n: int) -> dict[str, float]:
@@ -222,7 +231,12 @@ class PreferenceLoss:
 
     def _record(self, reward_c, reward_r, chosen, rejected) -> None:
         margin = reward_c - reward_r
-        sums = torch.stack([reward_c, reward_r, (margin > 0).float(), margin, chosen, rejected]).sum(dim=1)
+        self._add(
+            torch.stack([reward_c, reward_r, (margin > 0).float(), margin, chosen, rejected]).sum(dim=1)
+        )
+
+    def _add(self, sums: torch.Tensor) -> None:
+        sums = sums * self.share
         self.stats = sums if self.stats is None else self.stats + sums
 
     def take_stats(self, device: torch.device) -> torch.Tensor:

@@ -78,12 +78,14 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
     derived.update(_derive_warmup(cfg))
     if (
         cfg.train.objective in WITH_REFERENCE
-        and cfg.train.method == "full"
+        and (cfg.train.method == "full" or cfg.lora.init_adapter)
         and "dpo.precompute_reference" not in cfg.explicit
     ):
         cfg.dpo.precompute_reference = True
         derived["dpo.precompute_reference"] = (
             "true: --method full trains the base, so the reference is scored first"
+            if cfg.train.method == "full"
+            else "true: the reference is the base with lora.init_adapter, scored before it trains"
         )
     if cfg.parallel.strategy not in STRATEGIES or _passes(cfg):
         cfg.derived = derived

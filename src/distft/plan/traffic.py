@@ -49,7 +49,6 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from distft.model.families.family import ROW_PARALLEL
 from distft.parallel import STRATEGIES
 from distft.parallel.context.model import layers_without_kv_gradient, padded_length
 from distft.plan.collective import (
@@ -78,6 +77,12 @@ from distft.plan.inputs import (
 )
 from distft.plan.memory import stage_tensors
 from distft.plan.model_spec import ModelSpec
+from distft.plan.preference_traffic import (
+    fsdp_forward_only_gathers,
+    sequence_sums,
+    sp_forward_only_crossings,
+    tp_forward_only_reduces,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Per-collective formulas (bytes and calls per optimizer step, one rank)
@@ -147,21 +152,9 @@ def dp_collectives(
     gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
     params = held_bytes(spec, training, par, "gathered", rank) * gathers * m
     calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
-    if training.reference_forward and par.reshard_after_forward and layers:
-        # DPO's reference forward (`distft.model.preference`) runs inside the root's forward, so
-        # every layer is gathered once more, the root not. And FSDP2 prefetches in backward along
-        # the order the forwards ran: after the policy's first layer it gathers the layer that
-        # ended the reference forward, the last one, again. Per micro-batch, layers + 1 gathers.
-        layer_bytes = held_bytes(spec, training, par, "gathered", rank, layers_only=True)
-        params += layer_bytes * (layers + 1) / layers * m
-        calls += (layers + 1) * m
-    if training.kl_forwards and par.reshard_after_forward and layers:
-        # KTO's KL term, scored before the step (`distft.train.step.with_kl`): per micro-batch one
-        # root forward without backward, each layer gathered for each model it runs (policy, reference).
-        layer_bytes = held_bytes(spec, training, par, "gathered", rank, layers_only=True)
-        root_bytes = held_bytes(spec, training, par, "gathered", rank) - layer_bytes
-        params += (root_bytes + layer_bytes * training.kl_forwards) * m
-        calls += (1 + layers * training.kl_forwards) * m
+    if par.reshard_after_forward and layers:  # a preference objective's forwards without backward
+        extra, extra_calls = fsdp_forward_only_gathers(spec, training, par, rank, layers)
+        params, calls = params + extra, calls + extra_calls
     return [
         Collective("parameters", "all_gather", params, calls, n, link, True),
         Collective("gradients", "reduce_scatter", grads * m, (layers + 1) * m, n, link, True),
@@ -196,10 +189,20 @@ def tp_collectives(
         if par.sp:
             gathered, gathers = enter * enters + leave * leaves_bwd, m * (enters + leaves_bwd)
             scattered, scatters = leave * leaves + enter * enters_bwd, m * (leaves + enters_bwd)
+            extra = sp_forward_only_crossings(training, par, layers, enter / positions, leave / positions)
+            gathered, gathers, scattered, scatters = (
+                a + b for a, b in zip((gathered, gathers, scattered, scatters), extra, strict=True)
+            )
             out.append(Collective("activations", "all_gather", gathered, gathers, par.tp, link, False))
             out.append(Collective("activations", "reduce_scatter", scattered, scatters, par.tp, link, False))
-        else:
-            logical, calls = leave * leaves + enter * enters_bwd, m * (leaves + enters_bwd)
+            if training.pair_statistics:  # each sequence's log-probability and count, summed over the ranks
+                out.append(sequence_sums(training, par, link))
+        else:  # forwards without backward: each block's exit all-reduced once per model run
+            _, _, extra, extra_calls = sp_forward_only_crossings(training, par, layers, 0, leave / positions)
+            logical, calls = (
+                leave * leaves + enter * enters_bwd + extra,
+                m * (leaves + enters_bwd) + extra_calls,
+            )
             out.append(Collective("activations", "all_reduce", logical, calls, par.tp, link, False))
     else:
         # Per stage this rank holds: a later stage's input needs its gradient (it is sent back).
@@ -208,20 +211,10 @@ def tp_collectives(
             for n, first in rank_stages(spec, training, par, rank)
         )
         adapters = tp_adapter_calls(layers, targets, ckpt)
-        if (
-            training.reference_forward
-        ):  # DPO's reference: the row projections' outputs once more, adapters off
-            calls += 2 * layers
         logical = c * positions * (spec.hidden_size * calls + training.lora_rank * adapters)
         count = m * (calls + adapters)
-        if training.kl_forwards:  # KTO's KL term over the mismatched answers: forwards only, the
-            # row projections' outputs per model run (policy, reference), the policy's adapters after lora_A
-            kl_shapes = training.kl_batch_shapes or training.shapes(par.microbatches)
-            kl_calls = 2 * layers * training.kl_forwards
-            kl_adapters = layers * sum(name in targets for name in ROW_PARALLEL)
-            kl_positions = sum(rows * seq for rows, seq in kl_shapes)
-            logical += c * kl_positions * (spec.hidden_size * kl_calls + training.lora_rank * kl_adapters)
-            count += len(kl_shapes) * (kl_calls + kl_adapters)
+        extra, extra_calls = tp_forward_only_reduces(spec, training, par, layers, targets, c)
+        logical, count = logical + extra, count + extra_calls
         out.append(Collective("activations", "all_reduce", logical, count, par.tp, link, False))
     partial = partial_grad_bytes(spec, training, par, rank)
     if partial:

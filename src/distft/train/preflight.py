@@ -14,6 +14,7 @@ from distft.io.checkpoint import check_resume
 from distft.io.preflight import check_finished_run, check_output_dir
 from distft.model.build import architecture
 from distft.model.files import check_weight_files
+from distft.model.start import check_init_adapter
 from distft.parallel import check_model
 from distft.text import plural
 from distft.train.optim import check_optimizer
@@ -52,6 +53,7 @@ def preflight(cfg: Config, resuming: bool = False) -> float | None:
     model = architecture(cfg.model)  # rotary embeddings as model.rope_scaling stretches them
     check_model(cfg, model)
     check_output_dir(cfg, model)
+    check_init_adapter(cfg)
     return prepare_data(cfg)
 
 

@@ -22,7 +22,8 @@ from distft.text import plural
 
 
 def resolve_local_paths(cfg: Config) -> None:
-    """A local data file, model directory or chat template file (data.chat_template), made
+    """A local data file, model directory, chat template file (data.chat_template) or starting
+    adapter (lora.init_adapter), made
     absolute: the run's config.toml then works for the ranks and for `distft eval`/`infer` from
     any directory (a relative path would be read from where they run)."""
     if Path(cfg.data.source).is_file():
@@ -35,6 +36,8 @@ def resolve_local_paths(cfg: Config) -> None:
     template = template_path(cfg.data.chat_template)  # None: a template inline, or none
     if template is not None and template.is_file():
         cfg.data.chat_template = str(template.resolve())
+    if cfg.lora.init_adapter and Path(cfg.lora.init_adapter).is_dir():
+        cfg.lora.init_adapter = str(Path(cfg.lora.init_adapter).resolve())
     if cfg.data.cache_dir:  # every rank, and a resumed run, finds the same cache
         cfg.data.cache_dir = str(Path(cfg.data.cache_dir).expanduser().resolve())
 

@@ -122,6 +122,26 @@ class _ReduceScatterToSPRegion(torch.autograd.Function):
         return all_gather(grad, ctx.group), None
 
 
+class _AllReduceShares(torch.autograd.Function):
+    """Forward: all-reduce. Backward: all-reduce. For a value every rank then computes the same loss
+    from, each rank backpropagating its share of it: the shares' gradients sum to the loss's."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce(grad, ctx.group), None
+
+
+def all_reduce_shares(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The sum over the ranks of `x` (each rank's part of a whole: a sequence shard's log-probability
+    sums), where each rank then computes its share of one loss (`MegatronLM`'s preference head)."""
+    return _AllReduceShares.apply(x, group)
+
+
 def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     return _CopyToTPRegion.apply(x, group)
 

@@ -26,11 +26,14 @@ reduce-scatter; without one its gradient is silently wrong.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from distft.model import causal_lm
@@ -96,12 +99,20 @@ class ParallelLinear(nn.Module):
         )
         self.lora_dropout = source.lora_dropout  # Dropout or Identity: no parameters
         self.scaling = source.scaling[a]
+        self.disable_adapters = False
+
+    def enable_adapters(self, enabled: bool) -> None:
+        """peft's switch (`PeftModel.disable_adapter` calls it on every tuner layer): off, the shard
+        computes its base alone, as the DPO and KTO reference does."""
+        self.disable_adapters = not enabled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.lora:
             return F.linear(x, self.weight, self.bias)
-        a = self.adapter
         out = F.linear(x, self.base_layer.weight, self.base_layer.bias)
+        if self.disable_adapters:
+            return out
+        a = self.adapter
         lora = F.linear(F.linear(self.lora_dropout[a](x), self.lora_A[a].weight), self.lora_B[a].weight)
         return out + lora * self.scaling  # PEFT's order of operations, for bit-level parity
 
@@ -110,6 +121,21 @@ class ParallelLinear(nn.Module):
 # not by name. A virtual subclass passes that check without inheriting the tuner layer's
 # machinery (its `weight` property would shadow the shard registered under that name).
 BaseTunerLayer.register(ParallelLinear)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """peft's `PeftModel.disable_adapter` for a model whose projections are these shards: every
+    tuner layer (the shards, and `lora.modules_to_save`'s wrappers) switched off and on as peft's
+    own loop switches them; peft's context first reads tuner-layer state the shards do not carry."""
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer | AuxiliaryTrainingWrapper)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 class ColumnParallelLinear(ParallelLinear):

@@ -49,12 +49,16 @@ from distft.data import document_ids
 from distft.model import summed_loss
 from distft.model.checkpointing import HostOffload
 from distft.model.lm import check_right_padded
+from distft.model.preference import sequence_logps
 from distft.parallel.megatron.collectives import (
+    all_reduce,
+    all_reduce_shares,
     copy_to_tp_region,
     gather_from_sp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
 )
+from distft.parallel.megatron.layers import adapters_disabled
 
 
 class MegatronLM(nn.Module):
@@ -100,10 +104,46 @@ class MegatronLM(nn.Module):
         labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
         attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens, right-padded
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
+        **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`)
     ) -> torch.Tensor:
+        x, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
+        head = self.module.preference
+        if head is None:
+            return summed_loss(x, self.module.lm_head, mine)  # this rank's tokens' share of the loss
+        logps, counts = self.sequence_logps(x, mine, documents, grad=True)
+        share = 1 / self.world if self.sequence_parallel else 1.0  # `reduce_loss` sums the ranks'
+
+        def base() -> torch.Tensor:  # the reference under disabled adapters, as `LossLM` runs it
+            with torch.no_grad(), adapters_disabled(self.module.lm):
+                inputs = self.hidden_states(input_ids, labels, attention_mask, position_ids)
+                return self.sequence_logps(*inputs)[0]
+
+        reference = preference.get("reference")
+        if self.module.scoring:  # as `LossLM`: each sequence's log-probability, or its log-ratio
+            keep = counts > 0
+            if self.module.scoring == "ratio":
+                return (logps[keep] - (base()[keep] if reference is None else reference)) * share
+            return logps[keep] * share
+        if head.needs_reference and reference is None:
+            reference = base()
+        get = preference.get
+        return head(logps, counts, reference, get("token_weight"), get("desirable"), get("kl"), share=share)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, int] | None]:
+        """The final norm's output on this rank's positions (S/N, B, H) (all S without SP), their
+        labels (S/N, B), and a packed row's documents: each position's (1, S/N) and how many."""
         check_right_padded(attention_mask, "tp-sp")
         backbone = self.module.backbone
         input_ids, labels = input_ids.t(), labels.t()  # sequence-first: (S, B)
+        packed = position_ids is not None
+        # A packed row's sequences are its documents, not the positions appended below.
+        sequences = int(document_ids(position_ids).max()) + 1 if packed else 0
         if position_ids is None:  # padded: global positions 0..S-1
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device).unsqueeze(0)
         if self.sequence_parallel:  # N must divide S: append positions that carry no loss
@@ -114,9 +154,11 @@ class MegatronLM(nn.Module):
         seq = input_ids.shape[0]
         mask = document_mask(position_ids) if attention_mask is None else None  # (B or 1, 1, S, S)
         cos, sin = backbone.rotary_emb(backbone.embed_tokens.weight, position_ids)  # (B or 1, S, head_dim)
+        documents = document_ids(position_ids) if packed else None  # (1, S)
         if self.sequence_parallel:
             mine = slice(self.rank * seq // self.world, (self.rank + 1) * seq // self.world)
             input_ids, labels = input_ids[mine], labels[mine]
+            documents = documents[:, mine] if packed else None
         x = backbone.embed_tokens(input_ids)  # (S/N, B, H): each rank embeds only its own tokens
         offload = self.checkpointing == "offload" and torch.is_grad_enabled()
         with HostOffload() if offload else contextlib.nullcontext():  # each layer's input to the host
@@ -128,8 +170,27 @@ class MegatronLM(nn.Module):
                     )
                 else:
                     x = self.layer(layer, x, cos, sin, mask)
-        x = backbone.norm(x)
-        return summed_loss(x, self.module.lm_head, labels)  # this rank's tokens' share of the loss
+        return backbone.norm(x), labels, (documents, sequences) if packed else None
+
+    def sequence_logps(
+        self, x: torch.Tensor, labels: torch.Tensor, documents, grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's log-probability and labelled tokens (`distft.model.preference`), summed
+        over this rank's positions, then (SP) over the ranks: one all-reduce of both, whose
+        backward sums the ranks' gradients (`all_reduce_shares`), since each rank then backpropagates
+        its share of the loss."""
+        logps, counts = sequence_logps(
+            x.transpose(0, 1), self.module.lm_head, labels.t(), documents=documents
+        )
+        if not self.sequence_parallel:
+            return logps, counts
+        both = torch.stack([logps, counts])
+        both = (
+            all_reduce_shares(both, self.group)
+            if grad and torch.is_grad_enabled()
+            else all_reduce(both, self.group)
+        )
+        return both[0], both[1]
 
     def layer(
         self,
