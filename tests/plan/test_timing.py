@@ -60,6 +60,17 @@ def test_step_time_on_one_gpu_is_flops_over_peak_times_mfu():
     )
     again = 2 * (128 * 2 * 81_920 + 2 * 2 * 64 * 128**2)
     assert ckpt.step_s == pytest.approx((2 * PER_SEQUENCE + again) / (989e12 * 0.5))
+    # A preference objective's forwards without backward (DPO's reference, KTO's KL term with it):
+    # 2N per token, 2 L d_attn s^2 and the head's forward, per sequence and run; the time is each
+    # run's FLOPs over the same peak.
+    forward = 128 * 2 * 81_920 + 2 * 2 * 64 * 128**2 + 128 * 2 * 64_000
+    for runs, training in [
+        (1, replace(FULL, reference_forward=True)),
+        (3, replace(FULL, reference_forward=True, kl_forwards=2)),
+    ]:
+        est = estimate(request(HAND, training, mfu=0.5), parallelism_for(req, "single"))
+        assert est.time.flops == 2 * (PER_SEQUENCE + runs * forward)
+        assert est.step_s == pytest.approx(2 * (PER_SEQUENCE + runs * forward) / (989e12 * 0.5))
 
 
 def test_communication_and_the_bubble_add_as_stated():

@@ -82,10 +82,17 @@ def labelled(training: Training) -> int:
     return min(training.label_tokens, training.seq_len)
 
 
+def forward_only_runs(training: Training) -> int:
+    """Forwards without backward per sequence: DPO's and KTO's reference under the disabled
+    adapters, KTO's KL term (`distft.plan.preference_traffic`)."""
+    return training.reference_forward + training.kl_forwards
+
+
 def step_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     """Model FLOPs of one optimizer step, every rank together (what a run's MFU counts)."""
     sequences = training.micro_batch * par.microbatches * par.dp
-    return sequences * model_flops(spec, training).sequence(training.seq_len, labelled(training))
+    f, S, L = model_flops(spec, training), training.seq_len, labelled(training)
+    return sequences * (f.sequence(S, L) + forward_only_runs(training) * f.forward(S, L))
 
 
 def rank_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
@@ -96,8 +103,9 @@ def rank_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
     busiest = 0.0
     for rank in range(par.pp):
         f = model_flops(spec, training, rank_layers(spec, training, par, rank), holds_last_stage(par, rank))
-        layers = f.layers_flops(S) + recompute_flops(f, spec, training, S)
-        head = f.head_flops(labelled(training))
+        runs = forward_only_runs(training)  # their layers' forward (`recompute`) and head's forward
+        layers = f.layers_flops(S) + recompute_flops(f, spec, training, S) + runs * f.recompute(S)
+        head = f.head_flops(labelled(training)) + runs * (f.forward(S, labelled(training)) - f.recompute(S))
         # TP splits every layer's work, CP every sequence's (evenly: the head/tail chunks)
         busiest = max(busiest, layers / (par.tp * par.cp) + head / (par.tp if par.sp else 1))
     return busiest * training.micro_batch * par.microbatches
