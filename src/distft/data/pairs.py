@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from distft.config import DataConfig
 from distft.data.cache import tokenized_splits
 from distft.data.chat import IGNORE, ChatFormatter, Example, split_summary
@@ -180,6 +182,40 @@ def rows_of(items: list[Any]) -> list[Example]:
     if not items or not isinstance(items[0], Pair | Completion):
         return items
     return [e for k in range(len(items[0].rows)) for e in (item.rows[k] for item in items)]
+
+
+def rows_per_item(objective: str) -> int:
+    """Sequences a micro-batch item is: a pair's two (dpo, orpo), else one (an example, KTO's answer)."""
+    return 2 if objective in ("dpo", "orpo") else 1
+
+
+def blank_items(items: list[Any], count: int) -> list[Any]:
+    """Pairs (or KTO's answers) filled to `count` with blank ones, whose sequences carry no label
+    and so count nothing (`PreferenceLoss`): a pipeline runs whole micro-batches of fixed shape,
+    a pair's two rows together, even on a short batch (the last of a small validation split)."""
+    if len(items) >= count or not items or not isinstance(items[0], Pair | Completion):
+        return items
+    blank, reference = Example([0], [IGNORE], 0), None if items[0].reference is None else (0.0, 0.0)
+    fill = (
+        Pair(blank, blank, reference)
+        if isinstance(items[0], Pair)
+        else Completion(blank, blank, False, reference)
+    )
+    return items + [fill] * (count - len(items))
+
+
+def blank_preference(cfg: Any, rows: int) -> dict[str, torch.Tensor]:
+    """What a micro-batch of `rows` rows carries beside its tokens under `cfg`'s objective, as
+    zeros: for rows without a label (a pipeline's warm-up, whose stage shapes every step keeps)."""
+    objective = cfg.train.objective
+    blank: dict[str, torch.Tensor] = {}
+    if objective in ("dpo", "kto") and cfg.dpo.precompute_reference:
+        blank["reference"] = torch.zeros(rows)
+    if objective == "orpo":
+        blank["token_weight"] = torch.zeros(1)
+    if objective == "kto":
+        blank |= {"desirable": torch.zeros(rows, dtype=torch.bool), "kl": torch.zeros(1)}
+    return blank
 
 
 def desirable_of(items: list[Any]) -> list[bool] | None:

@@ -86,6 +86,15 @@ def sequence_logps(
     return logps, counts
 
 
+def labelled_sequences(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> int:
+    """How many sequences of a micro-batch carry a label (`sequence_logps`'s, less a packed row's
+    fill): the length of its scores, known without the model."""
+    if position_ids is None:
+        return int((labels != -100).any(dim=1).sum())
+    documents = (position_ids.flatten() == 0).cumsum(0) - 1
+    return int(documents[labels.flatten() != -100].unique().numel())
+
+
 def dpo_losses(
     chosen: torch.Tensor,
     rejected: torch.Tensor,
@@ -176,10 +185,13 @@ class PreferenceLoss:
         scaled by it, so that their sum over the ranks is the loss once."""
         self.share = share
         if self.objective == "kto":
-            return self._kto(logps[: len(desirable)], reference[: len(desirable)], desirable, kl) * share
+            n = len(desirable)
+            return self._kto(logps[:n], reference[:n], desirable, kl, counts[:n] > 0) * share
         pairs = self.pairs_in(logps)
         chosen, rejected = logps[:pairs], logps[pairs : 2 * pairs]
         chosen_n, rejected_n = counts[:pairs], counts[pairs : 2 * pairs]
+        # A pair without labels (a pipeline's blank pair, filling a short batch) counts nothing.
+        real = chosen_n > 0
         if reference is not None:
             reference = reference[: 2 * pairs]
         if self.objective == "dpo":
@@ -188,18 +200,26 @@ class PreferenceLoss:
                 chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
                 self.label_smoothing, chosen_n, rejected_n,
             )  # fmt: skip
-        else:
-            chosen_mean, rejected_mean = chosen / chosen_n.clamp(min=1), rejected / rejected_n.clamp(min=1)
+        else:  # a blank pair's mean set apart from 0, where the log odds are infinite
+            chosen_mean = torch.where(real, chosen / chosen_n.clamp(min=1), -1.0)
+            rejected_mean = torch.where(real, rejected / rejected_n.clamp(min=1), -1.0)
             losses = -chosen * token_weight - orpo_odds_term(chosen_mean, rejected_mean, self.beta)
             reward_c, reward_r = self.beta * chosen_mean.detach(), self.beta * rejected_mean.detach()
-        self._record(reward_c, reward_r, chosen.detach(), rejected.detach())
-        return losses.sum() * share
+        zero = torch.zeros_like(reward_c)
+        self._record(
+            torch.where(real, reward_c, zero),
+            torch.where(real, reward_r, zero),
+            chosen.detach(),
+            rejected.detach(),
+        )
+        return torch.where(real, losses, torch.zeros_like(losses)).sum() * share
 
-    def _kto(self, logps, reference, desirable, kl) -> torch.Tensor:
+    def _kto(self, logps, reference, desirable, kl, real) -> torch.Tensor:
         losses, rewards = kto_losses(
             logps, reference, desirable, kl, self.beta, self.desirable_weight, self.undesirable_weight
         )
-        d, u = desirable.float(), (~desirable).float()
+        losses = torch.where(real, losses, torch.zeros_like(losses))  # a blank answer counts nothing
+        d, u = (desirable & real).float(), (~desirable & real).float()
         sums = torch.stack(
             [rewards @ d, rewards @ u, logps.detach() @ d, logps.detach() @ u, d.sum(), u.sum()]
         )

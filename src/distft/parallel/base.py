@@ -196,6 +196,13 @@ class Strategy:
             total += model(**batch).float()
         return total
 
+    @torch.no_grad()
+    def scores(self, model: nn.Module, micro_batches: list[Batch]) -> torch.Tensor:
+        """Each sequence's value from the scoring head (`LossLM.scoring`: a preference objective's
+        log-probabilities, or KTO's log-ratios), the micro-batches in order; a rank without the head
+        (a pipeline's earlier stages) gives zeros, so `reduce_loss` sums them as it sums a loss."""
+        return torch.cat([model(**batch).float() for batch in micro_batches])
+
     def build_optimizer(
         self,
         params: list[nn.Parameter] | list[dict],

@@ -208,6 +208,11 @@ def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
             f"train.objective={objective} with --method full trains the base, the reference under LoRA: set "
             "dpo.precompute_reference=true (scored once before the first step), or use --method lora."
         )
+    if objective in WITH_REFERENCE and strategy.pipelined and not cfg.dpo.precompute_reference:
+        raise ConfigError(
+            f"train.objective={objective} under --strategy {strategy.name}: no pipeline stage can run the "
+            "base under disabled adapters inside the schedule; set dpo.precompute_reference=true."
+        )
     if objective in WITH_REFERENCE and cfg.lora.init_adapter and not cfg.dpo.precompute_reference:
         raise ConfigError(
             f"train.objective={objective} from lora.init_adapter takes the base with that adapter as its "

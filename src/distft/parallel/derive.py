@@ -78,7 +78,7 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
     derived.update(_derive_warmup(cfg))
     if (
         cfg.train.objective in WITH_REFERENCE
-        and (cfg.train.method == "full" or cfg.lora.init_adapter)
+        and (cfg.train.method == "full" or cfg.lora.init_adapter or _pipelined(cfg))
         and "dpo.precompute_reference" not in cfg.explicit
     ):
         cfg.dpo.precompute_reference = True
@@ -86,6 +86,8 @@ def derive_defaults(cfg: Config) -> dict[str, str]:
             "true: --method full trains the base, so the reference is scored first"
             if cfg.train.method == "full"
             else "true: the reference is the base with lora.init_adapter, scored before it trains"
+            if cfg.lora.init_adapter
+            else "true: no pipeline stage runs the base under disabled adapters inside the schedule"
         )
     if cfg.parallel.strategy not in STRATEGIES or _passes(cfg):
         cfg.derived = derived
@@ -121,6 +123,11 @@ def complete_defaults(cfg: Config) -> dict[str, str]:
     }
     cfg.explicit = cfg.explicit | changed
     return derive_defaults(cfg)
+
+
+def _pipelined(cfg: Config) -> bool:
+    strategy = STRATEGIES.get(cfg.parallel.strategy)
+    return strategy is not None and strategy.pipelined
 
 
 def derived_line(cfg: Config) -> str | None:

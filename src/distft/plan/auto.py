@@ -22,6 +22,7 @@ import torch
 
 from distft.config import Config, lora_target_names
 from distft.config.choices import WITH_REFERENCE
+from distft.data.pairs import rows_per_item
 from distft.errors import ConfigError
 from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
@@ -81,7 +82,7 @@ def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
 
 def rows_per_example(cfg: Config) -> int:
     """Sequences per example of a micro-batch: a preference pair is two (`distft.data.pairs`); KTO's answer one."""
-    return 2 if cfg.train.objective in ("dpo", "orpo") else 1
+    return rows_per_item(cfg.train.objective)
 
 
 def training_of(cfg: Config, precision: Precision, **shape) -> Training:

@@ -13,6 +13,8 @@ backward's:
   policy's adapters on the row projections after lora_A.
 - tp-sp: each block entered (all-gather) and left (reduce-scatter) once per model run; and its
   preference head all-reduces every sequence's log-probability and token count (`sequence_sums`).
+- a pipeline (KTO's KL term; the reference is precomputed there): each micro-batch through the
+  stages forward only, one send per stage boundary, no gradient back.
 Each is counted on real gloo ranks equal to what a run moves (`tests/parallel/test_preference.py`).
 """
 
@@ -81,6 +83,22 @@ def sp_forward_only_crossings(
     positions += training.kl_forwards * sum(rows * layer_seq_len(training, par, s) for rows, s in kl)
     calls = (training.reference_forward * len(shapes) + training.kl_forwards * len(kl)) * 2 * layers
     return positions * enter * 2 * layers, calls, positions * leave * 2 * layers, calls
+
+
+def pp_forward_only_sends(
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, sends: int, receives: int, sent: int
+) -> list[Collective]:
+    """A pipeline's KTO KL term: its micro-batches through the stages forward only, one send of
+    each boundary this rank sends across (`sends`), one receive of each it receives across;
+    `sent` bytes per activation element."""
+    if not training.kl_forwards:
+        return []
+    kl = kl_shapes(training, par)
+    per_boundary = sent * sum(rows * seq for rows, seq in kl) * spec.hidden_size / (par.tp if par.sp else 1)
+    return [
+        Collective("KL activations", kind, n * per_boundary, n * len(kl), 2, link, False)
+        for kind, n in (("send", sends), ("recv", receives))
+    ]
 
 
 def sequence_sums(training: Training, par: Parallelism, link: Link) -> Collective:

@@ -79,6 +79,7 @@ from distft.plan.memory import stage_tensors
 from distft.plan.model_spec import ModelSpec
 from distft.plan.preference_traffic import (
     fsdp_forward_only_gathers,
+    pp_forward_only_sends,
     sequence_sums,
     sp_forward_only_crossings,
     tp_forward_only_reduces,
@@ -263,12 +264,15 @@ def pp_collectives(
     the ranks holding a copy, the tied embedding's gradient."""
     sent = (par.shard == "full" and training.fsdp_output_bytes) or compute_bytes(training, par)
     positions = sum(rows * seq for rows, seq in training.shapes(par.microbatches))
-    boundaries = pipeline_layout(spec, training, par).boundaries_of(rank)
+    lay = pipeline_layout(spec, training, par)
+    boundaries = lay.boundaries_of(rank)  # each way
     nbytes = boundaries * sent * positions * spec.hidden_size / (par.tp if par.sp else 1)
     messages = par.microbatches * boundaries  # each way
     out = [
         Collective("stage activations", kind, nbytes, messages, 2, link, True) for kind in ("send", "recv")
     ]
+    sends = lay.sends_of(rank)  # KTO's KL term: forward only, each way as this rank holds the stages
+    out += pp_forward_only_sends(spec, training, par, link, sends, boundaries - sends, sent)
     ends = holds_first_stage(par, rank) or holds_last_stage(par, rank)
     if spec.tie_word_embeddings and training.method == "full" and ends:
         # Both copies are whole on every TP rank (TP replicates the embedding); FSDP shards them.

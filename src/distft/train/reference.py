@@ -74,7 +74,7 @@ def score(run: Run, split: PairSplit) -> torch.Tensor:
             offset = start + dp_rank * (padded // dp_size)  # this rank's slice (`rank_micro_batches`)
             for batch in rank_batches(pairs, strategy, run.cfg, run.pad_id, part="score"):
                 with run.autocast:
-                    logps = run.model(**batch).float()
+                    logps = strategy.scores(run.model, [batch])
                 chosen, rejected = logps.chunk(2)
                 rows = torch.arange(offset, offset + len(chosen), device=logps.device)
                 keep = rows < start + count  # not the padding

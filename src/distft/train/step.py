@@ -25,7 +25,7 @@ from distft.data import (
     micro_batch,
     rank_micro_batches,
 )
-from distft.data.pairs import desirable_of, micro_batch_part
+from distft.data.pairs import blank_items, desirable_of, micro_batch_part, rows_per_item
 from distft.errors import NonFiniteError
 from distft.io.checkpoint import resume_hint
 from distft.model.compile import SEQUENCE_BUCKET, compile_errors_unwrapped, compile_wanted
@@ -51,8 +51,10 @@ def rank_batches(
     """This rank's micro-batches of `examples`, packed or padded (`data.packing`), on its device;
     of a preference objective's, the `part` a forward runs (`distft.data.pairs.micro_batch_part`)."""
     size, packed = strategy.micro_batch_size(cfg), cfg.data.packing
-    # One shape every step (pipelines): a sequence of max_length, or a packed row of `size` of them.
-    pad_to = cfg.data.max_length * (size if packed else 1) if strategy.fixed_sequence_length else None
+    # One shape every step (pipelines): a sequence of max_length, or a packed row of all the
+    # micro-batch's sequences (a pair's two).
+    rows = size * rows_per_item(cfg.train.objective)
+    pad_to = cfg.data.max_length * (rows if packed else 1) if strategy.fixed_sequence_length else None
     # Compiled code (the blocks, or FlexAttention on CUDA): packed rows in length buckets, so its
     # guards on the length hold (`distft.model.compile`).
     device = strategy.env.device
@@ -60,6 +62,8 @@ def rank_batches(
     multiple = SEQUENCE_BUCKET if compiled else 1
     batches = []
     weight = orpo_token_weight(examples, cfg)
+    if strategy.fixed_sequence_length:  # whole micro-batches, a short batch's filled with blank pairs
+        examples = blank_items(examples, cfg.train.global_batch_size)
     for mb in rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size):
         rows, reference = micro_batch_part(mb, part)  # a pair: its two rows
         batch = micro_batch(rows, pad_id, packed, pad_to, multiple)
@@ -86,7 +90,9 @@ def orpo_token_weight(examples: list, cfg: Config) -> torch.Tensor | None:
     into its share of the global batch's mean token NLL once the step divides by the pairs."""
     if cfg.train.objective != "orpo":
         return None
-    return torch.tensor(len(examples) / count_label_tokens([p.chosen for p in examples]))
+    return torch.tensor(
+        [len(examples) / count_label_tokens([p.chosen for p in examples])]
+    )  # (1,): a pipeline cuts it per micro-batch
 
 
 def expected_bytes(run: Run) -> Callable[[list[Example]], tuple | None]:
@@ -182,13 +188,12 @@ def with_kl(run: Run, examples: list, batches: list[Batch]) -> None:
         return
     lm = unwrap(run.model)
     lm.scoring = "ratio"
-    total = torch.zeros((), device=run.env.device)
     try:
-        for batch in rank_batches(examples, run.strategy, run.cfg, run.pad_id, part="kl"):
-            total += run.model(**batch).float().sum()
+        kl_batches = rank_batches(examples, run.strategy, run.cfg, run.pad_id, part="kl")
+        total = run.strategy.scores(run.model, kl_batches).sum()
     finally:
         lm.scoring = False
-    kl = (run.strategy.reduce_loss(total) / len(examples)).clamp(min=0)
+    kl = (run.strategy.reduce_loss(total) / len(examples)).clamp(min=0).reshape(1)  # (1,): as token_weight
     for batch in batches:
         batch["kl"] = kl
 

@@ -93,6 +93,10 @@ class Layout:
         pairs = ((self.rank_of(s), self.rank_of(s + 1)) for s in range(self.num_stages - 1))
         return sum(src != dst and rank in (src, dst) for src, dst in pairs)
 
+    def sends_of(self, rank: int) -> int:
+        """Stage boundaries `rank` sends an activation across forward (it holds the earlier stage)."""
+        return sum(self.rank_of(s) == rank != self.rank_of(s + 1) for s in range(self.num_stages - 1))
+
     def layers_of(self, stage: int) -> range:
         """The decoder layers of `stage`: contiguous, as many as the cut gives it."""
         if not self.layers_per_stage:

@@ -25,6 +25,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from distft.model import summed_loss
 from distft.model.lm import run_layers
+from distft.model.preference import sequence_logps
 from distft.parallel.pipeline.layout import SCHEDULES, SINGLE_STAGE, Layout
 
 Action = tuple[str, int, int]  # (kind F|B|W, stage, micro-batch)
@@ -36,11 +37,23 @@ class StageModule(nn.Module):
     forward(x, labels, attention_mask | position_ids): x is input_ids (batch, seq) on the first stage and the
     hidden states (batch, seq, hidden) elsewhere; returns the hidden states, or on the last stage
     the summed token loss (shape (1,)), so the loss head is part of the stage's timed forward and
-    its parameters (lm_head) belong to the stage for the zero-bubble weight pass.
+    its parameters (lm_head) belong to the stage for the zero-bubble weight pass. A preference
+    objective's head is the `LossLM`'s (`loss_lm`): its pairs' loss from each sequence's
+    log-probability and the micro-batch's precomputed reference, or in scoring mode the
+    log-probabilities themselves (`PipelineParallel.scores`).
     """
 
-    def __init__(self, backbone: nn.Module, lm_head: nn.Module, layer_ids: range, first: bool, last: bool):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        lm_head: nn.Module,
+        layer_ids: range,
+        first: bool,
+        last: bool,
+        loss_lm: nn.Module | None = None,
+    ):
         super().__init__()
+        self._loss_lm = [loss_lm]  # in a list: not registered, its parameters are the stages' own
         self.config = backbone.config
         self.embed_tokens = backbone.embed_tokens if first else None
         # Keyed by the global layer index: names (and the mask type per layer) need no remapping.
@@ -48,6 +61,10 @@ class StageModule(nn.Module):
         self.rotary_emb = backbone.rotary_emb  # inv_freq is a non-persistent buffer: shared, no state
         self.norm = backbone.norm if last else None
         self.lm_head = lm_head if last else None
+
+    @property
+    def loss_lm(self) -> nn.Module | None:
+        return self._loss_lm[0]
 
     def owned(self) -> list[nn.Module]:
         """The modules whose weights this stage trains (the rotary module has none)."""
@@ -59,6 +76,7 @@ class StageModule(nn.Module):
         labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
         attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens (padded)
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
+        **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`), for the last stage
     ) -> torch.Tensor:
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
         # What the family's forward computes once (positions, masks, rotary cos/sin), every stage
@@ -67,6 +85,15 @@ class StageModule(nn.Module):
         hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
         if self.lm_head is None:
             return hidden
+        head = self.loss_lm.preference if self.loss_lm is not None else None
+        if head is not None:
+            logps, counts = sequence_logps(self.norm(hidden), self.lm_head, labels, position_ids)
+            if self.loss_lm.scoring:  # as `LossLM`: log-probabilities, or log-ratios to the reference
+                logps = logps[counts > 0]
+                return logps - preference["reference"] if self.loss_lm.scoring == "ratio" else logps
+            get = preference.get
+            loss = head(logps, counts, get("reference"), get("token_weight"), get("desirable"), get("kl"))
+            return loss.reshape(1).clone()
         # Shape (1,), not a scalar: torch's eval() concatenates the last stage's outputs.
         # A fresh tensor, not a view of the scalar: FSDP (fsdp+pp) warns that its backward hook on a
         # view would be lost to an in-place op.
@@ -120,7 +147,7 @@ def build_stages(
     stages, owned = [], []
     for s in lay.stages_of(rank):
         layers = lay.layers_of(s)
-        module = StageModule(backbone, lm_head, layers, s == 0, s == last).to(device)
+        module = StageModule(backbone, lm_head, layers, s == 0, s == last, model).to(device)
         owned += module.owned()
         wrap(module, s)
         stages.append(PipelineStage(module, s, lay.num_stages, device, group=group))

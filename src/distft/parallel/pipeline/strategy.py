@@ -35,7 +35,9 @@ from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.data import Example, micro_batch
+from distft.data.pairs import blank_preference, rows_per_item
 from distft.errors import ConfigError
+from distft.model.preference import labelled_sequences
 from distft.parallel.base import Batch, Strategy
 from distft.parallel.pipeline.cost import CostModel
 from distft.parallel.pipeline.layout import Layout, layout
@@ -52,6 +54,10 @@ class PipelineParallel(Strategy):
     dims = ("pp",)
     fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
     takes_label_positions: ClassVar[bool] = False
+    # The last stage's head takes each micro-batch's pairs whole; DPO's and KTO's reference is
+    # scored before the first step (dpo.precompute_reference, derived): no stage can run the base
+    # under disabled adapters inside the schedule.
+    supports_preference: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True  # stages hold the compiled decoder layers as they are
     modules_to_save_refusal: ClassVar[str] = (
         "puts the embedding and lm_head on different stages, where peft's trained rows of a tied pair "
@@ -176,12 +182,15 @@ class PipelineParallel(Strategy):
         """
         lay, length = self.layout, self.cfg.data.max_length
         blank = Example([0] * length, [-100] * length, 0)  # the shape of every real batch, no loss
-        batch = micro_batch([blank] * lay.micro_batch_size, 0, self.cfg.data.packing)
+        rows = lay.micro_batch_size * rows_per_item(self.cfg.train.objective)
+        batch = micro_batch([blank] * rows, 0, self.cfg.data.packing) | blank_preference(self.cfg, rows)
         batches = [{k: v.to(self.env.device) for k, v in batch.items()} for _ in range(lay.microbatches)]
         with torch.random.fork_rng(devices=[]):
             self._run(batches, num_label_tokens=1)
         for stage in self.stages:
             stage.submod.zero_grad(set_to_none=True)
+        if self.stages[-1].submod.loss_lm.preference is not None:  # the blank rows' statistics
+            self.stages[-1].submod.loss_lm.preference.take_stats(self.env.device)
 
     # -- one step ------------------------------------------------------------------------------
     def _loss(self, loss_sum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -222,33 +231,59 @@ class PipelineParallel(Strategy):
         stages (a metadata exchange) on every switch between training and evaluation. Speed does
         not matter here; this path is sequential, plain and the same for every schedule.
         """
-        lay, me, ranks = self.layout, self.pp_rank, self.pp_ranks
         batch = self._full_batch(micro_batches)
-        chunks = {k: v.chunk(lay.microbatches) for k, v in batch.items()}
+        chunks = {k: v.chunk(self.layout.microbatches) for k, v in batch.items()}
+        total = torch.zeros((), device=self.env.device)
+        for i in range(self.layout.microbatches):
+            out = self._through_stages(model, {k: c[i] for k, c in chunks.items()})
+            if out is not None:
+                total += out.float().sum()
+        return total
+
+    @torch.no_grad()
+    def scores(self, model: nn.Module, micro_batches: list[Batch]) -> torch.Tensor:
+        """Each sequence's value from the last stage's scoring head, through the stages in order as
+        in `forward_only` (any shape: no schedule); zeros on the ranks without the last stage."""
+        values = []
+        for batch in micro_batches:
+            out = self._through_stages(model, batch)
+            n = labelled_sequences(batch["labels"], batch.get("position_ids"))
+            values.append(out.float() if out is not None else torch.zeros(n, device=self.env.device))
+        return torch.cat(values)
+
+    def _through_stages(self, model: nn.Module, batch: Batch) -> torch.Tensor | None:
+        """One micro-batch through this rank's stages, with blocking sends between ranks: the last
+        stage's output on the rank that holds it, else None."""
+        lay, me, ranks = self.layout, self.pp_rank, self.pp_ranks
         hidden_size = model.module.backbone.config.hidden_size
         dtype = next(self.stages[0].submod.parameters()).dtype
         modules = {stage.stage_index: stage.submod for stage in self.stages}
-        total = torch.zeros((), device=self.env.device)
-        for i in range(lay.microbatches):
-            ids, masks = chunks["input_ids"][i], {k: c[i] for k, c in chunks.items() if k != "input_ids"}
-            x = ids
-            for s in self.stage_ids:
-                if s > 0 and lay.rank_of(s - 1) != me:
-                    x = torch.empty((*ids.shape, hidden_size), dtype=dtype, device=self.env.device)
-                    dist.recv(x, src=ranks[lay.rank_of(s - 1)])
-                x = modules[s](x, **masks)
-                if s == lay.num_stages - 1:
-                    total += x.float().sum()
-                elif lay.rank_of(s + 1) != me:
-                    dist.send(x.to(dtype).contiguous(), dst=ranks[lay.rank_of(s + 1)])
-        return total
+        ids, masks = batch["input_ids"], {k: v for k, v in batch.items() if k != "input_ids"}
+        x = ids
+        for s in self.stage_ids:
+            if s > 0 and lay.rank_of(s - 1) != me:
+                x = torch.empty((*ids.shape, hidden_size), dtype=dtype, device=self.env.device)
+                dist.recv(x, src=ranks[lay.rank_of(s - 1)])
+            x = modules[s](x, **masks)
+            if s == lay.num_stages - 1:
+                return x
+            if lay.rank_of(s + 1) != me:
+                dist.send(x.to(dtype).contiguous(), dst=ranks[lay.rank_of(s + 1)])
+        return None
 
     def _full_batch(self, micro_batches: list[Batch]) -> Batch:
         """One (global_batch, seq) batch; a short one (the last validation batch) is filled with rows
         that carry no loss, since the stage shapes are fixed."""
         batch = {k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]}
-        rows = 1 if self.cfg.data.packing else self.layout.micro_batch_size  # per micro-batch
+        per_item = rows_per_item(self.cfg.train.objective)  # a preference pair: two rows
+        rows = 1 if self.cfg.data.packing else self.layout.micro_batch_size * per_item  # per micro-batch
         missing = self.layout.microbatches * rows - batch["input_ids"].shape[0]
+        if missing > 0 and set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"}:
+            raise ConfigError(
+                f"train.objective={self.cfg.train.objective} runs through a pipeline on whole global "
+                f"batches, and this one holds {len(micro_batches)} micro-batches of {self.layout.microbatches}: "
+                "give the validation split at least train.global_batch_size rows."
+            )
         if missing > 0:  # packed fill rows: position 0 everywhere, each token a document of its own
             fill = {"input_ids": 0, "attention_mask": 1, "position_ids": 0, "labels": -100}
             batch = {
