@@ -69,8 +69,8 @@ LAYOUTS = {"fsdp+tp": ["parallel.dp=1", "parallel.tp=2"]}  # a 2-D mesh on 2 ran
 # fsdp+tp's tensor-parallel reductions sum in another order: losses and gradient norms agree to
 # 1e-6, but DPO weights each token's gradient by its pair's sigmoid and Adam divides near-zero
 # gradients by their own magnitude, so after 3 steps one lora_B tensor differs by 1.4e-3 of its norm.
-# tp-sp likewise sums each answer's log-probability over sequence shards: 2.1e-3 of one lora_B.
-ADAPTER_RTOL = {"fsdp+tp": 1e-2, "tp-sp": 1e-2}
+# tp-sp and cp likewise sum each answer's log-probability over sequence shards: 2.1e-3 of one lora_B.
+ADAPTER_RTOL = {"fsdp+tp": 1e-2, "tp-sp": 1e-2, "cp": 1e-2}
 # KTO likewise: every answer's gradient is weighted by a sigmoid of its ratio less z0, a sum over the
 # whole global batch in another order on each layout; after 3 steps one lora_B differs by 1.6e-4.
 KTO_ADAPTER_RTOL = 1e-3
@@ -84,7 +84,7 @@ def assert_same_steps(run, reference, rtol: float) -> None:
 
 @pytest.mark.parametrize(
     "objective, strategies",
-    [("dpo", ["fsdp", "fsdp+tp", "tp-sp"]), ("orpo", ["pp"]), ("kto", ["fsdp", "tp", "tp-sp", "pp"])],
+    [("dpo", ["fsdp+tp", "tp-sp", "cp"]), ("orpo", ["pp"]), ("kto", ["fsdp", "tp", "tp-sp", "pp"])],
 )
 def test_trains_like_one_process(objective, strategies, pairs, unpaired, tmp_path):
     """(DDP trains DPO as one process in the full-finetuning test below.)"""
@@ -125,7 +125,7 @@ def test_trains_like_one_process(objective, strategies, pairs, unpaired, tmp_pat
         else:
             assert_same_training(run, reference)
         # Rewards are differences of log-probabilities near -80: a sum over shards in another order moves them by 1e-6.
-        loose_pairs = objective == "kto" or strategy == "tp-sp"
+        loose_pairs = objective == "kto" or strategy in ("tp-sp", "cp")
         assert_same_pairs(run, reference, names=stats, atol=1e-5 if loose_pairs else 1e-6)
         # The bytes of both rows of every pair (KTO: and of its KL term's forwards), counted as any run's are, match the formula.
         counted = [m for m in metrics(run) if "comm_bytes_expected" in m]
@@ -135,14 +135,17 @@ def test_trains_like_one_process(objective, strategies, pairs, unpaired, tmp_pat
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--strategy", "cp", "--nproc", "2"], "train.objective=dpo cannot run under --strategy cp"),
+        (
+            ["--strategy", "ddp+pp", "--nproc", "4", "parallel.dp=2", "parallel.pp=2"],
+            "train.objective=dpo cannot run under --strategy ddp+pp",
+        ),
         (
             ["--strategy", "pp", "--nproc", "2", "dpo.precompute_reference=false"],
             "no pipeline stage can run the base under disabled adapters",
         ),
         (["--method", "full", "dpo.precompute_reference=false"], "set dpo.precompute_reference=true"),
     ],
-    ids=["cp", "pp", "full"],
+    ids=["ddp+pp", "pp", "full"],
 )
 def test_what_cannot_run_is_refused_before_launch(flags, says, pairs, tmp_path, capsys):
     assert main(["train", *settings(pairs, "dpo"), *flags, "--out", str(tmp_path / "x")]) == 2

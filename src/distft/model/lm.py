@@ -28,7 +28,7 @@ runs chunk by chunk (`distft.model.loss.chunked_cross_entropy`), never holding t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -85,26 +85,40 @@ class LossLM(nn.Module):
         hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         if self.preference is None:
             return summed_loss(hidden, self.lm_head, labels, label_positions)
-        if self.scoring:  # each sequence's log-probability, nothing else (`distft.train.reference`)
-            logps, counts = sequence_logps(hidden, self.lm_head, labels, position_ids)
-            logps = logps[counts > 0]  # every sequence has a label; a packed row's fill has none
-            if self.scoring != "ratio":
-                return logps
-            # KTO's KL term: log pi - log pi_ref, the reference given (precomputed) or run here.
-            if reference is None:
-                reference = self.reference_logps(input_ids, labels, attention_mask, position_ids)[counts > 0]
-            return logps - reference
-        if self.preference.needs_reference and reference is None:
-            reference = self.reference_logps(input_ids, labels, attention_mask, position_ids)
         logps, counts = sequence_logps(hidden, self.lm_head, labels, position_ids)
-        return self.preference(logps, counts, reference, token_weight, desirable, kl)
 
-    @torch.no_grad()
-    def reference_logps(self, input_ids, labels, attention_mask, position_ids) -> torch.Tensor:
-        """Each sequence's log-probability under the base: the model with its adapters disabled."""
-        with self.lm.disable_adapter():
-            hidden = self.hidden_states(input_ids, attention_mask, position_ids)
-            return sequence_logps(hidden, self.lm_head, labels, position_ids)[0]
+        @torch.no_grad()
+        def base() -> torch.Tensor:  # each sequence's log-probability with the adapters disabled
+            with self.lm.disable_adapter():
+                again = self.hidden_states(input_ids, attention_mask, position_ids)
+                return sequence_logps(again, self.lm_head, labels, position_ids)[0]
+
+        extra = {"reference": reference, "token_weight": token_weight, "desirable": desirable, "kl": kl}
+        return self.preference_head(logps, counts, base, extra)
+
+    def preference_head(
+        self,
+        logps: torch.Tensor,  # (sequences,): each sequence's whole log-probability
+        counts: torch.Tensor,  # (sequences,): its labelled tokens
+        base: Callable[[], torch.Tensor] | None,  # the reference's, run when not given (precomputed)
+        inputs: dict[str, torch.Tensor | None],  # reference, token_weight, desirable, kl
+        share: float = 1.0,  # this rank's share where every rank computes the same head (tp-sp, cp)
+    ) -> torch.Tensor:
+        """The preference objective's loss, or in scoring mode each sequence's log-probability (or
+        its log-ratio to the reference: KTO's KL term), times `share`: the one head of every
+        strategy, given the sequences' log-probabilities however it summed them."""
+        reference = inputs.get("reference")
+        if self.scoring:
+            keep = counts > 0  # every sequence has a label; a packed row's fill has none
+            if self.scoring == "ratio":
+                return (logps[keep] - (base()[keep] if reference is None else reference)) * share
+            return logps[keep] * share
+        if self.preference.needs_reference and reference is None:
+            reference = base()
+        get = inputs.get
+        return self.preference(
+            logps, counts, reference, get("token_weight"), get("desirable"), get("kl"), share
+        )
 
     def hidden_states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None

@@ -80,9 +80,13 @@ class Strategy:
     # reduce like its own weights (`distft.model.tokens`); only those that opt in run them.
     supports_modules_to_save: ClassVar[bool] = False
     modules_to_save_refusal: ClassVar[str] = "has not been taught to hold peft's trained module copies"
-    # train.objective dpo | orpo: the loss head sees every row whole on one rank, both answers of a
-    # pair together (`LossLM.forward`); heads that see a sequence shard, or a pipeline stage, do not.
+    # train.objective dpo | orpo | kto: the head needs each answer's whole log-probability
+    # (`LossLM.preference_head`): whole rows on a rank, a sequence split's sums over its ranks, or a
+    # pipeline's last stage; the reason is shown to users of the others.
     supports_preference: ClassVar[bool] = False
+    preference_refusal: ClassVar[str] = (
+        "has not been taught to give its head each answer's whole log-probability"
+    )
     # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held

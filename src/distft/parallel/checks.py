@@ -200,8 +200,8 @@ def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
         return
     if not strategy.supports_preference:
         raise ConfigError(
-            f"train.objective={objective} cannot run under --strategy {strategy.name}, whose loss head sees a "
-            f"sequence shard or a pipeline stage, not both answers of a pair; it runs with {_takers('supports_preference')}."
+            f"train.objective={objective} cannot run under --strategy {strategy.name}, which "
+            f"{strategy.preference_refusal}; it runs with {_takers('supports_preference')}."
         )
     if objective in WITH_REFERENCE and cfg.train.method == "full" and not cfg.dpo.precompute_reference:
         raise ConfigError(

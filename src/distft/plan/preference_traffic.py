@@ -21,6 +21,7 @@ Each is counted on real gloo ranks equal to what a run moves (`tests/parallel/te
 from __future__ import annotations
 
 from distft.model.families.family import ROW_PARALLEL
+from distft.parallel.context.model import padded_length
 from distft.plan.collective import Collective, held_bytes
 from distft.plan.hardware import Link
 from distft.plan.inputs import Parallelism, Training
@@ -101,10 +102,32 @@ def pp_forward_only_sends(
     ]
 
 
-def sequence_sums(training: Training, par: Parallelism, link: Link) -> Collective:
-    """tp-sp's preference head: per forward, one fp32 all-reduce of each sequence's log-probability
-    and labelled tokens (2 x `micro_batch` floats), again in backward where it trains."""
+def sequence_sums(training: Training, par: Parallelism, link: Link, ranks: int) -> Collective:
+    """The preference head of a sequence split (tp-sp, cp) over `ranks`: per forward, one fp32
+    all-reduce of each sequence's log-probability and labelled tokens (2 x `micro_batch` floats),
+    again in backward where it trains."""
     m = len(training.shapes(par.microbatches))
     calls = 2 * m + training.reference_forward * m + training.kl_forwards * len(kl_shapes(training, par))
     bytes_ = calls * 8 * training.micro_batch
-    return Collective("sequence log-probabilities", "all_reduce", bytes_, calls, par.tp, link, False)
+    return Collective("sequence log-probabilities", "all_reduce", bytes_, calls, ranks, link, False)
+
+
+def cp_forward_only(
+    training: Training, par: Parallelism, link: Link, kv_per_position: int, layers: int
+) -> list[Collective]:
+    """Context parallelism's forwards without backward: every layer's K and V of each (padded) row
+    once more per model run, all-gathered (allgather) or passed on N-1 times (ring)."""
+    n, shapes, kl = par.cp, training.shapes(par.microbatches), kl_shapes(training, par)
+    positions = training.reference_forward * sum(rows * padded_length(seq, n) for rows, seq in shapes)
+    positions += training.kl_forwards * sum(rows * padded_length(seq, n) for rows, seq in kl)
+    runs = training.reference_forward * len(shapes) + training.kl_forwards * len(kl)
+    if not runs:
+        return []
+    kv = kv_per_position * positions * layers
+    if par.cp_method == "ring":  # this rank's share passed on, a K and a V tensor each hop
+        hops = (n - 1) * kv // n
+        return [
+            Collective("keys, values (ring)", kind, hops, 2 * (n - 1) * layers * runs, n, link, True)
+            for kind in ("send", "recv")
+        ]
+    return [Collective("keys, values", "all_gather", kv, layers * runs, n, link, False)]

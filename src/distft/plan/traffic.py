@@ -78,6 +78,7 @@ from distft.plan.inputs import (
 from distft.plan.memory import stage_tensors
 from distft.plan.model_spec import ModelSpec
 from distft.plan.preference_traffic import (
+    cp_forward_only,
     fsdp_forward_only_gathers,
     pp_forward_only_sends,
     sequence_sums,
@@ -197,7 +198,7 @@ def tp_collectives(
             out.append(Collective("activations", "all_gather", gathered, gathers, par.tp, link, False))
             out.append(Collective("activations", "reduce_scatter", scattered, scatters, par.tp, link, False))
             if training.pair_statistics:  # each sequence's log-probability and count, summed over the ranks
-                out.append(sequence_sums(training, par, link))
+                out.append(sequence_sums(training, par, link, par.tp))
         else:  # forwards without backward: each block's exit all-reduced once per model run
             _, _, extra, extra_calls = sp_forward_only_crossings(training, par, layers, 0, leave / positions)
             logical, calls = (
@@ -248,6 +249,9 @@ def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
             Collective("keys, values", "all_gather", kv * forwards, m * forwards, n, link, False),
             Collective("key, value gradients", "reduce_scatter", kv * backward, m * backward, n, link, False),
         ]
+    out += cp_forward_only(training, par, link, 2 * c * spec.num_kv_heads * spec.head_dim, layers)
+    if training.pair_statistics:  # each sequence's log-probability and count, summed over the ranks
+        out.append(sequence_sums(training, par, link, par.cp))
     if (
         par.shard == "none"
     ):  # replicated weights: the positions' shares summed (FSDP's reduce-scatter does it)

@@ -5,7 +5,10 @@ take this rank's chunks r and 2N-1-r of every row with their global position ids
 tokens, run the decoder layers (`distft.model.lm.run_layers`, so the layers' activation
 checkpointing and host offload apply as in one process) with the CP attention installed as the
 model's kernel and a `ContextShard` as every layer's mask, then the final norm and the loss over
-this rank's labelled positions only. The loss is this rank's share of the row's summed loss.
+this rank's labelled positions only. The loss is this rank's share of the row's summed loss. A
+preference objective's head needs each answer's whole log-probability: the ranks' sums over their
+positions are all-reduced, every rank computes the head, and each backpropagates 1/N of it (the
+all-reduce's backward sums the shares' gradients, `all_reduce_shares`).
 
 The attention kernel is picked by name, `config._attn_implementation`, which every attention
 module reads when it runs. It is `CONTEXT` while this forward runs and restored after, so the
@@ -24,7 +27,9 @@ from torch import nn
 from distft.model import summed_loss
 from distft.model.families import layer_types
 from distft.model.lm import check_right_padded, run_layers
+from distft.model.preference import sequence_logps
 from distft.parallel.context.attention import CONTEXT, ContextShard, register
+from distft.parallel.megatron.collectives import all_reduce, all_reduce_shares
 from distft.tensors import document_ids
 
 
@@ -63,7 +68,47 @@ class ContextParallelLM(nn.Module):
         labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
         attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens, right-padded
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
+        **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`)
     ) -> torch.Tensor:
+        hidden, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
+        if self.module.preference is None:
+            return summed_loss(hidden, self.module.lm_head, mine)  # this rank's share
+        logps, counts = self.sequence_logps(hidden, mine, documents, grad=True)
+
+        @torch.no_grad()
+        def base() -> torch.Tensor:  # the reference under disabled adapters, as `LossLM` runs it
+            with self.module.lm.disable_adapter():
+                return self.sequence_logps(
+                    *self.hidden_states(input_ids, labels, attention_mask, position_ids)
+                )[0]
+
+        # Every rank computes the head whole from the summed values; `reduce_loss` sums the shares.
+        return self.module.preference_head(logps, counts, base, preference, share=1 / self.world)
+
+    def sequence_logps(
+        self, hidden, labels, documents, grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's log-probability and labelled tokens over this rank's positions, summed
+        over the ranks by one all-reduce, whose backward sums the ranks' gradient shares
+        (`all_reduce_shares`, as tp-sp's head)."""
+        logps, counts = sequence_logps(hidden, self.module.lm_head, labels, documents=documents)
+        both = torch.stack([logps, counts])
+        both = (
+            all_reduce_shares(both, self.group)
+            if grad and torch.is_grad_enabled()
+            else all_reduce(both, self.group)
+        )
+        return both[0], both[1]
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, int] | None]:
+        """The final norm's output on this rank's positions (B, 2L, H), their labels, and a packed
+        row's documents: each of those positions' and how many in the row."""
         check_right_padded(attention_mask, "cp")
         # Padded rows: the mask is dropped. With causal attention no real position sees a later
         # one, so none sees padding; padding carries no label (`distft.parallel.context`).
@@ -104,8 +149,9 @@ class ContextParallelLM(nn.Module):
             config._attn_implementation = previous
         if hidden.requires_grad:
             hidden.register_hook(_attention_in_backward(config, previous))
-        hidden = backbone.norm(hidden)
-        return summed_loss(hidden, self.module.lm_head, labels[:, index])  # this rank's share
+        ids = document_ids(position_ids) if packed else None  # the fill continues the last document
+        documents = (ids[:, index], int(ids.max()) + 1) if packed else None
+        return backbone.norm(hidden), labels[:, index], documents
 
 
 def _attention_in_backward(config, previous: str | None):

@@ -107,27 +107,19 @@ class MegatronLM(nn.Module):
         **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`)
     ) -> torch.Tensor:
         x, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
-        head = self.module.preference
-        if head is None:
+        if self.module.preference is None:
             return summed_loss(x, self.module.lm_head, mine)  # this rank's tokens' share of the loss
         logps, counts = self.sequence_logps(x, mine, documents, grad=True)
         share = 1 / self.world if self.sequence_parallel else 1.0  # `reduce_loss` sums the ranks'
 
+        @torch.no_grad()
         def base() -> torch.Tensor:  # the reference under disabled adapters, as `LossLM` runs it
-            with torch.no_grad(), adapters_disabled(self.module.lm):
-                inputs = self.hidden_states(input_ids, labels, attention_mask, position_ids)
-                return self.sequence_logps(*inputs)[0]
+            with adapters_disabled(self.module.lm):
+                return self.sequence_logps(
+                    *self.hidden_states(input_ids, labels, attention_mask, position_ids)
+                )[0]
 
-        reference = preference.get("reference")
-        if self.module.scoring:  # as `LossLM`: each sequence's log-probability, or its log-ratio
-            keep = counts > 0
-            if self.module.scoring == "ratio":
-                return (logps[keep] - (base()[keep] if reference is None else reference)) * share
-            return logps[keep] * share
-        if head.needs_reference and reference is None:
-            reference = base()
-        get = preference.get
-        return head(logps, counts, reference, get("token_weight"), get("desirable"), get("kl"), share=share)
+        return self.module.preference_head(logps, counts, base, preference, share)
 
     def hidden_states(
         self,

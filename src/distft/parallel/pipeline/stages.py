@@ -85,15 +85,11 @@ class StageModule(nn.Module):
         hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
         if self.lm_head is None:
             return hidden
-        head = self.loss_lm.preference if self.loss_lm is not None else None
-        if head is not None:
+        if self.loss_lm is not None and self.loss_lm.preference is not None:
             logps, counts = sequence_logps(self.norm(hidden), self.lm_head, labels, position_ids)
-            if self.loss_lm.scoring:  # as `LossLM`: log-probabilities, or log-ratios to the reference
-                logps = logps[counts > 0]
-                return logps - preference["reference"] if self.loss_lm.scoring == "ratio" else logps
-            get = preference.get
-            loss = head(logps, counts, get("reference"), get("token_weight"), get("desirable"), get("kl"))
-            return loss.reshape(1).clone()
+            # The reference is always precomputed here; scoring returns one value per sequence.
+            out = self.loss_lm.preference_head(logps, counts, None, preference)
+            return out if self.loss_lm.scoring else out.reshape(1).clone()
         # Shape (1,), not a scalar: torch's eval() concatenates the last stage's outputs.
         # A fresh tensor, not a view of the scalar: FSDP (fsdp+pp) warns that its backward hook on a
         # view would be lost to an in-place op.
