@@ -77,10 +77,10 @@ class LossLM(nn.Module):
         attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens (padded)
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         label_positions: torch.Tensor | None = None,  # (n_labelled,) flat indices where labels != -100
-        token_weight: torch.Tensor | None = None,  # ORPO: pairs / chosen tokens of the global batch
+        token_weight: torch.Tensor | None = None,  # ORPO: pairs / chosen tokens of the global batch, (1,)
         reference: torch.Tensor | None = None,  # DPO, KTO: each row's reference log-probability, precomputed
         desirable: torch.Tensor | None = None,  # KTO: (rows,) bool, each answer's label
-        kl: torch.Tensor | None = None,  # KTO: the global batch's KL estimate (0-d)
+        kl: torch.Tensor | None = None,  # KTO: the global batch's KL estimate, (1,)
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         if self.preference is None:

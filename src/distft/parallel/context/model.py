@@ -29,7 +29,7 @@ from distft.model.families import layer_types
 from distft.model.lm import check_right_padded, run_layers
 from distft.model.preference import sequence_logps
 from distft.parallel.context.attention import CONTEXT, ContextShard, register
-from distft.parallel.megatron.collectives import all_reduce, all_reduce_shares
+from distft.parallel.megatron.collectives import sequence_sums
 from distft.tensors import document_ids
 
 
@@ -92,13 +92,7 @@ class ContextParallelLM(nn.Module):
         over the ranks by one all-reduce, whose backward sums the ranks' gradient shares
         (`all_reduce_shares`, as tp-sp's head)."""
         logps, counts = sequence_logps(hidden, self.module.lm_head, labels, documents=documents)
-        both = torch.stack([logps, counts])
-        both = (
-            all_reduce_shares(both, self.group)
-            if grad and torch.is_grad_enabled()
-            else all_reduce(both, self.group)
-        )
-        return both[0], both[1]
+        return sequence_sums(logps, counts, self.group, grad)
 
     def hidden_states(
         self,

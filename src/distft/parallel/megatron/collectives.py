@@ -142,6 +142,16 @@ def all_reduce_shares(x: torch.Tensor, group: dist.ProcessGroup | None = None) -
     return _AllReduceShares.apply(x, group)
 
 
+def sequence_sums(
+    logps: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's log-probability and labelled tokens, summed over the ranks that each hold a
+    shard of it (tp-sp, cp): one all-reduce of both; training (`grad`), `all_reduce_shares`."""
+    both = torch.stack([logps, counts])
+    both = all_reduce_shares(both, group) if grad and torch.is_grad_enabled() else all_reduce(both, group)
+    return both[0], both[1]
+
+
 def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     return _CopyToTPRegion.apply(x, group)
 

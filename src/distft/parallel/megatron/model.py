@@ -51,12 +51,11 @@ from distft.model.checkpointing import HostOffload
 from distft.model.lm import check_right_padded
 from distft.model.preference import sequence_logps
 from distft.parallel.megatron.collectives import (
-    all_reduce,
-    all_reduce_shares,
     copy_to_tp_region,
     gather_from_sp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
+    sequence_sums,
 )
 from distft.parallel.megatron.layers import adapters_disabled
 
@@ -174,15 +173,7 @@ class MegatronLM(nn.Module):
         logps, counts = sequence_logps(
             x.transpose(0, 1), self.module.lm_head, labels.t(), documents=documents
         )
-        if not self.sequence_parallel:
-            return logps, counts
-        both = torch.stack([logps, counts])
-        both = (
-            all_reduce_shares(both, self.group)
-            if grad and torch.is_grad_enabled()
-            else all_reduce(both, self.group)
-        )
-        return both[0], both[1]
+        return sequence_sums(logps, counts, self.group, grad) if self.sequence_parallel else (logps, counts)
 
     def layer(
         self,
