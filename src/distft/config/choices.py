@@ -3,6 +3,7 @@
 METHODS = ("lora", "qlora", "full")
 OBJECTIVES = ("sft", "dpo", "orpo", "kto")  # train.objective; `distft.model.preference`
 WITH_REFERENCE = ("dpo", "kto")  # the objectives that compare the policy with the model as it starts
+PAIRED = ("dpo", "orpo")  # the objectives that train on pairs of answers (KTO: single answers)
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # dpo.loss_type
 LORA_VARIANTS = ("lora", "dora", "rslora")
 # The projections of a decoder layer, every family's, in the order transformers registers them

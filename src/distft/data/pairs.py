@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from distft.config import DataConfig
+from distft.config.choices import PAIRED, WITH_REFERENCE
 from distft.data.cache import tokenized_splits
 from distft.data.chat import IGNORE, ChatFormatter, Example, split_summary
 from distft.data.formats import ChatRow
@@ -186,7 +187,7 @@ def rows_of(items: list[Any]) -> list[Example]:
 
 def rows_per_item(objective: str) -> int:
     """Sequences a micro-batch item is: a pair's two (dpo, orpo), else one (an example, KTO's answer)."""
-    return 2 if objective in ("dpo", "orpo") else 1
+    return 2 if objective in PAIRED else 1
 
 
 def blank_items(items: list[Any], count: int) -> list[Any]:
@@ -209,7 +210,7 @@ def blank_preference(cfg: Any, rows: int) -> dict[str, torch.Tensor]:
     zeros: for rows without a label (a pipeline's warm-up, whose stage shapes every step keeps)."""
     objective = cfg.train.objective
     blank: dict[str, torch.Tensor] = {}
-    if objective in ("dpo", "kto") and cfg.dpo.precompute_reference:
+    if objective in WITH_REFERENCE and cfg.dpo.precompute_reference:
         blank["reference"] = torch.zeros(rows)
     if objective == "orpo":
         blank["token_weight"] = torch.zeros(1)

@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distft.config.choices import WITH_REFERENCE
+
 STATS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin", "logps_chosen", "logps_rejected")
 # KTO's sums, as many: rewards and log-probabilities of the desirable and the undesirable answers, and their counts.
 KTO_SUMS = (
@@ -166,7 +168,7 @@ class PreferenceLoss:
 
     @property
     def needs_reference(self) -> bool:
-        return self.objective in ("dpo", "kto")
+        return self.objective in WITH_REFERENCE
 
     def __call__(
         self,
