@@ -14,8 +14,10 @@ from distft.model.compile import (
     SEQUENCE_BUCKET,
     CompileError,
     compile_blocks,
+    compile_cache_dir,
     compile_errors_unwrapped,
     compile_wanted,
+    use_compile_cache,
 )
 from distft.parallel import check_config
 
@@ -179,3 +181,33 @@ def test_compile_true_fails_loudly_when_the_backend_fails(fresh_dynamo, monkeypa
     failure = pytest.raises(CompileError, match=r"model\.compile=true.*working triton.*model\.compile=auto")
     with failure, compile_errors_unwrapped():
         compiled(**packed_batch((40, 60)))
+
+
+def test_compiled_kernels_are_kept_per_torch_version_and_device(tmp_path, monkeypatch):
+    """`model.compile_cache`: auto -> distft's cache dir, a path -> there, off -> torch's default; a
+    folder per torch version and device; TORCHINDUCTOR_CACHE_DIR set beforehand wins over auto.
+    Inductor then reads and writes its FX graph and AOT autograd caches in that folder."""
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    auto = compile_cache_dir("auto", tmp_path / "distft", cpu)
+    slug = f"torch-{torch.__version__}-cpu".replace("+", "-")  # torch-2.13.0-cpu-cpu: version, device
+    assert auto.parent == tmp_path / "distft" and auto.name == slug
+    assert (
+        compile_cache_dir(str(tmp_path / "mine"), tmp_path / "distft", cpu) == tmp_path / "mine" / auto.name
+    )
+    assert compile_cache_dir("off", tmp_path / "distft", cpu) is None
+    # config.patch, not monkeypatch: torch's config modules only undo their own patches cleanly.
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        use_compile_cache(auto)
+        assert cache_dir() == str(auto) and auto.is_dir()
+        assert torch._inductor.config.fx_graph_cache and torch._functorch.config.enable_autograd_cache
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))
+    assert compile_cache_dir("auto", tmp_path / "distft", cpu) is None  # the user's folder stays
+    assert compile_cache_dir("off", tmp_path / "distft", cpu) is None

@@ -10,8 +10,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from distft.bench.gpu import GpuSuiteSettings, default_record_dir, run_gpu_suite
+from distft.bench.gpu import GpuSuiteSettings, default_methods, default_record_dir, run_gpu_suite
 from distft.bench.gpu_report import write_gpu_report, write_record
+from distft.bench.gpu_scaling import default_gpus
 from distft.bench.harness import (
     BenchSettings,
     StrategyResult,
@@ -78,7 +79,8 @@ def cmd_gpu(args: argparse.Namespace) -> int:
         global_batch_size=_given(args.global_batch, 8),
         steps=6 if args.steps is None else args.steps,
         warmup=2 if args.warmup is None else args.warmup,
-        methods=_names(args.methods),
+        methods=_names(args.methods) if args.methods else default_methods(),
+        gpus=default_gpus() if args.gpus is None else args.gpus,
         overrides=list(args.overrides),
     )
     out = Path(args.out if args.out != DEFAULT_OUT else "runs/bench-gpu")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+from distft.bench.gpu_scaling import scaling_section
 from distft.io.files import atomic_write_text
 
 GIB = 2**30
@@ -23,14 +24,32 @@ def _verdict(t: dict) -> str:
 
 
 def _value(t: dict) -> str:
-    v = t["value"]
+    v, unit = t["value"], t["unit"]
     if v is None:
         return "n/a"
-    if "MFU" in t["target"]:
-        return f"{v:.1%}"
-    if "tokens/s >=" in t["target"]:
-        return f"{v:,.0f}"
-    return f"{v:.2f}" + ("x" if "x " in t["target"] else " s")
+    return {"%": f"{v:.1%}", "tokens/s": f"{v:,.0f}", "x": f"{v:.2f}x", "s": f"{v:.2f} s"}.get(
+        unit, f"{v:.1e}"
+    )
+
+
+def parity_section(parity: dict | None) -> list[str]:
+    """Both loss curves step by step, their largest relative difference and the verdict."""
+    lines = ["", "## Loss parity with the plain loop", ""]
+    if parity is None:
+        return [*lines, "Not measured: the plain loop or distft's parity run did not finish."]
+    verdict = "within" if parity["within"] else "**outside**"
+    lines += [
+        f"distft LoRA trained at the plain loop's settings (lr {parity['lr']:g}, constant, no warm-up, no "
+        "weight decay, clip 1.0), from the same weights on the same global batches (`distft.bench.parity`). "
+        f"Largest relative difference {parity['max_relative_difference']:.2e}: {verdict} the tolerance "
+        f"{parity['tolerance']:g}.",
+        "",
+        "| step | distft | plain loop | relative difference |",
+        "|---|---|---|---|",
+    ]
+    for step, (a, b) in enumerate(zip(parity["distft"], parity["plain"], strict=True), 1):
+        lines.append(f"| {step} | {a:.5f} | {b:.5f} | {abs(a - b) / abs(b):.1e} |")
+    return lines
 
 
 def render(summary: dict) -> str:
@@ -49,7 +68,9 @@ def render(summary: dict) -> str:
         "distft and the plain loop) / step time / the GPU's dense bf16 peak; n/a off a known GPU. Start-up: "
         "process start to step 1; first step: step 1 itself (torch.compile runs there). Compiled graphs "
         "and attention: the graphs torch.compile built and the attention kernel that ran, from the run's "
-        "metrics.jsonl (n/a where it does not record them, as the plain loop).",
+        "metrics.jsonl (n/a where it does not record them, as the plain loop). Every distft run compiles "
+        "into the suite's own cache, emptied first: the lora row's step 1 compiles cold, the lora-parity "
+        "row (the same graph, at the plain loop's learning rate) finds it warm.",
         "",
         "| run | tokens/s | step time (s) | MFU | peak memory (GiB) | start-up (s) | first step (s) "
         "| compiled graphs | attention |",
@@ -62,6 +83,7 @@ def render(summary: dict) -> str:
             f"{row['peak_mem_bytes'] / GIB:.2f} | {_num(row['startup_s'], '.1f')} | {_num(row['first_step_s'], '.2f')} | "
             f"{_num(row.get('compiled_graphs'), 'd')} | {row.get('attention') or 'n/a'} |"
         )
+    lines += scaling_section(summary.get("scaling") or {})
     r = summary["ratios"]
     lines += [
         "",
@@ -70,15 +92,17 @@ def render(summary: dict) -> str:
         "| ratio | value |",
         "|---|---|",
         f"| QLoRA / LoRA, tokens/s | {_num(r['qlora_vs_lora_tokens_per_s'], '.2f')} |",
+        f"| FP8-base LoRA / LoRA, tokens/s | {_num(r.get('fp8_vs_lora_tokens_per_s'), '.2f')} |",
         f"| distft LoRA / plain loop, tokens/s | {_num(r['distft_vs_plain_tokens_per_s'], '.2f')} |",
         f"| distft LoRA / plain loop, MFU | {_num(r['distft_vs_plain_mfu'], '.2f')} |",
         f"| distft LoRA / plain loop, peak memory | {_num(r['distft_vs_plain_peak_memory'], '.2f')} |",
         f"| distft LoRA / plain loop, start-up | {_num(r['distft_vs_plain_startup'], '.2f')} |",
+        *parity_section(summary.get("parity")),
         "",
         "## Targets",
         "",
-        "The absolute figures are for Qwen3-4B at these shapes on one H100, the ratios for any GPU; "
-        "elsewhere the verdict is indicative only.",
+        "The absolute figures are for Qwen3-4B at these shapes on one H100 or H200 (NeMo AutoModel's at "
+        "its own shape), the ratios and the loss parity for any device; elsewhere the verdict is indicative only.",
         "",
         "| target | measured | verdict |",
         "|---|---|---|",

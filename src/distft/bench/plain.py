@@ -3,10 +3,13 @@
 `python -m distft.bench.plain --model qwen3-4b --seq-len 2048 --data long.jsonl --out plain.json`
 
 `AutoModelForCausalLM` built on the device in the given dtype, peft LoRA on every projection,
-AdamW (fused on CUDA, as the reference plain loop), `model(...).loss` over right-padded
-rows (logits for every position), no compile, no packing. It trains on the very rows distft's
-runs train on (distft's tokenization of the same file and the same seeded global batches), so
-the two are compared on the same work. Writes one JSON object: step times, tokens/s, MFU in
+AdamW (fused on CUDA, as the reference plain loop; no weight decay, as distft's default),
+`model(..., num_items_in_batch=...).loss` over right-padded rows (logits for every position; the
+loss of a global batch is its summed token losses over its labelled tokens, as transformers' Trainer
+and distft count it), no compile, no packing. It trains on the very rows distft's runs train on
+(distft's tokenization of the same file and the same seeded global batches), from the weights
+distft starts from (the preset drawn under the seed, then LoRA's initialisation under it again,
+as `distft train` does), so at one learning rate the two loss curves are comparable step by step. Writes one JSON object: step times, tokens/s, MFU in
 distft's convention (`distft.measure.flops`: the same model FLOPs, so the ratio is a ratio of
 speeds), peak memory and start-up (process start to step 1).
 """
@@ -32,6 +35,7 @@ from distft.data import (
     ChatFormatter,
     Example,
     collate,
+    count_label_tokens,
     global_batch_indices,
     load_rows,
     tokenize_rows,
@@ -54,8 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps before measuring")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-4, help="constant learning rate (no warm-up, no decay)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="where to write the JSON result")
+    p.add_argument("--set", action="append", default=[], help="data.KEY=VALUE: how distft reads the rows")
     return p.parse_args(argv)
 
 
@@ -67,6 +73,7 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int, 
     else:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device)
     model.config.use_cache = False
+    torch.manual_seed(seed)  # LoRA's initialisation: distft seeds it the same way
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(PROJECTION_NAMES))
     with peft_quietly():  # peft's own deprecation warning
         return get_peft_model(model, config)
@@ -80,12 +87,20 @@ def distft_rows(model: str, overrides: list[str], seed: int) -> tuple[list[Examp
     return tokenize_rows(load_rows(cfg.data, seed=seed)["train"], formatter).examples, tokenizer.pad_token_id
 
 
-def plain_loss(model: torch.nn.Module, micro: list[Example], pad_id: int, device) -> torch.Tensor:
+def plain_loss(
+    model: torch.nn.Module, micro: list[Example], pad_id: int, device, labelled: int
+) -> torch.Tensor:
     """One micro-batch as a user would run it: right-padded rows, `model(...).loss` over every
-    position. transformers shifts the labels itself, so it is given them unshifted."""
+    position, summed and divided by the global batch's `labelled` tokens (transformers'
+    `num_items_in_batch`). transformers shifts the labels itself, so it is given them unshifted."""
     batch = {k: v.to(device) for k, v in collate(micro, pad_id).items()}
     labels = torch.cat([torch.full_like(batch["labels"][:, :1], IGNORE), batch["labels"][:, :-1]], 1)
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
+    return model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=labels,
+        num_items_in_batch=labelled,
+    ).loss
 
 
 @dataclass
@@ -111,23 +126,24 @@ def train_plain(
     """`steps` optimizer steps of the plain loop over distft's seeded global batches of `examples`."""
     # ---- the plain loop starts here ------------------------------------------------------
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, fused=device.type == "cuda" or None)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=device.type == "cuda" or None)
     accumulation = global_batch // micro_batch
     out = PlainSteps()
     for step in range(steps):
         rows = [examples[i] for i in global_batch_indices(step, len(examples), global_batch, seed)]
+        labelled = count_label_tokens(rows)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start, total = time.perf_counter(), 0.0
         for i in range(accumulation):
             micro = rows[i * micro_batch : (i + 1) * micro_batch]
-            loss = plain_loss(model, micro, pad_id, device)
-            (loss / accumulation).backward()
+            loss = plain_loss(model, micro, pad_id, device, labelled)
+            loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        out.losses.append(float(total) / accumulation)  # the host sync
+        out.losses.append(float(total))  # the host sync; the global batch's mean token loss
         out.times.append(time.perf_counter() - start)
         out.batches.append(rows)
     # ---- and ends here -------------------------------------------------------------------
@@ -141,13 +157,14 @@ def peak_memory(device: torch.device) -> int:
 
 
 def run(a: argparse.Namespace) -> dict:
-    examples, pad_id = distft_rows(a.model, [f"data.source={a.data}", f"data.max_length={a.seq_len}"], a.seed)
+    data = [f"data.source={a.data}", f"data.max_length={a.seq_len}", *a.set]
+    examples, pad_id = distft_rows(a.model, data, a.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(a.model, DTYPES[a.dtype], device, a.seed, a.lora_rank)
     flops = ModelFlops.from_model(model)
     startup = time.time() - psutil.Process().create_time()
     steps = train_plain(
-        model, examples, pad_id, device, a.warmup + a.steps, a.global_batch, a.micro_batch, a.seed
+        model, examples, pad_id, device, a.warmup + a.steps, a.global_batch, a.micro_batch, a.seed, a.lr
     )
     times = steps.times
     tokens = [sum(len(e.input_ids) for e in rows) for rows in steps.batches]

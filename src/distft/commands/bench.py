@@ -39,20 +39,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--micro-batch", type=int, help="sequences per forward/backward on a rank (default 2; --seq-sweep: 1)"
     )
     p.add_argument("--seq-len", type=int, help="data.max_length (default 512; --gpu: 2048)")
-    p.add_argument(
-        "--gpu",
-        action="store_true",
-        help="the one-device suite instead: distft single LoRA, QLoRA and full finetuning and the plain "
-        "transformers+peft loop at the blog series' shapes (qwen3-4b, seq 2048, micro-batch 2, global 8, bf16); "
-        "tokens/s, MFU, peak memory, start-up, the ratios and the targets (docs/bench.md)",
-    )
-    p.add_argument("--methods", default="lora,qlora,full", help="--gpu: the distft methods to run")
-    p.add_argument(
-        "--record",
-        metavar="DIR",
-        help="--gpu: write the run record DIR/RECORD.md (date, command, versions, device, every figure); "
-        "default on CUDA docs/reports/gpu/DEVICE, none on the CPU",
-    )
+    _add_gpu_arguments(p)
     _add_pp_sweep_arguments(p)
     p.add_argument(
         "--project",
@@ -89,6 +76,33 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "(with this command's --project profiles)",
     )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every `distft train`")
+
+
+def _add_gpu_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the one-device suite instead: distft single LoRA, QLoRA and full finetuning and the plain "
+        "transformers+peft loop at the blog series' shapes (qwen3-4b, seq 2048, micro-batch 2, global 8, bf16); "
+        "tokens/s, MFU, peak memory, start-up, the ratios and the targets (docs/bench.md)",
+    )
+    p.add_argument(
+        "--methods",
+        help="--gpu: the distft methods to run, of lora, qlora, full, lora-fp8 (default all four on a GPU "
+        "with float8 tensor cores, compute capability >= 8.9; else the first three)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        help="--gpu: also run LoRA under ddp and fsdp on this many devices (default every GPU of the "
+        "machine when it has several; on the CPU, N gloo processes check the wiring)",
+    )
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="--gpu: write the run record DIR/RECORD.md (date, command, versions, device, every figure); "
+        "default on CUDA docs/reports/gpu/DEVICE, none on the CPU",
+    )
 
 
 def _add_pp_sweep_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_CHOICES = ("auto", "flex", "flash", "sdpa", "eager")  # `distft.model.attention`
 COMPILE_CHOICES = FUSED_CHOICES = ("auto", "true", "false")  # model.compile, optim.fused
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+FP8_CHOICES = ("off", "base", "all")  # model.fp8; `distft.model.fp8`
 CHECKPOINTING = ("none", "full", "selective", "offload")  # model.activation_checkpointing
 CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}  # what the setting was when it was a switch
 ROPE_SCALINGS = ("none", "yarn", "linear", "dynamic")  # `distft.model.positions`

@@ -21,6 +21,7 @@ from distft.config.choices import (
     DATA_FORMATS,
     DPO_LOSSES,
     DTYPES,
+    FP8_CHOICES,
     FUSED_CHOICES,
     LORA_TARGET_PRESETS,
     LORA_VARIANTS,
@@ -76,6 +77,7 @@ def check_fields(cfg: Config) -> None:
         check_choice(tracker, TRACKERS, "output.report_to")
     check_choice(cfg.model.compile, COMPILE_CHOICES, "model.compile")
     check_choice(cfg.model.compile_backend, COMPILE_BACKENDS, "model.compile_backend")
+    check_choice(cfg.model.fp8, FP8_CHOICES, "model.fp8")
     check_choice(cfg.optim.fused, FUSED_CHOICES, "optim.fused")
     check_choice(cfg.optim.name, OPTIMIZERS, "optim.name")
     check_choice(cfg.optim.scheduler, SCHEDULERS, "optim.scheduler")

@@ -64,6 +64,15 @@ class ModelConfig:
     takes compiled blocks; eager, saying why, if compiling fails), true (a failure stops the run), false."""
     compile_backend: str = "inductor"
     """The torch.compile backend: inductor, aot_eager (AOT autograd, no code generated: CPU tests) or eager."""
+    fp8: str = "off"
+    """Float8 matmuls in the decoder layers (`distft.model.fp8`, torchao's rowwise recipe): off; base
+    (--method lora: the frozen projections under the adapters; adapters, norms, embedding and head
+    keep their dtype); all (--method full: every decoder Linear). Needs model.dtype=bfloat16, --strategy
+    single, ddp, fsdp or zero2, and a CUDA GPU of compute capability 8.9+ (H100, L40S, RTX 4090)."""
+    compile_cache: str = "auto"
+    """Where torch.compile keeps the kernels it builds, so the next run's first step skips building
+    them: auto (distft's cache dir, `$DISTFT_CACHE/compile`, else ~/.cache/distft/compile; a
+    TORCHINDUCTOR_CACHE_DIR set before the run wins), a directory, or off (torch's default, under /tmp)."""
 
 
 @dataclass

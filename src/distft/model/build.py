@@ -7,7 +7,8 @@
 - a hub id, loaded with transformers (and failing with a clear message when offline).
 
 `apply_method` then turns the base into what trains: LoRA adapters on a frozen base (peft), the
-same on a 4-bit NF4 base (QLoRA, `distft.model.nf4`), or every weight (full finetuning).
+same on a 4-bit NF4 base (QLoRA, `distft.model.nf4`), or every weight (full finetuning); with
+`model.fp8`, the decoder's Linear layers then matmul in float8 (`distft.model.fp8`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from distft.errors import ConfigError, DamagedFileError
 from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
 from distft.model.files import check_model_path
+from distft.model.fp8 import convert_to_float8
 from distft.model.lm import causal_lm
 from distft.model.nf4 import NF4Spec, quantize_base
 from distft.model.positions import scale_rope
@@ -250,6 +252,7 @@ def apply_method(model: nn.Module, cfg: Config, tokenizer=None) -> nn.Module:
         fit_vocabulary(causal_lm(model), tokenizer, cfg.model.seed)
     if cfg.train.method == "full":
         model.requires_grad_(True)
+        convert_to_float8(model, cfg.model.fp8)  # model.fp8=all: the decoder's Linear layers
         return model
     if cfg.train.method == "qlora":  # before PEFT wraps the projections
         quantize_base(causal_lm(model).model.layers, NF4Spec.from_config(cfg.model))
@@ -270,6 +273,7 @@ def apply_method(model: nn.Module, cfg: Config, tokenizer=None) -> nn.Module:
     # peft initialises lora_A from the global RNG: the caller seeds it so every rank agrees.
     if cfg.lora.init_adapter:  # or a trained adapter's weights are the run's at step 0
         load_init_adapter(peft_model, cfg.lora.init_adapter)
+    convert_to_float8(peft_model, cfg.model.fp8)  # model.fp8=base: the frozen projections under the adapters
     return peft_model
 
 

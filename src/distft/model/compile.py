@@ -37,13 +37,24 @@ cannot build a graph (no Triton, no C compiler, an inductor bug), with one line 
 recorded as `compile_fallback`; `true` fails loudly instead. `model.compile_backend` names the
 backend (`inductor`; `aot_eager` traces and runs AOT autograd without code generation: the tests'
 choice on the CPU).
+
+A warm first step (`model.compile_cache`). Step 1 pays for the compile: dynamo traces a block, AOT
+autograd splits forward from backward, inductor generates and Triton builds the kernels. The last
+three are cached on disk by torch itself (the FX graph cache and the AOT autograd cache, keyed by the
+graph, the torch version, the device and inductor's settings), in `TORCHINDUCTOR_CACHE_DIR`, by
+default a folder under /tmp that a reboot or a fresh container loses. distft points it at its own
+cache dir, one folder per torch version and device (`compile_cache_dir`), so a second run of the
+same model shape finds every kernel built: only dynamo's trace is left to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -82,6 +93,30 @@ def compile_wanted(setting: str, device: torch.device, strategy_supports: bool) 
     if setting == "true":
         return True
     return setting == "auto" and device.type == "cuda" and strategy_supports
+
+
+def compile_cache_dir(setting: str, auto: Path, device: torch.device) -> Path | None:
+    """Where inductor keeps what it builds (`model.compile_cache`): `auto` -> under `auto` (distft's
+    cache dir), a path -> under it, `off` -> None (torch's own default). One folder per torch
+    version and device, so a cache never meets kernels built for another."""
+    if setting == "off" or (setting == "auto" and "TORCHINDUCTOR_CACHE_DIR" in os.environ):
+        return None  # torch's default, or the folder the user named
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    slug = re.sub(r"[^a-z0-9.]+", "-", f"torch-{torch.__version__}-{name}".lower()).strip("-")
+    return (auto if setting == "auto" else Path(setting).expanduser()) / slug
+
+
+def use_compile_cache(folder: Path | None) -> None:
+    """Compile into `folder` (None: leave torch's choice), with torch's on-disk caches on. A
+    TORCHINDUCTOR_CACHE_DIR the user set before the run wins over distft's default folder."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
 @dataclass

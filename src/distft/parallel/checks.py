@@ -45,6 +45,7 @@ def check_config(cfg: Config) -> BatchShape:
     _check_objective(cfg, strategy)
     _check_layout(cfg, strategy)
     _check_compile(cfg, strategy)
+    _check_fp8(cfg, strategy)
     strategy.validate_config(cfg)
     return batch_shape(cfg)
 
@@ -237,6 +238,42 @@ def _check_compile(cfg: Config, strategy: type[Strategy]) -> None:
             "which torch.compile'd blocks do not survive. Compiled blocks run with "
             f"{', '.join(s for s, c in STRATEGIES.items() if c.supports_compile)}; or set "
             "model.compile=auto (it stays eager here)."
+        )
+
+
+# model.fp8: strategies whose Linear layers compute whole on each GPU (FSDP2 gathers them first)
+FP8_STRATEGIES = ("single", "ddp", "fsdp", "zero2")
+FP8_METHODS = {"base": "lora", "all": "full"}  # model.fp8 value -> the method it runs with
+FP8_WRONG_METHOD = {  # (model.fp8, --method) -> why not, and what to use instead
+    ("base", "full"): ("a full finetune has no frozen base", "model.fp8=all"),
+    ("base", "qlora"): ("QLoRA's frozen base is 4-bit NF4, not bf16", "--method lora"),
+    ("all", "lora"): ("LoRA's base is frozen", "model.fp8=base"),
+    ("all", "qlora"): ("QLoRA's frozen base is 4-bit NF4, not bf16", "--method full"),
+}
+
+
+def _check_fp8(cfg: Config, strategy: type[Strategy]) -> None:
+    """model.fp8 (`distft.model.fp8`): its method, a bf16 model, a strategy that computes each
+    Linear whole. The GPU is checked where it is known (`distft.model.fp8.check_fp8_hardware`)."""
+    fp8, method = cfg.model.fp8, cfg.train.method
+    if fp8 == "off":
+        return
+    if method != FP8_METHODS[fp8]:
+        why, instead = FP8_WRONG_METHOD[fp8, method]
+        raise ConfigError(
+            f"model.fp8={fp8} runs with --method {FP8_METHODS[fp8]}, not {method} ({why}): use {instead}, "
+            "or model.fp8=off."
+        )
+    if cfg.model.dtype != "bfloat16":
+        raise ConfigError(
+            f"model.fp8={fp8} casts bfloat16 weights and activations to float8: set model.dtype=bfloat16 "
+            f"(it is {cfg.model.dtype}), or model.fp8=off."
+        )
+    if strategy.name not in FP8_STRATEGIES:
+        raise ConfigError(
+            f"model.fp8={fp8} cannot run with --strategy {strategy.name}: float8 Linear layers are taught to "
+            f"run whole or FSDP-gathered ({', '.join(FP8_STRATEGIES)}), not split by tensor or context "
+            "parallelism, staged in a pipeline or under another wrapper. Use one of those, or model.fp8=off."
         )
 
 

@@ -1,6 +1,7 @@
 """What `distft train` checks before it launches anything, in the launching process: the devices
-for `--nproc`, the run directory (a resume, a finished run, room to write), the trackers and the
-optimizer, the model's weight files and architecture against the strategy, and every data row."""
+for `--nproc` (bfloat16 and model.fp8 on them), the run directory (a resume, a finished run, room
+to write), the trackers and the optimizer, the model's weight files and architecture against the
+strategy, and every data row."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from distft.io.checkpoint import check_resume
 from distft.io.preflight import check_finished_run, check_output_dir
 from distft.model.build import architecture
 from distft.model.files import check_weight_files
+from distft.model.fp8 import check_fp8_hardware
 from distft.model.start import check_init_adapter
 from distft.parallel import check_model
 from distft.text import plural
@@ -45,6 +47,7 @@ def preflight(cfg: Config, resuming: bool = False) -> float | None:
             f"slow for training (at most {cores} for speed)",
             file=sys.stderr,
         )
+    check_fp8_hardware(cfg.model.fp8, "cuda" if on_cuda else "cpu", cfg.parallel.nproc)  # sm89+
     check_resume(cfg)
     check_trackers(cfg)  # output.report_to: each tracker's library is installed
     check_optimizer(cfg, "cuda" if on_cuda else "cpu")  # adamw-8bit: bitsandbytes, and it runs here

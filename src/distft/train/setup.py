@@ -21,7 +21,7 @@ from distft.config import Config, to_toml
 from distft.data import CachedSplit, TokenizedSplit, mean_label_tokens
 from distft.data.pairs import training_splits
 from distft.data.rows import memory_source
-from distft.data.tokenizer import load_tokenizer, with_added_tokens
+from distft.data.tokenizer import cache_root, load_tokenizer, with_added_tokens
 from distft.distributed import (
     DistEnv,
     decided_by_rank_zero,
@@ -47,7 +47,14 @@ from distft.model import LossLM, apply_method, causal_lm, count_parameters, is_p
 from distft.model.attention import resolve_attention
 from distft.model.build import base_recipe, pretrained_origin
 from distft.model.checkpointing import enable_checkpointing
-from distft.model.compile import CompileStats, compile_blocks, compile_wanted
+from distft.model.compile import (
+    CompileStats,
+    compile_blocks,
+    compile_cache_dir,
+    compile_wanted,
+    use_compile_cache,
+)
+from distft.model.fp8 import check_fp8_hardware
 from distft.model.nf4 import storage_layout
 from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
 from distft.model.preference import preference_loss
@@ -116,6 +123,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     strategy_cls = STRATEGIES[cfg.parallel.strategy]
     env = init_distributed(cfg.train.device, cfg.parallel.timeout_s, need_group=strategy_cls.distributed)
     check_optimizer(cfg, env.device)
+    check_fp8_hardware(cfg.model.fp8, env.device)  # this rank's GPU: sm89+ (the CLI checked before launch)
     # Every rank answers and all-reduces once before anything slow is built (docs/multi-node.md).
     health = (
         check_health(env, cfg.parallel, health_hooks)
@@ -160,10 +168,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     enable_checkpointing(causal_lm(lm), cfg.model.activation_checkpointing, cfg.model.mlp_tiles)
     parameters = count_parameters(lm)
     flops = ModelFlops.from_model(lm)  # whole, before a strategy shards it
-    compiled = None
-    if compile_wanted(cfg.model.compile, env.device, strategy.supports_compile):
-        # Per decoder layer, before the strategy wraps them (`distft.model.compile`).
-        compiled = compile_blocks(lm, cfg.model.compile_backend, strict=cfg.model.compile == "true")
+    compiled = compiled_blocks(lm, cfg, env.device, strategy)  # None: eager
     nf4_compiled = dequantize_compiled_wanted(cfg.model.compile, env.device)  # QLoRA: one kernel per weight
     compiled_nf4 = use_compiled_dequantize(lm, nf4_compiled) if nf4_compiled else 0
     strategy.label_tokens = mean_label_tokens(train_set)  # a pipeline cuts its stages by them
@@ -188,6 +193,18 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     run.early_stopping = EarlyStopping(cfg.train.early_stopping_patience, cfg.train.early_stopping_delta)
     resume(run)
     return run
+
+
+def compiled_blocks(
+    lm: torch.nn.Module, cfg: Config, device: torch.device, strategy: Strategy
+) -> CompileStats | None:
+    """Each decoder layer compiled, before the strategy wraps them (`distft.model.compile`), what
+    inductor builds kept under `model.compile_cache` for the next run; None where the run stays eager."""
+    if not compile_wanted(cfg.model.compile, device, strategy.supports_compile):
+        return None
+    auto = cache_root() / "compile"  # distft's own cache dir, beside the token cache
+    use_compile_cache(compile_cache_dir(cfg.model.compile_cache, auto, device))
+    return compile_blocks(lm, cfg.model.compile_backend, strict=cfg.model.compile == "true")
 
 
 def run_architecture(cfg: Config, model_config: PretrainedConfig) -> ModelSpec | None:
