@@ -80,13 +80,6 @@ class Strategy:
     # reduce like its own weights (`distft.model.tokens`); only those that opt in run them.
     supports_modules_to_save: ClassVar[bool] = False
     modules_to_save_refusal: ClassVar[str] = "has not been taught to hold peft's trained module copies"
-    # train.objective dpo | orpo | kto: the head needs each answer's whole log-probability
-    # (`LossLM.preference_head`): whole rows on a rank, a sequence split's sums over its ranks, or a
-    # pipeline's last stage; the reason is shown to users of the others.
-    supports_preference: ClassVar[bool] = False
-    preference_refusal: ClassVar[str] = (
-        "has not been taught to give its head each answer's whole log-probability"
-    )
     # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held
@@ -191,6 +184,11 @@ class Strategy:
 
     def after_backward(self, model: nn.Module) -> None:
         """Fix-ups between backward and the optimizer step (e.g. TP's partial gradients)."""
+
+    def release_gathered(self, model: nn.Module) -> None:
+        """After forwards outside a step (evaluation, a reference scored before step 1): free what
+        they gathered and kept (FSDP without reshard after forward), so that the next step gathers
+        as every step does."""
 
     @torch.no_grad()
     def forward_only(self, model: nn.Module, micro_batches: list[Batch]) -> torch.Tensor:

@@ -194,16 +194,11 @@ def _check_beside_adapters(cfg: Config, strategy: type[Strategy]) -> None:
 
 
 def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
-    """A preference objective (train.objective): a strategy whose head sees whole rows, and a
-    reference (DPO: the base under the adapters, or scored first)."""
+    """A preference objective (train.objective) runs under every strategy; it needs a reference
+    (DPO, KTO: the base under the adapters, or scored first)."""
     objective = cfg.train.objective
     if objective == "sft":
         return
-    if not strategy.supports_preference:
-        raise ConfigError(
-            f"train.objective={objective} cannot run under --strategy {strategy.name}, which "
-            f"{strategy.preference_refusal}; it runs with {_takers('supports_preference')}."
-        )
     if objective in WITH_REFERENCE and cfg.train.method == "full" and not cfg.dpo.precompute_reference:
         raise ConfigError(
             f"train.objective={objective} with --method full trains the base, the reference under LoRA: set "

@@ -47,7 +47,6 @@ from distft.parallel.base import Strategy, unwrap
 
 class DDP(Strategy):
     name = "ddp"
-    supports_preference: ClassVar[bool] = True
     label = "DDP"
     holds = "a full replica"
     moves = "one all-reduce of the trainable gradients"

@@ -40,7 +40,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from distft.config import Config
 from distft.errors import ConfigError
@@ -101,7 +107,6 @@ def shard_units(
 
 class FSDP(Strategy):
     name = "fsdp"
-    supports_preference: ClassVar[bool] = True
     label = "FSDP / ZeRO-3"
     holds = "1/N of params, grads, optimizer state"
     moves = "all-gather params (forward and backward), reduce-scatter grads"
@@ -146,3 +151,8 @@ class ZeRO2(FSDP):
     holds = "1/N of grads and optimizer state"
     moves = "all-gather params (forward), reduce-scatter grads"
     reshard_after_forward: ClassVar[bool] = False
+
+    def release_gathered(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()

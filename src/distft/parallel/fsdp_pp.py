@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -47,7 +46,6 @@ from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
-from distft.parallel.base import Batch
 from distft.parallel.fsdp import FSDP, shard_units
 from distft.parallel.pipeline.layout import SINGLE_STAGE
 from distft.parallel.pipeline.replicas import MeshPipeline
@@ -133,14 +131,13 @@ class FSDPPipelineParallel(MeshPipeline):
         return sum(a.stage_index == stage and a.computation_type.name == "UNSHARD" for a in actions)
 
     # -- one step ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def forward_only(self, model: nn.Module, micro_batches: list[Batch]) -> torch.Tensor:
-        total = super().forward_only(model, micro_batches)
-        for stage in self.stages:  # evaluation gathered the stages (no reshard after forward): free them
+    def release_gathered(self, model: nn.Module) -> None:
+        # A stage stays gathered through a step (no reshard after forward); KTO's KL term inside a
+        # step leaves it gathered for the schedule that follows: one gather a step.
+        for stage in self.stages:
             for module in stage.submod.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        return total
 
     # -- gradients and export ------------------------------------------------------------------
     def norm_group(self) -> None:

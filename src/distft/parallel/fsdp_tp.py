@@ -66,7 +66,6 @@ from distft.tensors import local, quiet_redistribute
 
 class FSDPTensorParallel(MeshStrategy, Strategy):
     name = "fsdp+tp"
-    supports_preference: ClassVar[bool] = True
     label = "FSDP x TP"
     holds = "1/(dp tp) of each projection, 1/dp of the rest; a (dp, tp) mesh"
     moves = "FSDP's all-gather / reduce-scatter over dp, TP's activation all-reduces over tp"

@@ -16,7 +16,6 @@ from distft.parallel.base import Strategy
 
 class Single(Strategy):
     name = "single"
-    supports_preference: ClassVar[bool] = True
     label = "one GPU"
     holds = "everything"
     moves = "none"

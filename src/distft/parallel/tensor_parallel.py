@@ -151,7 +151,6 @@ DORA_TP_REFUSAL = (
 
 class TensorParallel(Strategy):
     name = "tp"
-    supports_preference: ClassVar[bool] = True
     label = "TP"
     holds = "1/N of every projection (heads, MLP features); the rest replicated"
     moves = "all-reduce activations inside every layer (`parallelize_module`)"

@@ -9,6 +9,7 @@ backward's:
 - FSDP2 under ZeRO-3: each layer gathered once more per model run; a separate root forward
   (KTO's) gathers the root too; and the reference inside the policy's forward shifts FSDP2's
   backward prefetch, which follows the order the forwards ran, to gather the last layer again.
+  Under ZeRO-2 (no reshard after forward) only that regather: the forwards share one gather.
 - TP (`parallelize_module`): the two row projections' outputs per layer and model run, and the
   policy's adapters on the row projections after lora_A.
 - tp-sp: each block entered (all-gather) and left (reduce-scatter) once per model run; and its
@@ -39,9 +40,13 @@ def kl_shapes(training: Training, par: Parallelism) -> tuple[tuple[int, int], ..
 def fsdp_forward_only_gathers(
     spec: ModelSpec, training: Training, par: Parallelism, rank: int, layers: int
 ) -> tuple[float, int]:
-    """(bytes, calls) FSDP2's ZeRO-3 all-gathers add per step for the forwards without backward."""
+    """(bytes, calls) FSDP2's all-gathers add per step for the forwards without backward. ZeRO-2
+    keeps what a forward gathered until backward, so the forward that comes next gathers nothing;
+    only the backward prefetch's regather of the last layer remains (one layer per micro-batch)."""
     m = len(training.shapes(par.microbatches))
     layer_bytes = held_bytes(spec, training, par, "gathered", rank, layers_only=True)
+    if not par.reshard_after_forward:
+        return (layer_bytes / layers * m, m) if training.reference_forward else (0.0, 0)
     params, calls = 0.0, 0
     if training.reference_forward:  # inside the root's forward: layers + 1 layer gathers
         params += layer_bytes * (layers + 1) / layers * m

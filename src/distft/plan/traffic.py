@@ -154,7 +154,7 @@ def dp_collectives(
     gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
     params = held_bytes(spec, training, par, "gathered", rank) * gathers * m
     calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
-    if par.reshard_after_forward and layers:  # a preference objective's forwards without backward
+    if layers:  # a preference objective's forwards without backward
         extra, extra_calls = fsdp_forward_only_gathers(spec, training, par, rank, layers)
         params, calls = params + extra, calls + extra_calls
     return [

@@ -82,5 +82,6 @@ def score(run: Run, split: PairSplit) -> torch.Tensor:
                 offset += len(chosen)
     finally:
         lm.scoring = False
+        strategy.release_gathered(run.model)
         run.model.train()
     return strategy.reduce_loss(scores).cpu()

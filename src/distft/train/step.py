@@ -217,6 +217,7 @@ def evaluate(run: Run) -> float:
             with run.autocast:
                 with_kl(run, batch, batches)
                 loss_sum += strategy.forward_only(model, batches)
+    strategy.release_gathered(model)
     model.train()
     stats = pair_statistics(run, batches)
     total = strategy.reduce_loss(loss_sum).double()  # float32 -> float64 is exact: the value is unchanged

@@ -53,7 +53,6 @@ class ContextParallel(StateUnderTheWrapper, Strategy):
     dims = ("cp",)
     supports_modules_to_save: ClassVar[bool] = True
     supports_qlora: ClassVar[bool] = True  # nothing is sharded: each rank holds the whole NF4 base
-    supports_preference: ClassVar[bool] = True  # each answer summed over the ranks (`context.model`)
     builds_on_device: ClassVar[bool] = True  # the whole model on each rank, as DDP
     supports_compile: ClassVar[bool] = False
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")  # replicated plain tensors

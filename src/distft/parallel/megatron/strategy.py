@@ -78,7 +78,6 @@ class TensorSequenceParallel(Strategy):
     collectives = "the all-gathers / reduce-scatters of activations (tp-sp)"
     mesh: DeviceMesh | None = None  # only checkpoints use one (DTensor views of the shards)
     takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
-    supports_preference: ClassVar[bool] = True  # each sequence's log-probability summed over the ranks
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:

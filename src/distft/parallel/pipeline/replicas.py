@@ -30,10 +30,6 @@ class MeshPipeline(MeshStrategy, PipelineParallel):
     # What the strategy is with one pipeline rank, and with one data-parallel replica (None: allowed).
     without_pp: ClassVar[str]
     without_dp: ClassVar[str | None] = "pp"
-    supports_preference: ClassVar[bool] = False  # `pp` runs them
-    preference_refusal: ClassVar[str] = (
-        "has not been checked against one process with a preference objective (`pp` has; its replicas not yet)"
-    )
 
     @classmethod
     def pipeline_layout(cls, cfg: Config) -> Layout:

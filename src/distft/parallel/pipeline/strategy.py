@@ -54,10 +54,6 @@ class PipelineParallel(Strategy):
     dims = ("pp",)
     fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
     takes_label_positions: ClassVar[bool] = False
-    # The last stage's head takes each micro-batch's pairs whole; DPO's and KTO's reference is
-    # scored before the first step (dpo.precompute_reference, derived): no stage can run the base
-    # under disabled adapters inside the schedule.
-    supports_preference: ClassVar[bool] = True
     supports_compile: ClassVar[bool] = True  # stages hold the compiled decoder layers as they are
     modules_to_save_refusal: ClassVar[str] = (
         "puts the embedding and lm_head on different stages, where peft's trained rows of a tied pair "
