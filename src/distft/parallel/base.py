@@ -80,6 +80,9 @@ class Strategy:
     # reduce like its own weights (`distft.model.tokens`); only those that opt in run them.
     supports_modules_to_save: ClassVar[bool] = False
     modules_to_save_refusal: ClassVar[str] = "has not been taught to hold peft's trained module copies"
+    # model.fp8 (`distft.model.fp8`): torchao's Float8Linear, whose Linear computes whole on each
+    # GPU (FSDP2 gathers it first); checked only under the strategies that say so.
+    supports_fp8: ClassVar[bool] = False
     # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held

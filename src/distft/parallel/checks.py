@@ -236,8 +236,6 @@ def _check_compile(cfg: Config, strategy: type[Strategy]) -> None:
         )
 
 
-# model.fp8: strategies whose Linear layers compute whole on each GPU (FSDP2 gathers them first)
-FP8_STRATEGIES = ("single", "ddp", "fsdp", "zero2")
 FP8_METHODS = {"base": "lora", "all": "full"}  # model.fp8 value -> the method it runs with
 FP8_WRONG_METHOD = {  # (model.fp8, --method) -> why not, and what to use instead
     ("base", "full"): ("a full finetune has no frozen base", "model.fp8=all"),
@@ -264,10 +262,10 @@ def _check_fp8(cfg: Config, strategy: type[Strategy]) -> None:
             f"model.fp8={fp8} casts bfloat16 weights and activations to float8: set model.dtype=bfloat16 "
             f"(it is {cfg.model.dtype}), or model.fp8=off."
         )
-    if strategy.name not in FP8_STRATEGIES:
+    if not strategy.supports_fp8:
         raise ConfigError(
             f"model.fp8={fp8} cannot run with --strategy {strategy.name}: float8 Linear layers are taught to "
-            f"run whole or FSDP-gathered ({', '.join(FP8_STRATEGIES)}), not split by tensor or context "
+            f"run whole or FSDP-gathered ({_takers('supports_fp8')}), not split by tensor or context "
             "parallelism, staged in a pipeline or under another wrapper. Use one of those, or model.fp8=off."
         )
 

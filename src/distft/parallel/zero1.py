@@ -45,6 +45,7 @@ from distft.parallel.ddp import DDP
 
 class ZeRO1(DDP):
     name = "zero1"
+    supports_fp8: ClassVar[bool] = False
     label = "ZeRO-1"
     holds = "a full replica, 1/N of AdamW's state (whole tensors)"
     moves = "DDP's all-reduce of the gradients; one broadcast per rank of its updated weights"
