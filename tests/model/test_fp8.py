@@ -179,7 +179,7 @@ LORA = [*BF16, "model.fp8=base"]
         ([*BF16, "model.fp8=all"], "model.fp8=all runs with --method full, not lora"),
         ([*LORA, "model.dtype=float32"], "set model.dtype=bfloat16 (it is float32)"),
         ([*LORA, "parallel.strategy=tp"], "model.fp8=base cannot run with --strategy tp"),
-        ([*LORA, "parallel.strategy=pp"], "FSDP-gathered (single, ddp, fsdp, zero2)"),
+        ([*LORA, "parallel.strategy=pp"], "FSDP-gathered (single, ddp, zero2, fsdp)"),
         ([*LORA, "parallel.strategy=zero1"], "cannot run with --strategy zero1"),
         ([*LORA, "parallel.strategy=cp"], "cannot run with --strategy cp"),
     ],
