@@ -1,7 +1,7 @@
 """Loss parity with the plain loop: the GPU run's correctness gate.
 
 A fast run proves nothing until it trains what a plain loop trains. `distft bench --gpu` therefore
-runs distft's LoRA once more at the plain loop's own settings (`PLAIN_SETTINGS`: its learning rate,
+runs distft's LoRA once more at the plain loop's own settings (`plain_settings`: its learning rate,
 constant, no warm-up, no weight decay, clip 1.0) and compares the two loss curves step by step. Both
 start from the same weights (the preset drawn under the seed, LoRA's A drawn under it again: distft
 seeds both; `distft.bench.plain.build_model` does the same), read the same rows in the same seeded
