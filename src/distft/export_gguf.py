@@ -99,10 +99,12 @@ def run_architecture(run_dir: Path, cfg) -> PretrainedConfig:
     config = model_config(str(saved)) if (saved / "config.json").is_file() else architecture(cfg.model)
     family_of(config, cfg.model.name)
     rope = rope_parameters(config).get("rope_type", "default")
-    if rope not in ROPE_TYPES or (rope == "llama3" and ARCHS[config.model_type] != ARCH.LLAMA):
+    graph = ARCHS.get(config.model_type)  # None: a mixture of experts, whose tensors are not written yet
+    if graph is None or rope not in ROPE_TYPES or (rope == "llama3" and graph != ARCH.LLAMA):
+        why = f"uses {rope!r} rope scaling, which llama.cpp's {config.model_type} graph does not compute"
         raise ConfigError(
-            f"--format gguf: the run's model uses {rope!r} rope scaling, which llama.cpp's {config.model_type} "
-            "graph does not compute; export it as safetensors (leave out --format gguf) instead."
+            f"--format gguf: the run's model {why if graph else 'is a mixture of experts, not yet written as GGUF'}; "
+            "export it as safetensors (leave out --format gguf) instead."
         )
     return config
 

@@ -94,7 +94,8 @@ METHOD_PAIRS = [
 
 def test_every_family_and_strategy_has_parity_coverage():
     """A new family (or strategy) fails here until it has a preset in this file's parity runs."""
-    assert set(FAMILY_PRESETS) == set(FAMILIES)
+    # A mixture of experts runs under the strategies that take one: tests/parallel/test_moe.py.
+    assert set(FAMILY_PRESETS) == {name for name, f in FAMILIES.items() if not f.moe}
     assert all(PRESETS[name].family == family for family, name in FAMILY_PRESETS.items())
     assert set(NPROC) == set(STRATEGIES) - {"single"}
     others = [

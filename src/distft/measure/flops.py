@@ -63,14 +63,19 @@ class ModelFlops:
     def from_model(cls, model: nn.Module) -> ModelFlops:
         """Counted from `model` (a causal LM, PEFT-wrapped or not; NF4 weights count their shape)."""
         lm = causal_lm(model)
-        frozen = trainable = 0
-        for module in lm.model.layers.modules():
-            if isinstance(module, nn.Linear):
-                n = module.in_features * module.out_features
-                if module.weight.requires_grad:
-                    trainable += n
-                else:
-                    frozen += n
+        counts = {True: 0, False: 0}  # requires_grad -> weights
+        for name, module in lm.model.layers.named_modules():
+            if isinstance(module, nn.Linear) and ".experts" not in f".{name}":
+                counts[module.weight.requires_grad] += module.in_features * module.out_features
+        # A mixture of experts: a token runs its top-k of the stacked experts (and their adapters,
+        # one per expert) and the whole router.
+        experts, top_k = getattr(lm.config, "num_experts", 0), getattr(lm.config, "num_experts_per_tok", 0)
+        for name, p in lm.model.layers.named_parameters() if experts else ():
+            if ".experts." in f".{name}":
+                counts[p.requires_grad] += p.numel() // experts * top_k
+            elif name.endswith("mlp.gate.weight"):
+                counts[p.requires_grad] += p.numel()
+        frozen, trainable = counts[False], counts[True]
         # The weight lm_head computes with: peft's wrappers (`distft.model.tokens`) give theirs.
         config, head = lm.config, lm.lm_head.weight  # (vocab, hidden)
         return cls(

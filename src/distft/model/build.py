@@ -29,6 +29,7 @@ from distft.config.choices import LORA_TARGET_PRESETS
 from distft.errors import ConfigError, DamagedFileError
 from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
+from distft.model.families import family_of
 from distft.model.files import check_model_path
 from distft.model.fp8 import convert_to_float8
 from distft.model.lm import causal_lm
@@ -91,6 +92,9 @@ def check_target_modules(cfg: Config, model_config: PretrainedConfig) -> None:
         return
     names = linear_layer_names(model_config, cfg.model.trust_remote_code)
     wanted = lora_target_names(targets)
+    if family_of(model_config, cfg.model.name).moe:
+        check_expert_targets(cfg, wanted)
+        names += list(EXPERT_PARAMETERS)  # the MLP projections name the experts' stacks
     missing = [t for t in wanted if t not in names]
     if missing:
         named = missing if wanted == targets else [f"{targets[0]} ({', '.join(missing)})"]
@@ -103,6 +107,44 @@ def check_target_modules(cfg: Config, model_config: PretrainedConfig) -> None:
             f"`lora.target_modules` names {', '.join(named)}, which {cfg.model.name} does not have: its "
             f"Linear layers are {', '.join(names)}.{hint}"
         )
+
+
+# An MoE layer's MLP projections are not Linear layers but the experts' two fused stacks (a
+# `Family.moe`): peft's `target_parameters` gives each expert its own adapter on them.
+EXPERT_PARAMETERS = {
+    "gate_proj": "mlp.experts.gate_up_proj",
+    "up_proj": "mlp.experts.gate_up_proj",
+    "down_proj": "mlp.experts.down_proj",
+}
+
+
+def check_expert_targets(cfg: Config, wanted: list[str]) -> None:
+    """LoRA on an MoE's experts: gate and up together (one fused tensor), and what peft's
+    parameter adapters take (no dropout, no DoRA)."""
+    experts = [t for t in wanted if t in EXPERT_PARAMETERS]
+    if not experts:
+        return
+    if ("gate_proj" in experts) != ("up_proj" in experts):
+        have, lack = ("gate_proj", "up_proj") if "gate_proj" in experts else ("up_proj", "gate_proj")
+        raise ConfigError(
+            f"`lora.target_modules` names {have} but not {lack}: "
+            f"{cfg.model.name}'s experts hold gate and up fused in one tensor (mlp.experts.gate_up_proj), "
+            "which takes one adapter. Name both, or neither."
+        )
+    if cfg.lora.dropout or cfg.lora.variant == "dora":
+        setting = "lora.dropout" if cfg.lora.dropout else "lora.variant=dora"
+        raise ConfigError(
+            f"{setting} cannot apply to {cfg.model.name}'s experts (peft's adapters on parameters take "
+            'neither): set lora.dropout=0 and lora.variant=lora or rslora, or lora.target_modules=["attention"].'
+        )
+
+
+def lora_target_parameters(cfg: Config, names: list[str], model_config: PretrainedConfig) -> list[str]:
+    """The experts' stacks `names` reaches on an MoE (`EXPERT_PARAMETERS`), for peft's
+    `target_parameters`; none on a dense model."""
+    if not family_of(model_config, cfg.model.name).moe:
+        return []
+    return sorted({EXPERT_PARAMETERS[n] for n in lora_target_names(names) if n in EXPERT_PARAMETERS})
 
 
 def _unreachable_model_message(name: str, err: Exception) -> str:
@@ -257,11 +299,13 @@ def apply_method(model: nn.Module, cfg: Config, tokenizer=None) -> nn.Module:
     if cfg.train.method == "qlora":  # before PEFT wraps the projections
         quantize_base(causal_lm(model).model.layers, NF4Spec.from_config(cfg.model))
 
+    experts = lora_target_parameters(cfg, cfg.lora.target_modules, causal_lm(model).config)
     lora = LoraConfig(
         r=cfg.lora.rank,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=lora_targets(cfg.lora.target_modules),
+        target_modules=lora_targets(cfg.lora.target_modules, moe=bool(experts)),
+        target_parameters=experts or None,
         use_dora=cfg.lora.variant == "dora",
         use_rslora=cfg.lora.variant == "rslora",
         bias="none",
@@ -277,10 +321,13 @@ def apply_method(model: nn.Module, cfg: Config, tokenizer=None) -> nn.Module:
     return peft_model
 
 
-def lora_targets(names: list[str]) -> list[str] | str:
+def lora_targets(names: list[str], moe: bool = False) -> list[str] | str:
     """`lora.target_modules` as peft takes it: a preset (attention, mlp, all) as its module names,
-    all-linear as peft's own value (every linear layer but the output head), else the names."""
-    return "all-linear" if names == ["all-linear"] else lora_target_names(names)
+    all-linear as peft's own value (every linear layer but the output head), else the names. On an
+    MoE whose experts take adapters (`moe`) the MLP names go to `target_parameters` instead."""
+    if names == ["all-linear"]:
+        return "all-linear"
+    return [n for n in lora_target_names(names) if not (moe and n in EXPERT_PARAMETERS)]
 
 
 @contextmanager

@@ -86,6 +86,7 @@ TINY = Preset(64, 192, 4, 8, 2, 16, True, max_position_embeddings=4096, initiali
 TEST_LLAMA_ROPE = {"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 1024}}
 
 _LLAMA31 = {"bos_token_id": 128_000, "eos_token_id": 128_001}  # the base models' ids
+_MOE_MICRO = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
 # Llama 3.0 (no rope scaling) and Llama 2: the planner's examples in the blog series; no weights
 # are trained offline at these sizes, so only what the planner counts is checked against releases.
 _LLAMA30 = {**_LLAMA31, "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}}
@@ -114,6 +115,12 @@ PRESETS: dict[str, Preset] = {
             ("mistral", False, {}),
         )
     },
+    # Qwen3-MoE: `micro`'s attention and 8 experts of which each token takes 2 (Qwen3-30B-A3B's 128
+    # and 8 in miniature). The released sizes join when the planner counts experts.
+    "qwen3-moe-micro": Preset(
+        32, 96, 4, 4, 2, 8, True, max_position_embeddings=4096, initializer_range=0.1, family="qwen3_moe",
+        extra={**QWEN3_TOKENS, **_MOE_MICRO},
+    ),
     "llama3-8b": Preset(
         4096, 14336, 32, 32, 8, 128, False, "meta-llama/Llama-3.1-8B", 131_072,
         family="llama", vocab_size=128_256, extra=_LLAMA31,

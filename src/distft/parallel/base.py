@@ -83,6 +83,9 @@ class Strategy:
     # model.fp8 (`distft.model.fp8`): torchao's Float8Linear, whose Linear computes whole on each
     # GPU (FSDP2 gathers it first); checked only under the strategies that say so.
     supports_fp8: ClassVar[bool] = False
+    # A mixture-of-experts family (`Family.moe`): whole expert stacks on each rank, or sharded by
+    # FSDP2 along the experts; checked only under the strategies that say so.
+    supports_moe: ClassVar[bool] = False
     # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held

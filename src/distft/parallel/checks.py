@@ -53,12 +53,34 @@ def check_config(cfg: Config) -> BatchShape:
 def check_model(cfg: Config, model_config: PretrainedConfig) -> None:
     """ConfigError when the architecture cannot be split the way the strategy splits it, or lacks
     a layer `lora.target_modules` names, or is of a family distft does not train."""
-    family_of(model_config, cfg.model.name)
+    if family_of(model_config, cfg.model.name).moe:
+        _check_moe(cfg, STRATEGIES[cfg.parallel.strategy])
     check_sequence_length(model_config, cfg.model.name, cfg.data.max_length)
     check_positions(model_config, cfg.model.name, cfg.data.max_length)
     check_target_modules(cfg, model_config)
     check_modules_to_save(cfg, model_config)
     STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config)
+
+
+def _check_moe(cfg: Config, strategy: type[Strategy]) -> None:
+    """A mixture of experts (`Family.moe`): a strategy taught to hold its expert stacks, and a
+    base whose experts the method can hold."""
+    model = cfg.model.name
+    if not strategy.supports_moe:
+        raise ConfigError(
+            f"{model} is a mixture of experts, which --strategy {strategy.name} cannot split yet (its "
+            f"plans know dense MLPs only): it runs with {_takers('supports_moe')}."
+        )
+    if cfg.train.method == "qlora":
+        raise ConfigError(
+            f"--method qlora cannot run {model}: its NF4 base quantizes Linear layers, and the experts "
+            "(nearly all of the weights) are fused parameter stacks. Use --method lora."
+        )
+    if cfg.model.fp8 != "off":
+        raise ConfigError(
+            f"model.fp8={cfg.model.fp8} cannot run {model}: float8 converts Linear layers, and the experts "
+            "are fused parameter stacks that would stay bf16. Set model.fp8=off."
+        )
 
 
 # Settings that only some strategies read, and which: set away from its default under another

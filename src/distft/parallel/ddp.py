@@ -48,6 +48,7 @@ from distft.parallel.base import Strategy, unwrap
 class DDP(Strategy):
     name = "ddp"
     supports_fp8: ClassVar[bool] = True
+    supports_moe: ClassVar[bool] = True  # zero1 too
     label = "DDP"
     holds = "a full replica"
     moves = "one all-reduce of the trainable gradients"

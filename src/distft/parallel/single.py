@@ -17,6 +17,7 @@ from distft.parallel.base import Strategy
 class Single(Strategy):
     name = "single"
     supports_fp8: ClassVar[bool] = True
+    supports_moe: ClassVar[bool] = True
     label = "one GPU"
     holds = "everything"
     moves = "none"

@@ -219,9 +219,10 @@ def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     """A `ModelSpec` from the fields of a transformers config (`config.json`, `to_dict()`)."""
     model_type = cfg.get("model_type", "")
     if "moe" in model_type or cfg.get("num_experts") or cfg.get("num_local_experts"):
+        dense = ", ".join(n for n, f in FAMILIES.items() if not f.moe)
         raise ConfigError(
-            f"{name} is a mixture-of-experts model ({model_type}); the planner models dense decoder-only "
-            f"transformers only (the families {', '.join(FAMILIES)})."
+            f"{name} is a mixture-of-experts model ({model_type}), whose experts the planner does not count "
+            f"yet; it models dense decoder-only transformers (the families {dense})."
         )
     family = FAMILIES.get(model_type)  # None: a dense layer with neither q/k norms nor biases
     try:

@@ -8,7 +8,7 @@ from. Everything that depends on the architecture reads it from here: the preset
 are partial-gradient parameters), the hand-written Megatron layers (biases, q/k norms) and the
 planner's tensor list (`distft.plan.model_spec`).
 
-What the four families differ in (every other piece, RMSNorm, SwiGLU MLP, rotary embeddings,
+What the four dense families differ in (every other piece, RMSNorm, SwiGLU MLP, rotary embeddings,
 grouped KV heads, is shared):
 
 | family  | q/k norm | q/k/v bias | tied embeddings      | rotary                 | sliding window       |
@@ -18,7 +18,10 @@ grouped KV heads, is shared):
 | qwen2   | no       | yes        | up to 3B (Qwen2.5)   | theta 1e6              | off (use_sliding_window=false) |
 | mistral | no       | no         | no                   | theta 1e6 (v0.3)       | 4096 in v0.1, none in v0.3 |
 
-A fifth family is one file here (its `Family`) and one line in `FAMILIES`; docs/architecture.md
+`qwen3_moe` is Qwen3's attention with a mixture of experts for the MLP (`Family.moe`): a router
+and a stack of experts per layer, trained under the strategies that say `supports_moe`.
+
+Another family is one file here (its `Family`) and one line in `FAMILIES`; docs/architecture.md
 walks through it, and tests/parallel/test_families.py fails for a family without parity coverage.
 """
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from distft.errors import ConfigError
-from distft.model.families import llama, mistral, qwen2, qwen3
+from distft.model.families import llama, mistral, qwen2, qwen3, qwen3_moe
 from distft.model.families.family import PROJECTIONS, Family
 
 __all__ = [
@@ -41,7 +44,9 @@ __all__ = [
 ]
 
 # The registry: a new family is one file beside this one and one entry here.
-FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (qwen3.FAMILY, llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, qwen3_moe.FAMILY)
+}
 
 
 def family_of(config: PretrainedConfig, model: str = "") -> Family:

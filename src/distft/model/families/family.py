@@ -30,6 +30,9 @@ class Family:
     config_class: type[PretrainedConfig]
     qk_norm: bool  # q_norm / k_norm: RMSNorm over each head of q and k
     qkv_bias: bool  # q_proj, k_proj and v_proj carry a bias
+    # A mixture of experts: each layer's MLP is a router and a stack of experts, their projections
+    # fused into two parameters per layer (`distft.model.families.qwen3_moe`), not Linear layers.
+    moe: bool = False
     # What every checkpoint of the family shares, for the random presets (rope, eps, activation).
     defaults: dict = field(default_factory=dict)
     # Positions a config declares -> the context it was pretrained on, where they differ: what RoPE
