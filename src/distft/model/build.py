@@ -141,8 +141,8 @@ def check_expert_targets(cfg: Config, wanted: list[str]) -> None:
 
 def lora_target_parameters(cfg: Config, names: list[str], model_config: PretrainedConfig) -> list[str]:
     """The experts' stacks `names` reaches on an MoE (`EXPERT_PARAMETERS`), for peft's
-    `target_parameters`; none on a dense model."""
-    if not family_of(model_config, cfg.model.name).moe:
+    `target_parameters`; none on a dense model, or for all-linear (peft's search: Linear layers)."""
+    if names == ["all-linear"] or not family_of(model_config, cfg.model.name).moe:
         return []
     return sorted({EXPERT_PARAMETERS[n] for n in lora_target_names(names) if n in EXPERT_PARAMETERS})
 
