@@ -76,7 +76,7 @@ def test_config_is_light():
         (["optim.lr=abc"], "distft train: error: `optim.lr` must be a number, got 'abc'.\n"),
         (
             ["nosuch.key=1"],
-            "distft train: error: Unknown config section `nosuch`. Valid: data, dpo, lora, model, optim, output, "
+            "distft train: error: Unknown config section `nosuch`. Valid: data, dpo, lora, model, moe, optim, output, "
             "parallel, train.\n",
         ),
         (["--config", "BAD"], "is not valid TOML: Expected ']' at the end of a table declaration"),

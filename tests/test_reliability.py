@@ -636,7 +636,7 @@ def test_settings_the_strategy_ignores_are_warned_before_launch(tmp_path, monkey
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
         "distft train: warning: parallel.fsdp_wrap=model does nothing under --strategy ddp: only zero2, "
-        "fsdp, hsdp, fsdp+tp, fsdp+pp, fsdp+tp+pp, fsdp+cp read it.",
+        "fsdp, hsdp, fsdp+tp, fsdp+pp, fsdp+tp+pp, fsdp+cp, fsdp+ep read it.",
         "distft train: warning: parallel.schedule=gpipe does nothing under --strategy ddp: only pp, ddp+pp, "
         "fsdp+pp, fsdp+tp+pp read it.",
         "distft train: error: train.device=cuda, but this machine has no CUDA device; use train.device=cpu or auto.",

@@ -140,24 +140,27 @@ def test_a_preference_objective_refuses_rows_that_are_not_pairs(tokenizer):
 
 
 def test_the_bundled_meetings_as_pairs_reject_a_detail_the_meeting_never_had(tokenizer):
-    """`sample-pairs`: the bundled meetings, in order; chosen is the true summary, rejected the same
-    with one day, decision or owner replaced by one nobody said; the prompt is the summary row's
-    (system prompt, instruction, transcript), so a model trained on `sample` is asked exactly what
-    it learnt to answer."""
+    """`sample-pairs`: the bundled meetings, in order, three pairs each; chosen is the true summary,
+    rejected the same with its day, a decision or an owner replaced by one nobody said; the prompt is
+    the summary row's (system prompt, instruction, transcript), so a model trained on `sample` is
+    asked exactly what it learnt to answer."""
     cfg = DataConfig(source="sample-pairs", max_rows=12)
-    pairs, meetings = load_rows(cfg, seed=0)["train"], load_rows(DataConfig(max_rows=12), seed=0)["train"]
-    kinds = set()
-    for pair, meeting in zip(pairs, meetings, strict=True):
+    pairs, meetings = load_rows(cfg, seed=0)["train"], load_rows(DataConfig(max_rows=4), seed=0)["train"]
+    kinds = []
+    for pair, meeting in zip(pairs, [m for m in meetings for _ in range(3)], strict=True):
         assert pair.chosen[-1].content == meeting.summary
         assert messages_of(pair, cfg) == messages_of(meeting, DataConfig())  # SFT on pairs: the same rows
         chosen, rejected = pair.chosen[-1].content, pair.rejected[-1].content
         start = next(i for i, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b)
         start = chosen.rindex(" ", 0, start) + 1  # the detail's first word
         end = next(i for i in range(1, len(chosen)) if chosen[-i:] != rejected[-i:]) - 1
+        while end and chosen[-end].isalnum():  # the detail's last word, whole
+            end -= 1
         said, wrong = chosen[start : len(chosen) - end], rejected[start : len(rejected) - end]
         assert said in meeting.transcript and not re.search(rf"\b{re.escape(wrong)}\b", meeting.transcript)
-        kinds.add("owner" if start > chosen.index(". ", chosen.index("agreed on")) else "decision")
-    assert kinds == {"owner", "decision"}  # days too: the owner's sentence holds both
+        after = start > chosen.index(". ", chosen.index("agreed on"))  # an action item's
+        kinds.append(("day" if chosen[:start].endswith(" by ") else "owner") if after else "decision")
+    assert kinds == ["day", "decision", "owner"] * 4  # each meeting, each kind of detail
     row = row_from_record({"transcript": "A: hi.", "chosen": "Hi.", "rejected": "Bye."}, DataConfig(), "m:1")
     (pair,), _ = encode_pairs(ChatFormatter(tokenizer, DataConfig()), [row])
     assert answers(tokenizer, pair.chosen) == "Hi.<|im_end|>"

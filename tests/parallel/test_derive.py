@@ -30,6 +30,7 @@ SIZES = {
     "fsdp+pp": [4, 6],
     "fsdp+tp+pp": [4, 6, 8],
     "fsdp+cp": [2, 4],
+    "fsdp+ep": [1, 2, 4, 8],  # on a mixture of experts (8 experts: a divisor of 8)
 }
 
 
@@ -39,9 +40,11 @@ def parse(*argv: str):
 
 def test_every_strategy_runs_with_strategy_and_nproc_alone(capsys):
     assert set(SIZES) == set(STRATEGIES), "a new strategy: add its sizes here"
-    for model in ("micro", "tiny"):
+    for model in ("micro", "tiny", "qwen3-moe-micro"):
         architecture = model_config(model, False)
         for name, sizes in SIZES.items():
+            if STRATEGIES[name].needs_moe != (model == "qwen3-moe-micro"):  # the MoE: its own strategy
+                continue
             for n in sizes:
                 cfg = parse("--model", model, "--strategy", name, "--nproc", str(n))
                 shape = check_config(cfg)

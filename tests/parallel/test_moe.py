@@ -6,6 +6,8 @@ run an MoE is refused before launch, in one line."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from peft import PeftModel
@@ -15,10 +17,22 @@ from distft.cli import main
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
-from tests.helpers import PARITY, adapter, assert_same_training, distft, metrics
+from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
 
 MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_rows=16"]
 MOE_STRATEGIES = [name for name, cls in STRATEGIES.items() if cls.supports_moe and name != "single"]
+
+
+def assert_all_to_all_bytes(run, micro_batches: int) -> None:
+    """fsdp+ep's all-to-all bytes, summed over the ranks, are the analytic count: every token's k
+    rows of hidden floats (4 bytes) there and back in forward and again in backward, in each of
+    the 4 MoE layers, and each micro-batch's per-expert counts (8 int64) per layer. A rank's own
+    share depends on the routing (what it sends, and what it receives); the sum does not."""
+    tokens = metrics(run)[-1]["tokens"]  # every row fills data.max_length: each step the same
+    ranks = json.loads((run / "ranks.json").read_text())
+    counted = sum(rank["comm_bytes_per_step"]["counted"]["all_to_all"] for rank in ranks)
+    hidden, k, layers, experts = 32, 2, 4, 8
+    assert counted == tokens * 4 * k * hidden * 4 * layers + len(ranks) * micro_batches * layers * experts * 8
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +43,12 @@ def reference(tmp_path_factory):
 
 
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
-    """ddp, zero1, fsdp and zero2 (FSDP2 shards each layer's expert stacks along the experts): the
-    same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack (rank
-    x experts rows); plain peft loads it on the saved base, and the export merges it (the experts'
-    adapters into their stacks) into a model plain transformers loads with the same logits."""
-    assert set(MOE_STRATEGIES) == {"ddp", "zero1", "fsdp", "zero2"}
+    """ddp, zero1, fsdp and zero2 (FSDP2 shards each layer's expert stacks along the experts) and
+    fsdp+ep (each rank 4 experts whole, tokens sent by all-to-all; the bytes the analytic count):
+    the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
+    (rank x experts rows); plain peft loads it on the saved base, and the export merges it (the
+    experts' adapters into their stacks) into a model plain transformers loads with the same logits."""
+    assert set(MOE_STRATEGIES) == {"ddp", "zero1", "fsdp", "zero2", "fsdp+ep"}
     weights = adapter(reference)
     experts = {k: v for k, v in weights.items() if ".mlp.experts." in k}
     assert len(experts) == 4 * 4  # 4 layers x (gate_up, down) x (lora_A, lora_B)
@@ -43,6 +58,7 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
         run = tmp_path / strategy
         distft("train", *MOE, "--strategy", strategy, "--nproc", "2", "--out", str(run))
         assert_same_training(run, reference)
+    assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=2)
 
     model = AutoModelForCausalLM.from_pretrained(reference / "base")
     plain = PeftModel.from_pretrained(model, reference / "adapter").eval()
@@ -63,23 +79,74 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     )
 
 
-def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
-    """--method full: every expert, the router and attention train; fsdp shards them and agrees
-    with one process in loss and gradient norm at every step, and in the evaluation loss after."""
-    full = [*MOE, "--method", "full", "train.eval_every=3", "output.save_base=false"]
+def test_the_router_trains_beside_the_adapters_on_request(tmp_path):
+    """lora.modules_to_save=["gate"]: each layer's router trains in full beside the adapters, saved
+    with them; fsdp shards it and trains as one process."""
+    flags = [*MOE, 'lora.modules_to_save=["gate"]', "train.max_steps=2"]
     single, fsdp = tmp_path / "single", tmp_path / "fsdp"
-    assert main(["train", *full, "--out", str(single)]) == 0
-    distft("train", *full, "--strategy", "fsdp", "--nproc", "2", "--out", str(fsdp))
-    for got, want in zip(metrics(fsdp), metrics(single), strict=True):
-        for name in ("loss", "grad_norm", "eval_loss"):
-            if name in want:
-                assert got[name] == pytest.approx(want[name], rel=1e-5), (got["step"], name)
+    assert main(["train", *flags, "--out", str(single)]) == 0
+    distft("train", *flags, "--strategy", "fsdp", "--nproc", "2", "--out", str(fsdp))
+    assert_same_training(fsdp, single)
+    routers = {k: v for k, v in adapter(single).items() if k.endswith("mlp.gate.weight")}
+    base = AutoModelForCausalLM.from_pretrained(single / "base")
+    assert len(routers) == 4
+    for layer in range(4):
+        saved = routers[f"base_model.model.model.layers.{layer}.mlp.gate.weight"]
+        assert not torch.equal(saved, base.model.layers[layer].mlp.gate.weight)  # trained
+
+
+def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
+    """--method full, with the router's load-balancing loss and z-loss: every expert, the router
+    and attention train; fsdp and fsdp+ep (the experts' stacks and their optimizer state sharded
+    along the experts) agree with one process at every step in loss, gradient norm, the auxiliary
+    losses and the tokens each expert took, and in the evaluation loss after. The auxiliary losses
+    move the gradient, not the loss recorded."""
+    full = [
+        *MOE,
+        "--method",
+        "full",
+        "train.eval_every=3",
+        "output.save_base=false",
+        "output.checkpoint_every=1",
+        "output.keep_last=3",
+    ]
+    aux = ["moe.aux_loss_coef=0.05", "moe.z_loss_coef=0.01"]
+    single, plain = tmp_path / "single", tmp_path / "plain"
+    assert main(["train", *full, *aux, "--out", str(single)]) == 0
+    routing = ("router_aux_loss", "router_z_loss", "expert_imbalance")
+    for strategy in ("fsdp", "fsdp+ep"):
+        run = tmp_path / strategy
+        distft("train", *full, *aux, "--strategy", strategy, "--nproc", "2", "--out", str(run))
+        for got, want in zip(metrics(run), metrics(single), strict=True):
+            for name in ("loss", "grad_norm", "eval_loss", *routing):
+                if name in want:
+                    assert got[name] == pytest.approx(want[name], rel=1e-5), (strategy, got["step"], name)
+            assert got["expert_tokens"] == want["expert_tokens"] and len(want["expert_tokens"]) == 8
+            assert want["router_aux_loss"] >= 2 - 1e-6  # top-2 routing: 2 when balanced, more when not
+    assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=2)
+    distft("train", *full, "moe.aux_loss_coef=0", "train.max_steps=1", "--out", str(plain))
+    first, with_aux = metrics(plain)[0], metrics(single)[0]
+    assert first["loss"] == with_aux["loss"] and first["grad_norm"] != with_aux["grad_norm"]
+    assert first["router_aux_loss"] == pytest.approx(with_aux["router_aux_loss"], rel=1e-6)
     trained = AutoModelForCausalLM.from_pretrained(single / "model")
     start = AutoModelForCausalLM.from_config(PRESETS["qwen3-moe-micro"].to_config())
     layer, before = trained.model.layers[0].mlp, start.model.layers[0].mlp
     assert trained.config.model_type == "qwen3_moe"  # the export plain transformers loads
     assert not torch.equal(layer.experts.down_proj, before.experts.down_proj)
     assert not torch.equal(layer.gate.weight, before.gate.weight)
+    ep_model = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp+ep" / "model")
+    for name, weight in trained.state_dict().items():  # the experts gathered whole again
+        torch.testing.assert_close(ep_model.state_dict()[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+    # Across expert-parallel degrees: fsdp+ep's checkpoint (each rank's experts) resumed by one
+    # process, and one process's resumed by fsdp+ep, each train step 2 and 3 as one process does.
+    for source, strategy, nproc in ((tmp_path / "fsdp+ep", "single", "1"), (single, "fsdp+ep", "2")):
+        out = crashed_copy(source, tmp_path / f"resumed-{strategy}", 1)
+        proc = distft("train", "--resume", str(out), "--strategy", strategy, "--nproc", nproc)
+        assert "(step 1)" in proc.stdout
+        for got, want in zip(metrics(out), metrics(single), strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (strategy, got["step"])
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (strategy, got["step"])
 
 
 def test_the_planner_says_it_does_not_count_experts(capsys):
@@ -97,11 +164,16 @@ def test_the_planner_says_it_does_not_count_experts(capsys):
         (["--method", "qlora"], "its NF4 base quantizes Linear layers"),
         (['lora.target_modules=["q_proj","gate_proj"]'], "names gate_proj but not up_proj"),
         (["lora.dropout=0.1"], "lora.dropout cannot apply to qwen3-moe-micro's experts"),
+        (
+            ["--strategy", "fsdp+ep", "--nproc", "3", "train.global_batch_size=6"],
+            "use a process count that divides 8",
+        ),
+        (["--strategy", "fsdp+ep", "--nproc", "2", "--model", "micro"], "and micro has none"),
     ],
-    ids=["tp", "qlora", "gate-without-up", "dropout"],
+    ids=["tp", "qlora", "gate-without-up", "dropout", "ep-uneven", "ep-dense"],
 )
 def test_what_cannot_run_an_moe_is_refused_before_launch(flags, says, tmp_path, capsys):
     assert main(["train", *MOE, *flags, "--out", str(tmp_path / "x")]) == 2
-    err = capsys.readouterr().err
-    assert says in err and len(err.strip().splitlines()) == 1, err
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning:" not in line]  # --nproc 3
+    assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "x").exists()

@@ -46,6 +46,7 @@ def test_settings_each_strategy_reads_follow_from_its_class():
         "fsdp+pp",
         "fsdp+tp+pp",
         "fsdp+cp",
+        "fsdp+ep",
     }
     assert READ_BY["parallel.sequence_parallel"] == ("tp-sp",)
     assert "single" not in READ_BY["parallel.timeout_s"]

@@ -275,6 +275,7 @@ def test_json_has_every_strategy_and_component(capsys):
         "fsdp+pp",
         "fsdp+tp+pp",
         "fsdp+cp",
+        "fsdp+ep",
     ]
     components = {
         "parameters",

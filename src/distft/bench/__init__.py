@@ -10,6 +10,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from distft.bench.experts import ExpertsSettings, print_table, run_experts_bench, write_experts_report
 from distft.bench.gpu import GpuSuiteSettings, default_methods, default_record_dir, run_gpu_suite
 from distft.bench.gpu_report import write_gpu_report, write_record
 from distft.bench.gpu_scaling import default_gpus
@@ -137,6 +138,31 @@ def cmd_seq_sweep(args: argparse.Namespace) -> int:
     return 1 if summary["failures"] else 0
 
 
+def cmd_experts(args: argparse.Namespace) -> int:
+    others = [flag for flag, on in (("--strategies", args.strategies), ("--study", args.study),
+              ("--pp-sweep", args.pp_sweep), ("--project", args.project), ("--report-only", args.report_only),
+              ("--global-batch", args.global_batch is not None)) if on]  # fmt: skip
+    if others:
+        raise ConfigError(f"--experts times one model's experts in one process: drop {', '.join(others)}.")
+    settings = ExpertsSettings(
+        model=args.model or "qwen3-moe-micro", methods=_listed(args.methods or "lora,full", "--methods"),
+        micro_batch_size=_given(args.micro_batch, 4), seq_len=args.seq_len or 512,
+        steps=_given(args.steps, 5), warmup=_given(args.warmup, 2), overrides=list(args.overrides),
+    )  # fmt: skip
+    if unknown := [m for m in settings.methods if m not in ("lora", "full")]:
+        raise ConfigError(f"--experts --methods takes lora and full, got {', '.join(unknown)}.")
+    if settings.steps < 1:
+        raise ConfigError(f"--experts needs at least one measured step, got --steps {settings.steps}.")
+    out = Path(args.out if args.out != DEFAULT_OUT else "runs/bench-experts")
+    summary = run_experts_bench(settings)
+    report = write_experts_report(summary, out)
+    seal(out)
+    print_table(summary)
+    print(report.read_text().split("\n\n")[-1], end="")  # the agreement and the target
+    print(f"wrote {report} and {out / 'experts.json'}")
+    return 0 if summary["agrees"] else 1
+
+
 def _given(value, default):
     """An option's value, or its default for this mode where it was not given (0 is a value)."""
     return default if value is None else value
@@ -149,6 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_gpu(args)
     if args.startup:
         return cmd_startup(args)
+    if args.experts:
+        return cmd_experts(args)
     try:
         microbatches = [int(m) for m in _names(args.pp_microbatches)]
     except ValueError:

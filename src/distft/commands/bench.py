@@ -63,11 +63,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_startup_arguments(p)
     _add_seq_sweep_arguments(p)
+    _add_experts_arguments(p)
     p.add_argument(
         "--out",
         default=DEFAULT_OUT,
         help="output directory (default runs/bench; --gpu: runs/bench-gpu; --startup: runs/bench-startup; "
-        "--seq-sweep: runs/bench-seq)",
+        "--seq-sweep: runs/bench-seq; --experts: runs/bench-experts)",
     )
     p.add_argument(
         "--report-only",
@@ -89,7 +90,8 @@ def _add_gpu_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--methods",
         help="--gpu: the distft methods to run, of lora, qlora, full, lora-fp8 (default all four on a GPU "
-        "with float8 tensor cores, compute capability >= 8.9; else the first three)",
+        "with float8 tensor cores, compute capability >= 8.9; else the first three); --experts: of lora, full "
+        "(default both)",
     )
     p.add_argument(
         "--gpus",
@@ -164,4 +166,16 @@ def _add_seq_sweep_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_LEVERS,
         help=f"--seq-sweep: model.activation_checkpointing levels, each optionally +tilesK for model.mlp_tiles=K "
         f"(default {DEFAULT_LEVERS}; offload is skipped on the CPU, where it is full)",
+    )
+
+
+def _add_experts_arguments(p: argparse.ArgumentParser) -> None:
+    """`distft bench --experts`: an MoE's experts implementations side by side (`bench.experts`)."""
+    p.add_argument(
+        "--experts",
+        action="store_true",
+        help="instead of strategies: time forward + backward of an MoE (--model, default qwen3-moe-micro) under "
+        "each model.experts_implementation (eager, batched_mm, grouped_mm) on the same batch (--micro-batch, "
+        "default 4, x --seq-len, default 512; --warmup 2, then the median of --steps 5), LoRA and full "
+        "(--methods); writes DIR/experts.md and DIR/experts.json (docs/moe.md)",
     )

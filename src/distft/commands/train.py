@@ -16,7 +16,7 @@ from distft.errors import ConfigError
 # The registry's names, in its order (`distft.parallel.STRATEGIES`, which imports torch), and those
 # whose class sets `supports_qlora`; tests/test_cli_startup.py holds both equal to the registry.
 STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp-sp", "cp", "pp", "fsdp+tp",
-                  "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "fsdp+cp")  # fmt: skip
+                  "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "fsdp+cp", "fsdp+ep")  # fmt: skip
 QLORA_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "cp", "fsdp+pp", "fsdp+cp")
 
 TRAIN_FLAGS = {  # flag -> config field it sets
@@ -46,7 +46,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--config, then section.key=value overrides, then the flags below.",
     )
     p.add_argument(
-        "--config", help="TOML file with [model], [data], [lora], [optim], [train], [parallel], [output]"
+        "--config",
+        help="TOML file with [model], [data], [lora], [optim], [train], [dpo], [moe], [parallel], [output]",
     )
     p.add_argument(
         "--model",

@@ -21,6 +21,7 @@ from distft.config.choices import (
     DATA_FORMATS,
     DPO_LOSSES,
     DTYPES,
+    EXPERTS_CHOICES,
     FP8_CHOICES,
     FUSED_CHOICES,
     LORA_TARGET_PRESETS,
@@ -62,6 +63,7 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.dpo.loss_type, DPO_LOSSES, "dpo.loss_type")
     check_choice(cfg.model.dtype, DTYPES, "model.dtype")
     check_choice(cfg.model.attn_implementation, ATTENTION_CHOICES, "model.attn_implementation")
+    check_choice(cfg.model.experts_implementation, EXPERTS_CHOICES, "model.experts_implementation")
     checkpointing = cfg.model.activation_checkpointing
     cfg.model.activation_checkpointing = CHECKPOINTING_ALIASES.get(checkpointing, checkpointing)
     check_choice(cfg.model.activation_checkpointing, CHECKPOINTING, "model.activation_checkpointing")
@@ -241,6 +243,8 @@ RANGES: dict[str, Range] = {
     "dpo.label_smoothing": Range(0, 0.5, high_open=True),
     "dpo.desirable_weight": POSITIVE,
     "dpo.undesirable_weight": POSITIVE,
+    "moe.aux_loss_coef": NON_NEGATIVE,  # 0: recorded, not added
+    "moe.z_loss_coef": NON_NEGATIVE,
     "optim.lr": POSITIVE,
     "optim.weight_decay": NON_NEGATIVE,
     "optim.beta1": FRACTION,

@@ -28,6 +28,8 @@ _SECTION_TYPES = {  # the sections (the class variables `explicit`, `derived` ..
     for name, hint in typing.get_type_hints(Config).items()
     if name in {f.name for f in dataclasses.fields(Config)}
 }
+# Sections newer than some saved runs: a run's config.toml written before them takes their defaults.
+_LATER_SECTIONS = {"moe"}
 
 # ---------------------------------------------------------------------------------------------
 # Loading and overriding
@@ -146,7 +148,7 @@ def load_config(
         except OSError as err:
             raise ConfigError(f"Config file {path} cannot be read ({err.strerror or err}).") from None
         data = _parse_toml(decode_utf8(raw, str(path), ConfigError), str(path))
-        if run and (missing := [s for s in _SECTION_TYPES if s not in data]):
+        if run and (missing := [s for s in _SECTION_TYPES if s not in data and s not in _LATER_SECTIONS]):
             raise DamagedFileError(
                 f"{path} has no [{'], ['.join(missing)}] section, which every run's config.toml holds: it is "
                 "damaged, or not from distft. Restore it from a copy."

@@ -1,7 +1,7 @@
 """The run configuration: plain dataclasses, one per section, a docstring under every field.
 
-A run is fully described by one `Config` in eight sections (`model`, `data`, `lora`, `optim`,
-`train`, `dpo`, `parallel`, `output`). `distft.config.fields.check_fields` holds the checks that need nothing but
+A run is fully described by one `Config` in nine sections (`model`, `data`, `lora`, `optim`,
+`train`, `dpo`, `moe`, `parallel`, `output`). `distft.config.fields.check_fields` holds the checks that need nothing but
 the config itself: choices, and the range of every int and float field (`fields.RANGES`, one
 table; floats finite); checks that depend on a strategy or a model architecture run later, in
 `distft.parallel.checks`, before any process is launched.
@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from distft.config.choices import PROJECTION_NAMES
 from distft.config.data import DataConfig
+from distft.config.moe import MoeConfig
 from distft.config.preference import PreferenceConfig
 
 # ---- Sections -------------------------------------------------------------------------------
@@ -40,6 +41,12 @@ class ModelConfig:
     attn_implementation: str = "auto"
     """Attention kernel (`distft.model.attention`): auto (flash where flash-attn runs, else flex),
     flex (FlexAttention, a document block mask), flash (varlen, CUDA), sdpa (a dense mask), eager."""
+    experts_implementation: str = "auto"
+    """How a mixture of experts' layer runs its experts (`distft.model.experts`): eager (a loop over
+    the experts hit), grouped_mm (one grouped matmul over the rows sorted by expert), batched_mm (one
+    batched matmul over a copy of each row's expert weights); auto: grouped_mm, the fastest measured
+    (`distft bench --experts` on a 2-core CPU: 1.1x eager's experts, batched_mm 0.07x; docs/moe.md).
+    A dense model ignores it."""
     seed: int = 0
     """Seed of the random initialisation of preset models."""
     added_tokens: list[str] = field(default_factory=list)
@@ -311,6 +318,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dpo: PreferenceConfig = field(default_factory=PreferenceConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

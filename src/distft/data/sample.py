@@ -31,7 +31,7 @@ from pathlib import Path
 
 from distft.data import sample_long
 from distft.data.sample_long import DAYS, NAMES  # the people and days both generators draw from
-from distft.data.sample_pairs import with_unsaid_detail
+from distft.data.sample_pairs import ERRORS, with_unsaid_detail
 from distft.data.tokenizer import cache_root
 from distft.errors import DataError
 
@@ -237,10 +237,13 @@ def generate_meeting(rng: random.Random, meeting_id: str) -> dict[str, str]:
     return {"id": meeting_id, "transcript": "\n".join(lines), "summary": summary}
 
 
-def generate_meeting_pair(rng: random.Random, meeting_id: str) -> dict[str, str]:
-    """A meeting as a preference row (`distft.data.sample_pairs.with_unsaid_detail`): the same
-    meetings as `sample`, drawn from the same seeds."""
-    return with_unsaid_detail(generate_meeting(rng, meeting_id), DOMAINS)
+def generate_meeting_pairs(rng: random.Random, meeting_id: str) -> list[dict[str, str]]:
+    """A meeting as three preference rows, a wrong day, decision and owner
+    (`distft.data.sample_pairs.with_unsaid_detail`): the same meetings as `sample`, drawn from the
+    same seeds. All three, so that what a model learns is to check the meeting, not which detail
+    of a summary tends to be wrong."""
+    meeting = generate_meeting(rng, meeting_id)
+    return [with_unsaid_detail(meeting, DOMAINS, error) for error in ERRORS]
 
 
 # ---- the synthetic sets `data.source` may name --------------------------------------------------
@@ -248,25 +251,30 @@ def generate_meeting_pair(rng: random.Random, meeting_id: str) -> dict[str, str]
 
 @dataclass(frozen=True)
 class Sample:
-    """A synthetic set: what it is called in lineage and model cards, its splits as (rows, seed),
-    the generator of one meeting, and whether its files ship in the package (else: the cache)."""
+    """A synthetic set: what it is called in lineage and model cards, its splits as (meetings, seed),
+    the generator of one meeting's rows, and whether its files ship in the package (else: the cache)."""
 
     title: str
     splits: dict[str, tuple[int, int]]
-    meeting: Callable[[random.Random, str], dict[str, str]]
+    rows: Callable[[random.Random, str], list[dict[str, str]]]
     bundled: bool
 
 
 SAMPLES: dict[str, Sample] = {
-    "sample": Sample("the bundled synthetic meetings", SAMPLE_SPLITS, generate_meeting, True),
+    "sample": Sample(
+        "the bundled synthetic meetings", SAMPLE_SPLITS, lambda rng, id_: [generate_meeting(rng, id_)], True
+    ),
     "sample-pairs": Sample(
         "the bundled meetings as preference pairs (a detail the meeting never had, rejected)",
         SAMPLE_SPLITS,
-        generate_meeting_pair,
+        generate_meeting_pairs,
         False,
     ),
     "sample-long": Sample(
-        "the long synthetic meetings of 4k-32k tokens", LONG_SPLITS, sample_long.generate_long_meeting, False
+        "the long synthetic meetings of 4k-32k tokens",
+        LONG_SPLITS,
+        lambda rng, id_: [sample_long.generate_long_meeting(rng, id_)],
+        False,
     ),
 }
 
@@ -278,7 +286,7 @@ def is_sample(source: str) -> bool:
 
 def generate_split(split: str, n: int, seed: int, name: str = "sample") -> list[dict[str, str]]:
     rng = random.Random(seed)
-    return [SAMPLES[name].meeting(rng, f"{name}-{split}-{i:04d}") for i in range(n)]
+    return [row for i in range(n) for row in SAMPLES[name].rows(rng, f"{name}-{split}-{i:04d}")]
 
 
 def write_sample_files(directory: Path, name: str = "sample") -> None:

@@ -1,6 +1,6 @@
 """`sample-pairs`: the bundled meetings (`distft.data.sample`) as preference rows, each true summary
-chosen and, rejected, the same summary with one detail the meeting never had
-(`distft.data.sample.generate_meeting_pair`)."""
+chosen and, rejected, the same summary with one detail the meeting never had: three rows a meeting,
+one per kind of detail (`distft.data.sample.generate_meeting_pairs`)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,23 @@ import re
 
 from distft.data.sample_long import DAYS, NAMES
 
+ERRORS = ("day", "decision", "owner")
 
-def with_unsaid_detail(meeting: dict[str, str], domains: list[dict]) -> dict[str, str]:
+
+def with_unsaid_detail(meeting: dict[str, str], domains: list[dict], error: str) -> dict[str, str]:
     """A meeting ({"id", "transcript", "summary"}, its items' options in `domains`) as a preference
     row: {"id", "transcript", "chosen", "rejected", "error"}, the true summary chosen and, rejected,
     the same summary with one detail the meeting never had: an action item's day, a decision's option
-    or an action item's owner replaced by one of the same kind (`error`: day, decision or owner) that
+    or an action item's owner (`error`: day, decision or owner) replaced by one of the same kind that
     nobody said. As fluent, and wrong about the meeting: the hallucinated detail a summariser is
-    taught to avoid. The error is drawn from the meeting's id."""
+    taught to avoid. The wrong detail is drawn from the meeting's id."""
     meeting_id, transcript, summary = meeting["id"], meeting["transcript"], meeting["summary"]
-    rng = random.Random(f"error of {meeting_id}")
+    rng = random.Random(f"{error} of {meeting_id}")
 
     def unsaid(candidates: list[str]) -> list[str]:
         return [c for c in candidates if not re.search(rf"\b{re.escape(c)}\b", transcript)]
 
     actions = re.findall(r"(\w+) will (.+?) by ([^.]+)\.", summary)
-    error = rng.choice(["day", "decision", "owner"])
     if error == "decision":
         decided = re.search(r"agreed on (.+?) for (.+?)(?:,| and |\.)", summary)
         value, item = decided.group(1), decided.group(2)
@@ -47,7 +48,7 @@ def with_unsaid_detail(meeting: dict[str, str], domains: list[dict]) -> dict[str
         rejected = summary.replace(said, wrong)
     assert rejected != summary, meeting_id
     return {
-        "id": meeting_id,
+        "id": f"{meeting_id}-{error}",
         "transcript": transcript,
         "chosen": summary,
         "rejected": rejected,

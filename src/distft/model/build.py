@@ -29,6 +29,7 @@ from distft.config.choices import LORA_TARGET_PRESETS
 from distft.errors import ConfigError, DamagedFileError
 from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
+from distft.model.experts import use_experts
 from distft.model.families import family_of
 from distft.model.files import check_model_path
 from distft.model.fp8 import convert_to_float8
@@ -203,6 +204,7 @@ def load_base_model(
         except OSError as err:
             raise ConfigError(_unreachable_model_message(cfg.name, err)) from None
     model.config.use_cache = False  # training never uses the KV cache; it only costs memory
+    use_experts(model, cfg.experts_implementation)  # an MoE's expert matmuls; a dense model has none
     return model
 
 

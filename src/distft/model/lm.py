@@ -42,6 +42,7 @@ from distft.model.checkpointing import HostOffload, offloads
 from distft.model.families import layer_types
 from distft.model.loss import chunked_cross_entropy, loss_chunk
 from distft.model.preference import PreferenceLoss, sequence_logps
+from distft.model.router import RouterLosses
 
 
 def causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -58,7 +59,9 @@ class LossLM(nn.Module):
     `labels` are already shifted: labels[b, t] is the token that position t must predict, or -100.
     """
 
-    def __init__(self, lm: nn.Module, preference: PreferenceLoss | None = None):
+    def __init__(
+        self, lm: nn.Module, preference: PreferenceLoss | None = None, router: RouterLosses | None = None
+    ):
         super().__init__()
         self.lm = lm  # the peft model (LoRA) or the plain causal LM (full); saved as-is
         inner = causal_lm(lm)
@@ -69,6 +72,7 @@ class LossLM(nn.Module):
         # scored before the first step, `distft.train.reference`), or ("ratio") its log-ratio to
         # the reference's (KTO's KL term, scored before each step).
         self.scoring: bool | str = False
+        self.router = router  # a mixture of experts' auxiliary losses (`distft.model.router`)
 
     def forward(
         self,
@@ -82,9 +86,11 @@ class LossLM(nn.Module):
         desirable: torch.Tensor | None = None,  # KTO: (rows,) bool, each answer's label
         kl: torch.Tensor | None = None,  # KTO: the global batch's KL estimate, (1,)
     ) -> torch.Tensor:
-        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
+        hidden = self.routed_hidden_states(input_ids, attention_mask, position_ids)
         if self.preference is None:
-            return summed_loss(hidden, self.lm_head, labels, label_positions)
+            loss = summed_loss(hidden, self.lm_head, labels, label_positions)
+            units = label_positions.numel() if label_positions is not None else labels.ne(-100).sum()
+            return self.with_router_term(loss, units, attention_mask)
         logps, counts = sequence_logps(hidden, self.lm_head, labels, position_ids)
 
         @torch.no_grad()
@@ -94,7 +100,31 @@ class LossLM(nn.Module):
                 return sequence_logps(again, self.lm_head, labels, position_ids)[0]
 
         extra = {"reference": reference, "token_weight": token_weight, "desirable": desirable, "kl": kl}
-        return self.preference_head(logps, counts, base, extra)
+        loss = self.preference_head(logps, counts, base, extra)
+        if self.scoring:
+            return loss
+        return self.with_router_term(loss, self.preference.units(counts, desirable), attention_mask)
+
+    def routed_hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`hidden_states`, the routers' outputs caught on the way (a mixture of experts)."""
+        if self.router is None:
+            return self.hidden_states(input_ids, attention_mask, position_ids)
+        self.router.collecting = True
+        try:
+            return self.hidden_states(input_ids, attention_mask, position_ids)
+        finally:
+            self.router.collecting = False
+
+    def with_router_term(
+        self, loss: torch.Tensor, units: torch.Tensor | int, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The loss, its value unchanged, carrying the routers' auxiliary losses' gradient."""
+        if self.router is None:
+            return loss
+        term = self.router.term(torch.as_tensor(units, device=loss.device), attention_mask)
+        return loss if term is None else loss + term
 
     def preference_head(
         self,

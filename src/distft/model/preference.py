@@ -246,6 +246,12 @@ class PreferenceLoss:
             "logps_rejected": mean("logps_rejected", "undesirable"),
         }
 
+    def units(self, counts: torch.Tensor, desirable: torch.Tensor | None) -> torch.Tensor:
+        """The pairs (KTO: answers) among a micro-batch's sequences, each with labels: its share of
+        what the step's loss is divided by (`distft.train.step.normaliser`)."""
+        n = len(desirable) if self.objective == "kto" else self.pairs_in(counts)
+        return (counts[:n] > 0).sum()
+
     @staticmethod
     def pairs_in(logps: torch.Tensor) -> int:
         """Pairs among the sequences: 2B rows, or 2B documents and a packed row's fill after them."""

@@ -86,6 +86,7 @@ class Strategy:
     # A mixture-of-experts family (`Family.moe`): whole expert stacks on each rank, or sharded by
     # FSDP2 along the experts; checked only under the strategies that say so.
     supports_moe: ClassVar[bool] = False
+    needs_moe: ClassVar[bool] = False  # runs a mixture of experts only (fsdp+ep: it shards the experts)
     # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
     # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held

@@ -117,7 +117,7 @@ def complete_defaults(cfg: Config) -> dict[str, str]:
     defaults = Config()
     changed = {
         f"{section}.{f.name}"
-        for section in ("model", "data", "lora", "optim", "train", "dpo", "parallel", "output")
+        for section in (f.name for f in dataclasses.fields(defaults))
         for f in dataclasses.fields(getattr(defaults, section))
         if getattr(getattr(cfg, section), f.name) != getattr(getattr(defaults, section), f.name)
     }

@@ -79,10 +79,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_fo
 
 
 def shard_units(
-    root: nn.Module, layers: list[nn.Module], mesh: DeviceMesh, cfg: Config, reshard_after_forward: bool
+    root: nn.Module,
+    layers: list[nn.Module],
+    mesh: DeviceMesh,
+    cfg: Config,
+    reshard_after_forward: bool,
+    ignored: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """`fully_shard` each of `layers`, then `root` (what is left: embeddings, final norm, the (tied)
-    lm_head), over `mesh`; the pipelines call it once per stage, `root` being the stage."""
+    lm_head), over `mesh`; the pipelines call it once per stage, `root` being the stage. `ignored`:
+    parameters another dimension holds (`fsdp+ep`'s experts), left as they are."""
     p = cfg.parallel
     # fp32 trainable weights of a bf16 full finetune: the master weights (`train.master_weights`).
     masters = cfg.train.method == "full" and cfg.model.dtype == "bfloat16"
@@ -92,6 +98,7 @@ def shard_units(
         "mp_policy": mixed_precision(cfg, masters),
         "offload_policy": CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy(),
         "reshard_after_forward": reshard_after_forward,
+        "ignored_params": ignored,
     }
     for layer in layers:
         fully_shard(layer, **shard)

@@ -12,6 +12,7 @@ from distft.parallel.ddp import DDP
 from distft.parallel.ddp_pp import DDPPipelineParallel
 from distft.parallel.fsdp import FSDP, ZeRO2
 from distft.parallel.fsdp_cp import FSDPContextParallel
+from distft.parallel.fsdp_ep import FSDPExpertParallel
 from distft.parallel.fsdp_pp import FSDPPipelineParallel
 from distft.parallel.fsdp_tp import FSDPTensorParallel
 from distft.parallel.fsdp_tp_pp import FSDPTensorPipelineParallel
@@ -40,6 +41,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FSDPPipelineParallel,
         FSDPTensorPipelineParallel,
         FSDPContextParallel,
+        FSDPExpertParallel,
     )
 }
 

@@ -291,6 +291,16 @@ def evaluate(req: Request) -> dict[str, Estimate]:
     """One estimate per modelled strategy; 2-D layouts keep their best factorisation."""
     out: dict[str, Estimate] = {}
     for strategy in MODELLED:
+        if RUNTIME[strategy].needs_moe:  # the planner's models are dense (it refuses an MoE)
+            runs = runnable(strategy, req.training.method)
+            out[strategy] = Estimate(
+                strategy,
+                Parallelism(strategy),
+                applicable=False,
+                runnable=runs,
+                note="needs a mixture of experts",
+            )
+            continue
         layouts = candidate_parallelisms(req, strategy)
         if not layouts:
             out[strategy] = Estimate(

@@ -243,7 +243,7 @@ def validate(run: Run, step: int, record: dict, result: TrainResult) -> bool:
     the same float on each (`evaluate`)."""
     with run.collective(f"the all-reduce of the validation loss after step {step}"):
         loss = record["eval_loss"] = result.eval_losses[step] = evaluate(run)
-    record.update(run.preference)  # a preference objective's validation pairs: accuracy, margin, ...
+    record.update(run.statistics)  # a preference objective's validation pairs: accuracy, margin, ...
     if not run.early_stopping.update(loss, step) or step == run.cfg.train.max_steps:
         return False  # improving, or the last step anyway: an ordinary end
     record["early_stop"] = result.early_stop = run.early_stopping.record(step, loss)

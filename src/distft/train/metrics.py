@@ -108,7 +108,7 @@ def step_record(
         "step_time_predicted_s": predicted_step_seconds(run.cfg.prediction, flops),
         "peak_mem_bytes": peak_memory_bytes(run.env),
         **compile_record(run),
-        **run.preference,  # a preference objective: rewards, margin, accuracy, log-probabilities
+        **run.statistics,  # a preference objective's rewards, margin, accuracy; an MoE's routing
     }
 
 

@@ -59,6 +59,7 @@ from distft.model.nf4 import storage_layout
 from distft.model.nf4_linear import dequantize_compiled_wanted, use_compiled_dequantize
 from distft.model.preference import preference_loss
 from distft.model.presets import DTYPES
+from distft.model.router import router_losses
 from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, check_model, master_weights
 from distft.plan.model_spec import ModelSpec, spec_from_config
 from distft.tensors import local_bytes
@@ -100,7 +101,7 @@ class Run:
     token_cache: dict | None = None  # how this rank had its examples (`distft.data.cache.tokenized_splits`)
     architecture: ModelSpec | None = None  # the built model's shapes, for the bytes formula (`distft.plan`)
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)  # the best validation loss so far
-    preference: dict = field(default_factory=dict)  # the last step's (or validation's) pair statistics
+    statistics: dict = field(default_factory=dict)  # the last step's (or validation's): pairs', routers'
 
     @property
     def pad_id(self) -> int:
@@ -172,7 +173,8 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     nf4_compiled = dequantize_compiled_wanted(cfg.model.compile, env.device)  # QLoRA: one kernel per weight
     compiled_nf4 = use_compiled_dequantize(lm, nf4_compiled) if nf4_compiled else 0
     strategy.label_tokens = mean_label_tokens(train_set)  # a pipeline cuts its stages by them
-    model = strategy.parallelize(LossLM(lm, preference_loss(cfg.train.objective, cfg.dpo)))
+    router = router_losses(causal_lm(lm).model, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)  # an MoE's
+    model = strategy.parallelize(LossLM(lm, preference_loss(cfg.train.objective, cfg.dpo), router))
     param_bytes = storage_layout(model)  # NF4 parts apart (distft.model.nf4)
     # Gradients are freed after every step, each with its (sharded) parameter's shape: counted here,
     # before a forward-only pass can leave ZeRO-2's parameters gathered.

@@ -135,13 +135,13 @@ def train_step(
     with run.collective(f"the all-reduces of the gradient norm and the loss in step {step}"):
         norm = strategy.clip_grad_norm_(model, cfg.optim.grad_clip)
         total = strategy.reduce_loss(loss_sum)
-        stats = pair_statistics(run, batches)  # a preference objective's rewards, margins, accuracy
+        stats = step_statistics(run, batches)  # a preference objective's rewards, margins; an MoE's routing
         # The step's one host sync: loss and norm come back together (the branch below needs both).
         total, grad_norm, *stats = torch.cat(
             [torch.stack([total.double(), norm.double()]), stats.double()]
         ).tolist()
     loss = total / n_tokens
-    run.preference = preference_means(run, stats, n_tokens)
+    run.statistics = step_means(run, stats, n_tokens)
     # Both are global (reduced over ranks), so every rank takes the same branch here.
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
     if finite:
@@ -158,24 +158,31 @@ def train_step(
     return loss, grad_norm, finite
 
 
-def pair_statistics(run: Run, batches: list[Batch]) -> torch.Tensor:
-    """The sums of `distft.model.preference.STATS` over the global batch (empty for sft), reduced
-    over ranks as the loss is; KTO's KL estimate after them (the same on every rank)."""
-    preference = unwrap(run.model).preference
-    if preference is None:
-        return torch.zeros(0, device=run.env.device)
-    sums = run.strategy.reduce_loss(preference.take_stats(run.env.device))
+def step_statistics(run: Run, batches: list[Batch], routers: bool = True) -> torch.Tensor:
+    """The sums behind the step's statistics, reduced over ranks as the loss is, in one all-reduce:
+    a preference objective's `distft.model.preference.STATS` (KTO's KL estimate after them, the
+    same on every rank) and an MoE's router statistics (`distft.model.router`; `routers`: False
+    in a validation, which runs none with gradients). Empty for a dense model's sft."""
+    lm, device = unwrap(run.model), run.env.device
+    parts = [lm.preference.take_stats(device)] if lm.preference is not None else []
+    if lm.router is not None and routers:
+        parts.append(lm.router.take_stats(device).float())
+    sums = run.strategy.reduce_loss(torch.cat(parts)) if parts else torch.zeros(0, device=device)
     return torch.cat([sums, batches[0]["kl"].reshape(1)]) if "kl" in batches[0] else sums
 
 
-def preference_means(run: Run, stats: list[float], n: int, prefix: str = "") -> dict[str, float]:
-    """The step's preference statistics (`pair_statistics`) as metrics.jsonl records them."""
-    preference = unwrap(run.model).preference
-    if preference is None:
-        return {}
-    means = preference.means(stats[: len(STATS)], n)
-    if len(stats) > len(STATS):
-        means["kl"] = stats[len(STATS)]
+def step_means(run: Run, stats: list[float], n: int, prefix: str = "", routers: bool = True) -> dict:
+    """The step's statistics (`step_statistics`) as metrics.jsonl records them."""
+    lm = unwrap(run.model)
+    means: dict = {}
+    if lm.preference is not None:
+        means = lm.preference.means(stats[: len(STATS)], n)
+        stats = stats[len(STATS) :]
+    if lm.router is not None and routers:
+        means |= lm.router.means(stats[: lm.router.size])
+        stats = stats[lm.router.size :]
+    if stats:  # KTO's KL estimate
+        means["kl"] = stats[0]
     return {prefix + name: value for name, value in means.items()}
 
 
@@ -219,11 +226,11 @@ def evaluate(run: Run) -> float:
                 loss_sum += strategy.forward_only(model, batches)
     strategy.release_gathered(model)
     model.train()
-    stats = pair_statistics(run, batches)
+    stats = step_statistics(run, batches, routers=False)
     total = strategy.reduce_loss(loss_sum).double()  # float32 -> float64 is exact: the value is unchanged
     # `reduce_loss` gives every rank the sum, by an all-reduce or, where each rank computed the whole
     # loss (tensor parallel), by computing the same thing: rank 0's value makes it the same bits.
     if run.env.distributed and run.env.world_size > 1:
         dist.broadcast(total, src=0)
-    run.preference = preference_means(run, stats.tolist(), n_tokens, prefix="eval_")
+    run.statistics = step_means(run, stats.tolist(), n_tokens, prefix="eval_", routers=False)
     return total.item() / n_tokens

@@ -1,0 +1,130 @@
+"""The router's auxiliary losses of a mixture of experts, and its per-expert token counts.
+
+A router trained on the language-model loss alone tends to collapse onto a few experts: they get
+the tokens, so they train, so they get more tokens. Two auxiliary losses on each layer's router
+logits `z` (tokens, experts) keep it spread and tame:
+
+- **load balancing** (Switch Transformer, eqs. 4-6; what transformers adds to Qwen3-MoE's loss when
+  `output_router_logits` is set, `load_balancing_loss_func`, which this calls):
+  `E * sum_e f_e * P_e`, with `f_e` the share of top-k assignments that went to expert `e` and
+  `P_e` its mean router probability, pooled over the layers. Balanced routing gives `top_k`;
+  collapse onto `top_k` experts gives `E`.
+- **z-loss** (ST-MoE, eq. 5): the mean over tokens and layers of `logsumexp(z)^2`, which keeps the
+  logits small enough for a bf16 softmax.
+
+Each layer's router output is caught by a forward hook while `LossLM` runs its forward with
+gradients (not the reference's forward under disabled adapters, an evaluation, or the recompute
+of activation checkpointing, which all run without the hook's flag or without gradients). The
+micro-batch's objective then adds `units x (moe.aux_loss_coef x aux + moe.z_loss_coef x z)`, `units`
+being its share of what the step's loss is divided by (labelled tokens, or pairs), so that the
+step's loss is the language-model mean plus the coefficients times the unit-weighted mean of the
+micro-batches' auxiliary losses, as transformers computes it for one micro-batch.
+
+The term joins the returned loss as `term - term.detach()`: zero in value, its gradient intact.
+The loss the run reports stays the language model's (comparable with `eval_loss` and with a dense
+model's), and metrics.jsonl records the auxiliary losses beside it (`router_aux_loss`,
+`router_z_loss`), with the tokens each expert took (`expert_tokens`, a token counting at each of
+its top-k experts, summed over the layers) and the worst layer's imbalance (`expert_imbalance`,
+its busiest expert's tokens over the mean).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+STATS = ("router_aux_loss", "router_z_loss")
+
+
+def routers(backbone: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's router (`mlp.gate` beside `mlp.experts`); none on a dense model."""
+    return [
+        layer.mlp.gate
+        for layer in backbone.layers
+        if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")
+    ]
+
+
+class RouterLosses:
+    """Catches the routers' outputs during a training forward and turns them into the auxiliary
+    losses' term of the micro-batch (`term`) and the step's statistics (`take_stats`)."""
+
+    def __init__(self, gates: list[nn.Module], aux_loss_coef: float, z_loss_coef: float):
+        self.num_experts, self.top_k = gates[0].num_experts, gates[0].top_k
+        self.num_layers = len(gates)
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.collecting = False  # set by LossLM around its forward
+        self.caught: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits, top-k indices) per layer
+        self.sums: torch.Tensor | None = None
+        for gate in gates:
+            gate.register_forward_hook(self._catch)
+
+    def _catch(self, module: nn.Module, args, output: tuple[torch.Tensor, ...]) -> None:
+        if self.collecting and torch.is_grad_enabled():
+            logits, _, indices = output
+            self.caught.append((logits, indices))
+
+    def term(self, units: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """`units x (aux_coef x aux + z_coef x z)` for the forward just run, as a zero-valued
+        tensor carrying its gradient; None when no router ran with gradients."""
+        caught, self.caught = self.caught, []
+        if not caught:
+            return None
+        trains = bool(self.aux_loss_coef or self.z_loss_coef)
+        logits = [z if trains else z.detach() for z, _ in caught]
+        mask = None if attention_mask is None else attention_mask.reshape(-1).float()
+        aux = load_balancing_loss_func(tuple(logits), self.num_experts, self.top_k, attention_mask)
+        lse = torch.logsumexp(torch.stack(logits).float(), dim=-1)  # (layers, tokens)
+        tokens = lse.shape[1] if mask is None else mask.sum()
+        z_loss = (lse.square() * (1 if mask is None else mask)).sum() / (tokens * self.num_layers)
+        self._record(aux, z_loss, units, [i for _, i in caught], mask)
+        if not trains:
+            return None
+        objective = units * (self.aux_loss_coef * aux + self.z_loss_coef * z_loss)
+        return objective - objective.detach()
+
+    @torch.no_grad()
+    def _record(self, aux, z_loss, units, indices: list[torch.Tensor], mask: torch.Tensor | None) -> None:
+        counts = torch.zeros(self.num_layers, self.num_experts, device=aux.device)
+        for layer, chosen in enumerate(indices):  # (tokens, top_k) each
+            weight = (
+                torch.ones_like(chosen, dtype=counts.dtype)
+                if mask is None
+                else mask[:, None].expand_as(chosen)
+            )
+            counts[layer].scatter_add_(0, chosen.reshape(-1), weight.reshape(-1))
+        units = units.float()
+        sums = torch.cat(
+            [torch.stack([aux.float() * units, z_loss.float() * units, units]), counts.reshape(-1)]
+        )
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def take_stats(self, device: torch.device) -> torch.Tensor:
+        """The sums since the last call (zeros if none), and start afresh: the unit-weighted
+        auxiliary losses, the units, and each layer's per-expert token counts."""
+        sums, self.sums = self.sums, None
+        return sums if sums is not None else torch.zeros(self.size, device=device)
+
+    @property
+    def size(self) -> int:
+        """The length of `take_stats`'s sums."""
+        return 3 + self.num_layers * self.num_experts
+
+    def means(self, sums: list[float]) -> dict[str, float | list[int]]:
+        """The step's record from its sums over the ranks (`take_stats`)."""
+        aux, z_loss, units, *flat = sums
+        counts = torch.tensor(flat).reshape(self.num_layers, self.num_experts)
+        busiest = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)
+        return {
+            "router_aux_loss": aux / units if units else None,
+            "router_z_loss": z_loss / units if units else None,
+            "expert_tokens": [round(c) for c in counts.sum(dim=0).tolist()],
+            "expert_imbalance": busiest.max().item() if units else None,
+        }
+
+
+def router_losses(backbone: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> RouterLosses | None:
+    """The auxiliary losses of the model's routers (`[moe]`), hooked on them; None on a dense model."""
+    gates = routers(backbone)
+    return RouterLosses(gates, aux_loss_coef, z_loss_coef) if gates else None

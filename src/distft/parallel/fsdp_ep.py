@@ -1,0 +1,210 @@
+"""FSDP x expert parallelism (`fsdp+ep`): each rank holds 1/N of the experts, whole, and every token
+travels to its experts' ranks and back by all-to-all; the rest of the model is sharded by FSDP.
+
+`distft train --model qwen3-moe-micro --strategy fsdp+ep --nproc 2`: N ranks, each reading its own
+rows (data parallel over all N), each holding experts [r E/N, (r+1) E/N) of every MoE layer.
+
+What each rank holds. The expert stacks (`mlp.experts.gate_up_proj`, `down_proj`: nearly all of an
+MoE's weights) as DTensors sharded along the expert dimension, E/N experts whole, never gathered;
+FSDP2 leaves them alone (`ignored_params`) and shards everything else (attention, router, norms,
+embeddings, LoRA's adapters) over the same N ranks, as under `fsdp`. Full finetuning keeps the
+optimizer state of the local experts only.
+
+Each MoE layer's forward, per micro-batch of T tokens routed to k experts each (`dispatch`):
+1. sort the T x k (token, expert) assignments by expert and count them per expert;
+2. all-to-all of the counts (E integers): each rank learns how many rows it will receive from
+   every rank for each of its experts;
+3. all-to-all of the rows (dispatch, T k x hidden): each goes to the rank holding its expert;
+4. each local expert's SwiGLU MLP over its rows (its LoRA delta added to its weights first);
+5. all-to-all back (combine, the same sizes reversed), then each token sums its k outputs
+   weighted by the router's probabilities.
+Backward runs the two row all-to-alls in reverse. Routing is dropless: every assignment is
+computed (no capacity factor, no token dropped), at the price of uneven all-to-all sizes, known
+only after step 2 (a host sync per layer).
+
+Bytes per micro-batch and MoE layer: 2 T k hidden x dtype bytes forward (dispatch and combine),
+the same again in backward (and again in a forward recomputed by activation checkpointing), plus
+E x 8 bytes of counts per forward. Beside them, FSDP's all-gathers and reduce-scatters of the rest.
+
+Gradient scale. Each rank scales its loss by N, which FSDP's averaging divides out (`Strategy.
+averaged_over`). An expert's weight gradient is not averaged: its rank received every rank's
+tokens for it, so the gradient is already the global batch's, N times over; it is divided by N
+after the backward. An expert's LoRA factors are FSDP's like every adapter: each rank's gradient
+holds only its own experts' slices, and FSDP's reduce-scatter sums the slices into the whole.
+
+Paper: Lepikhin et al., "GShard" (2006.16668), section 2.2; Fedus et al., "Switch Transformers"
+(2101.03961). torchtitan builds the same from the same pieces (its `ExpertParallel`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from peft.tuners.lora.layer import ParamWrapper
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from transformers import PretrainedConfig
+
+from distft.config import Config
+from distft.errors import ConfigError
+from distft.model import causal_lm
+from distft.parallel.fsdp import FSDP, shard_units
+
+EXPERT_STACKS = ("gate_up_proj", "down_proj")
+
+
+class FSDPExpertParallel(FSDP):
+    name = "fsdp+ep"
+    needs_moe: ClassVar[bool] = True
+    supports_fp8: ClassVar[bool] = False
+    supports_qlora: ClassVar[bool] = False
+    qlora_refusal: ClassVar[str] = "its experts are fused parameter stacks that NF4 does not quantize"
+    supports_compile: ClassVar[bool] = False  # a host sync per layer (the all-to-all sizes)
+    label = "FSDP x EP"
+    holds = "1/N of the experts, whole; 1/N of every other param, grad, optimizer state"
+    moves = "all-to-all of each MoE layer's routed tokens (there and back); FSDP's all-gather / reduce-scatter of the rest"
+    page = "moe.md#expert-parallelism-fsdpep"
+    collectives = "the all-to-alls of routed tokens and FSDP's all-gathers / reduce-scatters (fsdp+ep)"
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        super().validate_model(cfg, model_config)
+        experts, world = getattr(model_config, "num_experts", 0), cfg.world_size
+        if not experts:
+            raise ConfigError(
+                f"--strategy fsdp+ep shards a mixture of experts' experts, and {cfg.model.name} has none: "
+                "use --strategy fsdp."
+            )
+        if experts % world:
+            raise ConfigError(
+                f"--strategy fsdp+ep gives each of the {world} processes an equal share of {cfg.model.name}'s "
+                f"{experts} experts: use a process count that divides {experts}."
+            )
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        model.to(self.env.device)
+        self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
+        layers = list(causal_lm(model.lm).model.layers)
+        self.expert_weights: list[nn.Parameter] = []
+        for layer in layers:
+            self.expert_weights += shard_experts(layer.mlp.experts, self.mesh)
+        units = layers if self.cfg.parallel.fsdp_wrap == "layer" else []
+        return shard_units(
+            model, units, self.mesh, self.cfg, self.reshard_after_forward, ignored=set(self.expert_weights)
+        )
+
+    def after_backward(self, model: nn.Module) -> None:
+        # Every rank's tokens reached this rank's experts, each scaled by N (`averaged_over`).
+        for weight in self.expert_weights:
+            if weight.grad is not None:
+                weight.grad.div_(self.averaged_over)
+
+    def mesh_groups(self) -> dict[str, list[int]]:
+        return {"dp": dist.get_process_group_ranks(self.mesh.get_group("dp"))}
+
+
+def experts_base(experts: nn.Module) -> nn.Module:
+    """transformers' experts module under peft's parameter wrappers (one per LoRA'd stack)."""
+    while isinstance(experts, ParamWrapper):
+        experts = experts.base_layer
+    return experts
+
+
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Keep this rank's experts of each stack (a DTensor sharded along the experts) and route the
+    module's forward through the all-to-all (`expert_parallel_forward`); the new parameters."""
+    base, rank, world = experts_base(experts), mesh.get_local_rank(), mesh.size()
+    local = base.num_experts // world
+    sharded = []
+    for name in EXPERT_STACKS:
+        full = getattr(base, name)
+        shard = full.detach()[rank * local : (rank + 1) * local].clone()
+        weight = nn.Parameter(
+            DTensor.from_local(shard, mesh, [Shard(0)], run_check=False), full.requires_grad
+        )
+        setattr(base, name, weight)
+        sharded.append(weight)
+    group = mesh.get_group()
+    experts.forward = lambda hidden, top_k_index, top_k_weights: expert_parallel_forward(
+        experts, hidden, top_k_index, top_k_weights, group
+    )
+    return sharded
+
+
+def local_expert_weights(experts: nn.Module, first: int, count: int) -> dict[str, torch.Tensor]:
+    """This rank's experts' stacks, (count, out, in) each, with their active LoRA deltas added
+    (peft's factors for the whole stack, sliced to the local experts)."""
+    weights, module = {}, experts
+    deltas: dict[str, torch.Tensor] = {}
+    while isinstance(module, ParamWrapper):
+        adapter = next((a for a in module.active_adapters if a in module.lora_A), None)
+        if adapter is not None and not module.disable_adapters:
+            lhs, rhs, scaling = module.get_delta_factors(adapter)  # (experts, out, r), (experts, r, in)
+            deltas[module.parameter_name] = scaling * (
+                lhs[first : first + count] @ rhs[first : first + count]
+            )
+        module = module.base_layer
+    for name in EXPERT_STACKS:
+        local = getattr(module, name).to_local()
+        weights[name] = local + deltas[name].to(local.dtype) if name in deltas else local
+    return weights
+
+
+def expert_parallel_forward(
+    experts: nn.Module,
+    hidden: torch.Tensor,  # (tokens, hidden)
+    top_k_index: torch.Tensor,  # (tokens, k): each token's experts
+    top_k_weights: torch.Tensor,  # (tokens, k): their renormalised router probabilities
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """Dispatch each token to its experts' ranks, run the local experts, combine: the
+    experts module's output, (tokens, hidden), as transformers' own forward computes it."""
+    base, world = experts_base(experts), dist.get_world_size(group)
+    num_experts, k = base.num_experts, top_k_index.shape[1]
+    local = num_experts // world
+    first = dist.get_rank(group) * local
+
+    assignments = top_k_index.reshape(-1)  # (tokens x k,): token t's experts at t k ... t k + k - 1
+    order = torch.argsort(assignments, stable=True)  # grouped by expert, so by destination rank
+    counts = torch.bincount(assignments, minlength=num_experts)
+    received_counts = torch.empty_like(counts)  # [source rank, local expert]
+    dist.all_to_all_single(received_counts, counts, group=group)
+    send = counts.view(world, local).sum(dim=1).tolist()  # the sizes: the host sync
+    received_counts_host = received_counts.view(world, local)
+    receive = received_counts_host.sum(dim=1).tolist()
+
+    rows = funcol.all_to_all_single_autograd(hidden[order // k], receive, send, group)
+    rows = funcol.wait_tensor(rows) if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
+    # Rows arrive by source rank, each source's by expert: regroup them by local expert.
+    expert_of_row = torch.arange(local, device=hidden.device).repeat(world)
+    expert_of_row = expert_of_row.repeat_interleave(received_counts_host.reshape(-1))
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    outputs = expert_mlps(
+        rows[by_expert],
+        received_counts_host.sum(dim=0).tolist(),
+        local_expert_weights(experts, first, local),
+        base.act_fn,
+    )
+    outputs = outputs[torch.argsort(by_expert)]  # back in the order the rows came
+    returned = funcol.all_to_all_single_autograd(outputs, send, receive, group)
+    returned = (
+        funcol.wait_tensor(returned) if isinstance(returned, funcol.AsyncCollectiveTensor) else returned
+    )
+    weighted = returned * top_k_weights.reshape(-1)[order, None].to(returned.dtype)
+    return torch.zeros_like(hidden).index_add(0, order // k, weighted.to(hidden.dtype))
+
+
+def expert_mlps(
+    rows: torch.Tensor, per_expert: list[int], weights: dict[str, torch.Tensor], act_fn: nn.Module
+) -> torch.Tensor:
+    """Each expert's SwiGLU MLP over its consecutive rows (`per_expert` of them): a loop over the
+    local experts, as transformers' eager path computes one."""
+    outputs = []
+    for e, part in enumerate(rows.split(per_expert)):
+        gate, up = nn.functional.linear(part, weights["gate_up_proj"][e]).chunk(2, dim=-1)
+        outputs.append(nn.functional.linear(act_fn(gate) * up, weights["down_proj"][e]))
+    return torch.cat(outputs)

@@ -1,0 +1,99 @@
+"""`model.experts_implementation` (`distft.model.experts`) on `qwen3-moe-micro`: the setting reaches
+every layer's experts module and its forward dispatches to the implementation named; grouped_mm
+and batched_mm give eager's loss and gradients on the same batch, under LoRA (adapters on the
+experts, made non-zero so the experts' deltas take part) and under full finetuning, the experts'
+own weights receiving gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from distft.config import load_config
+from distft.model import LossLM, apply_method, load_base_model
+from distft.model.experts import AUTO, experts_modules, implementations_in_effect
+
+B, S = 2, 40
+
+
+def build(implementation: str, method: str) -> torch.nn.Module:
+    cfg = load_config(
+        None,
+        [
+            "model.name=qwen3-moe-micro",
+            f"model.experts_implementation={implementation}",
+            f"train.method={method}",
+        ],
+    )
+    torch.manual_seed(0)  # the base's weights are the preset's; peft's lora_A draws from this seed
+    lm = apply_method(load_base_model(cfg.model), cfg)
+    if method == "lora":  # peft starts lora_B at zero: a trained adapter's deltas are not
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in lm.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return lm
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """Two rows, the second right-padded by 6: padding is routed too, and masked out of the loss."""
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 1000, (B, S), generator=g)
+    attention_mask = torch.ones(B, S, dtype=torch.long)
+    attention_mask[1, -6:] = 0
+    labels = torch.cat([input_ids[:, 1:], torch.full((B, 1), -100)], dim=1)
+    labels[attention_mask == 0] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def loss_and_gradients(implementation: str, method: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    lm = build(implementation, method)
+    assert implementations_in_effect(lm) == {implementation}  # else the comparison is with itself
+    loss = LossLM(lm)(**batch())
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_every_implementation_trains_as_eager(method):
+    loss, grads = loss_and_gradients("eager", method)
+    # The experts take part in what trains: their adapters (LoRA) or their stacked weights (full).
+    experts = [n for n in grads if "experts" in n]
+    assert experts and all(grads[n].abs().sum() > 0 for n in experts), experts
+    for implementation in ("grouped_mm", "batched_mm"):
+        other_loss, other_grads = loss_and_gradients(implementation, method)
+        torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=0)
+        assert other_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            # atol: entries near zero, where a different summation order is all that differs
+            atol = 1e-5 * grad.abs().max().item()
+            torch.testing.assert_close(other_grads[name], grad, rtol=1e-5, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "eager", "grouped_mm", "batched_mm"])
+def test_the_setting_reaches_every_layers_experts(implementation, monkeypatch):
+    """Read where the experts read it (their config), and seen in the forward: transformers looks
+    the name up in `ALL_EXPERTS_FUNCTIONS` (eager: the class's own forward, in no table) at every call."""
+    called: list[str] = []
+    for name, forward in list(ALL_EXPERTS_FUNCTIONS.items()):
+
+        def spy(*args, name=name, forward=forward, **kwargs):
+            called.append(name)
+            return forward(*args, **kwargs)
+
+        monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, name, spy)
+    lm = build(implementation, "lora")
+    expected = AUTO if implementation == "auto" else implementation
+    assert len(experts_modules(lm)) == 4  # qwen3-moe-micro's layers, each under peft's wrappers
+    assert implementations_in_effect(lm) == {expected}
+    with torch.no_grad():
+        LossLM(lm)(**batch())
+    assert called == ([] if expected == "eager" else [expected] * 4)
+
+
+def test_a_dense_model_ignores_the_setting():
+    cfg = load_config(None, ["model.name=micro", "model.experts_implementation=batched_mm"])
+    lm = load_base_model(cfg.model)
+    assert implementations_in_effect(lm) == set() and lm.config._experts_implementation != "batched_mm"
