@@ -79,6 +79,22 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     )
 
 
+def test_dpo_under_expert_parallelism_trains_as_one_process(tmp_path):
+    """DPO on the bundled pairs under fsdp+ep, its reference the base under the disabled adapters
+    in every step's forward (each rank's experts without their LoRA deltas): the losses, rewards
+    and adapter of one process."""
+    flags = [*MOE, "--objective", "dpo", "--data", "sample-pairs", "data.max_rows=12", "train.max_steps=2"]
+    single, ep = tmp_path / "single", tmp_path / "ep"
+    assert main(["train", *flags, "--out", str(single)]) == 0
+    distft("train", *flags, "--strategy", "fsdp+ep", "--nproc", "2", "--out", str(ep))
+    assert_same_training(ep, single)
+    for got, want in zip(metrics(ep), metrics(single), strict=True):
+        for name in ("rewards_chosen", "rewards_rejected", "margin", "router_aux_loss"):
+            # differences of log-probabilities near -100: rounding of 1e-7 relative is 1e-5 absolute
+            assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-5), (got["step"], name)
+    assert metrics(single)[-1]["margin"] != 0  # the policy moved from its reference
+
+
 def test_the_router_trains_beside_the_adapters_on_request(tmp_path):
     """lora.modules_to_save=["gate"]: each layer's router trains in full beside the adapters, saved
     with them; fsdp shards it and trains as one process."""
