@@ -23,16 +23,18 @@ MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_ro
 MOE_STRATEGIES = [name for name, cls in STRATEGIES.items() if cls.supports_moe and name != "single"]
 
 
-def assert_all_to_all_bytes(run, micro_batches: int) -> None:
+def assert_all_to_all_bytes(run, micro_batches: int, forwards: int = 1) -> None:
     """fsdp+ep's all-to-all bytes, summed over the ranks, are the analytic count: every token's k
-    rows of hidden floats (4 bytes) there and back in forward and again in backward, in each of
-    the 4 MoE layers, and each micro-batch's per-expert counts (8 int64) per layer. A rank's own
-    share depends on the routing (what it sends, and what it receives); the sum does not."""
+    rows of hidden floats (4 bytes) there and back in each forward (`forwards`: 2 where activation
+    checkpointing recomputes it) and in backward, in each of the 4 MoE layers, and each forward's
+    per-expert counts (8 int64) per layer. A rank's own share depends on the routing (what it
+    sends, and what it receives); the sum does not."""
     tokens = metrics(run)[-1]["tokens"]  # every row fills data.max_length: each step the same
     ranks = json.loads((run / "ranks.json").read_text())
     counted = sum(rank["comm_bytes_per_step"]["counted"]["all_to_all"] for rank in ranks)
     hidden, k, layers, experts = 32, 2, 4, 8
-    assert counted == tokens * 4 * k * hidden * 4 * layers + len(ranks) * micro_batches * layers * experts * 8
+    rows = tokens * k * hidden * 4 * layers * 2 * (forwards + 1)  # dispatch and combine
+    assert counted == rows + len(ranks) * micro_batches * forwards * layers * experts * 8
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,12 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
         distft("train", *MOE, "--strategy", strategy, "--nproc", "2", "--out", str(run))
         assert_same_training(run, reference)
     assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=2)
+    # Full activation checkpointing: the recompute runs the forward's all-to-alls again.
+    recomputed = tmp_path / "fsdp+ep-checkpointed"
+    layout = ["--strategy", "fsdp+ep", "--nproc", "2", "model.activation_checkpointing=full"]
+    distft("train", *MOE, *layout, "--out", str(recomputed))
+    assert_same_training(recomputed, reference)
+    assert_all_to_all_bytes(recomputed, micro_batches=2, forwards=2)
 
     model = AutoModelForCausalLM.from_pretrained(reference / "base")
     plain = PeftModel.from_pretrained(model, reference / "adapter").eval()
