@@ -38,6 +38,7 @@ Paper: Lepikhin et al., "GShard" (2006.16668), section 2.2; Fedus et al., "Switc
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -128,10 +129,9 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
         )
         setattr(base, name, weight)
         sharded.append(weight)
-    group = mesh.get_group()
-    experts.forward = lambda hidden, top_k_index, top_k_weights: expert_parallel_forward(
-        experts, hidden, top_k_index, top_k_weights, group
-    )
+    # The module's own forward, replaced on this instance: (hidden, top_k_index, top_k_weights) in,
+    # the experts' weighted sum out, as the MoE block calls it.
+    experts.forward = functools.partial(expert_parallel_forward, experts, group=mesh.get_group())
     return sharded
 
 
