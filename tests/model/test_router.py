@@ -14,6 +14,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from distft.config import load_config
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.model.checkpointing import enable_checkpointing
+from distft.model.compile import compile_blocks
 from distft.model.router import router_losses
 
 B, S, LABELLED = 2, 48, 16
@@ -95,21 +96,25 @@ def test_the_auxiliary_losses_train_as_transformers_computes_them(aux_coef, z_co
     assert router.take_stats(torch.device("cpu")).abs().sum() == 0  # taken: a fresh start
 
 
-def test_counted_once_under_checkpointing_and_not_without_gradients():
-    """Full activation checkpointing reruns every router in the backward: the same gradients and
-    statistics as without it. An evaluation (no gradients) records nothing."""
+def test_counted_once_under_checkpointing_and_compiled_and_not_without_gradients():
+    """Full activation checkpointing reruns every router in the backward, and compiled decoder
+    blocks (aot_eager, as the CPU compiles) trace the hooks: the same gradients and statistics as
+    the plain eager forward. An evaluation (no gradients) records nothing."""
     data = {k: v for k, v in batch().items() if k != "hf_labels"}
     results = []
-    for level in ("none", "full"):
+    for level, compiled in (("none", False), ("full", False), ("none", True)):
         lm = full_moe()
         enable_checkpointing(causal_lm(lm), level)
+        if compiled:
+            compile_blocks(lm, "aot_eager", strict=True)
         router = router_losses(causal_lm(lm).model, 0.5, 0.1)
         LossLM(lm, router=router)(**data).backward()
         results.append((gradients(lm), router.take_stats(torch.device("cpu"))))
-    (plain, plain_stats), (checkpointed, checkpointed_stats) = results
-    torch.testing.assert_close(checkpointed_stats, plain_stats)
-    for name in plain:
-        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    (plain, plain_stats), *others = results
+    for grads, stats in others:
+        torch.testing.assert_close(stats, plain_stats)
+        for name in plain:
+            torch.testing.assert_close(grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
 
     lm = full_moe()
     router = router_losses(causal_lm(lm).model, 0.5, 0.1)
