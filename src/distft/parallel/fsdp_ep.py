@@ -64,7 +64,7 @@ class FSDPExpertParallel(FSDP):
     supports_fp8: ClassVar[bool] = False
     supports_qlora: ClassVar[bool] = False
     qlora_refusal: ClassVar[str] = "its experts are fused parameter stacks that NF4 does not quantize"
-    supports_compile: ClassVar[bool] = False  # a host sync per layer (the all-to-all sizes)
+    supports_compile: ClassVar[bool] = False  # the all-to-all sizes read on the host: a graph break per layer
     label = "FSDP x EP"
     holds = "1/N of the experts, whole; 1/N of every other param, grad, optimizer state"
     moves = "all-to-all of each MoE layer's routed tokens (there and back); FSDP's all-gather / reduce-scatter of the rest"
@@ -103,9 +103,6 @@ class FSDPExpertParallel(FSDP):
         for weight in self.expert_weights:
             if weight.grad is not None:
                 weight.grad.div_(self.averaged_over)
-
-    def mesh_groups(self) -> dict[str, list[int]]:
-        return {"dp": dist.get_process_group_ranks(self.mesh.get_group("dp"))}
 
 
 def experts_base(experts: nn.Module) -> nn.Module:
