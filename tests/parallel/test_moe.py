@@ -13,13 +13,18 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from distft.cli import main
+from distft.cli import build_parser, main
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
+from distft.plan import evaluate, make_request
+from distft.plan.collective import bytes_by_kind
 from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
 
-MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_rows=16"]
+# Adam's eps above the rounding of a gradient element (~2e-9 here): at the default 1e-8, an element
+# whose first gradient is itself ~1e-8 moves by lr g / (|g| + eps), and another summation order (tp
+# sums each expert's features in halves) turns 1.4e-8 against 1.6e-8 into 3% of a step.
+MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_rows=16", "optim.eps=1e-6"]
 MOE_STRATEGIES = [name for name, cls in STRATEGIES.items() if cls.supports_moe and name != "single"]
 
 
@@ -37,6 +42,35 @@ def assert_all_to_all_bytes(run, micro_batches: int, forwards: int = 1) -> None:
     assert counted == rows + len(ranks) * micro_batches * forwards * layers * experts * 8
 
 
+def assert_tp_bytes(run, micro_batches: int) -> None:
+    """tp's all-reduce bytes of step 1 on one rank are the analytic count, in fp32 (4 bytes) over
+    micro-batches of T tokens. Per layer and micro-batch: attention's as on a dense model (forward
+    o_proj's output and its lora_A's rank-r sum; backward the input of q, k, v, but in the first
+    layer, whose input needs no gradient, and of their lora_B), and the experts': their output
+    forward, the gradients of their input and of the k routing weights backward. After backward
+    the partial gradients of each layer's gate_up lora_A and down lora_B (r x experts x hidden
+    each), and the gradient norm's float64."""
+    first = metrics(run)[0]
+    t, hidden, r, k, layers, experts = first["tokens"] // micro_batches, 32, 16, 2, 4, 8
+    attention = layers * (t * hidden + t * r) + (layers - 1) * 3 * t * hidden + layers * 3 * t * r
+    moe = layers * (2 * t * hidden + t * k)
+    partial = layers * 2 * r * experts * hidden
+    assert first["comm_bytes"] == {"all_reduce": 4 * (micro_batches * (attention + moe) + partial) + 8}
+
+
+def assert_planned_bytes(run) -> None:
+    """The planner's bytes per step (the run's prediction, made before launch from the config) are
+    the bytes each rank counted, kind by kind (FSDP's without the experts under EP; the router's
+    statistics in the loss's all-reduce). The all-to-alls are planned as their mean: a rank's
+    combine sends the rows its experts took, which the routing decides; their sum is exact."""
+    ranks = [rank["comm_bytes_per_step"] for rank in json.loads((run / "ranks.json").read_text())]
+    for comm in ranks:
+        other = {k: v for k, v in comm["predicted"].items() if k != "all_to_all"}
+        assert other == {k: v for k, v in comm["counted"].items() if k != "all_to_all"}, (run.name, comm)
+    planned = sum(comm["predicted"].get("all_to_all", 0) for comm in ranks)
+    assert planned == sum(comm["counted"].get("all_to_all", 0) for comm in ranks), run.name
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe") / "single"
@@ -45,12 +79,13 @@ def reference(tmp_path_factory):
 
 
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
-    """ddp, zero1, fsdp and zero2 (FSDP2 shards each layer's expert stacks along the experts) and
-    fsdp+ep (each rank 4 experts whole, tokens sent by all-to-all; the bytes the analytic count):
+    """ddp, zero1, fsdp and zero2 (FSDP2 shards each layer's expert stacks along the experts),
+    fsdp+ep (each rank 4 experts whole, tokens sent by all-to-all; the bytes the analytic count) and
+    tp (each rank every expert's half of the intermediate dimension, adapters cut with it):
     the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
     (rank x experts rows); plain peft loads it on the saved base, and the export merges it (the
     experts' adapters into their stacks) into a model plain transformers loads with the same logits."""
-    assert set(MOE_STRATEGIES) == {"ddp", "zero1", "fsdp", "zero2", "fsdp+ep"}
+    assert set(MOE_STRATEGIES) == {"ddp", "zero1", "fsdp", "zero2", "fsdp+ep", "tp"}
     weights = adapter(reference)
     experts = {k: v for k, v in weights.items() if ".mlp.experts." in k}
     assert len(experts) == 4 * 4  # 4 layers x (gate_up, down) x (lora_A, lora_B)
@@ -60,6 +95,9 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
         run = tmp_path / strategy
         distft("train", *MOE, "--strategy", strategy, "--nproc", "2", "--out", str(run))
         assert_same_training(run, reference)
+        assert_planned_bytes(run)
+        if strategy == "tp":  # the planner's count of the experts' all-reduces, against a hand count
+            assert_tp_bytes(run, micro_batches=4)
     assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=2)
     # Full activation checkpointing: the recompute runs the forward's all-to-alls again.
     recomputed = tmp_path / "fsdp+ep-checkpointed"
@@ -67,6 +105,7 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     distft("train", *MOE, *layout, "--out", str(recomputed))
     assert_same_training(recomputed, reference)
     assert_all_to_all_bytes(recomputed, micro_batches=2, forwards=2)
+    assert_planned_bytes(recomputed)
 
     model = AutoModelForCausalLM.from_pretrained(reference / "base")
     plain = PeftModel.from_pretrained(model, reference / "adapter").eval()
@@ -121,8 +160,9 @@ def test_the_router_trains_beside_the_adapters_on_request(tmp_path):
 
 def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     """--method full, with the router's load-balancing loss and z-loss: every expert, the router
-    and attention train; fsdp and fsdp+ep (the experts' stacks and their optimizer state sharded
-    along the experts) agree with one process at every step in loss, gradient norm, the auxiliary
+    and attention train; fsdp, fsdp+ep (the experts' stacks and their optimizer state sharded
+    along the experts) and tp (along their intermediate dimension, the router's gradient complete
+    on every rank) agree with one process at every step in loss, gradient norm, the auxiliary
     losses and the tokens each expert took, and in the evaluation loss after. The auxiliary losses
     move the gradient, not the loss recorded."""
     full = [
@@ -138,7 +178,7 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     single, plain = tmp_path / "single", tmp_path / "plain"
     assert main(["train", *full, *aux, "--out", str(single)]) == 0
     routing = ("router_aux_loss", "router_z_loss", "expert_imbalance")
-    for strategy in ("fsdp", "fsdp+ep"):
+    for strategy in ("fsdp", "fsdp+ep", "tp"):
         run = tmp_path / strategy
         distft("train", *full, *aux, "--strategy", strategy, "--nproc", "2", "--out", str(run))
         for got, want in zip(metrics(run), metrics(single), strict=True):
@@ -158,33 +198,61 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     assert trained.config.model_type == "qwen3_moe"  # the export plain transformers loads
     assert not torch.equal(layer.experts.down_proj, before.experts.down_proj)
     assert not torch.equal(layer.gate.weight, before.gate.weight)
-    ep_model = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp+ep" / "model")
-    for name, weight in trained.state_dict().items():  # the experts gathered whole again
-        torch.testing.assert_close(ep_model.state_dict()[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    for strategy in ("fsdp+ep", "tp"):  # the experts gathered whole again
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / strategy / "model").state_dict()
+        for name, weight in trained.state_dict().items():
+            torch.testing.assert_close(exported[name], weight, rtol=1e-4, atol=1e-6, msg=(strategy, name))
 
-    # Across expert-parallel degrees: fsdp+ep's checkpoint (each rank's experts) resumed by one
-    # process, and one process's resumed by fsdp+ep, each train step 2 and 3 as one process does.
-    for source, strategy, nproc in ((tmp_path / "fsdp+ep", "single", "1"), (single, "fsdp+ep", "2")):
-        out = crashed_copy(source, tmp_path / f"resumed-{strategy}", 1)
+    # Across degrees: fsdp+ep's checkpoint (each rank's experts) and tp's (each rank's halves of
+    # them, written whole) resumed by one process, and one process's resumed by each, train steps
+    # 2 and 3 as one process does.
+    resumes = [(tmp_path / s, "single", "1") for s in ("fsdp+ep", "tp")] + [
+        (single, s, "2") for s in ("fsdp+ep", "tp")
+    ]
+    for source, strategy, nproc in resumes:
+        out = crashed_copy(source, tmp_path / f"resumed-{source.name}-{strategy}", 1)
         proc = distft("train", "--resume", str(out), "--strategy", strategy, "--nproc", nproc)
         assert "(step 1)" in proc.stdout
         for got, want in zip(metrics(out), metrics(single), strict=True):
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (strategy, got["step"])
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (strategy, got["step"])
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (out.name, got["step"])
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (out.name, got["step"])
 
 
-def test_the_planner_says_it_does_not_count_experts(capsys):
-    """`distft plan` on an MoE: one line, no traceback (a run's own prediction is then none)."""
-    assert main(["plan", "--model", "qwen3-moe-micro", "--gpu", "h100"]) == 2
+def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys):
+    """`distft plan` on Qwen3-30B-A3B: every expert in memory, a token's 8 in FLOPs; full finetuning
+    on 8 H100s, where FSDP gathers each layer's 128 experts every micro-batch and does not fit,
+    takes the tree to FSDP x EP; QLoRA, whose NF4 base leaves the fused stacks out, is refused."""
+    assert (
+        main(["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpu", "h100", "--gpus", "8", "--method", "full"])
+        == 0
+    )
+    out = " ".join(capsys.readouterr().out.split())
+    assert "30.53B parameters" in out and "128 experts of 768 (8 per token: 3.35B parameters active)" in out
+    assert "3a. Do the experts need sharding? Yes" in out and "--strategy fsdp+ep --nproc 8" in out
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpu", "h100", "--method", "qlora"]) == 2
     err = capsys.readouterr().err
-    assert "whose experts the planner does not count yet" in err and len(err.strip().splitlines()) == 1, err
+    assert "fused parameter stacks" in err and len(err.strip().splitlines()) == 1, err
+    # The all-to-alls: 2048 tokens x 8 experts x hidden 2048 in bf16, there and back, forward and
+    # backward, in each of the 48 layers; 128 int64 counts per layer. An uneven router slows the
+    # busiest rank and fills it: its routed rows grow, the bytes it sends do not.
+    flags = "--model qwen3-30b-a3b --gpu h100 --gpus 8 --method full"
+    plans = [
+        evaluate(make_request(build_parser().parse_args(["plan", *flags.split(), "--expert-imbalance", i])))[
+            "fsdp+ep"
+        ]
+        for i in ("1", "1.5")
+    ]
+    even, uneven = plans
+    assert bytes_by_kind(even.collectives)["all_to_all"] == 2048 * 8 * 2048 * 2 * 2 * 2 * 48 + 128 * 8 * 48
+    assert bytes_by_kind(uneven.collectives) == bytes_by_kind(even.collectives)
+    assert uneven.activations > even.activations and uneven.step_s > even.step_s
     assert [name for name, family in FAMILIES.items() if family.moe] == ["qwen3_moe"]  # each one tested here
 
 
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--strategy", "tp", "--nproc", "2"], "cannot split yet (its plans know dense MLPs only)"),
+        (["--strategy", "tp-sp", "--nproc", "2"], "cannot split yet (its plans know dense MLPs only)"),
         (["--method", "qlora"], "its NF4 base quantizes Linear layers"),
         (['lora.target_modules=["q_proj","gate_proj"]'], "names gate_proj but not up_proj"),
         (["lora.dropout=0.1"], "lora.dropout cannot apply to qwen3-moe-micro's experts"),
@@ -194,10 +262,23 @@ def test_the_planner_says_it_does_not_count_experts(capsys):
         ),
         (["--strategy", "fsdp+ep", "--nproc", "2", "--model", "micro"], "and micro has none"),
     ],
-    ids=["tp", "qlora", "gate-without-up", "dropout", "ep-uneven", "ep-dense"],
+    ids=["tp-sp", "qlora", "gate-without-up", "dropout", "ep-uneven", "ep-dense"],
 )
 def test_what_cannot_run_an_moe_is_refused_before_launch(flags, says, tmp_path, capsys):
     assert main(["train", *MOE, *flags, "--out", str(tmp_path / "x")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "warning:" not in line]  # --nproc 3
     assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_tp_degree_that_does_not_split_the_experts_is_refused(tmp_path, capsys):
+    """tp cuts every expert's intermediate dimension in N: a degree that does not divide
+    moe_intermediate_size is refused before launch, in one line (heads and KV heads divide here)."""
+    config = PRESETS["qwen3-moe-micro"].to_config()
+    config.moe_intermediate_size = 25
+    config.save_pretrained(tmp_path / "odd")
+    flags = ["--model", str(tmp_path / "odd"), "--strategy", "tp", "--nproc", "2"]
+    assert main(["train", *MOE, *flags, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "moe_intermediate_size 25 is not divisible by 2" in err[0], err
     assert not (tmp_path / "x").exists()

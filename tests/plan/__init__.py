@@ -1,6 +1,7 @@
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
 
-# Every dense family's micro preset (`micro` is Qwen3's): the models the planner is checked against.
-# It does not count experts yet, and refuses an MoE in one line (tests/parallel/test_moe.py).
-MICROS = tuple(name for name, p in PRESETS.items() if name.endswith("micro") and not FAMILIES[p.family].moe)
+# Every family's micro preset (`micro` is Qwen3's): the models the planner is checked against;
+# `DENSE_MICROS` without the mixture of experts (what QLoRA and the dense-only cases take).
+MICROS = tuple(name for name in PRESETS if name.endswith("micro"))
+DENSE_MICROS = tuple(name for name in MICROS if not FAMILIES[PRESETS[name].family].moe)

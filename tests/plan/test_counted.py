@@ -32,9 +32,11 @@ from distft.data.tokenizer import qwen3_tokenizer, with_added_tokens
 from distft.distributed import DistEnv
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
-from distft.model import LossLM, apply_method, load_base_model
+from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.model.nf4 import is_nf4, storage_layout
+from distft.model.router import router_losses
 from distft.parallel import STRATEGIES
+from distft.parallel.base import unwrap
 from distft.plan.activations import activation_bytes
 from distft.plan.auto import predict
 from distft.plan.inputs import PRECISIONS, Parallelism, Training
@@ -58,6 +60,8 @@ LAYOUTS = {
     "tp-sp": Parallelism("tp-sp", tp=WORLD, sp=True),
     "cp": Parallelism("cp", cp=WORLD),
 }
+# The expert-parallel layout runs a mixture of experts only (`EXTRA`'s moe cases).
+EXPERT_LAYOUTS = {"fsdp+ep": Parallelism("fsdp+ep", dp=WORLD, shard="full", ep=WORLD)}
 # (batch, seq, labels per sequence, padding of the last row); tp-sp needs right-padded rows only
 # and its causal-only attention ignores the mask, so its padded case runs unpadded.
 ACTIVATION_CASES = [(1, 64, 2, 0), (2, 256, 2, 0), (2, 96, 1, 5)]  # few labels: layers dominate
@@ -108,6 +112,10 @@ EXTRA = {
         {},
         ("zero2",),
     ),
+    # A mixture of experts: every expert's stacks, sharded along the experts by FSDP2 or held 1/N
+    # whole by expert parallelism; per-expert adapters; the router's statistics all-reduced.
+    "moe": ("lora", ["model.name=qwen3-moe-micro"], {}, ("single", "ddp", "fsdp", "fsdp+ep")),
+    "moe-full": ("full", ["model.name=qwen3-moe-micro"], {}, ("zero1", "zero2", "fsdp+ep")),
 }
 
 
@@ -135,21 +143,21 @@ def _training(method: str, b: int = 1, s: int = 32, labels: int = 4, pad: int = 
 
 def _count_and_measure(rank: int, world: int) -> None:
     env = DistEnv(rank, world, rank, torch.device("cpu"), "gloo")
-    spec = resolve_model("micro")
     rows = []
     for method in ("lora", "full"):
         for name, layout in LAYOUTS.items():
-            rows += _count(env, spec, method, name, layout, world)
+            rows += _count(env, method, name, layout, world)
     for label, (method, overrides, extra, names) in EXTRA.items():
         for name in names:
-            rows += _count(env, spec, method, name, LAYOUTS[name], world, overrides, extra, label)
+            layout = {**LAYOUTS, **EXPERT_LAYOUTS}[name]
+            rows += _count(env, method, name, layout, world, overrides, extra, label)
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
         print("PLAN_ROWS", json.dumps([r for ranks in gathered for r in ranks]))
 
 
-def _count(env, spec, method, name, layout, world, overrides=(), extra=None, label="") -> list[dict]:
+def _count(env, method, name, layout, world, overrides=(), extra=None, label="") -> list[dict]:
     """Build `name` as the loop does, step once, and assert its state bytes equal the plan's."""
     rank, rows, extra = env.rank, [], extra or {}
     nproc = 1 if name == "single" else world
@@ -163,6 +171,7 @@ def _count(env, spec, method, name, layout, world, overrides=(), extra=None, lab
         *overrides,
     ]
     cfg = load_config(None, args)
+    spec = resolve_model(cfg.model.name)  # micro, or an override's
     torch.manual_seed(0)
     strategy = STRATEGIES[name](cfg, env)
     base = load_base_model(cfg.model)
@@ -170,7 +179,9 @@ def _count(env, spec, method, name, layout, world, overrides=(), extra=None, lab
     tokenizer = (
         with_added_tokens(qwen3_tokenizer(), cfg.model.added_tokens) if cfg.model.added_tokens else None
     )
-    model = strategy.parallelize(LossLM(apply_method(base, cfg, tokenizer)))
+    lm = apply_method(base, cfg, tokenizer)
+    router = router_losses(causal_lm(lm).model, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)  # an MoE's
+    model = strategy.parallelize(LossLM(lm, router=router))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer_class, defaults = OPTIMIZERS[extra.get("optimizer", "adamw")]()
     optimizer = strategy.build_optimizer(trainable, optimizer_class, **defaults)
@@ -184,10 +195,17 @@ def _count(env, spec, method, name, layout, world, overrides=(), extra=None, lab
     with CommCounter() as counter:
         loss = strategy.forward_backward(model, [batch(1, COMM_SEQ, 4, 0)], 4)
         strategy.reduce_loss(loss)
+        if (router := unwrap(model).router) is not None:  # the loop's `step_statistics` of an MoE
+            strategy.reduce_loss(router.take_stats(env.device).float())
         strategy.clip_grad_norm_(model, 1.0)
         optimizer.step()  # ZeRO-1 broadcasts the updated weights
     optimizer.zero_grad()
     counted_bytes, predicted = dict(counter.stats.bytes), {k: int(v) for k, v in predicted.items()}
+    # A rank's all-to-all combine sends the rows its experts took (the routing's choice): planned
+    # as the mean, so their sum over the ranks is the plan's.
+    routed = torch.tensor([counted_bytes.pop("all_to_all", 0), predicted.pop("all_to_all", 0)])
+    dist.all_reduce(routed)
+    assert routed[0] == routed[1] and (routed[0] > 0) == (name == "fsdp+ep"), (name, routed)
     assert counted_bytes == predicted, (label or method, name, rank, counted_bytes, predicted)
     rows.append(
         {"kind": "comm", "method": label or method, "strategy": name, "rank": rank, "bytes": predicted}

@@ -360,9 +360,25 @@ def test_local_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     spec = resolve_model(str(tmp_path))
     assert spec.num_params() == resolve_model("qwen3-4b").num_params() and spec.qk_norm
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_moe", "num_experts": 128}))
-    with pytest.raises(ConfigError, match="mixture-of-experts"):
-        resolve_model(str(tmp_path))
+    # A Qwen3-MoE config.json: every expert counted, a token's top-k active.
+    moe = {
+        **cfg,
+        "model_type": "qwen3_moe",
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 512,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    spec = resolve_model(str(tmp_path))
+    experts = 36 * 16 * 3 * 512 * 2560
+    dense_mlp = 36 * 3 * 9728 * 2560
+    assert spec.num_params() == resolve_model("qwen3-4b").num_params() - dense_mlp + experts + 36 * 16 * 2560
+    assert spec.num_params() - spec.active_params() == experts // 16 * 14
+    # Layouts the planner does not know: another family's experts, dense layers among the MoE ones.
+    for other in ({**moe, "model_type": "mixtral", "num_local_experts": 8}, {**moe, "mlp_only_layers": [0]}):
+        (tmp_path / "config.json").write_text(json.dumps(other))
+        with pytest.raises(ConfigError, match="the planner cannot count"):
+            resolve_model(str(tmp_path))
 
 
 def test_plan_says_the_largest_micro_batch_that_fits(capsys):

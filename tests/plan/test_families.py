@@ -27,7 +27,7 @@ from distft.plan.inputs import PRECISIONS, Parallelism, Training
 from distft.plan.memory import state_bytes
 from distft.plan.model_spec import resolve_model
 from distft.plan.traffic import dp_collectives
-from tests.plan import MICROS
+from tests.plan import DENSE_MICROS, MICROS
 from tests.plan.test_activations import batch
 
 RANK = 5
@@ -47,8 +47,11 @@ def _config(preset: str, method: str):
 
 
 def _planner_name(name: str) -> str:
-    """transformers' (and PEFT's) parameter name as the planner writes it: `layers.0.q_proj.bias`."""
+    """transformers' (and PEFT's) parameter name as the planner writes it: `layers.0.q_proj.bias`.
+    peft nests one wrapper per expert stack it adapts: gate_up's inside down's."""
     name = name.removeprefix("base_model.model.").removeprefix("model.")
+    name = name.replace("experts.base_layer.lora_", "experts.gate_up_proj.lora_")
+    name = name.replace("experts.lora_", "experts.down_proj.lora_").replace("base_layer.", "")
     for part in ("self_attn.", "mlp.", ".default", "_vector"):
         name = name.replace(part, "")
     return name.removesuffix(".weight")
@@ -76,8 +79,10 @@ def test_tensor_list_is_the_built_model(preset):
     assert adapters == [(t.name, t.shape) for t in spec.lora_tensors(RANK)]
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "qlora"])
-@pytest.mark.parametrize("preset", MICROS)
+@pytest.mark.parametrize(
+    "preset,method",
+    [(p, m) for p in MICROS for m in ("lora", "full", "qlora") if m != "qlora" or p in DENSE_MICROS],
+)
 def test_state_bytes_are_what_the_built_model_holds(preset, method):
     """One process, one AdamW step: parameters (NF4 inner tensors counted one by one), gradients
     and optimizer state equal the planner's single-layout figures exactly."""

@@ -17,6 +17,7 @@ RELEASED = {
     "Qwen/Qwen3-8B": ("qwen3", 4096, 12288, 36, 32, 8, 128, 151936, False),
     "Qwen/Qwen3-14B": ("qwen3", 5120, 17408, 40, 40, 8, 128, 151936, False),
     "Qwen/Qwen3-32B": ("qwen3", 5120, 25600, 64, 64, 8, 128, 151936, False),
+    "Qwen/Qwen3-30B-A3B": ("qwen3_moe", 2048, 6144, 48, 32, 4, 128, 151936, False),
     "meta-llama/Llama-3.1-8B": ("llama", 4096, 14336, 32, 32, 8, 128, 128256, False),
     "meta-llama/Llama-3.2-3B": ("llama", 3072, 8192, 28, 24, 8, 128, 128256, True),
     "meta-llama/Meta-Llama-3-70B": ("llama", 8192, 28672, 80, 64, 8, 128, 128256, False),

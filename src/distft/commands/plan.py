@@ -99,6 +99,13 @@ def _add_sequence_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mlp-tiles", type=int, default=0, help="the MLP in N checkpointed sequence slices (model.mlp_tiles)"
     )
+    p.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=1.0,
+        help="a mixture of experts: the busiest expert-parallel rank's routed tokens over the even share "
+        "(default 1.0, balanced; a run records its busiest expert's as expert_imbalance)",
+    )
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on a GPU (default 1)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument(

@@ -261,18 +261,20 @@ def nf4_gathered_bytes(numel: int, spec: NF4Spec, itemsize: int, shards: int) ->
 
 
 def projection_shapes(model_config: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each decoder projection (every family's; torch's Linear convention)."""
+    """(out, in) of each decoder projection (every family's; torch's Linear convention). A mixture
+    of experts' MLP projections are one expert's (`moe_intermediate_size` wide), stacked per layer."""
     c = model_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    inter = c.moe_intermediate_size if getattr(c, "num_experts", 0) else c.intermediate_size
     return {
         "q_proj": (q, c.hidden_size),
         "k_proj": (kv, c.hidden_size),
         "v_proj": (kv, c.hidden_size),
         "o_proj": (c.hidden_size, q),
-        "gate_proj": (c.intermediate_size, c.hidden_size),
-        "up_proj": (c.intermediate_size, c.hidden_size),
-        "down_proj": (c.hidden_size, c.intermediate_size),
+        "gate_proj": (inter, c.hidden_size),
+        "up_proj": (inter, c.hidden_size),
+        "down_proj": (c.hidden_size, inter),
     }
 
 

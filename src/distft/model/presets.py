@@ -116,10 +116,14 @@ PRESETS: dict[str, Preset] = {
         )
     },
     # Qwen3-MoE: `micro`'s attention and 8 experts of which each token takes 2 (Qwen3-30B-A3B's 128
-    # and 8 in miniature). The released sizes join when the planner counts experts.
+    # and 8 in miniature).
     "qwen3-moe-micro": Preset(
         32, 96, 4, 4, 2, 8, True, max_position_embeddings=4096, initializer_range=0.1, family="qwen3_moe",
         extra={**QWEN3_TOKENS, **_MOE_MICRO},
+    ),
+    "qwen3-30b-a3b": Preset(
+        2048, 6144, 48, 32, 4, 128, False, "Qwen/Qwen3-30B-A3B", family="qwen3_moe",
+        extra={**QWEN3_TOKENS, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
     ),
     "llama3-8b": Preset(
         4096, 14336, 32, 32, 8, 128, False, "meta-llama/Llama-3.1-8B", 131_072,

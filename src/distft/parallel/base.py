@@ -108,8 +108,8 @@ class Strategy:
     ) -> tuple[int, ...]:
         """Bytes of each scalar a step all-reduces beside its tensors: the loss sum (fp32, 4 B)
         where ranks hold different rows or positions (data-parallel replicas, a pipeline's last
-        stage, a sequence split), with a preference objective's `pair_statistics` fp32 sums beside
-        it (`distft.model.preference.STATS`) and KTO's KL sum before them (`kl_sum`, fp32), and the squared gradient norm (float64, 8 B) where a
+        stage, a sequence split), with `pair_statistics` fp32 sums beside it (a preference objective's
+        `distft.model.preference.STATS`, an MoE's router sums) and KTO's KL sum before them (`kl_sum`, fp32), and the squared gradient norm (float64, 8 B) where a
         gradient is sharded (FSDP, TP) or split across stages (`grads.clip_grad_norm_`). The
         planner and the runtime's expected bytes both count them here."""
         reduced = dp > 1 or cls.pipelined or sequence_split or "cp" in cls.dims

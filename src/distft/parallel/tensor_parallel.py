@@ -37,6 +37,13 @@ all-reduces the gradient flowing into lora_A's output, so lora_A's gradient is a
 All-reducing it again doubles it, an error AdamW's scale invariance all but hides in the weights;
 the parity tests compare gradient norms for that reason.
 
+A mixture of experts (Qwen3-MoE) keeps its attention plan; its MLP is a router and two fused
+expert stacks, not Linear layers. Each rank keeps every expert's 1/N of the intermediate dimension
+(gate_up_proj's gate and up rows, down_proj's columns, and their adapters cut with them) as
+plain tensors, and the router whole. Per MoE layer: one all-reduce of the experts' output
+forward; in backward one of the gradient of their input and of the routing weights; after
+backward, the partial gradients of gate_up's lora_A and down's lora_B. Details in `tp_experts.py`.
+
 Paper: Shoeybi et al., "Megatron-LM" (1909.08053).
 """
 
@@ -49,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -62,7 +70,8 @@ from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.families import PROJECTIONS
 from distft.model.nf4 import TP_REFUSAL
-from distft.parallel.base import Strategy
+from distft.parallel.base import Strategy, unwrap
+from distft.parallel.tp_experts import expert_split, local_expert_state, shard_experts, whole_expert_state
 
 # Which projections of a decoder layer are column- and row-parallel, from the families' one
 # description (tp, tp-sp, fsdp+tp and the planner read them). Column: weight split on out (dim 0);
@@ -96,6 +105,12 @@ def check_tp_degree(cfg: Config, model_config: PretrainedConfig, n: int, knob: s
             f"--strategy {strategy} splits the MLP across {n} ranks, but {name}'s intermediate_size "
             f"{model_config.intermediate_size} is not divisible by {n}."
         )
+    experts = getattr(model_config, "moe_intermediate_size", 0)  # a mixture of experts (`tp_experts`)
+    if experts % n:
+        raise ConfigError(
+            f"--strategy {strategy} splits each expert's MLP across {n} ranks, but {name}'s "
+            f"moe_intermediate_size {experts} is not divisible by {n}."
+        )
 
 
 def partial_gradient_params(scope: Iterable[nn.Module]) -> list[nn.Parameter]:
@@ -126,7 +141,10 @@ def head_norms(layers: Iterable[nn.Module]) -> list[nn.Module]:
 def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
     """The plan for one decoder layer, as data: module path -> how it is sharded."""
     plan: dict[str, ParallelStyle] = {}
+    moe = hasattr(layer.mlp, "experts")  # a router and expert stacks: `tp_experts`, not a plan
     for path in COLUMN + ROW:
+        if moe and path.startswith("mlp."):
+            continue
         module = layer.get_submodule(path)
         colwise = path in COLUMN
         if hasattr(module, "base_layer"):  # a PEFT LoRA layer: shard the adapter with its base
@@ -162,6 +180,7 @@ class TensorParallel(Strategy):
     supports_dora: ClassVar[bool] = False
     dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
     collectives = "the all-reduces of activations (tp)"
+    supports_moe: ClassVar[bool] = True  # each expert split along its intermediate dimension (`tp_experts`)
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
@@ -176,15 +195,48 @@ class TensorParallel(Strategy):
         self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
         layers = causal_lm(model.lm).model.layers
         self.partial_grads = partial_gradient_params(head_norms(layers))
+        self.expert_shards: list[nn.Parameter] = []
         for layer in layers:
             parallelize_module(layer, self.mesh, layer_plan(layer))
+            if hasattr(layer.mlp, "experts"):
+                shards, partial = shard_experts(layer.mlp.experts, self.mesh)
+                self.expert_shards += shards
+                self.partial_grads += partial
         return model
 
     def after_backward(self, model: nn.Module) -> None:
-        # Each rank saw only its heads: sum the partial gradients over the TP group.
+        # Each rank saw only its heads (and its experts' features): sum the partial gradients.
         for p in self.partial_grads:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
+
+    def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
+        # The experts' shards are plain tensors, each rank's a distinct slice: summed over the ranks.
+        shared, replicated = super().gradient_shares(model)
+        shards = {id(p.grad) for p in self.expert_shards if p.grad is not None}
+        shared += [(g, 1) for g in replicated if id(g) in shards]
+        return shared, [g for g in replicated if id(g) not in shards]
+
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """As the base class's, the experts' shards gathered whole too (a collective each)."""
+        state = {}
+        for name, param in unwrap(model).lm.named_parameters():
+            if param.requires_grad:
+                split = expert_split(param)
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                full = split.gather(param, self.mesh) if split is not None else full
+                if self.env.is_main:
+                    state[name] = full.detach().cpu().clone()
+        return state if self.env.is_main else None
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        # DTensor shards go to DCP as they are; the experts' plain shards whole (`tp_experts`).
+        state = super().checkpoint_state(model, optimizer)
+        return whole_expert_state(state, dict(unwrap(model).named_parameters()), self.mesh)
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        state = local_expert_state(state, dict(unwrap(model).named_parameters()), self.mesh)
+        super().load_checkpoint_state(model, optimizer, state)
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         return local_sum  # every rank computed the same, full loss

@@ -89,8 +89,8 @@ PLAN_FLAGS = {
 }
 
 
-def make_request(args: argparse.Namespace) -> Request:
-    """Validate the command line and build the request (every error is a ConfigError)."""
+def check_numbers(args: argparse.Namespace) -> None:
+    """The numeric flags in range (a ConfigError naming the flag otherwise)."""
     positive = {
         "--gpus": args.gpus,
         "--nodes": args.nodes,
@@ -107,12 +107,21 @@ def make_request(args: argparse.Namespace) -> Request:
         raise ConfigError(f"--mlp-tiles must be 0 (the MLP whole) or more, got {args.mlp_tiles}.")
     if args.pp_microbatches is not None and args.pp_microbatches < 1:
         raise ConfigError(f"--pp-microbatches must be a positive integer, got {args.pp_microbatches}.")
+    if not args.expert_imbalance >= 1:
+        raise ConfigError(
+            f"--expert-imbalance is the busiest rank's share over the mean, 1 or more; got {args.expert_imbalance:g}."
+        )
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu is a fraction of the peak, in (0, 1]; got {args.mfu}.")
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be a positive integer, got {args.steps}.")
     if not args.epochs > 0:
         raise ConfigError(f"--epochs must be positive, got {args.epochs:g}.")
+
+
+def make_request(args: argparse.Namespace) -> Request:
+    """Validate the command line and build the request (every error is a ConfigError)."""
+    check_numbers(args)
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
     if args.gpu is None and args.gpu_mem is None:
         raise ConfigError(
@@ -132,6 +141,11 @@ def make_request(args: argparse.Namespace) -> Request:
             f"--overhead {args.overhead} leaves nothing of --gpu-mem {args.gpu_mem or gpu.label}."
         )
     model = resolve_model(args.model)
+    if model.moe and args.method == "qlora":
+        raise ConfigError(
+            f"--method qlora cannot plan {model.name}: its NF4 base quantizes Linear layers, and the experts "
+            "(nearly all of the weights) are fused parameter stacks. Use --method lora."
+        )
     if args.rope_scaling != "none" and not args.rope_factor > 1:
         raise ConfigError(
             f"--rope-scaling {args.rope_scaling} needs --rope-factor > 1, got {args.rope_factor:g}."
@@ -152,6 +166,7 @@ def make_request(args: argparse.Namespace) -> Request:
         mlp_tiles=args.mlp_tiles,
         rope_scaling=args.rope_scaling,
         rope_factor=args.rope_factor if args.rope_scaling != "none" else 0.0,
+        expert_imbalance=args.expert_imbalance,
     )
     return Request(
         model=model,

@@ -13,7 +13,8 @@ term is a tensor autograd keeps, counted once even when several ops save it:
   and sdpa keeps the mask (c B S^2 per layer). Eager attention keeps the S x S scores instead:
   the fp32 softmax (4 B nq S^2) and its compute-dtype copy (c B nq S^2 unless c = 4), repeated k
   and v, and the output's contiguous copy.
-- MLP: gate output, SiLU output, up output and their product (4 c T I).
+- MLP: gate output, SiLU output, up output and their product (4 c T I); an MoE block's router
+  and routed rows are `plan/experts.py`'s.
 - biases (Qwen2's q/k/v): nothing; a bias's gradient is its output's gradient, summed over tokens.
 - LoRA: each adapted projection keeps lora_A's output (T r). lora_A's input is the projection's
   input, shared, when adapters and activations have the same dtype; PEFT casts the input to the
@@ -51,6 +52,8 @@ from dataclasses import dataclass, field
 
 from distft.model.loss import loss_chunk
 from distft.parallel.context.model import padded_length
+from distft.parallel.pipeline.cost import MLP_PROJECTIONS
+from distft.plan.experts import moe_block_bytes
 from distft.plan.inputs import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 from distft.plan.memory import layer_seq_len
 from distft.plan.model_spec import COLUMN, ModelSpec
@@ -153,13 +156,8 @@ class _Layer:
         keep q, k, v, the output and the log-sum-exp, whatever the padding; sdpa also keeps a
         padded batch's dense mask; eager the scores."""
         t, spec, tp = self.training, self.spec, self.par.tp
-        c, B, S, T, d = (
-            t.precision.activation,
-            t.micro_batch,
-            layer_seq_len(t, self.par),
-            self.T,
-            spec.head_dim,
-        )
+        c, B, S = t.precision.activation, t.micro_batch, layer_seq_len(t, self.par)
+        T, d = self.T, spec.head_dim
         nq, nkv = spec.num_heads // tp, spec.num_kv_heads // tp
         if t.attention == "eager":
             total = 3 * c * T * d * nq  # q (rotated); k and v repeated to every query head
@@ -213,6 +211,8 @@ def _mlp_block(x: _Layer, residual_grad: bool) -> tuple[int, int, bool]:
     full = t.method == "full"
     norm = _norm(Tn, h, Tn, residual_grad, full, c)
     n2_grad = residual_grad or full
+    if spec.moe:  # the router and the experts (`plan/experts.py`)
+        return norm, moe_block_bytes(spec, t, x.par, T), n2_grad or bool(x.lora & set(MLP_PROJECTIONS))
     total = 0
     if x.keeps_input("gate_proj", "up_proj"):
         total += c * T * h
@@ -266,14 +266,8 @@ def _outside_layers(
 ) -> tuple[dict[str, int], int]:
     """Token ids, rotary tables, final norm and loss on this rank; and the loss's transient logits."""
     t, spec, tp = x.training, x.spec, x.par.tp
-    c, B, S, T, Tn, h = (
-        t.precision.activation,
-        t.micro_batch,
-        layer_seq_len(t, x.par),
-        x.T,
-        x.Tn,
-        spec.hidden_size,
-    )
+    c, B, S, h = t.precision.activation, t.micro_batch, layer_seq_len(t, x.par), spec.hidden_size
+    T, Tn = x.T, x.Tn
     if x.par.cp > 1:  # context parallelism: this rank's positions only
         S = T // B
     full = t.method == "full"

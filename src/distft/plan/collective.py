@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from distft.model.nf4 import nf4_gathered_bytes
+from distft.plan.experts import expert_parallel
 from distft.plan.hardware import Link, comm_time, wire_bytes
 from distft.plan.inputs import Parallelism, Training
 from distft.plan.memory import (
@@ -76,7 +77,8 @@ def held_bytes(
     sharded = par.shard == "full"
     masters = training.fp32_masters and training.method == "full"
     for t, trains in stage_tensors(spec, training, par, rank, stage):
-        if (what != "gathered" and not trains) or (layers_only and t.layer is None):
+        skip = (what != "gathered" and not trains) or (layers_only and t.layer is None)
+        if skip or expert_parallel(t, par):  # EP's experts: never gathered, nothing to reduce
             continue
         shape = local_shape(t, par.tp, 0)
         numel = math.prod(shape)

@@ -7,8 +7,9 @@
 2. Is it the optimizer state? If weights, gradients and activations fit but AdamW's state does
    not, shard the optimizer state (ZeRO-1), then gradients (ZeRO-2).
 3. Does the model need sharding? FSDP shards everything; across nodes HSDP keeps FSDP's gathers
-   inside each node and FSDP x TP keeps TP on the node's fast links. Is the interconnect slow (PCIe, or FSDP's traffic longer than the compute it
-   should hide behind)? TP+SP moves activations instead of weights.
+   inside each node and FSDP x TP keeps TP on the node's fast links. Is the interconnect slow (PCIe,
+   or FSDP's traffic longer than the compute it should hide behind)? TP+SP moves activations
+   instead of weights. A mixture of experts: FSDP x EP keeps the experts whole and moves tokens.
 4. Is sequence length the problem? FSDP does not split activations: CP splits the positions (the
    fastest when the whole weights fit), TP+SP does too, FSDP x TP splits attention's and the MLP's
    over its TP ranks; activation checkpointing trades them for a third more compute.
@@ -24,9 +25,11 @@ from distft.plan.estimate import Estimate, Request, best, estimate, evaluate, pa
 from distft.plan.explain import (
     KEEPS,
     METHOD_NAMES,
+    METHODS,
     STRONGER,
     Recommendation,
     Step,
+    experts_answer,
     fit_text,
     gb,
     gpus_needed,
@@ -34,6 +37,7 @@ from distft.plan.explain import (
     hsdp_why_not,
     interconnect_slow,
     link_name,
+    needs,
     others,
     rate,
     zero_across_nodes,
@@ -77,25 +81,21 @@ def _adapters(walk: _Walk) -> None:
     """0. Can LoRA or QLoRA do it?"""
     req, t, single = walk.req, walk.req.training, walk.est["single"]
     if t.method == "full":
-        peft = {
-            m: estimate(walk.with_training(method=m), parallelism_for(req, "single")).total
-            for m in ("lora", "qlora")
-        }
-        verdict = {m: "fits" if b <= req.usable else "does not fit" for m, b in peft.items()}
+        single_gpu = parallelism_for(req, "single")
+        lora, qlora = (estimate(walk.with_training(method=m), single_gpu) for m in METHODS)
         walk.ask(
             "0. Can LoRA or QLoRA do it?",
-            f"On one GPU LoRA needs {gb(peft['lora'])} ({verdict['lora']}), QLoRA {gb(peft['qlora'])} "
-            f"({verdict['qlora']}), against {gb(single.total)} for full finetuning. If adapters are enough for "
-            "the task, they are the cheaper answer; the rest of the tree plans full finetuning as asked.",
+            f"On one GPU LoRA needs {needs(lora)}, QLoRA {needs(qlora)}, against {gb(single.total)} for full "
+            "finetuning. If adapters are enough for the task, they are the cheaper answer; the rest of the "
+            "tree plans full finetuning as asked.",
         )
         return
     trained = trainable_params(req.model, t)
     walk.ask(
         "0. Can LoRA or QLoRA do it?",
         f"{METHOD_NAMES[t.method]} is the plan: {trained / 1e6:.1f}M adapter parameters train; the "
-        f"{req.model.num_params() / 1e9:.2f}B base is frozen"
-        + (" in 4-bit NF4" if t.method == "qlora" else "")
-        + ", so gradients and optimizer state cover the adapters only.",
+        f"{req.model.num_params() / 1e9:.2f}B base is frozen{' in 4-bit NF4' if t.method == 'qlora' else ''}, "
+        "so gradients and optimizer state cover the adapters only.",
     )
 
 
@@ -181,12 +181,14 @@ def _shard(walk: _Walk) -> Recommendation:
     """3. Does the model need sharding, and is the interconnect slow? 4. Is sequence length the problem?"""
     req, t, fsdp, tpsp = walk.req, walk.req.training, walk.est["fsdp"], walk.est["tp-sp"]
     fsdp_state = fsdp.total - fsdp.activations
-    walk.ask(
-        "3. Does the model need sharding?",
-        f"Yes: {fit_text(fsdp, req)}"
-        + ("" if fsdp.fits else f"; without activations it would need {gb(fsdp_state)}")
-        + ".",
-    )
+    without = "" if fsdp.fits else f"; without activations it would need {gb(fsdp_state)}"
+    walk.ask("3. Does the model need sharding?", f"Yes: {fit_text(fsdp, req)}{without}.")
+    ep = walk.est["fsdp+ep"]
+    if ep.applicable:  # a mixture of experts: shard the experts whole instead of gathering them
+        answer, pick = experts_answer(req, fsdp, ep)
+        walk.ask("3a. Do the experts need sharding?", answer)
+        if pick:
+            return walk.rec("fsdp+ep", answer.split(": ", 1)[1], others(walk.est, "fsdp+ep"))
     slow, why_slow = interconnect_slow(req, fsdp)
     walk.ask("3b. Is the interconnect slow?", why_slow)
     seq_problem = not fsdp.fits and fsdp_state <= req.usable
@@ -277,14 +279,12 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
                 f"activations instead ({gb(tpsp.comm_bytes)}, {format_seconds(tpsp.comm_s)}), fits "
                 f"({gb(tpsp.total)} per GPU) and is faster ({rate(tpsp)} against {rate(fsdp)}).",
             )
-        hides = (
-            "does not fully hide behind compute, but FSDP is still faster" if slow else "hides behind compute"
-        )
+        hides = "does not fully hide behind compute, but FSDP is still faster" if slow else "hides"
         return rec(
             "fsdp",
             f"The model needs sharding; FSDP shards weights, gradients and optimizer state over {req.world} GPUs "
             f"({gb(fsdp.total)} per GPU) and its traffic ({format_seconds(fsdp.comm_s)} per step on "
-            f"{req.intra.label}) {hides} ({rate(fsdp)}).",
+            f"{req.intra.label}) {hides}{'' if slow else ' behind compute'} ({rate(fsdp)}).",
         )
     if seq_problem:
         how = {
@@ -294,9 +294,7 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
         }
         order, cp = (fsdp_tp, tpsp) if not slow else (tpsp, fsdp_tp), est["cp"]
         faster = cp.fits and (cp.tokens_per_s or 0) >= max((c.tokens_per_s or 0) for c in order if c.fits)
-        for cand in (
-            (cp,) if faster else ()
-        ) + order:  # CP first where its whole weights fit and it is fastest
+        for cand in ((cp,) if faster else ()) + order:  # CP first where its weights fit and it is fastest
             if cand.fits:
                 return rec(
                     cand.strategy,
@@ -308,16 +306,18 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
         if cand.applicable and cand.fits:
             return rec(cand.strategy, f"{fit_text(cand, req)}.", ckpt_note)
     if ckpt_note:
-        reason = ckpt_note[0].replace("Or keep", "Keep")
-        return Recommendation("fsdp", t.method, "full", reason, walk.steps, [], fsdp.parallelism)
+        keep = ckpt_note[0].replace("Or keep", "Keep")
+        return Recommendation("fsdp", t.method, "full", keep, walk.steps, [], fsdp.parallelism)
     return _nothing_fits(walk)
 
 
 def _nothing_fits(walk: _Walk) -> Recommendation:
     """Nothing fits as asked: say what would (checkpointing, LoRA/QLoRA, more GPUs)."""
     req, t, steps = walk.req, walk.req.training, walk.steps
-    smallest = min((e for e in walk.est.values() if e.applicable), key=lambda e: e.total)
-    what = f"Nothing fits as asked: the smallest is {smallest.label} at {gb(smallest.total)} per GPU."
+    smallest = min((e for e in walk.est.values() if e.applicable), key=lambda e: e.total, default=None)
+    what = f"No layout runs {METHOD_NAMES[t.method]} on {req.model.name}."  # QLoRA of a mixture of experts
+    if smallest:
+        what = f"Nothing fits as asked: the smallest is {smallest.label} at {gb(smallest.total)} per GPU."
     walk.ask("Result", what)
     if walk.depth == 0 and not t.checkpointed:
         r = decide(walk.with_training(activation_checkpointing="full"), depth=1)

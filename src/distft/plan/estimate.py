@@ -181,22 +181,37 @@ def parallelism_for(
 def why_not(req: Request, par: Parallelism) -> str:
     """Empty if the layout can run on this model and these GPUs, else the reason."""
     spec, tp = req.model, par.tp
+    moe = _why_not_experts(req, par)
+    if moe:
+        return moe
     if par.world > req.world:
         return f"needs {par.world} GPUs"
     if par.world < 2 and par.name != "single":
         return "needs 2+ GPUs"
     if tp > 1:
-        if spec.num_heads % tp or spec.num_kv_heads % tp or spec.intermediate_size % tp:
-            return (
-                f"TP degree {tp} must divide {spec.num_heads} query heads, {spec.num_kv_heads} KV heads "
-                f"and MLP {spec.intermediate_size}"
-            )
+        mlp = spec.moe_intermediate_size if spec.moe else spec.intermediate_size
+        if spec.num_heads % tp or spec.num_kv_heads % tp or mlp % tp:
+            return f"TP degree {tp} must divide {spec.num_heads} query heads, {spec.num_kv_heads} KV heads and MLP {mlp}"
         if req.training.method == "qlora":
             return "QLoRA's NF4 weights are not split by distft's TP"
     if par.pp > spec.num_layers:
         return f"more stages than the {spec.num_layers} layers"
     if par.dp_shard and par.replicas < 2:
         return "one node: its shard group is every GPU, i.e. plain FSDP (HSDP needs 2+ nodes)"
+    return ""
+
+
+def _why_not_experts(req: Request, par: Parallelism) -> str:
+    """Empty if the layout can hold this model's MLPs, dense or a mixture of experts."""
+    spec, cls = req.model, RUNTIME[par.name]
+    if not spec.moe:
+        return "needs a mixture of experts" if cls.needs_moe else ""
+    if not cls.supports_moe:
+        return "does not split a mixture of experts yet"
+    if req.training.method == "qlora":
+        return "QLoRA's NF4 base does not hold the experts' fused stacks"
+    if par.ep > 1 and spec.num_experts % par.ep:
+        return f"EP degree {par.ep} must divide the {spec.num_experts} experts"
     return ""
 
 
@@ -291,16 +306,6 @@ def evaluate(req: Request) -> dict[str, Estimate]:
     """One estimate per modelled strategy; 2-D layouts keep their best factorisation."""
     out: dict[str, Estimate] = {}
     for strategy in MODELLED:
-        if RUNTIME[strategy].needs_moe:  # the planner's models are dense (it refuses an MoE)
-            runs = runnable(strategy, req.training.method)
-            out[strategy] = Estimate(
-                strategy,
-                Parallelism(strategy),
-                applicable=False,
-                runnable=runs,
-                note="needs a mixture of experts",
-            )
-            continue
         layouts = candidate_parallelisms(req, strategy)
         if not layouts:
             out[strategy] = Estimate(

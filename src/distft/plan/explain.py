@@ -160,3 +160,36 @@ KEEPS = {
     "offload": "each layer's input waits in host memory and the layer is recomputed in backward: a third "
     "more compute and one copy out and back per layer, hidden behind long sequences' attention",
 }
+
+
+def experts_answer(req: Request, fsdp: Estimate, ep: Estimate) -> tuple[str, bool]:
+    """3c. Do the experts need sharding? A mixture of experts under FSDP gathers every expert of a
+    layer for each micro-batch though its tokens use k of them; expert parallelism keeps 1/N of
+    the experts whole on each GPU and moves the routed tokens instead (`parallel/fsdp_ep.py`).
+    The answer, and whether FSDP x EP is the pick (it fits, and FSDP does not or is slower)."""
+    spec = req.model
+    experts = sum(t.numel for t in spec.tensors() if t.kind == "experts") / spec.num_layers
+    gathered = experts * req.training.precision.param
+    routed = next((c for c in ep.collectives if c.kind == "all_to_all"), None)
+    pick = ep.fits and (not fsdp.fits or (ep.tokens_per_s or 0) > (fsdp.tokens_per_s or 0))
+    moves = (
+        f"FSDP gathers each layer's {spec.num_experts} experts ({gb(gathered)}) every micro-batch for the "
+        f"{spec.num_experts_per_tok} each token uses; {ep.label} keeps {spec.num_experts // ep.parallelism.ep} "
+        f"experts whole per GPU and sends the routed tokens ({gb(routed.logical_bytes if routed else 0)} of "
+        f"all-to-all per GPU per step, {format_seconds(routed.seconds if routed else 0)}, not overlapped)"
+    )
+    if not ep.fits:
+        return f"No: {moves}, but {fit_text(ep, req)}.", False
+    verdict = "Yes" if pick else "Not here"
+    return (
+        f"{verdict}: {moves}. {ep.label}: {fit_text(ep, req)}, {rate(ep)}; FSDP: {fit_text(fsdp, req)}, {rate(fsdp)}.",
+        pick,
+    )
+
+
+METHODS = ("lora", "qlora")  # the adapter methods the tree weighs against full finetuning
+
+
+def needs(e: Estimate) -> str:
+    """What an adapter method needs on one GPU, or why it cannot run this model."""
+    return f"{gb(e.total)} ({'fits' if e.fits else 'does not fit'})" if e.applicable else f"n/a ({e.note})"

@@ -92,6 +92,7 @@ class Training:
     rope_factor: float = 0.0
     padded: bool | None = None  # a padding mask reaches attention; None: micro_batch > 1
     quant: NF4Spec = field(default_factory=NF4Spec)  # the runtime's NF4 storage settings
+    expert_imbalance: float = 1.0  # an MoE: the busiest EP rank's routed rows over the even share
     # (rows, positions) of each micro-batch of a step where a running step knows them (dynamic
     # padding, packed rows); empty: `Parallelism.microbatches` of (micro_batch, seq_len).
     batch_shapes: tuple[tuple[int, int], ...] = ()
@@ -155,6 +156,7 @@ class Parallelism:
     pp_split: str | tuple[int, ...] = "balanced"  # parallel.pp_split: balanced, even, or layers per stage
     cp: int = 1  # context-parallel degree: ranks sharing each sequence (1/cp of its positions each)
     cp_method: str = "allgather"  # parallel.cp_method: K/V gathered (allgather) or passed round (ring)
+    ep: int = 1  # expert-parallel degree (fsdp+ep: every data-parallel rank holds 1/ep of the experts)
     ddp: DDPSettings = DDPSettings()
     # fsdp+pp: (stage, all-gathers per step) of this rank's stages, as its schedule's UNSHARD actions
     # say (a running pipeline's); empty: `fsdp_pipeline_gathers`, one each.
@@ -175,6 +177,7 @@ class Parallelism:
             reshard_after_forward=strategy.reshard_after_forward,
             tensor_parallel=strategy.tensor_parallel or "megatron",
             sp=strategy.tensor_parallel == "megatron",
+            ep=dims.dp if strategy.needs_moe else 1,  # the strategy made for an MoE shards its experts
             **schedule,
         )
 

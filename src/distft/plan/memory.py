@@ -10,10 +10,10 @@ Five components, in bytes per rank:
    for (Q)LoRA the adapters and what trains beside them (`trained_beside`).
 3. Optimizer state (each `optim.name`'s: `optimizer.py`). AdamW keeps two moments per trainable
    element (`Precision.state` bytes each) and, under mixed precision, an fp32 master copy
-   (`Precision.master`), plus one fp32 step counter per trainable tensor. Mixed precision is therefore 2 + 2 + 4 + 4 + 4 = 16 bytes per
-   trained parameter; bf16 weights with fp32 moments and no master copy is 12 (the blog series' 13B
-   table: 26 + 26 + 104 = 156 GB). LoRA pays this only on the adapters, which PEFT keeps in fp32
-   over a 16-bit base (`autocast_adapter_dtype`): 4 + 4 + 8 = 16 bytes per adapter parameter.
+   (`Precision.master`), plus one fp32 step counter per trainable tensor: 2 + 2 + 4 + 4 + 4 = 16
+   bytes per trained parameter under mixed precision, 12 for bf16 weights with fp32 moments (the
+   blog series' 13B table: 26 + 26 + 104 = 156 GB). LoRA pays this only on the adapters, which PEFT
+   keeps in fp32 over a 16-bit base (`autocast_adapter_dtype`): 4 + 4 + 8 = 16 bytes per parameter.
 4. Activations: what autograd saves for backward (`activations.activation_bytes`), plus a
    transient working set (one layer's recompute under activation checkpointing, or the logits).
 5. Communication buffers: FSDP's gathered (unsharded) parameters and unsharded gradients
@@ -26,19 +26,18 @@ How layouts divide the first three (`state_bytes`; `Layout` says which applies):
 - ZeRO-1 (`zero1`): the optimizer state of whole tensors, partitioned as torch's
   ZeroRedundancyOptimizer does (`zero1_partition`: largest first, each to the rank with the fewest
   elements so far), about 1/N per rank.  FSDP2 (`fsdp` ZeRO-3, `zero2`, and `hsdp` with N its
-  shard degree): parameters, gradients and optimizer state / N, tensor by tensor along dim 0: FSDP2 pads dim 0 to a multiple of N, so a
-  parameter or gradient occupies ceil(d0/N) rows on every rank, while the optimizer state (made
-  with `zeros_like` on the unpadded local view) takes only this rank's chunk, torch.chunk style
-  (rank r: min(ceil(d0/N), d0 - r ceil(d0/N)) rows).  ZeRO-2 persists the same shards as
-  ZeRO-3; the difference is a transient buffer: it keeps every layer gathered from forward to
-  backward.
+  shard degree): parameters, gradients and optimizer state / N, tensor by tensor along dim 0,
+  padded to a multiple of N: a parameter or gradient takes ceil(d0/N) rows on every rank, the
+  optimizer state (`zeros_like` of the unpadded local view) this rank's torch.chunk rows only.
+  ZeRO-2 persists the same shards, and keeps every layer gathered from forward to backward.
 - TP, TP+SP, FSDP x TP: each projection split on dim 0 (q, k, v, gate, up) or dim 1 (o, down), a
   bias with its weight's rows; embeddings, norms and lm_head replicated. LoRA adapters follow their
   base (`ModelSpec.lora_tensors`). FSDP2 pads each tensor on its own, biases included.
 - PP: a rank holds the layers of its stages (the runtime's `Layout.layers_of`); the rank of the
   first stage the embeddings, that of the last stage the final norm and lm_head (a tied lm_head
   is a copy of the embedding there).
-
+- FSDP x EP: 1/N of each expert stack, whole experts, with their gradients and optimizer state
+  (`experts.expert_parallel`); FSDP2's shards of the rest, and one layer's all-to-all buffers.
 The activation model is in `activations.py`.
 """
 
@@ -48,6 +47,7 @@ import math
 from dataclasses import dataclass, replace
 
 from distft.model.nf4 import NF4Spec, nf4_bytes
+from distft.plan.experts import all_to_all_buffer_bytes, expert_parallel
 from distft.plan.inputs import (
     Parallelism,
     Training,
@@ -96,7 +96,9 @@ def chunk_rows(d: int, n: int, rank: int) -> int:
     return max(0, min(size, d - rank * size))
 
 
-def local_shape(t: TensorSpec, tp: int, tp_rank: int) -> tuple[int, ...]:
+def local_shape(t: TensorSpec, tp: int, tp_rank: int, ep: int = 1) -> tuple[int, ...]:
+    if ep > 1 and t.kind == "experts":
+        return (t.shape[0] // ep, *t.shape[1:])  # this rank's experts
     if tp == 1 or t.tp_dim is None:
         return t.shape
     shape = list(t.shape)
@@ -205,19 +207,20 @@ def state_bytes(
     out = StateBytes()
     sharded, n = par.shard == "full", par.shard_degree  # FSDP's degree (HSDP: one shard group's)
     held = stage_tensors(spec, training, par, stage)
-    trained = [math.prod(local_shape(t, par.tp, tp_rank)) for t, trains in held if trains]
+    trained = [math.prod(local_shape(t, par.tp, tp_rank, par.ep)) for t, trains in held if trains]
     # ZeRO-1: the rank whose AdamW updates each trained tensor.
     owners = iter(zero1_partition(trained, par.dp) if par.shard == "optimizer" else [])
     kept = []  # local elements of the whole tensors whose state this rank keeps
     for t, trainable in held:
-        shape = local_shape(t, par.tp, tp_rank)
+        shape = local_shape(t, par.tp, tp_rank, par.ep)
         numel = math.prod(shape)
         rest = numel // shape[0] if shape[0] else 0
         gbytes, moment, master = trained_element_bytes(t, training)
-        out.params += _param_bytes(t, training, shape, n if sharded else 1)
+        fsdp = sharded and not expert_parallel(t, par)
+        out.params += _param_bytes(t, training, shape, n if fsdp else 1)
         if not trainable:
             continue
-        if sharded:
+        if fsdp:
             out.grads += math.ceil(shape[0] / n) * rest * gbytes
             # dp_rank % n: the rank's place in its shard group (HSDP's replicas hold the same chunks).
             out.optimizer += optimizer_state_bytes(
@@ -324,7 +327,10 @@ def comm_buffer_bytes(
     held = stage_tensors(spec, training, par, stage)
     out: dict[str, int] = {}
     if par.shard == "full" and par.shard_degree > 1:
-        out.update(_fsdp_buffers(held, training, par))
+        fsdp = [(t, trains) for t, trains in held if not expert_parallel(t, par)]
+        out.update(_fsdp_buffers(fsdp, training, par))
+    if par.ep > 1:
+        out["all-to-all buffers"] = all_to_all_buffer_bytes(spec, training, par)
     if tp > 1:
         out["TP collective buffers"] = (
             2 * c * training.micro_batch * layer_seq_len(training, par) * spec.hidden_size

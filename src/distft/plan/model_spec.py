@@ -1,24 +1,23 @@
-"""The architecture the planner counts: every weight tensor of a dense decoder-only LM, by shape.
+"""The architecture the planner counts: every weight tensor of a decoder-only LM, by shape.
 
 The memory model needs shapes, not weights: FSDP2 pads dim 0 of each tensor separately, tensor
 parallelism splits some tensors on dim 0 and others on dim 1, and QLoRA quantizes only the
-projections' weights. So the model is described as the list of its tensors (`TensorSpec`), each
-tagged with what it is and how tensor parallelism splits it. A `Linear` weight is (out, in) in
-torch's convention; column-parallel projections split `out` (dim 0), row-parallel ones split `in`
-(dim 1). A bias (Qwen2's q/k/v) is (out,) and follows its weight's rows.
+projections' weights. So the model is the list of its tensors (`TensorSpec`), each tagged with
+what it is and how TP splits it. A `Linear` weight is (out, in): column-parallel projections split
+`out` (dim 0), row-parallel ones `in` (dim 1); a bias (Qwen2's q/k/v) follows its weight's rows.
+A mixture of experts (Qwen3-MoE) holds each layer's experts in two stacks and a router
+(`expert_tensors`): all of them count in memory, a token's top-k in FLOPs (`active_params`).
 
 Sizes come from a transformers config (a preset's `Preset.to_config()`, a config.json), and what a
-layer holds beyond its projections (q/k norms, biases) from the model family
+layer holds beyond its projections (q/k norms, biases, experts) from the model family
 (`distft.model.families`): no size is written here. A config of a type distft has no family for
 is still planned as a plain dense layer (no q/k norm, no biases), named by its `model_type`.
 
 Where an architecture comes from (`resolve_model`, in this order):
 1. a distft preset (`distft.model.PRESETS`: micro, tiny, llama-micro ..., qwen3-4b, llama3-8b, ...);
-2. offline, a hub id: each preset's `hub_id` and its `aliases` (instruct variants, short names),
-   the Llama sizes the blog series' examples use (Llama-2 7B/13B/70B, Llama-3 70B) included;
+2. offline, a hub id: each preset's `hub_id` and its `aliases` (instruct variants, short names);
 3. a local directory holding config.json (or the config.json path itself);
-4. the hub, only when online (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset): config.json alone is
-   fetched; any failure becomes a one-paragraph `ConfigError`.
+4. the hub, only when online (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset): config.json alone.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.model.nf4 import projection_shapes
 from distft.parallel import tensor_parallel
+from distft.parallel.pipeline.cost import MLP_PROJECTIONS
 
 # Projections of one decoder layer by how TP splits them: the runtime's plan
 # (`distft.parallel.tensor_parallel.COLUMN` / `ROW`, module paths), by projection name.
@@ -64,7 +64,7 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A dense decoder-only transformer of one family, as far as memory is concerned."""
+    """A decoder-only transformer of one family, as far as memory is concerned."""
 
     name: str
     vocab_size: int
@@ -81,6 +81,15 @@ class ModelSpec:
     source: str = "preset"  # where the architecture was read from
     # The config fields that say how far its rotary embeddings reach (`distft.model.positions`).
     rotary: dict = field(default_factory=dict, compare=False, hash=False)
+    # A mixture of experts (Qwen3-MoE): each layer's MLP is `num_experts` experts of
+    # `moe_intermediate_size`, of which each token takes `num_experts_per_tok`; 0: a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def num_attention_heads(self) -> int:  # transformers' name, for `distft.model.nf4.projection_shapes`
@@ -103,6 +112,8 @@ class ModelSpec:
         projection's weight, then its bias; then q/k norms), the MLP, the two norms."""
         out = []
         for name, shape in self.projection_shapes().items():
+            if self.moe and name in MLP_PROJECTIONS:
+                continue  # the experts' stacks, below
             column = name in COLUMN
             out.append(TensorSpec(f"layers.{layer}.{name}", shape, "linear", 0 if column else 1, layer, name))
             if name in self.biased:  # split with its weight's rows (a row projection's would be whole)
@@ -111,9 +122,23 @@ class ModelSpec:
             if name == "o_proj" and self.qk_norm:  # the last module of self_attn
                 for norm in ("q_norm", "k_norm"):
                     out.append(TensorSpec(f"layers.{layer}.{norm}", (self.head_dim,), "qk_norm", None, layer))
+        if self.moe:
+            out += self.expert_tensors(layer)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out.append(TensorSpec(f"layers.{layer}.{norm}", (self.hidden_size,), "norm", None, layer))
         return out
+
+    def expert_tensors(self, layer: int) -> list[TensorSpec]:
+        """An MoE layer's MLP as transformers holds it: every expert's gate and up fused in one
+        stack (experts, 2 x moe_intermediate, hidden), the down projections in another (experts,
+        hidden, moe_intermediate), and the router (experts, hidden). TP splits each expert along
+        its intermediate dimension (gate_up's rows, down's columns); FSDP2 along the experts."""
+        e, i, h, path = self.num_experts, self.moe_intermediate_size, self.hidden_size, f"layers.{layer}"
+        return [
+            TensorSpec(f"{path}.experts.gate_up_proj", (e, 2 * i, h), "experts", 1, layer, "gate_up_proj"),
+            TensorSpec(f"{path}.experts.down_proj", (e, h, i), "experts", 2, layer, "down_proj"),
+            TensorSpec(f"{path}.gate", (e, h), "router", None, layer, "gate"),
+        ]
 
     def tensors(self) -> list[TensorSpec]:
         """Every weight of the model; a tied lm_head is the embedding itself and is listed once."""
@@ -131,52 +156,66 @@ class ModelSpec:
         """LoRA adapters, sharded with their base under TP (see `parallel/tensor_parallel.py`):
         a column base keeps lora_A (r, in) replicated and splits lora_B (out, r) on out; a row base
         splits lora_A on in and keeps lora_B replicated. DoRA adds a magnitude (out,) per projection
-        (peft's `lora_magnitude_vector`; no TP strategy runs it)."""
+        (peft's `lora_magnitude_vector`; no TP strategy runs it). An MoE's experts take one adapter
+        per stack (`expert_adapters`)."""
         out = []
-        shapes = self.projection_shapes()
         for layer in range(self.num_layers):
-            for name, (o, i) in shapes.items():
-                if name not in targets:
+            for name, (o, i) in self.projection_shapes().items():
+                if name not in targets or (self.moe and name in MLP_PROJECTIONS):
                     continue
-                column = name in COLUMN
-                out.append(
-                    TensorSpec(
-                        f"layers.{layer}.{name}.lora_A",
-                        (rank, i),
-                        "lora_A",
-                        None if column else 1,
-                        layer,
-                        name,
-                    )
-                )
-                out.append(
-                    TensorSpec(
-                        f"layers.{layer}.{name}.lora_B",
-                        (o, rank),
-                        "lora_B",
-                        0 if column else None,
-                        layer,
-                        name,
-                    )
-                )
+                a_dim, b_dim = (None, 0) if name in COLUMN else (1, None)
+                path = f"layers.{layer}.{name}"
+                out.append(TensorSpec(f"{path}.lora_A", (rank, i), "lora_A", a_dim, layer, name))
+                out.append(TensorSpec(f"{path}.lora_B", (o, rank), "lora_B", b_dim, layer, name))
                 if dora:
-                    magnitude = f"layers.{layer}.{name}.lora_magnitude"
-                    out.append(
-                        TensorSpec(magnitude, (o,), "lora_magnitude", 0 if column else None, layer, name)
+                    magnitude = TensorSpec(
+                        f"{path}.lora_magnitude", (o,), "lora_magnitude", b_dim, layer, name
                     )
+                    out.append(magnitude)
+            if self.moe:
+                out += self.expert_adapters(layer, rank, targets)
+        return out
+
+    def expert_adapters(self, layer: int, rank: int, targets: tuple[str, ...]) -> list[TensorSpec]:
+        """peft's adapters on an MoE layer's expert stacks (`target_parameters`): one rank-r pair per
+        expert, stacked, lora_A (experts x r, in) and lora_B (out, experts x r). gate and up share
+        the fused stack's one pair (both targeted, or neither); each factor splits under TP as its
+        stack does: gate_up's lora_B on its rows, down's lora_A on its columns."""
+        er, i, h = self.num_experts * rank, self.moe_intermediate_size, self.hidden_size
+        stacks = {"gate_up_proj": ((2 * i, h), (None, 0)), "down_proj": ((h, i), (1, None))}
+        out = []
+        for stack, ((o, inp), (a_dim, b_dim)) in stacks.items():
+            if not set(targets) & ({"gate_proj", "up_proj"} if stack == "gate_up_proj" else {"down_proj"}):
+                continue
+            path = f"layers.{layer}.experts.{stack}"
+            out.append(TensorSpec(f"{path}.lora_A", (er, inp), "lora_A", a_dim, layer, stack))
+            out.append(TensorSpec(f"{path}.lora_B", (o, er), "lora_B", b_dim, layer, stack))
         return out
 
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors())
+
+    def active_params(self) -> int:
+        """Parameters a token computes with: an MoE's top-k experts of each layer, not all of them."""
+        return sum(
+            t.numel // self.num_experts * self.num_experts_per_tok if t.kind == "experts" else t.numel
+            for t in self.tensors()
+        )
 
     def describe(self) -> str:
         tied = "tied" if self.tie_word_embeddings else "untied"
         extras = (["q/k norm"] if self.qk_norm else []) + (
             [f"{'/'.join(self.biased)} bias"] if self.biased else []
         )
+        mlp = (
+            f"{self.num_experts} experts of {self.moe_intermediate_size} ({self.num_experts_per_tok} per token: "
+            f"{self.active_params() / 1e9:.2f}B parameters active)"
+            if self.moe
+            else f"MLP {self.intermediate_size}"
+        )
         return (
             f"{self.name}: {self.num_params() / 1e9:.2f}B parameters, {self.family} family, {self.num_layers} "
-            f"layers, hidden {self.hidden_size}, MLP {self.intermediate_size}, {self.num_heads} query / "
+            f"layers, hidden {self.hidden_size}, {mlp}, {self.num_heads} query / "
             f"{self.num_kv_heads} KV heads of {self.head_dim}{''.join(f', {e}' for e in extras)}, vocab "
             f"{self.vocab_size:,} ({tied} embeddings)"
         )
@@ -218,13 +257,14 @@ ROTARY_FIELDS = ("model_type", "max_position_embeddings", "rope_parameters", "ro
 def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     """A `ModelSpec` from the fields of a transformers config (`config.json`, `to_dict()`)."""
     model_type = cfg.get("model_type", "")
-    if "moe" in model_type or cfg.get("num_experts") or cfg.get("num_local_experts"):
-        dense = ", ".join(n for n, f in FAMILIES.items() if not f.moe)
-        raise ConfigError(
-            f"{name} is a mixture-of-experts model ({model_type}), whose experts the planner does not count "
-            f"yet; it models dense decoder-only transformers (the families {dense})."
-        )
     family = FAMILIES.get(model_type)  # None: a dense layer with neither q/k norms nor biases
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    sparse_every_layer = not cfg.get("mlp_only_layers") and int(cfg.get("decoder_sparse_step") or 1) == 1
+    if experts and not (family and family.moe and sparse_every_layer):
+        raise ConfigError(
+            f"{name} is a mixture of experts ({model_type}) the planner cannot count: it knows Qwen3-MoE's "
+            "experts with every layer an MoE layer (no mlp_only_layers, decoder_sparse_step 1), and dense models."
+        )
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -243,6 +283,9 @@ def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
             family=model_type or "unknown",
             source=source,
             rotary={k: cfg.get(k) for k in ROTARY_FIELDS if cfg.get(k) is not None},
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(

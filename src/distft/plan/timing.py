@@ -47,6 +47,7 @@ from distft.errors import ConfigError
 from distft.measure.flops import ModelFlops, StepTime
 from distft.parallel.pipeline.cost import attention_dim, layer_weights
 from distft.plan.collective import Collective
+from distft.plan.experts import expert_imbalance_flops
 from distft.plan.hardware import GPU
 from distft.plan.inputs import Parallelism, Training, holds_last_stage, rank_layers
 from distft.plan.model_spec import ModelSpec
@@ -107,6 +108,7 @@ def rank_flops(spec: ModelSpec, training: Training, par: Parallelism) -> float:
         layers = f.layers_flops(S) + recompute_flops(f, spec, training, S) + runs * f.recompute(S)
         head = f.head_flops(labelled(training)) + runs * (f.forward(S, labelled(training)) - f.recompute(S))
         # TP splits every layer's work, CP every sequence's (evenly: the head/tail chunks)
+        layers += expert_imbalance_flops(spec, training, par, S)  # the busiest EP rank's extra rows
         busiest = max(busiest, layers / (par.tp * par.cp) + head / (par.tp if par.sp else 1))
     return busiest * training.micro_batch * par.microbatches
 
@@ -115,7 +117,8 @@ def recompute_flops(f: ModelFlops, spec: ModelSpec, training: Training, seq: int
     """What backward runs again, per sequence: every layer's forward (full, offload), or the MLP's
     three frozen projections (selective, or a tiled MLP on top; its adapters are a rounding error)."""
     level = training.activation_checkpointing
-    mlp = 2 * seq * f.layers * 3 * spec.hidden_size * spec.intermediate_size
+    width = spec.num_experts_per_tok * spec.moe_intermediate_size if spec.moe else spec.intermediate_size
+    mlp = 2 * seq * f.layers * 3 * spec.hidden_size * width  # an MoE's: a token's top-k experts
     tiled = mlp if training.mlp_tiles > 1 and level != "selective" else 0  # a tiled MLP reruns its tiles
     if level == "selective":
         return mlp

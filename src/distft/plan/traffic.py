@@ -14,20 +14,21 @@ convention; `hardware.wire_bytes` turns them into bytes on the wire):
   backward; once for ZeRO-2) and a reduce-scatter of the trainable gradients. Frozen weights
   travel too: LoRA under FSDP moves the whole base model every micro-batch.
 - HSDP: FSDP2's traffic inside each shard group (a node), and once per step an all-reduce of each
-  rank's gradient shard (1/shard of the padded gradients) across the replicas (the nodes).
-  Inside a pipeline (`fsdp+pp`, `fsdp+tp+pp`) once per step instead: torch's stage keeps the
-  stage gathered and defers the reduce-scatter to its last backward (`fsdp_pipeline_gathers`).
+  rank's gradient shard (1/shard of the padded gradients) across the replicas. In a pipeline
+  (`fsdp+pp`, `fsdp+tp+pp`) FSDP2 gathers and reduces once per step: torch's stage keeps it
+  gathered and defers the reduce-scatter to its last backward (`fsdp_pipeline_gathers`).
 - CP (`cp`): per layer and micro-batch K and V of the whole sequence all-gathered, their
   gradients reduce-scattered; the gradients all-reduced once per step.
 - TP+SP (`tp-sp`): per layer and micro-batch 2 all-gathers and 2 reduce-scatters of a
   (batch, seq, hidden) activation forward and as many backward (one fewer when nothing before
-  the first block trains); without SP the same bytes as all-reduces. Checkpointing repeats the
-  forward ones. Plus one all-reduce of the replicated weights' partial gradients per step.
-- TP (`tp`, and the TP inside `fsdp+tp`: PyTorch's parallelize_module): all-reduces of (batch, seq, hidden): 2 per layer
-  forward, 5 backward (one per column projection; 3 fewer in layer 0 with frozen embeddings)
-  and, with LoRA, small (batch, seq, r) ones per adapter, as `parallel/tensor_parallel.py` counts.
+  the first block trains; without SP the same bytes as all-reduces); checkpointing repeats the
+  forward ones; one all-reduce of the replicated weights' partial gradients per step.
+- TP (`tp`, `fsdp+tp`'s: parallelize_module): all-reduces of (batch, seq, hidden): 2 per layer
+  forward, 5 backward (one per column projection; 3 fewer in layer 0 with frozen embeddings) and,
+  with LoRA, small (batch, seq, r) ones per adapter, as `parallel/tensor_parallel.py` counts.
 - PP: a (batch, seq, hidden) send forward and one backward per micro-batch and stage boundary;
   full finetuning of a tied embedding adds an all-reduce of its gradient (its FSDP shard).
+- FSDP x EP: FSDP2's traffic without the expert stacks; all-to-alls of routed tokens (`expert_traffic`).
 Every weight counts by its shape (`ModelSpec.tensors`), the family's own included: Qwen2's q/k/v
 biases travel with DDP's and FSDP's bytes (FSDP2 pads each on its own) and, split with their
 weight's rows under TP, have complete gradients; Qwen3's q/k norms are TP's partial gradients.
@@ -35,13 +36,10 @@ weight's rows under TP, have complete gradients; Qwen3's q/k norms are TP's part
 Groups are laid out TP innermost, then data parallel (HSDP: its shard groups inside, its replicas
 across), then pipeline; a group longer than a node crosses the inter-node link. Each collective
 says whether it can overlap compute (`Collective.overlapped`): TP's sit on the critical path,
-DDP's, FSDP's and a pipeline's sends overlap it. What that costs a step, with the compute they
-hide behind, is `distft.plan.timing`'s.
+DDP's, FSDP's and a pipeline's sends overlap it (what that costs a step: `distft.plan.timing`).
 
-The collective counts come from the runtime's own tables (`plan/counts.py`: `tp_activation_calls`,
-`megatron_crossings`, `fsdp_gathers_per_microbatch`). The shapes are a `ModelSpec`'s (no model is
-built) and a `Training`'s: a running step passes its own micro-batches (`Training.batch_shapes`) and
-the facts only it knows (`Strategy.traffic_facts`).
+Collective counts come from the runtime's own tables (`plan/counts.py`), shapes from a `ModelSpec`
+and a `Training` (a running step's own micro-batches and `Strategy.traffic_facts`).
 """
 
 from __future__ import annotations
@@ -65,6 +63,7 @@ from distft.plan.counts import (
     tp_activation_calls,
     tp_adapter_calls,
 )
+from distft.plan.expert_traffic import ep_collectives, tp_expert_partial_grads, tp_expert_terms
 from distft.plan.hardware import Link
 from distft.plan.inputs import (
     Parallelism,
@@ -201,20 +200,19 @@ def tp_collectives(
                 out.append(sequence_sums(training, par, link, par.tp))
         else:  # forwards without backward: each block's exit all-reduced once per model run
             _, _, extra, extra_calls = sp_forward_only_crossings(training, par, layers, 0, leave / positions)
-            logical, calls = (
-                leave * leaves + enter * enters_bwd + extra,
-                m * (leaves + enters_bwd) + extra_calls,
-            )
+            logical = leave * leaves + enter * enters_bwd + extra
+            calls = m * (leaves + enters_bwd) + extra_calls
             out.append(Collective("activations", "all_reduce", logical, calls, par.tp, link, False))
     else:
         # Per stage this rank holds: a later stage's input needs its gradient (it is sent back).
-        calls = sum(
-            tp_activation_calls(n, lora, ckpt, not first)
-            for n, first in rank_stages(spec, training, par, rank)
-        )
+        stages = rank_stages(spec, training, par, rank)
+        calls = sum(tp_activation_calls(n, lora, ckpt, not first) for n, first in stages)
         adapters = tp_adapter_calls(layers, targets, ckpt)
         logical = c * positions * (spec.hidden_size * calls + training.lora_rank * adapters)
         count = m * (calls + adapters)
+        if spec.moe:  # the experts' all-reduces in place of a dense MLP's
+            moe_bytes, moe_calls = tp_expert_terms(spec, training, par, layers, targets)
+            logical, count = logical + moe_bytes, count + moe_calls
         extra, extra_calls = tp_forward_only_reduces(spec, training, par, layers, targets, c)
         logical, count = logical + extra, count + extra_calls
         out.append(Collective("activations", "all_reduce", logical, count, par.tp, link, False))
@@ -311,11 +309,13 @@ def step_collectives(
         add("pp", pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp), rank))
     if par.cp > 1:
         add("cp", cp_collectives(spec, training, par, topo.link(par.cp, 1)))
+    if par.ep > 1:  # over the data-parallel ranks: fsdp+ep's one mesh dimension
+        add("dp", ep_collectives(spec, training, par, topo.link(par.ep, par.tp), layers))
     sequence_split = par.tp > 1 and par.tensor_parallel == "megatron" and par.sp
+    # An MoE's router sums (`distft.model.router`) join a preference objective's in one all-reduce.
+    statistics = training.pair_statistics + (3 + spec.num_layers * spec.num_experts if spec.moe else 0)
     scalars = (
-        STRATEGIES[par.name].step_scalars(
-            par.dp, sequence_split, training.pair_statistics, kl_sum=training.kl_forwards > 0
-        )
+        STRATEGIES[par.name].step_scalars(par.dp, sequence_split, statistics, kl_sum=training.kl_forwards > 0)
         if par.world > 1
         else ()
     )
@@ -334,9 +334,9 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism, ra
         # parallelize_module: only q_norm / k_norm's (full finetuning; DTensor completes LoRA's own
         # gradients), sharded over dp under FSDP (`parallel/tensor_parallel.py`).
         dp = par.dp if par.shard == "full" else 1
-        return (
-            0.0 if training.lora or not spec.qk_norm else 2 * math.ceil(spec.head_dim / dp) * len(layers) * g
-        )
+        if training.lora:  # an MoE's whole expert adapter factors (`parallel/tp_experts.py`)
+            return tp_expert_partial_grads(spec, training, layers) if spec.moe else 0.0
+        return 2 * math.ceil(spec.head_dim / dp) * len(layers) * g if spec.qk_norm else 0.0
     if training.lora:
         held = set(layers)
         lora = spec.lora_tensors(training.lora_rank, training.lora_targets, training.dora)

@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from distft.config import PROJECTION_NAMES, Config, lora_target_names
 from distft.model.nf4 import projection_shapes
 
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an MoE's: each expert's, top-k per token
+
 # Labelled positions per sequence when the data is not known (the planner's `Training.label_tokens`,
 # capped at the sequence): the runtime measures the training split's mean instead.
 DEFAULT_LABEL_TOKENS = 256
@@ -103,17 +105,27 @@ def layer_weights(
     """(frozen, trained) weights in one decoder layer's matmuls of `config` trained by `method`:
     full finetuning trains every projection; LoRA freezes them and trains r x (in + out) more on
     each target (lora_A (r, in) and lora_B (out, r)). Elementwise weights (norms, biases, DoRA's
-    magnitudes) are not matmuls and are not counted."""
+    magnitudes) are not matmuls and are not counted.
+
+    A mixture of experts counts what a token computes with: its top-k experts' MLPs (and their
+    adapters; gate and up share one lora_A, the fused stack's) and the whole router, as a run's
+    `ModelFlops` counts them."""
     full = method == "full"
     targets = set() if full or not lora_targets else set(lora_target_names(list(lora_targets)))
+    experts, top_k = getattr(config, "num_experts", 0) or 0, getattr(config, "num_experts_per_tok", 0)
     frozen = trained = 0
     for name, (out, inp) in projection_shapes(config).items():  # Linear weight: (out, in)
+        active = top_k if experts and name in MLP_PROJECTIONS else 1
         if full:
-            trained += out * inp
+            trained += active * out * inp
         else:
-            frozen += out * inp
+            frozen += active * out * inp
         if name in targets:
-            trained += lora_rank * (inp + out)
+            shared_input = experts and name == "up_proj"  # gate_up's one lora_A is counted with gate
+            trained += active * lora_rank * (out if shared_input else inp + out)
+    if experts:  # the router: (experts, hidden), frozen under LoRA
+        router = experts * config.hidden_size
+        frozen, trained = (frozen, trained + router) if full else (frozen + router, trained)
     return frozen, trained
 
 

@@ -1,0 +1,62 @@
+"""What a mixture of experts changes in a step's collectives: expert parallelism's all-to-alls
+(`fsdp+ep`, as `plan/experts.py` describes them; beside them FSDP's all-gathers and
+reduce-scatters of everything but the expert stacks, `traffic.dp_collectives`), and tensor
+parallelism's all-reduces of an MoE layer's MLP (`tp`), which are not a dense MLP's.
+"""
+
+from __future__ import annotations
+
+from distft.parallel.pipeline.cost import MLP_PROJECTIONS
+from distft.plan.collective import Collective, compute_bytes
+from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS
+from distft.plan.hardware import Link
+from distft.plan.inputs import Parallelism, Training
+from distft.plan.model_spec import ModelSpec
+
+COUNT_BYTES = 8  # an int64 per expert: the all-to-all of the counts
+
+
+def ep_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
+) -> list[Collective]:
+    """Expert parallelism's all-to-alls of one optimizer step, one rank: the counts in each forward,
+    the routed rows there and back in each forward and backward."""
+    forwards = 2 if training.checkpointed else 1  # a checkpointed layer dispatches again
+    passes = forwards + 1
+    shapes = training.shapes(par.microbatches)
+    rows = sum(batch * seq for batch, seq in shapes) * spec.num_experts_per_tok
+    calls = len(shapes) * layers
+    routed = rows * spec.hidden_size * compute_bytes(training, par) * layers * 2 * passes
+    counts = calls * forwards * spec.num_experts * COUNT_BYTES
+    return [
+        Collective("routed tokens", "all_to_all", routed, calls * 2 * passes, par.ep, link, False),
+        Collective("expert counts", "all_to_all", counts, calls * forwards, par.ep, link, False),
+    ]
+
+
+def tp_expert_terms(
+    spec: ModelSpec, training: Training, par: Parallelism, layers: int, targets: set[str]
+) -> tuple[float, int]:
+    """(bytes, calls) per step that tensor parallelism of an MoE (`parallel/tp_experts.py`) adds to
+    the dense count of `traffic.tp_collectives`. Per MoE layer and micro-batch, the dense MLP's
+    all-reduces do not run (down_proj's forward and its recompute, gate's and up's backward, and
+    their adapters'); the experts' do: their weighted output forward (T h; a recomputed layer does
+    not repeat it, its hook sits past the checkpoint) and, backward, the gradients of their hidden
+    input (T h) and of the routing weights (T k)."""
+    recomputed = "down_proj" in RECOMPUTED_ROW_PROJECTIONS[training.activation_checkpointing]
+    dense = 1 + 2 + recomputed  # (T, h) all-reduces of a dense MLP
+    adapters = sum(n in targets for n in MLP_PROJECTIONS) + (recomputed and "down_proj" in targets)
+    h, k, r = spec.hidden_size, spec.num_experts_per_tok, training.lora_rank
+    shapes = training.shapes(par.microbatches)
+    positions = sum(rows * seq for rows, seq in shapes)
+    logical = compute_bytes(training, par) * positions * layers * (h * (2 - dense) + k - r * adapters)
+    return logical, len(shapes) * layers * (3 - dense - adapters)
+
+
+def tp_expert_partial_grads(spec: ModelSpec, training: Training, layers: list[int]) -> float:
+    """The experts' whole adapter factors under TP (gate_up's lora_A, down's lora_B): each rank's
+    gradient is its intermediate slice's share, all-reduced once per step."""
+    held = set(layers)
+    lora = spec.lora_tensors(training.lora_rank, training.lora_targets)
+    whole = [t for t in lora if t.module in ("gate_up_proj", "down_proj") and t.tp_dim is None]
+    return sum(t.numel for t in whole if t.layer in held) * training.precision.grad

@@ -1,0 +1,93 @@
+"""A mixture of experts in the planner: what its MoE blocks keep for backward, what expert
+parallelism moves and buffers, and what an uneven router costs the busiest rank.
+
+Symbols as in `activations.py`, plus E experts of width I per layer, k of them per token, and
+T tokens of a micro-batch in the layer. Every expert's weights count in memory (`ModelSpec.
+expert_tensors`), a token's k in FLOPs (`parallel.pipeline.cost.layer_weights`).
+
+What one MoE block keeps for backward (transformers' grouped expert matmuls, measured on the
+`qwen3-moe-micro` preset to the byte):
+- the router: its input (c T h) when it trains, its fp32 softmax (4 T E), the renormalised top-k
+  probabilities and their sum (4 T (k + 1)), the integer bookkeeping of the sort by expert
+  (32 T k: top-k indices, their order, its inverse, the rows' tokens);
+- per routed row (T k of them): the token's hidden state gathered for its expert (c h), the fused
+  gate/up output (c 2I), SiLU's output and its product with up (2 c I), the expert's output before
+  its routing weight multiplies it (c h) and that weight (c);
+- under LoRA, peft's adapters on the stacks (`target_parameters`) add their delta to each stack
+  before the matmul: the merged stacks, every expert's, are saved for backward like an
+  activation (c E (2I h + h I) per layer and micro-batch, the size of the experts themselves),
+  and, over a 16-bit base, the fp32 factors' casts to it (c E r (2h + 3I));
+- the expert row offsets of the grouped matmul (4 E).
+Tensor parallelism splits everything I-wide; expert parallelism holds E/N of the merged stacks
+and computes the rows its experts received.
+
+Expert parallelism (`fsdp+ep`, `parallel/fsdp_ep.py`; its bytes in `expert_traffic.py`), per
+micro-batch and MoE layer: the E per-expert counts (8 bytes each) are exchanged once per forward,
+the T k routed rows (c h each) go out and come back (dispatch, combine) in forward and again in
+backward, and in the forward a checkpointed layer recomputes. A rank dispatches its own tokens'
+rows (T k) and combines the rows its experts took: planned as the mean, T k each, exact summed
+over the ranks. The busiest rank takes `Training.expert_imbalance` times the even share (the
+router's imbalance: a run's metrics.jsonl records its busiest expert over the mean as
+`expert_imbalance`, a bound on a rank's), which sizes its receive buffer, its expert activations
+and its expert FLOPs (`expert_imbalance_flops`): every rank waits for the busiest at the next
+all-to-all, so the step takes the busiest rank's time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from distft.parallel.pipeline.cost import layer_weights, matmul
+from distft.plan.inputs import Parallelism, Training
+from distft.plan.model_spec import ModelSpec, TensorSpec
+
+
+def expert_parallel(t: TensorSpec, par: Parallelism) -> bool:
+    """An expert stack that expert parallelism splits: 1/ep of the experts on each rank, whole,
+    outside FSDP (never gathered, its gradients complete where they are: `parallel/fsdp_ep.py`)."""
+    return par.ep > 1 and t.kind == "experts"
+
+
+def received_share(training: Training, par: Parallelism) -> float:
+    """Routed rows the busiest rank's experts take, as a multiple of T k: its imbalance under
+    expert parallelism (every rank computes every expert's rows otherwise)."""
+    return training.expert_imbalance if par.ep > 1 else 1.0
+
+
+def moe_block_bytes(spec: ModelSpec, training: Training, par: Parallelism, tokens: int) -> int:
+    """Bytes one MoE block keeps for backward over `tokens` tokens (the module docstring)."""
+    c, h, E, k = training.precision.activation, spec.hidden_size, spec.num_experts, spec.num_experts_per_tok
+    inter = spec.moe_intermediate_size // par.tp
+    full = training.method == "full"
+    router = (c * h if full else 0) + 4 * E + 4 * (k + 1) + 32 * k
+    rows = math.ceil(tokens * k * received_share(training, par))
+    experts = rows * c * (h + 2 * inter + 2 * inter + h + 1)
+    merged = 0
+    if training.lora and {"gate_proj", "up_proj", "down_proj"} & set(training.lora_targets):
+        merged = c * (E // par.ep) * 3 * inter * h  # gate_up (2I x h) and down (h x I) per expert
+        if training.adapter_bytes != c:  # the fp32 factors cast to the compute dtype, then kept
+            r = training.lora_rank
+            merged += c * (E // par.ep) * r * ((h + 2 * inter) + (inter + h))
+    return tokens * router + experts + merged + 4 * E  # and the experts' row offsets (int32)
+
+
+def all_to_all_buffer_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> int:
+    """One MoE layer's dispatch on the busiest rank: its routed rows sent, and those it received."""
+    rows = training.micro_batch * training.seq_len * spec.num_experts_per_tok
+    c = (
+        par.shard == "full" and training.fsdp_param_bytes
+    ) or training.precision.activation  # `compute_bytes`
+    return math.ceil(rows * (1 + received_share(training, par)) * spec.hidden_size * c)
+
+
+def expert_imbalance_flops(spec: ModelSpec, training: Training, par: Parallelism, tokens: float) -> float:
+    """The busiest EP rank's expert FLOPs beyond an even share, over `tokens` tokens of its layers."""
+    extra = received_share(training, par) - 1
+    if not spec.moe or extra <= 0:
+        return 0.0
+    args = (training.method, training.lora_rank, training.lora_targets)
+    frozen, trained = layer_weights(spec, *args)
+    dense_frozen, dense_trained = layer_weights(replace(spec, num_experts_per_tok=0), *args)
+    experts = matmul(frozen - dense_frozen, False, tokens) + matmul(trained - dense_trained, True, tokens)
+    return extra * spec.num_layers * experts.total
