@@ -119,9 +119,10 @@ def test_a_cpu_presets_run_line_trains_on_the_sample_at_the_presets_rate():
             "--activation-checkpointing",
             "hsdp",
         ),
+        ("--model qwen3-30b-a3b --method full --gpus 8 --gpu h100", "fsdp+ep"),  # a mixture of experts
     ],
 )
-def test_zero1_and_hsdp_recommendations_pass_the_checks_before_launch(command, strategy):
+def test_zero1_hsdp_and_ep_recommendations_pass_the_checks_before_launch(command, strategy):
     """What the planner recommends, distft runs: the printed line passes `distft train`'s checks
     (`config_from_args` runs the strategy's `check_config`) and cuts the batch as the plan did."""
     req = request(command)

@@ -279,12 +279,12 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
                 f"activations instead ({gb(tpsp.comm_bytes)}, {format_seconds(tpsp.comm_s)}), fits "
                 f"({gb(tpsp.total)} per GPU) and is faster ({rate(tpsp)} against {rate(fsdp)}).",
             )
-        hides = "does not fully hide behind compute, but FSDP is still faster" if slow else "hides"
+        hides = "is not all hidden by compute, but FSDP is still faster" if slow else "hides behind compute"
         return rec(
             "fsdp",
             f"The model needs sharding; FSDP shards weights, gradients and optimizer state over {req.world} GPUs "
             f"({gb(fsdp.total)} per GPU) and its traffic ({format_seconds(fsdp.comm_s)} per step on "
-            f"{req.intra.label}) {hides}{'' if slow else ' behind compute'} ({rate(fsdp)}).",
+            f"{req.intra.label}) {hides} ({rate(fsdp)}).",
         )
     if seq_problem:
         how = {
