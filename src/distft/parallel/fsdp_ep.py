@@ -15,7 +15,8 @@ Each MoE layer's forward, per micro-batch of T tokens routed to k experts each (
 2. all-to-all of the counts (E integers): each rank learns how many rows it will receive from
    every rank for each of its experts;
 3. all-to-all of the rows (dispatch, T k x hidden): each goes to the rank holding its expert;
-4. each local expert's SwiGLU MLP over its rows (its LoRA delta added to its weights first);
+4. each local expert's SwiGLU MLP over its rows (its LoRA delta added to its weights first): one
+   grouped matmul per projection over the local stack (`model.experts_implementation`);
 5. all-to-all back (combine, the same sizes reversed), then each token sums its k outputs
    weighted by the router's probabilities.
 Backward runs the two row all-to-alls in reverse. Routing is dropless: every assignment is
@@ -49,6 +50,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PretrainedConfig
+from transformers.integrations.moe import _grouped_linear as grouped_linear  # its grouped_mm dispatch
 
 from distft.config import Config
 from distft.errors import ConfigError
@@ -185,6 +187,7 @@ def expert_parallel_forward(
         received_counts_host.sum(dim=0).tolist(),
         local_expert_weights(experts, first, local),
         base.act_fn,
+        grouped=base.config._experts_implementation == "grouped_mm",
     )
     outputs = outputs[torch.argsort(by_expert)]  # back in the order the rows came
     returned = funcol.all_to_all_single_autograd(outputs, send, receive, group)
@@ -196,10 +199,20 @@ def expert_parallel_forward(
 
 
 def expert_mlps(
-    rows: torch.Tensor, per_expert: list[int], weights: dict[str, torch.Tensor], act_fn: nn.Module
+    rows: torch.Tensor,
+    per_expert: list[int],
+    weights: dict[str, torch.Tensor],
+    act_fn: nn.Module,
+    grouped: bool = True,
 ) -> torch.Tensor:
-    """Each expert's SwiGLU MLP over its consecutive rows (`per_expert` of them): a loop over the
+    """Each local expert's SwiGLU MLP over its consecutive rows (`per_expert` of them): one grouped
+    matmul per projection over the local stack where `model.experts_implementation` is grouped_mm
+    (transformers' own dispatch: torch's grouped GEMM, or its fallback loop), else a loop over the
     local experts, as transformers' eager path computes one."""
+    if grouped:
+        offsets = torch.tensor(per_expert, device=rows.device).cumsum(0, dtype=torch.int32)
+        gate, up = grouped_linear(rows, weights["gate_up_proj"], offsets).chunk(2, dim=-1)
+        return grouped_linear(act_fn(gate) * up, weights["down_proj"], offsets)
     outputs = []
     for e, part in enumerate(rows.split(per_expert)):
         gate, up = nn.functional.linear(part, weights["gate_up_proj"][e]).chunk(2, dim=-1)
