@@ -2,7 +2,8 @@
 
 `python -m distft.bench.plain --model qwen3-4b --seq-len 2048 --data long.jsonl --out plain.json`
 
-`AutoModelForCausalLM` built on the device in the given dtype, peft LoRA on every projection,
+`AutoModelForCausalLM` built on the device in the given dtype, peft LoRA on every projection (a
+mixture of experts' expert stacks by parameter; no router loss, which transformers adds only on request),
 AdamW (fused on CUDA, as the reference plain loop; no weight decay, as distft's default),
 `model(..., num_items_in_batch=...).loss` over right-padded rows (logits for every position; the
 loss of a global batch is its summed token losses over its labelled tokens, as transformers' Trainer
@@ -44,6 +45,8 @@ from distft.data.tokenizer import load_tokenizer
 from distft.io.files import atomic_write_text
 from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import peft_quietly
+from distft.model.build import EXPERT_PARAMETERS, lora_targets
+from distft.model.families import FAMILIES
 from distft.model.presets import DTYPES, PRESETS
 
 
@@ -74,7 +77,15 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int, 
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=device)
     model.config.use_cache = False
     torch.manual_seed(seed)  # LoRA's initialisation: distft seeds it the same way
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(PROJECTION_NAMES))
+    # A mixture of experts' MLP is two fused stacks, not Linear layers: peft reaches them by
+    # parameter (`target_parameters`), one adapter per expert, as distft adapts them.
+    family = FAMILIES.get(model.config.model_type)
+    moe = family is not None and family.moe
+    experts = (
+        sorted({EXPERT_PARAMETERS[n] for n in PROJECTION_NAMES if n in EXPERT_PARAMETERS}) if moe else None
+    )
+    targets = lora_targets(list(PROJECTION_NAMES), moe)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, target_parameters=experts)
     with peft_quietly():  # peft's own deprecation warning
         return get_peft_model(model, config)
 
