@@ -79,13 +79,14 @@ def reference(tmp_path_factory):
 
 
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
-    """ddp, zero1, fsdp and zero2 (FSDP2 shards each layer's expert stacks along the experts),
+    """ddp, zero1, fsdp, zero2 and hsdp (FSDP2 shards each layer's expert stacks along the experts;
+    hsdp on 4 ranks, 2 shard groups of 2),
     fsdp+ep (each rank 4 experts whole, tokens sent by all-to-all; the bytes the analytic count) and
     tp (each rank every expert's half of the intermediate dimension, adapters cut with it):
     the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
     (rank x experts rows); plain peft loads it on the saved base, and the export merges it (the
     experts' adapters into their stacks) into a model plain transformers loads with the same logits."""
-    assert set(MOE_STRATEGIES) == {"ddp", "zero1", "fsdp", "zero2", "fsdp+ep", "tp"}
+    assert set(MOE_STRATEGIES) == {"ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp"}
     weights = adapter(reference)
     experts = {k: v for k, v in weights.items() if ".mlp.experts." in k}
     assert len(experts) == 4 * 4  # 4 layers x (gate_up, down) x (lora_A, lora_B)
@@ -93,7 +94,8 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
     for strategy in MOE_STRATEGIES:
         run = tmp_path / strategy
-        distft("train", *MOE, "--strategy", strategy, "--nproc", "2", "--out", str(run))
+        layout = ["--nproc", "4", "parallel.shard=2"] if strategy == "hsdp" else ["--nproc", "2"]
+        distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
         assert_same_training(run, reference)
         assert_planned_bytes(run)
         if strategy == "tp":  # the planner's count of the experts' all-reduces, against a hand count

@@ -49,7 +49,7 @@ from distft.parallel.fsdp import FSDP, apply_fsdp
 class HSDP(FSDP):
     name = "hsdp"
     supports_fp8: ClassVar[bool] = False
-    supports_moe: ClassVar[bool] = False
+    supports_moe: ClassVar[bool] = True  # FSDP2's shards of the expert stacks, inside each shard group
     label = "HSDP"
     holds = "1/S of params, grads, optimizer state (S = `parallel.shard`, a node); replicas across nodes"
     moves = "FSDP's all-gather / reduce-scatter inside each node; one all-reduce of the gradient shards across nodes per step"
