@@ -62,6 +62,8 @@ def moe_block_bytes(spec: ModelSpec, training: Training, par: Parallelism, token
     full = training.method == "full"
     router = (c * h if full else 0) + 4 * E + 4 * (k + 1) + 32 * k
     rows = math.ceil(tokens * k * received_share(training, par))
+    # per row: the gathered hidden state, gate/up's output, SiLU's output and the product, the
+    # expert's output, its routing weight
     experts = rows * c * (h + 2 * inter + 2 * inter + h + 1)
     merged = 0
     if training.lora and {"gate_proj", "up_proj", "down_proj"} & set(training.lora_targets):
@@ -75,9 +77,8 @@ def moe_block_bytes(spec: ModelSpec, training: Training, par: Parallelism, token
 def all_to_all_buffer_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> int:
     """One MoE layer's dispatch on the busiest rank: its routed rows sent, and those it received."""
     rows = training.micro_batch * training.seq_len * spec.num_experts_per_tok
-    c = (
-        par.shard == "full" and training.fsdp_param_bytes
-    ) or training.precision.activation  # `compute_bytes`
+    # The activations' element size, as `collective.compute_bytes` has it (FSDP2's param dtype).
+    c = (par.shard == "full" and training.fsdp_param_bytes) or training.precision.activation
     return math.ceil(rows * (1 + received_share(training, par)) * spec.hidden_size * c)
 
 
