@@ -59,6 +59,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from distft.errors import ConfigError
 from distft.parallel.base import optimizer_state_owner
 from distft.parallel.fsdp_ep import experts_base
 
@@ -114,8 +115,9 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> tuple[list[nn.Paramet
     Returns (the sharded parameters, the trainable replicated ones whose gradients are partial)."""
     base, rank, world = experts_base(experts), mesh.get_local_rank(), mesh.size()
     if base.is_transposed or not base.is_concatenated or base.has_bias or not base.has_gate:
-        raise NotImplementedError(
-            f"tp splits fused [gate; up] expert stacks without bias, not {type(base).__name__}"
+        raise ConfigError(
+            f"--strategy tp splits fused [gate; up] expert stacks without a bias; {type(base).__name__} "
+            "holds its experts otherwise: use --strategy fsdp."
         )
     shards = [_shard(base, name, split, rank, world) for name, split in STACKS.items()]
     partial: list[nn.Parameter] = []

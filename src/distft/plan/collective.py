@@ -4,7 +4,7 @@
   calls, over how many ranks and which link, whether compute can hide it, along which mesh
   dimension; `Topology`: which link a group of ranks crosses.
 - `held_bytes`: a rank's slice of the model as ZeRO and FSDP2 move it (padding, dtypes, NF4).
-- `compute_bytes`, `step_positions`: the activations' element size and a step's positions.
+- `step_positions`: a step's positions (the activations' element size: `inputs.compute_bytes`).
 - `bytes_by_kind`, `bytes_by_dim`: a step's collectives summed as a run's counter sums them.
 """
 
@@ -98,12 +98,6 @@ def held_bytes(
             element = param_element_bytes(t, training)
         total += numel * element
     return total
-
-
-def compute_bytes(training: Training, par: Parallelism) -> int:
-    """Bytes per element of the activations collectives carry: FSDP2's param dtype where
-    parallel.fsdp_param_dtype sets it (the layers compute in it), else the precision's."""
-    return (par.shard == "full" and training.fsdp_param_bytes) or training.precision.activation
 
 
 def step_positions(training: Training, par: Parallelism) -> int:

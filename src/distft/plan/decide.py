@@ -183,12 +183,12 @@ def _shard(walk: _Walk) -> Recommendation:
     fsdp_state = fsdp.total - fsdp.activations
     without = "" if fsdp.fits else f"; without activations it would need {gb(fsdp_state)}"
     walk.ask("3. Does the model need sharding?", f"Yes: {fit_text(fsdp, req)}{without}.")
-    ep = walk.est["fsdp+ep"]
+    ep = next(e for name, e in walk.est.items() if STRATEGIES[name].needs_moe)  # fsdp+ep
     if ep.applicable:  # a mixture of experts: shard the experts whole instead of gathering them
         answer, pick = experts_answer(req, fsdp, ep)
         walk.ask("3a. Do the experts need sharding?", answer)
         if pick:
-            return walk.rec("fsdp+ep", answer.split(": ", 1)[1], others(walk.est, "fsdp+ep"))
+            return walk.rec(ep.strategy, answer.split(": ", 1)[1], others(walk.est, ep.strategy))
     slow, why_slow = interconnect_slow(req, fsdp)
     walk.ask("3b. Is the interconnect slow?", why_slow)
     seq_problem = not fsdp.fits and fsdp_state <= req.usable

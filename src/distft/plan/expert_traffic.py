@@ -7,10 +7,10 @@ parallelism's all-reduces of an MoE layer's MLP (`tp`), which are not a dense ML
 from __future__ import annotations
 
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
-from distft.plan.collective import Collective, compute_bytes
+from distft.plan.collective import Collective
 from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS
 from distft.plan.hardware import Link
-from distft.plan.inputs import Parallelism, Training
+from distft.plan.inputs import Parallelism, Training, compute_bytes
 from distft.plan.model_spec import ModelSpec
 
 COUNT_BYTES = 8  # an int64 per expert: the all-to-all of the counts

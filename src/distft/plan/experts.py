@@ -39,7 +39,7 @@ import math
 from dataclasses import replace
 
 from distft.parallel.pipeline.cost import layer_weights, matmul
-from distft.plan.inputs import Parallelism, Training
+from distft.plan.inputs import Parallelism, Training, compute_bytes
 from distft.plan.model_spec import ModelSpec, TensorSpec
 
 
@@ -77,8 +77,7 @@ def moe_block_bytes(spec: ModelSpec, training: Training, par: Parallelism, token
 def all_to_all_buffer_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> int:
     """One MoE layer's dispatch on the busiest rank: its routed rows sent, and those it received."""
     rows = training.micro_batch * training.seq_len * spec.num_experts_per_tok
-    # The activations' element size, as `collective.compute_bytes` has it (FSDP2's param dtype).
-    c = (par.shard == "full" and training.fsdp_param_bytes) or training.precision.activation
+    c = compute_bytes(training, par)
     return math.ceil(rows * (1 + received_share(training, par)) * spec.hidden_size * c)
 
 

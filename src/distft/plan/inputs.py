@@ -212,6 +212,12 @@ class Parallelism:
         return self.pipeline().theoretical_idle_fraction() if self.pp > 1 else 0.0
 
 
+def compute_bytes(training: Training, par: Parallelism) -> int:
+    """Bytes per element of the activations collectives carry: FSDP2's param dtype where
+    parallel.fsdp_param_dtype sets it (the layers compute in it), else the precision's."""
+    return (par.shard == "full" and training.fsdp_param_bytes) or training.precision.activation
+
+
 def cost_model(spec: ModelSpec, training: Training) -> CostModel:
     """The runtime's stage cost model (`distft.parallel.pipeline.cost`) of `spec` trained as
     `training` says, with its `label_tokens` labelled positions per sequence."""

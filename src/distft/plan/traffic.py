@@ -52,7 +52,6 @@ from distft.parallel.context.model import layers_without_kv_gradient, padded_len
 from distft.plan.collective import (
     Collective,
     Topology,
-    compute_bytes,
     held_bytes,
     step_positions,
 )
@@ -68,6 +67,7 @@ from distft.plan.hardware import Link
 from distft.plan.inputs import (
     Parallelism,
     Training,
+    compute_bytes,
     holds_first_stage,
     holds_last_stage,
     pipeline_layout,
