@@ -82,19 +82,32 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     """ddp, zero1, fsdp, zero2 and hsdp (FSDP2 shards each layer's expert stacks along the experts;
     hsdp on 4 ranks, 2 shard groups of 2),
     fsdp+ep (each rank 4 experts whole, tokens sent by all-to-all; the bytes the analytic count) and
-    tp (each rank every expert's half of the intermediate dimension, adapters cut with it):
-    the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
+    tp (each rank every expert's half of the intermediate dimension, adapters cut with it) and
+    the pipelines ddp+pp and fsdp+pp (2 stages x 2 replicas; the routers' sums sent across the
+    stage boundary, where the planner counts them): the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
     (rank x experts rows); plain peft loads it on the saved base, and the export merges it (the
     experts' adapters into their stacks) into a model plain transformers loads with the same logits."""
-    assert set(MOE_STRATEGIES) == {"ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp"}
+    assert set(MOE_STRATEGIES) == {
+        "ddp",
+        "zero1",
+        "fsdp",
+        "zero2",
+        "hsdp",
+        "fsdp+ep",
+        "tp",
+        "pp",
+        "ddp+pp",
+        "fsdp+pp",
+    }
     weights = adapter(reference)
     experts = {k: v for k, v in weights.items() if ".mlp.experts." in k}
     assert len(experts) == 4 * 4  # 4 layers x (gate_up, down) x (lora_A, lora_B)
     assert all(16 * 8 in v.shape for v in experts.values())  # r = 16 for each of the 8 experts
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
-    for strategy in MOE_STRATEGIES:
+    four = {"hsdp": "parallel.shard=2", "ddp+pp": "parallel.pp=2", "fsdp+pp": "parallel.pp=2"}
+    for strategy in (s for s in MOE_STRATEGIES if s != "pp"):  # pp: in the full finetuning below
         run = tmp_path / strategy
-        layout = ["--nproc", "4", "parallel.shard=2"] if strategy == "hsdp" else ["--nproc", "2"]
+        layout = ["--nproc", "4", four[strategy]] if strategy in four else ["--nproc", "2"]
         distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
         assert_same_training(run, reference)
         assert_planned_bytes(run)
@@ -163,10 +176,11 @@ def test_the_router_trains_beside_the_adapters_on_request(tmp_path):
 def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     """--method full, with the router's load-balancing loss and z-loss: every expert, the router
     and attention train; fsdp, fsdp+ep (the experts' stacks and their optimizer state sharded
-    along the experts) and tp (along their intermediate dimension, the router's gradient complete
-    on every rank) agree with one process at every step in loss, gradient norm, the auxiliary
-    losses and the tokens each expert took, and in the evaluation loss after. The auxiliary losses
-    move the gradient, not the loss recorded."""
+    along the experts), tp (along their intermediate dimension, the router's gradient complete
+    on every rank) and pp (interleaved: 4 stages of one layer on 2 ranks, the losses pooled over
+    the layers of every stage from the sums each passes on) agree with one process at every step
+    in loss, gradient norm, the auxiliary losses and the tokens each expert took, and in the
+    evaluation loss after. The auxiliary losses move the gradient, not the loss recorded."""
     full = [
         *MOE,
         "--method",
@@ -180,9 +194,11 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     single, plain = tmp_path / "single", tmp_path / "plain"
     assert main(["train", *full, *aux, "--out", str(single)]) == 0
     routing = ("router_aux_loss", "router_z_loss", "expert_imbalance")
-    for strategy in ("fsdp", "fsdp+ep", "tp"):
-        run = tmp_path / strategy
-        distft("train", *full, *aux, "--strategy", strategy, "--nproc", "2", "--out", str(run))
+    interleaved = ["parallel.schedule=interleaved-1f1b", "parallel.stages_per_rank=2"]
+    for strategy in ("fsdp", "fsdp+ep", "tp", "pp"):
+        run, layout = tmp_path / strategy, interleaved if strategy == "pp" else []
+        distft("train", *full, *aux, *layout, "--strategy", strategy, "--nproc", "2", "--out", str(run))
+        assert_planned_bytes(run)
         for got, want in zip(metrics(run), metrics(single), strict=True):
             for name in ("loss", "grad_norm", "eval_loss", *routing):
                 if name in want:
@@ -200,17 +216,18 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     assert trained.config.model_type == "qwen3_moe"  # the export plain transformers loads
     assert not torch.equal(layer.experts.down_proj, before.experts.down_proj)
     assert not torch.equal(layer.gate.weight, before.gate.weight)
-    for strategy in ("fsdp+ep", "tp"):  # the experts gathered whole again
+    for strategy in ("fsdp+ep", "tp", "pp"):  # the experts gathered whole again
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / strategy / "model").state_dict()
         for name, weight in trained.state_dict().items():
             torch.testing.assert_close(exported[name], weight, rtol=1e-4, atol=1e-6, msg=(strategy, name))
 
-    # Across degrees, each way: fsdp+ep's checkpoint (each rank's experts) resumed by tp (every
-    # expert's half on each rank), and tp's (its halves written whole) by fsdp+ep; each trains
-    # steps 2 and 3 as one process does.
-    for source, strategy in ((tmp_path / "fsdp+ep", "tp"), (tmp_path / "tp", "fsdp+ep")):
-        out = crashed_copy(source, tmp_path / f"resumed-{source.name}-{strategy}", 1)
-        proc = distft("train", "--resume", str(out), "--strategy", strategy, "--nproc", "2")
+    # Across degrees, round the three: fsdp+ep's checkpoint (each rank's experts) resumed by tp
+    # (every expert's half on each rank), tp's (its halves written whole) by pp (each rank its
+    # stages' layers), pp's by fsdp+ep; each trains steps 2 and 3 as one process does.
+    for source, strategy in (("fsdp+ep", "tp"), ("tp", "pp"), ("pp", "fsdp+ep")):
+        out = crashed_copy(tmp_path / source, tmp_path / f"resumed-{source}-{strategy}", 1)
+        layout = ["--strategy", strategy, "--nproc", "2", *(interleaved if strategy == "pp" else [])]
+        proc = distft("train", "--resume", str(out), *layout)
         assert "(step 1)" in proc.stdout
         for got, want in zip(metrics(out), metrics(single), strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (out.name, got["step"])

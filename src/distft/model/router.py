@@ -30,6 +30,8 @@ its busiest expert's tokens over the mean).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
@@ -54,16 +56,21 @@ class RouterLosses:
         self.num_experts, self.top_k = gates[0].num_experts, gates[0].top_k
         self.num_layers = len(gates)
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.collecting = False  # set by LossLM around its forward
-        self.caught: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits, top-k indices) per layer
+        self.collecting = False  # set around a training forward (LossLM's, a pipeline stage's)
+        self.caught: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, logits, top-k indices)
         self.sums: torch.Tensor | None = None
-        for gate in gates:
-            gate.register_forward_hook(self._catch)
+        for layer, gate in enumerate(gates):
+            gate.register_forward_hook(functools.partial(self._catch, layer))
 
-    def _catch(self, module: nn.Module, args, output: tuple[torch.Tensor, ...]) -> None:
+    def _catch(self, layer: int, module: nn.Module, args, output: tuple[torch.Tensor, ...]) -> None:
         if self.collecting and torch.is_grad_enabled():
             logits, _, indices = output
-            self.caught.append((logits, indices))
+            self.caught.append((layer, logits, indices))
+
+    @property
+    def trains(self) -> bool:
+        """Whether the auxiliary losses have a weight (else they are only recorded)."""
+        return bool(self.aux_loss_coef or self.z_loss_coef)
 
     def term(self, units: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """`units x (aux_coef x aux + z_coef x z)` for the forward just run, as a zero-valued
@@ -71,34 +78,75 @@ class RouterLosses:
         caught, self.caught = self.caught, []
         if not caught:
             return None
-        trains = bool(self.aux_loss_coef or self.z_loss_coef)
-        logits = [z if trains else z.detach() for z, _ in caught]
+        logits = [z if self.trains else z.detach() for _, z, _ in caught]
         mask = None if attention_mask is None else attention_mask.reshape(-1).float()
         aux = load_balancing_loss_func(tuple(logits), self.num_experts, self.top_k, attention_mask)
         lse = torch.logsumexp(torch.stack(logits).float(), dim=-1)  # (layers, tokens)
         tokens = lse.shape[1] if mask is None else mask.sum()
         z_loss = (lse.square() * (1 if mask is None else mask)).sum() / (tokens * self.num_layers)
-        self._record(aux, z_loss, units, [i for _, i in caught], mask)
-        if not trains:
+        self._record(aux, z_loss, units)
+        self._count(caught, mask)
+        return self._weighted(aux, z_loss, units)
+
+    def layer_sums(self, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """What the losses pool over the layers, summed over the layers the forward just ran (a
+        pipeline stage's, `distft.parallel.pipeline.stages`): each expert's router probability
+        (E, with its gradient), its top-k assignments (E), `logsumexp(z)^2` and the rows, the
+        padding left out. Sums of two stages add up; `pooled_term` takes the whole model's."""
+        caught, self.caught = self.caught, []
+        mask = None if attention_mask is None else attention_mask.reshape(-1).float()
+        parts = []
+        for _, logits, chosen in caught:
+            z = (logits if self.trains else logits.detach()).float()
+            weight = torch.ones(z.shape[0], device=z.device) if mask is None else mask
+            picks = torch.zeros(self.num_experts, device=z.device)
+            picks.scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(self.top_k))
+            probs = (z.softmax(dim=-1) * weight[:, None]).sum(dim=0)
+            lse2 = (torch.logsumexp(z, dim=-1).square() * weight).sum()
+            parts.append(torch.cat([probs, picks, lse2[None], weight.sum()[None]]))
+        self._count(caught, mask)
+        return torch.stack(parts).sum(dim=0)
+
+    def pooled_term(self, sums: torch.Tensor, units: torch.Tensor) -> torch.Tensor | None:
+        """`term` from every layer's `layer_sums`: the same losses as transformers pools them,
+        gradients flowing back through each stage's probabilities; None without gradients."""
+        if not torch.is_grad_enabled():
+            return None
+        e = self.num_experts
+        probs, picks, lse2, rows = sums[:e], sums[e : 2 * e].detach(), sums[2 * e], sums[2 * e + 1].detach()
+        aux = e * (picks / rows * probs / rows).sum()
+        z_loss = lse2 / rows
+        self._record(aux, z_loss, units)
+        return self._weighted(aux, z_loss, units)
+
+    def _weighted(self, aux: torch.Tensor, z_loss: torch.Tensor, units: torch.Tensor) -> torch.Tensor | None:
+        if not self.trains:
             return None
         objective = units * (self.aux_loss_coef * aux + self.z_loss_coef * z_loss)
         return objective - objective.detach()
 
     @torch.no_grad()
-    def _record(self, aux, z_loss, units, indices: list[torch.Tensor], mask: torch.Tensor | None) -> None:
-        counts = torch.zeros(self.num_layers, self.num_experts, device=aux.device)
-        for layer, chosen in enumerate(indices):  # (tokens, top_k) each
+    def _record(self, aux: torch.Tensor, z_loss: torch.Tensor, units: torch.Tensor) -> None:
+        units = units.float()
+        self._add(torch.stack([aux.float() * units, z_loss.float() * units, units]), 0)
+
+    @torch.no_grad()
+    def _count(self, caught: list[tuple[int, torch.Tensor, torch.Tensor]], mask: torch.Tensor | None) -> None:
+        """Each caught layer's top-k assignments per expert, the padding left out."""
+        counts = torch.zeros(self.num_layers, self.num_experts, device=caught[0][2].device)
+        for layer, _, chosen in caught:  # (tokens, top_k) each
             weight = (
                 torch.ones_like(chosen, dtype=counts.dtype)
                 if mask is None
                 else mask[:, None].expand_as(chosen)
             )
             counts[layer].scatter_add_(0, chosen.reshape(-1), weight.reshape(-1))
-        units = units.float()
-        sums = torch.cat(
-            [torch.stack([aux.float() * units, z_loss.float() * units, units]), counts.reshape(-1)]
-        )
-        self.sums = sums if self.sums is None else self.sums + sums
+        self._add(counts.reshape(-1), 3)
+
+    def _add(self, values: torch.Tensor, at: int) -> None:
+        if self.sums is None:
+            self.sums = torch.zeros(self.size, device=values.device)
+        self.sums[at : at + values.numel()] += values
 
     def take_stats(self, device: torch.device) -> torch.Tensor:
         """The sums since the last call (zeros if none), and start afresh: the unit-weighted

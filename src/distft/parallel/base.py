@@ -279,7 +279,7 @@ class Strategy:
         # `state_dict()` lists every alias; `ignore_frozen_params` drops only the first name of a
         # frozen weight. Keep one name per trainable parameter, or every checkpoint would carry
         # the whole frozen base (and full finetuning's weights twice).
-        trainable = {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
+        trainable = self.trained_names(model)
         model_state = {k: v for k, v in model_state.items() if k in trainable}
         # bitsandbytes (0.50) nests a tensor's 8-bit state under one key in its state_dict, but not
         # in its live state, whose names loading follows: kept flat, as it loads.
@@ -288,6 +288,10 @@ class Strategy:
         optimized = {optimizer_state_owner(k)[0] for k in optim_state if k.startswith("state.")}
         assert optimized <= trainable, "optimizer state under names the model lacks"
         return {"model": model_state, "optim": optim_state}
+
+    def trained_names(self, model: nn.Module) -> set[str]:
+        """The names of the trained parameters as the state dicts key them, one per parameter."""
+        return {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Put a `checkpoint_state` dict, loaded by DCP, back into the model and the optimizer."""

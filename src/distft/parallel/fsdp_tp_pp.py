@@ -72,6 +72,7 @@ class FSDPTensorPipelineParallel(FSDPPipelineParallel):
     without_pp = "fsdp+tp"
     without_dp: ClassVar[str | None] = None  # dp = 1: TP x PP, a real 3D mesh with one FSDP rank
     supports_qlora: ClassVar[bool] = False
+    supports_moe: ClassVar[bool] = False  # not yet: its TP plans know dense MLPs only
     supports_compile: ClassVar[bool] = False  # TP's DTensor plans rewrite the blocks
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     supports_dora: ClassVar[bool] = False

@@ -1,7 +1,8 @@
 """What a mixture of experts changes in a step's collectives: expert parallelism's all-to-alls
 (`fsdp+ep`, as `plan/experts.py` describes them; beside them FSDP's all-gathers and
 reduce-scatters of everything but the expert stacks, `traffic.dp_collectives`), and tensor
-parallelism's all-reduces of an MoE layer's MLP (`tp`), which are not a dense MLP's.
+parallelism's all-reduces of an MoE layer's MLP (`tp`), which are not a dense MLP's, and what a
+pipeline sends beside its hidden states (`pp`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from distft.plan.inputs import Parallelism, Training, compute_bytes
 from distft.plan.model_spec import ModelSpec
 
 COUNT_BYTES = 8  # an int64 per expert: the all-to-all of the counts
+SUM_BYTES = 4  # an fp32 per router sum (`distft.model.router.RouterLosses.layer_sums`)
 
 
 def ep_collectives(
@@ -60,3 +62,14 @@ def tp_expert_partial_grads(spec: ModelSpec, training: Training, layers: list[in
     lora = spec.lora_tensors(training.lora_rank, training.lora_targets)
     whole = [t for t in lora if t.module in ("gate_up_proj", "down_proj") and t.tp_dim is None]
     return sum(t.numel for t in whole if t.layer in held) * training.precision.grad
+
+
+def pp_router_sums(spec: ModelSpec, par: Parallelism, link: Link, boundaries: int) -> list[Collective]:
+    """A pipeline's routers' sums (each expert's probability and assignments, logsumexp^2 and the
+    rows: 2E + 2 floats), sent across each stage boundary beside the hidden states in every
+    training micro-batch, their gradient back: the auxiliary losses pool the layers of all stages."""
+    if not spec.moe:
+        return []
+    messages = par.microbatches * boundaries  # each way
+    nbytes = messages * (2 * spec.num_experts + 2) * SUM_BYTES
+    return [Collective("router sums", kind, nbytes, messages, 2, link, True) for kind in ("send", "recv")]

@@ -49,6 +49,7 @@ from dataclasses import replace
 
 from distft.parallel import STRATEGIES
 from distft.parallel.context.model import layers_without_kv_gradient, padded_length
+from distft.plan import expert_traffic as experts
 from distft.plan.collective import (
     Collective,
     Topology,
@@ -62,7 +63,6 @@ from distft.plan.counts import (
     tp_activation_calls,
     tp_adapter_calls,
 )
-from distft.plan.expert_traffic import ep_collectives, tp_expert_partial_grads, tp_expert_terms
 from distft.plan.hardware import Link
 from distft.plan.inputs import (
     Parallelism,
@@ -211,7 +211,7 @@ def tp_collectives(
         logical = c * positions * (spec.hidden_size * calls + training.lora_rank * adapters)
         count = m * (calls + adapters)
         if spec.moe:  # the experts' all-reduces in place of a dense MLP's
-            moe_bytes, moe_calls = tp_expert_terms(spec, training, par, layers, targets)
+            moe_bytes, moe_calls = experts.tp_expert_terms(spec, training, par, layers, targets)
             logical, count = logical + moe_bytes, count + moe_calls
         extra, extra_calls = tp_forward_only_reduces(spec, training, par, layers, targets, c)
         logical, count = logical + extra, count + extra_calls
@@ -273,6 +273,7 @@ def pp_collectives(
     out = [
         Collective("stage activations", kind, nbytes, messages, 2, link, True) for kind in ("send", "recv")
     ]
+    out += experts.pp_router_sums(spec, par, link, boundaries)  # an MoE's, beside the hidden states
     sends = lay.sends_of(rank)  # KTO's KL term: forward only, each way as this rank holds the stages
     out += pp_forward_only_sends(spec, training, par, link, sends, boundaries - sends, sent)
     ends = holds_first_stage(par, rank) or holds_last_stage(par, rank)
@@ -310,7 +311,7 @@ def step_collectives(
     if par.cp > 1:
         add("cp", cp_collectives(spec, training, par, topo.link(par.cp, 1)))
     if par.ep > 1:  # over the data-parallel ranks: fsdp+ep's one mesh dimension
-        add("dp", ep_collectives(spec, training, par, topo.link(par.ep, par.tp), layers))
+        add("dp", experts.ep_collectives(spec, training, par, topo.link(par.ep, par.tp), layers))
     sequence_split = par.tp > 1 and par.tensor_parallel == "megatron" and par.sp
     # An MoE's router sums (`distft.model.router`) join a preference objective's in one all-reduce.
     statistics = training.pair_statistics + (3 + spec.num_layers * spec.num_experts if spec.moe else 0)
@@ -335,7 +336,7 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism, ra
         # gradients), sharded over dp under FSDP (`parallel/tensor_parallel.py`).
         dp = par.dp if par.shard == "full" else 1
         if training.lora:  # an MoE's whole expert adapter factors (`parallel/tp_experts.py`)
-            return tp_expert_partial_grads(spec, training, layers) if spec.moe else 0.0
+            return experts.tp_expert_partial_grads(spec, training, layers) if spec.moe else 0.0
         return 2 * math.ceil(spec.head_dim / dp) * len(layers) * g if spec.qk_norm else 0.0
     if training.lora:
         held = set(layers)

@@ -23,9 +23,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from distft.config import Config
+from distft.data.pairs import rows_per_item
+from distft.errors import ConfigError
 from distft.model import summed_loss
 from distft.model.lm import run_layers
 from distft.model.preference import sequence_logps
+from distft.parallel.base import Batch
 from distft.parallel.pipeline.layout import SCHEDULES, SINGLE_STAGE, Layout
 
 Action = tuple[str, int, int]  # (kind F|B|W, stage, micro-batch)
@@ -73,27 +77,46 @@ class StageModule(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (batch, seq) token ids on the first stage, else (batch, seq, hidden)
+        router_sums: torch.Tensor | None = None,  # an MoE's, from the stages before (training)
+        *,
         labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
         attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens (padded)
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`), for the last stage
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
         # What the family's forward computes once (positions, masks, rotary cos/sin), every stage
         # recomputes (`run_layers`): a decoder layer without them fails.
         layers = ((int(index), layer) for index, layer in self.layers.items())
-        hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
+        router = self.loss_lm.router if self.loss_lm is not None and torch.is_grad_enabled() else None
+        if router is not None:  # the routers' auxiliary losses pool every layer: their sums travel on
+            router.collecting = True
+            try:
+                hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
+            finally:
+                router.collecting = False
+            mine = router.layer_sums(attention_mask)
+            router_sums = mine if router_sums is None else router_sums + mine
+        else:
+            hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
         if self.lm_head is None:
-            return hidden
+            return hidden if router is None else (hidden, router_sums)
         if self.loss_lm is not None and self.loss_lm.preference is not None:
             logps, counts = sequence_logps(self.norm(hidden), self.lm_head, labels, position_ids)
             # The reference is always precomputed here; scoring returns one value per sequence.
             out = self.loss_lm.preference_head(logps, counts, None, preference)
-            return out if self.loss_lm.scoring else out.reshape(1).clone()
+            if self.loss_lm.scoring:
+                return out
+            units = self.loss_lm.preference.units(counts, preference.get("desirable"))
+        else:
+            out, units = summed_loss(self.norm(hidden), self.lm_head, labels), labels.ne(-100).sum()
+        if router is not None:
+            term = router.pooled_term(router_sums, torch.as_tensor(units, device=out.device))
+            out = out if term is None else out + term
         # Shape (1,), not a scalar: torch's eval() concatenates the last stage's outputs.
         # A fresh tensor, not a view of the scalar: FSDP (fsdp+pp) warns that its backward hook on a
         # view would be lost to an in-place op.
-        return summed_loss(self.norm(hidden), self.lm_head, labels).reshape(1).clone()
+        return out.reshape(1).clone()
 
 
 class PipelineModel(nn.Module):
@@ -121,6 +144,25 @@ class PipelineModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through its schedule (PipelineParallel.forward_backward)")
+
+
+def single_model_state(state: dict, view: PipelineModel, single: bool = True) -> dict:
+    """A checkpoint's state (`Strategy.checkpoint_state`: model and flattened optimizer state) under
+    the single model's names, or back from them (`single` False). Only one name differs: a tied
+    lm_head on a rank without the embedding, which one process lists as the embedding."""
+    names = {id(p): name for name, p in view.module.named_parameters()}
+    renamed = {name: names[id(p)] for name, p in view.named_parameters() if names[id(p)] != name}
+    if not single:
+        renamed = {to: name for name, to in renamed.items()}
+
+    def rename(key: str) -> str:
+        for part in ("state.", "param_groups."):  # `state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`
+            if key.startswith(part):
+                fqn, _, leaf = key.removeprefix(part).rpartition(".")
+                return f"{part}{renamed.get(fqn, fqn)}.{leaf}"
+        return renamed.get(key, key)
+
+    return {part: {rename(key): value for key, value in items.items()} for part, items in state.items()}
 
 
 def build_stages(
@@ -181,3 +223,25 @@ def schedule_actions(lay: Layout, schedule: object) -> list[list[Action]]:
         ]
         for r in range(p)
     ]
+
+
+def full_batch(micro_batches: list[Batch], cfg: Config, lay: Layout) -> Batch:
+    """One (global_batch, seq) batch of the step's micro-batches; a short one (the last validation
+    batch) is filled with rows that carry no loss, since the stage shapes are fixed."""
+    batch = {k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]}
+    per_item = rows_per_item(cfg.train.objective)  # a preference pair: two rows
+    rows = 1 if cfg.data.packing else lay.micro_batch_size * per_item  # per micro-batch
+    missing = lay.microbatches * rows - batch["input_ids"].shape[0]
+    if missing > 0 and set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"}:
+        raise ConfigError(
+            f"train.objective={cfg.train.objective} runs through a pipeline on whole global "
+            f"batches, and this one holds {len(micro_batches)} micro-batches of {lay.microbatches}: "
+            "give the validation split at least train.global_batch_size rows."
+        )
+    if missing > 0:  # packed fill rows: position 0 everywhere, each token a document of its own
+        fill = {"input_ids": 0, "attention_mask": 1, "position_ids": 0, "labels": -100}
+        batch = {
+            k: torch.cat([v, torch.full((missing, v.shape[1]), fill[k], dtype=v.dtype, device=v.device)])
+            for k, v in batch.items()
+        }
+    return batch

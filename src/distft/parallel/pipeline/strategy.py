@@ -9,7 +9,8 @@ reads input_ids and only the last stage's rank the labels.
 
 What is sent when. During the step, per micro-batch and per stage boundary that crosses ranks:
 forward, one send/recv of the hidden states (mb, T, hidden); backward, one send/recv of their
-gradient, same shape. After it: an all-reduce of the loss sum (only the last stage has it), one of
+gradient, same shape. A mixture of experts sends its routers' sums beside them (2E + 2 floats,
+`distft.model.router.RouterLosses.layer_sums`): the auxiliary losses pool all the layers. After it: an all-reduce of the loss sum (only the last stage has it), one of
 the squared gradient norm over the pipeline group (float64, every stage's share once), and in full
 finetuning of a tied embedding split over two ranks, an all-reduce of its gradient between those
 two (each copy saw half of the uses).
@@ -41,7 +42,14 @@ from distft.model.preference import labelled_sequences
 from distft.parallel.base import Batch, Strategy
 from distft.parallel.pipeline.cost import CostModel
 from distft.parallel.pipeline.layout import Layout, layout
-from distft.parallel.pipeline.stages import Action, build_schedule, build_stages, schedule_actions
+from distft.parallel.pipeline.stages import (
+    Action,
+    build_schedule,
+    build_stages,
+    full_batch,
+    schedule_actions,
+    single_model_state,
+)
 from distft.tensors import local
 
 
@@ -55,6 +63,7 @@ class PipelineParallel(Strategy):
     fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
     takes_label_positions: ClassVar[bool] = False
     supports_compile: ClassVar[bool] = True  # stages hold the compiled decoder layers as they are
+    supports_moe: ClassVar[bool] = True  # the routers' loss sums travel with the hidden states
     modules_to_save_refusal: ClassVar[str] = (
         "puts the embedding and lm_head on different stages, where peft's trained rows of a tied pair "
         "would be one parameter that each stage updates with half its gradient"
@@ -185,8 +194,10 @@ class PipelineParallel(Strategy):
             self._run(batches, num_label_tokens=1)
         for stage in self.stages:
             stage.submod.zero_grad(set_to_none=True)
-        if self.stages[-1].submod.loss_lm.preference is not None:  # the blank rows' statistics
-            self.stages[-1].submod.loss_lm.preference.take_stats(self.env.device)
+        lm = self.stages[-1].submod.loss_lm
+        for statistics in (lm.preference, lm.router):  # the blank rows' (an MoE's: on every rank)
+            if statistics is not None:
+                statistics.take_stats(self.env.device)
 
     # -- one step ------------------------------------------------------------------------------
     def _loss(self, loss_sum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -196,7 +207,7 @@ class PipelineParallel(Strategy):
 
     def _run(self, micro_batches: list[Batch], num_label_tokens: int) -> torch.Tensor:
         """One `schedule.step()` over the whole batch; the loss sum this rank's last stage computed."""
-        batch = self._full_batch(micro_batches)
+        batch = full_batch(micro_batches, self.cfg, self.layout)
         self._num_label_tokens = num_label_tokens
         self._loss_sums: list[torch.Tensor] = []
         args = (batch["input_ids"],) if self.holds_first else ()
@@ -227,7 +238,7 @@ class PipelineParallel(Strategy):
         stages (a metadata exchange) on every switch between training and evaluation. Speed does
         not matter here; this path is sequential, plain and the same for every schedule.
         """
-        batch = self._full_batch(micro_batches)
+        batch = full_batch(micro_batches, self.cfg, self.layout)
         chunks = {k: v.chunk(self.layout.microbatches) for k, v in batch.items()}
         total = torch.zeros((), device=self.env.device)
         for i in range(self.layout.microbatches):
@@ -267,27 +278,6 @@ class PipelineParallel(Strategy):
                 dist.send(x.to(dtype).contiguous(), dst=ranks[lay.rank_of(s + 1)])
         return None
 
-    def _full_batch(self, micro_batches: list[Batch]) -> Batch:
-        """One (global_batch, seq) batch; a short one (the last validation batch) is filled with rows
-        that carry no loss, since the stage shapes are fixed."""
-        batch = {k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]}
-        per_item = rows_per_item(self.cfg.train.objective)  # a preference pair: two rows
-        rows = 1 if self.cfg.data.packing else self.layout.micro_batch_size * per_item  # per micro-batch
-        missing = self.layout.microbatches * rows - batch["input_ids"].shape[0]
-        if missing > 0 and set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"}:
-            raise ConfigError(
-                f"train.objective={self.cfg.train.objective} runs through a pipeline on whole global "
-                f"batches, and this one holds {len(micro_batches)} micro-batches of {self.layout.microbatches}: "
-                "give the validation split at least train.global_batch_size rows."
-            )
-        if missing > 0:  # packed fill rows: position 0 everywhere, each token a document of its own
-            fill = {"input_ids": 0, "attention_mask": 1, "position_ids": 0, "labels": -100}
-            batch = {
-                k: torch.cat([v, torch.full((missing, v.shape[1]), fill[k], dtype=v.dtype, device=v.device)])
-                for k, v in batch.items()
-            }
-        return batch
-
     def traffic_facts(self, model: nn.Module) -> dict:
         """The cut as it ran (the planner's would cut by its own labelled-position estimate)."""
         return {"pp_split": self.layout.layers_per_stage}
@@ -306,6 +296,17 @@ class PipelineParallel(Strategy):
 
     def norm_group(self) -> dist.ProcessGroup | None:
         return self.pp_group
+
+    def trained_names(self, model: nn.Module) -> set[str]:
+        """The view's: a tied lm_head on its own rank is listed under its name there."""
+        return {name for name, p in model.named_parameters() if p.requires_grad}
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        # A tied lm_head is written as one process writes it: under the embedding's name.
+        return single_model_state(super().checkpoint_state(model, optimizer), model)
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        super().load_checkpoint_state(model, optimizer, single_model_state(state, model, single=False))
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Only the last stage's rank has a loss; a sum over ranks gives it to everyone."""
