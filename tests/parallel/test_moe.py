@@ -26,6 +26,10 @@ from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, d
 # sums each expert's features in halves) turns 1.4e-8 against 1.6e-8 into 3% of a step.
 MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_rows=16", "optim.eps=1e-6"]
 MOE_STRATEGIES = [name for name, cls in STRATEGIES.items() if cls.supports_moe and name != "single"]
+# As in test_families.py: a variant's code for the experts is the named strategy's (ZeRO-1
+# partitions DDP's optimizer state, ZeRO-2 keeps FSDP's units gathered, ddp+pp is fsdp+pp's stages
+# with DDP around them), proven on dense models in their own files.
+MOE_VARIANTS = {"zero1": "ddp", "zero2": "fsdp", "ddp+pp": "fsdp+pp"}
 
 
 def assert_all_to_all_bytes(run, micro_batches: int, forwards: int = 1) -> None:
@@ -83,8 +87,9 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     hsdp on 4 ranks, 2 shard groups of 2),
     fsdp+ep (each rank 4 experts whole, tokens sent by all-to-all; the bytes the analytic count) and
     tp (each rank every expert's half of the intermediate dimension, adapters cut with it) and
-    the pipelines ddp+pp and fsdp+pp (2 stages x 2 replicas; the routers' sums sent across the
-    stage boundary, where the planner counts them): the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
+    fsdp+pp (2 stages x 2 replicas; the routers' sums sent across the stage boundary, where the
+    planner counts them), with zero1, zero2 and ddp+pp through them (`MOE_VARIANTS`; pp in the
+    full finetuning below): the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
     (rank x experts rows); plain peft loads it on the saved base, and the export merges it (the
     experts' adapters into their stacks) into a model plain transformers loads with the same logits."""
     assert set(MOE_STRATEGIES) == {
@@ -104,8 +109,10 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert len(experts) == 4 * 4  # 4 layers x (gate_up, down) x (lora_A, lora_B)
     assert all(16 * 8 in v.shape for v in experts.values())  # r = 16 for each of the 8 experts
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
-    four = {"hsdp": "parallel.shard=2", "ddp+pp": "parallel.pp=2", "fsdp+pp": "parallel.pp=2"}
-    for strategy in (s for s in MOE_STRATEGIES if s != "pp"):  # pp: in the full finetuning below
+    for variant, covered in MOE_VARIANTS.items():
+        assert STRATEGIES[variant].__mro__[1] in STRATEGIES[covered].__mro__, (variant, covered)
+    four = {"hsdp": "parallel.shard=2", "fsdp+pp": "parallel.pp=2"}
+    for strategy in (s for s in MOE_STRATEGIES if s != "pp" and s not in MOE_VARIANTS):
         run = tmp_path / strategy
         layout = ["--nproc", "4", four[strategy]] if strategy in four else ["--nproc", "2"]
         distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
