@@ -89,20 +89,12 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     tp (each rank every expert's half of the intermediate dimension, adapters cut with it) and
     fsdp+pp (2 stages x 2 replicas; the routers' sums sent across the stage boundary, where the
     planner counts them), with zero1, zero2 and ddp+pp through them (`MOE_VARIANTS`; pp in the
-    full finetuning below): the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
+    full finetuning below, as fsdp+cp, and cp in the DPO test): the same losses, gradient norms and adapter; the adapter holds one LoRA pair per expert stack
     (rank x experts rows); plain peft loads it on the saved base, and the export merges it (the
     experts' adapters into their stacks) into a model plain transformers loads with the same logits."""
     assert set(MOE_STRATEGIES) == {
-        "ddp",
-        "zero1",
-        "fsdp",
-        "zero2",
-        "hsdp",
-        "fsdp+ep",
-        "tp",
-        "pp",
-        "ddp+pp",
-        "fsdp+pp",
+        *("ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp"),
+        *("pp", "ddp+pp", "fsdp+pp", "cp", "fsdp+cp"),
     }
     weights = adapter(reference)
     experts = {k: v for k, v in weights.items() if ".mlp.experts." in k}
@@ -112,7 +104,8 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     for variant, covered in MOE_VARIANTS.items():
         assert STRATEGIES[variant].__mro__[1] in STRATEGIES[covered].__mro__, (variant, covered)
     four = {"hsdp": "parallel.shard=2", "fsdp+pp": "parallel.pp=2"}
-    for strategy in (s for s in MOE_STRATEGIES if s != "pp" and s not in MOE_VARIANTS):
+    others = ("pp", "cp", "fsdp+cp")  # in the full finetuning and DPO tests below
+    for strategy in (s for s in MOE_STRATEGIES if s not in others and s not in MOE_VARIANTS):
         run = tmp_path / strategy
         layout = ["--nproc", "4", four[strategy]] if strategy in four else ["--nproc", "2"]
         distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
@@ -148,19 +141,31 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     )
 
 
-def test_dpo_under_expert_parallelism_trains_as_one_process(tmp_path):
-    """DPO on the bundled pairs under fsdp+ep, its reference the base under the disabled adapters
-    in every step's forward (each rank's experts without their LoRA deltas): the losses, rewards
-    and adapter of one process."""
+def test_dpo_under_expert_and_context_parallelism_trains_as_one_process(tmp_path):
+    """DPO on the bundled pairs, padded (each pair's answers of their own lengths), its reference the
+    base under the disabled adapters in every step's forward: under fsdp+ep (each rank's experts
+    without their LoRA deltas) and cp (each rank half of every row's tokens, the padding and the
+    fill that evens the halves left out of the routers' pooled sums, which one all-reduce adds up),
+    the losses, rewards, auxiliary loss and adapter of one process."""
     flags = [*MOE, "--objective", "dpo", "--data", "sample-pairs", "data.max_rows=12", "train.max_steps=2"]
-    single, ep = tmp_path / "single", tmp_path / "ep"
+    flags += ["data.packing=false", "data.max_length=1202"]  # whole rows, padded; 1202: not 2 x 2 whole chunks
+    single = tmp_path / "single"
     assert main(["train", *flags, "--out", str(single)]) == 0
-    distft("train", *flags, "--strategy", "fsdp+ep", "--nproc", "2", "--out", str(ep))
-    assert_same_training(ep, single)
-    for got, want in zip(metrics(ep), metrics(single), strict=True):
-        for name in ("rewards_chosen", "rewards_rejected", "margin", "router_aux_loss"):
-            # differences of log-probabilities near -100: rounding of 1e-7 relative is 1e-5 absolute
-            assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-5), (got["step"], name)
+    for strategy in ("fsdp+ep", "cp"):
+        run = tmp_path / strategy
+        distft("train", *flags, "--strategy", strategy, "--nproc", "2", "--out", str(run))
+        # cp sums each answer's log-probability over its sequence shards, and DPO weighs each
+        # token's gradient by its pair's sigmoid (tests/parallel/test_preference.py): one tensor
+        # of the adapter is 1.2e-5 of its norm away after 2 steps.
+        assert_same_training(run, single, rtol=1e-5 if strategy == "fsdp+ep" else 1e-4)
+        for got, want in zip(metrics(run), metrics(single), strict=True):
+            for name in ("rewards_chosen", "rewards_rejected", "margin", "router_aux_loss"):
+                # differences of log-probabilities near -100: rounding of 1e-7 relative is 1e-5 absolute
+                assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-5), (
+                    strategy,
+                    got["step"],
+                    name,
+                )
     assert metrics(single)[-1]["margin"] != 0  # the policy moved from its reference
 
 
@@ -184,8 +189,9 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     """--method full, with the router's load-balancing loss and z-loss: every expert, the router
     and attention train; fsdp, fsdp+ep (the experts' stacks and their optimizer state sharded
     along the experts), tp (along their intermediate dimension, the router's gradient complete
-    on every rank) and pp (interleaved: 4 stages of one layer on 2 ranks, the losses pooled over
-    the layers of every stage from the sums each passes on) agree with one process at every step
+    on every rank), pp (interleaved: 4 stages of one layer on 2 ranks, the losses pooled over
+    the layers of every stage from the sums each passes on) and fsdp+cp (the losses pooled over
+    every rank's tokens, the stacks sharded by FSDP) agree with one process at every step
     in loss, gradient norm, the auxiliary losses and the tokens each expert took, and in the
     evaluation loss after. The auxiliary losses move the gradient, not the loss recorded."""
     full = [
@@ -202,7 +208,7 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     assert main(["train", *full, *aux, "--out", str(single)]) == 0
     routing = ("router_aux_loss", "router_z_loss", "expert_imbalance")
     interleaved = ["parallel.schedule=interleaved-1f1b", "parallel.stages_per_rank=2"]
-    for strategy in ("fsdp", "fsdp+ep", "tp", "pp"):
+    for strategy in ("fsdp", "fsdp+ep", "tp", "pp", "fsdp+cp"):
         run, layout = tmp_path / strategy, interleaved if strategy == "pp" else []
         distft("train", *full, *aux, *layout, "--strategy", strategy, "--nproc", "2", "--out", str(run))
         assert_planned_bytes(run)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -118,6 +119,22 @@ class RouterLosses:
         z_loss = lse2 / rows
         self._record(aux, z_loss, units)
         return self._weighted(aux, z_loss, units)
+
+    def split_term(self, units: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor | None:
+        """`term` where each rank of `group` ran every layer on its own share of each row's tokens
+        (context parallelism; `weight` (batch, tokens): 1 for this rank's real tokens, 0 for
+        padding and fill). The pooled counts and rows are summed over the ranks (one all-reduce of
+        the `layer_sums`, their value only); each rank's term carries the gradient of its own
+        probabilities and logsumexps against them, and the ranks' terms sum to the whole one."""
+        if not torch.is_grad_enabled():
+            return None
+        mine = self.layer_sums(weight)
+        total = mine.detach().clone()
+        dist.all_reduce(total, group=group)
+        e, share = self.num_experts, 1 / dist.get_world_size(group)
+        picks, rows = total[e : 2 * e], total[2 * e + 1]
+        self._record(e * (picks / rows * total[:e] / rows).sum(), total[2 * e] / rows, units * share)
+        return self._weighted(e * (picks / rows * mine[:e] / rows).sum(), mine[2 * e] / rows, units)
 
     def _weighted(self, aux: torch.Tensor, z_loss: torch.Tensor, units: torch.Tensor) -> torch.Tensor | None:
         if not self.trains:

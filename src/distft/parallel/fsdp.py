@@ -115,7 +115,7 @@ def shard_units(
 class FSDP(Strategy):
     name = "fsdp"
     supports_fp8: ClassVar[bool] = True  # zero2 too; not yet hsdp or fsdp+cp
-    supports_moe: ClassVar[bool] = True  # zero2 and hsdp too; not yet fsdp+cp
+    supports_moe: ClassVar[bool] = True  # zero2, hsdp and fsdp+cp too
     label = "FSDP / ZeRO-3"
     holds = "1/N of params, grads, optimizer state"
     moves = "all-gather params (forward and backward), reduce-scatter grads"

@@ -44,7 +44,7 @@ from distft.parallel.fsdp import FSDP, shard_units
 class FSDPContextParallel(StateUnderTheWrapper, MeshStrategy, FSDP):
     name = "fsdp+cp"
     supports_fp8: ClassVar[bool] = False
-    supports_moe: ClassVar[bool] = False
+    supports_moe: ClassVar[bool] = True  # FSDP2 shards the expert stacks; the routers' sums all-reduced
     label = "FSDP x CP"
     holds = "1/(dp cp) of params, grads, optimizer state; 1/cp of every sequence's activations"
     moves = "FSDP's all-gather / reduce-scatter over every rank; K and V all-gathered over cp per layer"

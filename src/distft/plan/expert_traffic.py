@@ -1,8 +1,9 @@
 """What a mixture of experts changes in a step's collectives: expert parallelism's all-to-alls
 (`fsdp+ep`, as `plan/experts.py` describes them; beside them FSDP's all-gathers and
 reduce-scatters of everything but the expert stacks, `traffic.dp_collectives`), and tensor
-parallelism's all-reduces of an MoE layer's MLP (`tp`), which are not a dense MLP's, and what a
-pipeline sends beside its hidden states (`pp`).
+parallelism's all-reduces of an MoE layer's MLP (`tp`), which are not a dense MLP's, and the
+routers' sums that a pipeline sends beside its hidden states (`pp`) and context parallelism
+all-reduces (`cp`).
 """
 
 from __future__ import annotations
@@ -73,3 +74,12 @@ def pp_router_sums(spec: ModelSpec, par: Parallelism, link: Link, boundaries: in
     messages = par.microbatches * boundaries  # each way
     nbytes = messages * (2 * spec.num_experts + 2) * SUM_BYTES
     return [Collective("router sums", kind, nbytes, messages, 2, link, True) for kind in ("send", "recv")]
+
+
+def cp_router_sums(spec: ModelSpec, par: Parallelism, link: Link, micro_batches: int) -> list[Collective]:
+    """Context parallelism's routers' sums: each rank's share of every row's tokens, all-reduced
+    once per training micro-batch (2E + 2 floats) so that the auxiliary losses pool them all."""
+    if not spec.moe:
+        return []
+    nbytes = micro_batches * (2 * spec.num_experts + 2) * SUM_BYTES
+    return [Collective("router sums", "all_reduce", nbytes, micro_batches, par.cp, link, False)]

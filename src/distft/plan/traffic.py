@@ -250,9 +250,9 @@ def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
     out += cp_forward_only(training, par, link, 2 * c * spec.num_kv_heads * spec.head_dim, layers)
     if training.pair_statistics:  # each sequence's log-probability and count, summed over the ranks
         out.append(sequence_sums(training, par, link, par.cp))
-    if (
-        par.shard == "none"
-    ):  # replicated weights: the positions' shares summed (FSDP's reduce-scatter does it)
+    out += experts.cp_router_sums(spec, par, link, m)  # an MoE's, pooled over the ranks' tokens
+    # Replicated weights: the positions' shares summed (FSDP's reduce-scatter does it).
+    if par.shard == "none":
         grads = held_bytes(spec, training, par, "gradients")
         out.append(Collective("gradients", "all_reduce", grads, 1, n, link, False))
     return out

@@ -70,9 +70,17 @@ class ContextParallelLM(nn.Module):
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`)
     ) -> torch.Tensor:
-        hidden, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
+        router = self.module.router if torch.is_grad_enabled() else None  # an MoE's (training)
+        if router is not None:
+            router.collecting = True
+        try:
+            hidden, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
+        finally:
+            if router is not None:
+                router.collecting = False
         if self.module.preference is None:
-            return summed_loss(hidden, self.module.lm_head, mine)  # this rank's share
+            loss = summed_loss(hidden, self.module.lm_head, mine)  # this rank's share
+            return self.with_router_term(loss, labels.ne(-100).sum(), input_ids, attention_mask)
         logps, counts = self.sequence_logps(hidden, mine, documents, grad=True)
 
         @torch.no_grad()
@@ -83,7 +91,30 @@ class ContextParallelLM(nn.Module):
                 )[0]
 
         # Every rank computes the head whole from the summed values; `reduce_loss` sums the shares.
-        return self.module.preference_head(logps, counts, base, preference, share=1 / self.world)
+        loss = self.module.preference_head(logps, counts, base, preference, share=1 / self.world)
+        if self.module.scoring:
+            return loss
+        units = self.module.preference.units(counts, preference.get("desirable"))
+        return self.with_router_term(loss, units, input_ids, attention_mask)
+
+    def with_router_term(
+        self,
+        loss: torch.Tensor,
+        units: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The loss carrying this rank's share of the routers' auxiliary losses (a mixture of
+        experts), pooled over every rank's tokens but the padding and the fill."""
+        router = self.module.router
+        if router is None or not router.caught:
+            return loss
+        seq = input_ids.shape[1]
+        real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        real = F.pad(real, (0, padded_length(seq, self.world) - seq), value=0)
+        index = self.local_positions(real.shape[1], real.device)[1]
+        term = router.split_term(torch.as_tensor(units, device=loss.device), real[:, index], self.group)
+        return loss if term is None else loss + term
 
     def sequence_logps(
         self, hidden, labels, documents, grad: bool = False

@@ -53,6 +53,7 @@ class ContextParallel(StateUnderTheWrapper, Strategy):
     dims = ("cp",)
     supports_modules_to_save: ClassVar[bool] = True
     supports_qlora: ClassVar[bool] = True  # nothing is sharded: each rank holds the whole NF4 base
+    supports_moe: ClassVar[bool] = True  # the routers' sums all-reduced over the ranks' tokens
     builds_on_device: ClassVar[bool] = True  # the whole model on each rank, as DDP
     supports_compile: ClassVar[bool] = False
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")  # replicated plain tensors
