@@ -1,8 +1,9 @@
 """`model.experts_implementation` (`distft.model.experts`) on `qwen3-moe-micro`: the setting reaches
-every layer's experts module and its forward dispatches to the implementation named; grouped_mm
-and batched_mm give eager's loss and gradients on the same batch, under LoRA (adapters on the
-experts, made non-zero so the experts' deltas take part) and under full finetuning, the experts'
-own weights receiving gradient."""
+every layer's experts module and its forward dispatches to the implementation named; grouped_mm,
+batched_mm and grouped_lora give eager's loss and gradients on the same batch, under LoRA
+(adapters on the experts, made non-zero so the experts' deltas take part) and under full
+finetuning, the experts' own weights receiving gradient; grouped_lora keeps the adapters' rank-r
+products for backward where the others keep a merged copy of every expert."""
 
 from __future__ import annotations
 
@@ -11,19 +12,21 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from distft.config import load_config
+from distft.measure.activations import SavedActivations
 from distft.model import LossLM, apply_method, load_base_model
 from distft.model.experts import AUTO, experts_modules, implementations_in_effect
 
 B, S = 2, 40
 
 
-def build(implementation: str, method: str) -> torch.nn.Module:
+def build(implementation: str, method: str, *overrides: str) -> torch.nn.Module:
     cfg = load_config(
         None,
         [
             "model.name=qwen3-moe-micro",
             f"model.experts_implementation={implementation}",
             f"train.method={method}",
+            *overrides,
         ],
     )
     torch.manual_seed(0)  # the base's weights are the preset's; peft's lora_A draws from this seed
@@ -62,7 +65,7 @@ def test_every_implementation_trains_as_eager(method):
     # The experts take part in what trains: their adapters (LoRA) or their stacked weights (full).
     experts = [n for n in grads if "experts" in n]
     assert experts and all(grads[n].abs().sum() > 0 for n in experts), experts
-    for implementation in ("grouped_mm", "batched_mm"):
+    for implementation in ("grouped_mm", "batched_mm", "grouped_lora"):
         other_loss, other_grads = loss_and_gradients(implementation, method)
         torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=0)
         assert other_grads.keys() == grads.keys()
@@ -72,7 +75,7 @@ def test_every_implementation_trains_as_eager(method):
             torch.testing.assert_close(other_grads[name], grad, rtol=1e-5, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("implementation", ["auto", "eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("implementation", ["auto", "eager", "grouped_mm", "batched_mm", "grouped_lora"])
 def test_the_setting_reaches_every_layers_experts(implementation, monkeypatch):
     """Read where the experts read it (their config), and seen in the forward: transformers looks
     the name up in `ALL_EXPERTS_FUNCTIONS` (eager: the class's own forward, in no table) at every call."""
@@ -97,3 +100,29 @@ def test_a_dense_model_ignores_the_setting():
     cfg = load_config(None, ["model.name=micro", "model.experts_implementation=batched_mm"])
     lm = load_base_model(cfg.model)
     assert implementations_in_effect(lm) == set() and lm.config._experts_implementation != "batched_mm"
+
+
+@pytest.mark.parametrize("rank", [16, 5])  # 5: rows of 20 bytes, below the grouped kernel's alignment
+def test_grouped_lora_keeps_the_factors_not_a_merged_copy(rank):
+    """Per MoE layer, what backward keeps changes by exactly: minus the merged stacks (E x 3 I x h
+    floats), plus a contiguous copy of each stack's B (E r (2I + h)) and each routed row's two
+    rank-r products (2 r per row: 2 x 40 tokens x k = 2); the loss and gradients are grouped_mm's."""
+    saved, results = {}, {}
+    for implementation in ("grouped_mm", "grouped_lora"):
+        lm = build(implementation, "lora", f"lora.rank={rank}")
+        model = LossLM(lm)
+        with SavedActivations(model) as probe:
+            loss = model(**batch())
+        loss.backward()
+        saved[implementation] = probe.bytes
+        results[implementation] = (
+            loss.detach(),
+            {n: p.grad for n, p in lm.named_parameters() if p.grad is not None},
+        )
+    (loss, grads), (other_loss, other_grads) = results["grouped_mm"], results["grouped_lora"]
+    torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(other_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
+    experts, inter, hidden, rows = 8, 24, 32, B * S * 2
+    per_layer = 4 * (-experts * 3 * inter * hidden + experts * rank * (2 * inter + hidden) + 2 * rows * rank)
+    assert saved["grouped_lora"] - saved["grouped_mm"] == 4 * per_layer < 0

@@ -148,7 +148,10 @@ def test_dpo_under_expert_and_context_parallelism_trains_as_one_process(tmp_path
     fill that evens the halves left out of the routers' pooled sums, which one all-reduce adds up),
     the losses, rewards, auxiliary loss and adapter of one process."""
     flags = [*MOE, "--objective", "dpo", "--data", "sample-pairs", "data.max_rows=12", "train.max_steps=2"]
-    flags += ["data.packing=false", "data.max_length=1202"]  # whole rows, padded; 1202: not 2 x 2 whole chunks
+    flags += [
+        "data.packing=false",
+        "data.max_length=1202",
+    ]  # whole rows, padded; 1202: not 2 x 2 whole chunks
     single = tmp_path / "single"
     assert main(["train", *flags, "--out", str(single)]) == 0
     for strategy in ("fsdp+ep", "cp"):

@@ -9,6 +9,8 @@ that sequence parallelism divides by N and that activation checkpointing trades 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -44,15 +46,18 @@ class SavedActivations:
     def __init__(self, model: nn.Module):
         self.model = model
         self.bytes = 0
-        self._seen: set[int] = set()
+        self._saved: dict[int, tuple[int, list[weakref.ref]]] = {}  # storage -> (bytes, its saved tensors)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         # Every module's parameter dict, found once: walking the module tree at every pack costs
         # (modules x saved tensors), over a second on the first step of a 36-layer model.
         self._parameter_dicts = [m._parameters for m in model.modules()]
+        # And the parameters' storages as they are now: peft's adapters on a parameter (an MoE's
+        # expert stacks) move it into a parametrization module for the forward, out of those dicts.
+        self._parameters = {ptr for p in model.parameters() for ptr in _data_ptrs(p)}
 
     def _parameter_storages(self) -> set[int]:
         # Read at pack time: FSDP swaps gathered parameters in and out of these dicts.
-        return {
+        return self._parameters | {
             ptr
             for parameters in self._parameter_dicts
             for p in parameters.values()
@@ -66,9 +71,11 @@ class SavedActivations:
             ptr = storage.data_ptr()
         except RuntimeError:  # fake/meta tensors DTensor makes while propagating shardings
             return t
-        if ptr not in self._seen and storage.nbytes() and ptr not in self._parameter_storages():
-            self._seen.add(ptr)
-            self.bytes += storage.nbytes()
+        refs = self._saved[ptr][1] if ptr in self._saved else []
+        if any(ref() is not None for ref in refs):
+            refs.append(weakref.ref(t))
+        elif storage.nbytes() and ptr not in self._parameter_storages():  # new, or freed and reused
+            self._saved[ptr] = (storage.nbytes(), [weakref.ref(t)])
         return t
 
     def __enter__(self) -> SavedActivations:
@@ -76,4 +83,9 @@ class SavedActivations:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Count what backward will find: storages a saved tensor still holds as the forward ends.
+        A graph the forward built and dropped (peft's check of a parametrization it registers, say)
+        saved tensors too, freed since."""
         self._hooks.__exit__(*exc)
+        self.bytes = sum(n for n, refs in self._saved.values() if any(ref() is not None for ref in refs))
+        self._saved.clear()

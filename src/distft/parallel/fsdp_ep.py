@@ -15,8 +15,9 @@ Each MoE layer's forward, per micro-batch of T tokens routed to k experts each (
 2. all-to-all of the counts (E integers): each rank learns how many rows it will receive from
    every rank for each of its experts;
 3. all-to-all of the rows (dispatch, T k x hidden): each goes to the rank holding its expert;
-4. each local expert's SwiGLU MLP over its rows (its LoRA delta added to its weights first): one
-   grouped matmul per projection over the local stack (`model.experts_implementation`);
+4. each local expert's SwiGLU MLP over its rows (its LoRA factors applied to the rows, never
+   merged into its weights): one grouped matmul per projection and factor over the local stack
+   (`model.experts_implementation`);
 5. all-to-all back (combine, the same sizes reversed), then each token sums its k outputs
    weighted by the router's probabilities.
 Backward runs the two row all-to-alls in reverse. Routing is dropless: every assignment is
@@ -50,14 +51,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PretrainedConfig
-from transformers.integrations.moe import _grouped_linear as grouped_linear  # its grouped_mm dispatch
 
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
+from distft.model.experts import Factors, grouped_projection
 from distft.parallel.fsdp import FSDP, shard_units
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
+Stack = tuple[torch.Tensor, Factors | None]  # a local expert stack and its LoRA factors
 
 
 class FSDPExpertParallel(FSDP):
@@ -134,23 +136,18 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
     return sharded
 
 
-def local_expert_weights(experts: nn.Module, first: int, count: int) -> dict[str, torch.Tensor]:
-    """This rank's experts' stacks, (count, out, in) each, with their active LoRA deltas added
-    (peft's factors for the whole stack, sliced to the local experts)."""
-    weights, module = {}, experts
-    deltas: dict[str, torch.Tensor] = {}
+def local_expert_weights(experts: nn.Module, first: int, count: int) -> dict[str, Stack]:
+    """This rank's experts' stacks, (count, out, in) each, with their active LoRA adapter's factors
+    (peft's for the whole stack, sliced to the local experts; applied to the rows, never merged)."""
+    module, factors = experts, {}
     while isinstance(module, ParamWrapper):
         adapter = next((a for a in module.active_adapters if a in module.lora_A), None)
         if adapter is not None and not module.disable_adapters:
-            lhs, rhs, scaling = module.get_delta_factors(adapter)  # (experts, out, r), (experts, r, in)
-            deltas[module.parameter_name] = scaling * (
-                lhs[first : first + count] @ rhs[first : first + count]
-            )
+            b, a, scaling = module.get_delta_factors(adapter)  # (experts, out, r), (experts, r, in)
+            local = slice(first, first + count)
+            factors[module.parameter_name] = (b[local].contiguous(), a[local], scaling)
         module = module.base_layer
-    for name in EXPERT_STACKS:
-        local = getattr(module, name).to_local()
-        weights[name] = local + deltas[name].to(local.dtype) if name in deltas else local
-    return weights
+    return {name: (getattr(module, name).to_local(), factors.get(name)) for name in EXPERT_STACKS}
 
 
 def expert_parallel_forward(
@@ -187,7 +184,7 @@ def expert_parallel_forward(
         received_counts_host.sum(dim=0).tolist(),
         local_expert_weights(experts, first, local),
         base.act_fn,
-        grouped=base.config._experts_implementation == "grouped_mm",
+        grouped=base.config._experts_implementation in ("grouped_mm", "grouped_lora"),
     )
     outputs = outputs[torch.argsort(by_expert)]  # back in the order the rows came
     returned = funcol.all_to_all_single_autograd(outputs, send, receive, group)
@@ -201,20 +198,29 @@ def expert_parallel_forward(
 def expert_mlps(
     rows: torch.Tensor,
     per_expert: list[int],
-    weights: dict[str, torch.Tensor],
+    stacks: dict[str, Stack],
     act_fn: nn.Module,
     grouped: bool = True,
 ) -> torch.Tensor:
     """Each local expert's SwiGLU MLP over its consecutive rows (`per_expert` of them): one grouped
-    matmul per projection over the local stack where `model.experts_implementation` is grouped_mm
-    (transformers' own dispatch: torch's grouped GEMM, or its fallback loop), else a loop over the
-    local experts, as transformers' eager path computes one."""
+    matmul per projection over the local stack, its adapter applied to the rows
+    (`distft.model.experts.grouped_projection`), where `model.experts_implementation` is grouped,
+    else a loop over the local experts, as transformers' eager path computes one."""
     if grouped:
         offsets = torch.tensor(per_expert, device=rows.device).cumsum(0, dtype=torch.int32)
-        gate, up = grouped_linear(rows, weights["gate_up_proj"], offsets).chunk(2, dim=-1)
-        return grouped_linear(act_fn(gate) * up, weights["down_proj"], offsets)
+        gate, up = grouped_projection(rows, offsets, *stacks["gate_up_proj"]).chunk(2, dim=-1)
+        return grouped_projection(act_fn(gate) * up, offsets, *stacks["down_proj"])
+
+    def linear(x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        weight, factors = stacks[name]
+        out = nn.functional.linear(x, weight[e])
+        if factors is None:
+            return out
+        b, a, scaling = factors
+        return out + scaling * nn.functional.linear(nn.functional.linear(x, a[e]), b[e])
+
     outputs = []
     for e, part in enumerate(rows.split(per_expert)):
-        gate, up = nn.functional.linear(part, weights["gate_up_proj"][e]).chunk(2, dim=-1)
-        outputs.append(nn.functional.linear(act_fn(gate) * up, weights["down_proj"][e]))
+        gate, up = linear(part, "gate_up_proj", e).chunk(2, dim=-1)
+        outputs.append(linear(act_fn(gate) * up, "down_proj", e))
     return torch.cat(outputs)

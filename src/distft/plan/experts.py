@@ -13,12 +13,14 @@ What one MoE block keeps for backward (transformers' grouped expert matmuls, mea
 - per routed row (T k of them): the token's hidden state gathered for its expert (c h), the fused
   gate/up output (c 2I), SiLU's output and its product with up (2 c I), the expert's output before
   its routing weight multiplies it (c h) and that weight (c);
-- under LoRA, peft's adapters on the stacks (`target_parameters`) add their delta to each stack
-  before the matmul: the merged stacks, every expert's, are saved for backward like an
-  activation (c E (2I h + h I) per layer and micro-batch, the size of the experts themselves),
-  and, over a 16-bit base, the fp32 factors' casts to it (c E r (2h + 3I));
+- under LoRA on the stacks, applied to the rows through its factors (`model.experts_implementation
+  =auto`, `distft.model.experts.grouped_lora_experts_forward`): each routed row's two rank-r
+  products (2 c r), a contiguous copy of each stack's B factor (c E r (2I + h)) and, over a
+  16-bit base, the cast of each A factor (c E r (h + I)). (transformers' own grouped_mm would
+  keep a merged copy of every expert's weights instead, c E 3 I h per layer: the size of the
+  experts themselves, 1.2 GB a layer on Qwen3-30B-A3B.)
 - the expert row offsets of the grouped matmul (4 E).
-Tensor parallelism splits everything I-wide; expert parallelism holds E/N of the merged stacks
+Tensor parallelism splits everything I-wide; expert parallelism holds E/N of the factors' copies
 and computes the rows its experts received.
 
 Expert parallelism (`fsdp+ep`, `parallel/fsdp_ep.py`; its bytes in `expert_traffic.py`), per
@@ -65,13 +67,13 @@ def moe_block_bytes(spec: ModelSpec, training: Training, par: Parallelism, token
     # per row: the gathered hidden state, gate/up's output, SiLU's output and the product, the
     # expert's output, its routing weight
     experts = rows * c * (h + 2 * inter + 2 * inter + h + 1)
-    merged = 0
+    adapters = 0
     if training.lora and {"gate_proj", "up_proj", "down_proj"} & set(training.lora_targets):
-        merged = c * (E // par.ep) * 3 * inter * h  # gate_up (2I x h) and down (h x I) per expert
-        if training.adapter_bytes != c:  # the fp32 factors cast to the compute dtype, then kept
-            r = training.lora_rank
-            merged += c * (E // par.ep) * r * ((h + 2 * inter) + (inter + h))
-    return tokens * router + experts + merged + 4 * E  # and the experts' row offsets (int32)
+        r = training.lora_rank
+        adapters = rows * 2 * c * r + c * (E // par.ep) * r * (2 * inter + h)  # rank-r rows, B copies
+        if training.adapter_bytes != c:  # each fp32 A cast to the compute dtype, then kept
+            adapters += c * (E // par.ep) * r * (h + inter)
+    return tokens * router + experts + adapters + 4 * E  # and the experts' row offsets (int32)
 
 
 def all_to_all_buffer_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> int:
