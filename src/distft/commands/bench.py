@@ -175,7 +175,7 @@ def _add_experts_arguments(p: argparse.ArgumentParser) -> None:
         "--experts",
         action="store_true",
         help="instead of strategies: time forward + backward of an MoE (--model, default qwen3-moe-micro) under "
-        "each model.experts_implementation (eager, batched_mm, grouped_mm) on the same batch (--micro-batch, "
+        "each model.experts_implementation (eager, batched_mm, grouped_mm, grouped_lora) on the same batch (--micro-batch, "
         "default 4, x --seq-len, default 512; --warmup 2, then the median of --steps 5), LoRA and full "
         "(--methods); writes DIR/experts.md and DIR/experts.json (docs/moe.md)",
     )
