@@ -20,6 +20,12 @@ being its share of what the step's loss is divided by (labelled tokens, or pairs
 step's loss is the language-model mean plus the coefficients times the unit-weighted mean of the
 micro-batches' auxiliary losses, as transformers computes it for one micro-batch.
 
+Where no rank sees every layer and token, the pooled means are rebuilt from sums that add up
+(`layer_sums`: each expert's router probability and assignments, `logsumexp(z)^2`, the rows): a
+pipeline's stages pass theirs on beside the hidden states and the last stage forms the losses
+(`pooled_term`); context parallel ranks all-reduce theirs and each keeps the gradient of its own
+tokens' share (`split_term`). Either way the losses, and their gradients, are one process's.
+
 The term joins the returned loss as `term - term.detach()`: zero in value, its gradient intact.
 The loss the run reports stays the language model's (comparable with `eval_loss` and with a dense
 model's), and metrics.jsonl records the auxiliary losses beside it (`router_aux_loss`,
