@@ -9,12 +9,11 @@ that sequence parallelism divides by N and that activation checkpointing trades 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -46,7 +45,7 @@ class SavedActivations:
     def __init__(self, model: nn.Module):
         self.model = model
         self.bytes = 0
-        self._saved: dict[int, tuple[int, list[weakref.ref]]] = {}  # storage -> (bytes, its saved tensors)
+        self._saved: dict[int, tuple[int, StorageWeakRef]] = {}  # storage pointer -> (bytes, the storage)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         # Every module's parameter dict, found once: walking the module tree at every pack costs
         # (modules x saved tensors), over a second on the first step of a 36-layer model.
@@ -71,11 +70,9 @@ class SavedActivations:
             ptr = storage.data_ptr()
         except RuntimeError:  # fake/meta tensors DTensor makes while propagating shardings
             return t
-        refs = self._saved[ptr][1] if ptr in self._saved else []
-        if any(ref() is not None for ref in refs):
-            refs.append(weakref.ref(t))
-        elif storage.nbytes() and ptr not in self._parameter_storages():  # new, or freed and reused
-            self._saved[ptr] = (storage.nbytes(), [weakref.ref(t)])
+        held = self._saved.get(ptr)
+        if (held is None or held[1].expired()) and storage.nbytes() and ptr not in self._parameter_storages():
+            self._saved[ptr] = (storage.nbytes(), StorageWeakRef(storage))  # new, or freed and reused
         return t
 
     def __enter__(self) -> SavedActivations:
@@ -83,9 +80,9 @@ class SavedActivations:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Count what backward will find: storages a saved tensor still holds as the forward ends.
-        A graph the forward built and dropped (peft's check of a parametrization it registers, say)
+        """Count what backward will find: the saved storages still alive as the forward ends. A
+        graph the forward built and dropped (peft's check of a parametrization it registers, say)
         saved tensors too, freed since."""
         self._hooks.__exit__(*exc)
-        self.bytes = sum(n for n, refs in self._saved.values() if any(ref() is not None for ref in refs))
+        self.bytes = sum(n for n, storage in self._saved.values() if not storage.expired())
         self._saved.clear()
