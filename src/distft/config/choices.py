@@ -20,13 +20,8 @@ OPTIMIZERS, SCHEDULERS = ("adamw", "adamw-8bit", "sgd"), ("cosine", "linear", "c
 MASTER_WEIGHTS = ("auto", "fp32", "model")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_CHOICES = ("auto", "flex", "flash", "sdpa", "eager")  # `distft.model.attention`
-EXPERTS_CHOICES = (
-    "auto",
-    "eager",
-    "grouped_mm",
-    "batched_mm",
-    "grouped_lora",
-)  # model.experts_implementation
+# model.experts_implementation: transformers' three, and distft's grouped_lora (`distft.model.experts`)
+EXPERTS_CHOICES = ("auto", "eager", "grouped_mm", "batched_mm", "grouped_lora")
 COMPILE_CHOICES = FUSED_CHOICES = ("auto", "true", "false")  # model.compile, optim.fused
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 FP8_CHOICES = ("off", "base", "all")  # model.fp8; `distft.model.fp8`

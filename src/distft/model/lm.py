@@ -42,7 +42,7 @@ from distft.model.checkpointing import HostOffload, offloads
 from distft.model.families import layer_types
 from distft.model.loss import chunked_cross_entropy, loss_chunk
 from distft.model.preference import PreferenceLoss, sequence_logps
-from distft.model.router import RouterLosses
+from distft.model.router import RouterLosses, catching
 
 
 def causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -109,13 +109,8 @@ class LossLM(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
     ) -> torch.Tensor:
         """`hidden_states`, the routers' outputs caught on the way (a mixture of experts)."""
-        if self.router is None:
+        with catching(self.router):
             return self.hidden_states(input_ids, attention_mask, position_ids)
-        self.router.collecting = True
-        try:
-            return self.hidden_states(input_ids, attention_mask, position_ids)
-        finally:
-            self.router.collecting = False
 
     def with_router_term(
         self, loss: torch.Tensor, units: torch.Tensor | int, attention_mask: torch.Tensor | None

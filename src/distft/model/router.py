@@ -36,7 +36,9 @@ its busiest expert's tokens over the mean).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,7 @@ class RouterLosses:
         self.num_experts, self.top_k = gates[0].num_experts, gates[0].top_k
         self.num_layers = len(gates)
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.collecting = False  # set around a training forward (LossLM's, a pipeline stage's)
+        self.collecting = False  # on during a training forward (`catching`)
         self.caught: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, logits, top-k indices)
         self.sums: torch.Tensor | None = None
         for layer, gate in enumerate(gates):
@@ -73,6 +75,16 @@ class RouterLosses:
         if self.collecting and torch.is_grad_enabled():
             logits, _, indices = output
             self.caught.append((layer, logits, indices))
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[None]:
+        """Catch the routers' outputs of the forward run inside (LossLM's, a pipeline stage's, a
+        context-parallel rank's), for `term`, `layer_sums` or `split_term` to take after it."""
+        self.collecting = True
+        try:
+            yield
+        finally:
+            self.collecting = False
 
     @property
     def trains(self) -> bool:
@@ -193,6 +205,11 @@ class RouterLosses:
             "expert_tokens": [round(c) for c in counts.sum(dim=0).tolist()],
             "expert_imbalance": busiest.max().item() if units else None,
         }
+
+
+def catching(router: RouterLosses | None) -> contextlib.AbstractContextManager:
+    """`router.catching()`, or nothing to catch: a dense model, or a forward without gradients."""
+    return router.catching() if router is not None else contextlib.nullcontext()
 
 
 def router_losses(backbone: nn.Module, aux_loss_coef: float, z_loss_coef: float) -> RouterLosses | None:

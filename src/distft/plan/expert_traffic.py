@@ -16,7 +16,7 @@ from distft.plan.inputs import Parallelism, Training, compute_bytes
 from distft.plan.model_spec import ModelSpec
 
 COUNT_BYTES = 8  # an int64 per expert: the all-to-all of the counts
-SUM_BYTES = 4  # an fp32 per router sum (`distft.model.router.RouterLosses.layer_sums`)
+SUM_BYTES = 4  # an fp32 per router sum
 
 
 def ep_collectives(
@@ -65,21 +65,27 @@ def tp_expert_partial_grads(spec: ModelSpec, training: Training, layers: list[in
     return sum(t.numel for t in whole if t.layer in held) * training.precision.grad
 
 
+def router_sums_bytes(spec: ModelSpec) -> int:
+    """One micro-batch's routers' sums (each expert's probability and assignments, logsumexp^2 and
+    the rows: 2E + 2 floats, `distft.model.router.RouterLosses.layer_sums`)."""
+    return (2 * spec.num_experts + 2) * SUM_BYTES
+
+
 def pp_router_sums(spec: ModelSpec, par: Parallelism, link: Link, boundaries: int) -> list[Collective]:
-    """A pipeline's routers' sums (each expert's probability and assignments, logsumexp^2 and the
-    rows: 2E + 2 floats), sent across each stage boundary beside the hidden states in every
-    training micro-batch, their gradient back: the auxiliary losses pool the layers of all stages."""
+    """A pipeline's routers' sums, sent across each stage boundary beside the hidden states in
+    every training micro-batch, their gradient back: the auxiliary losses pool the layers of all
+    stages."""
     if not spec.moe:
         return []
     messages = par.microbatches * boundaries  # each way
-    nbytes = messages * (2 * spec.num_experts + 2) * SUM_BYTES
+    nbytes = messages * router_sums_bytes(spec)
     return [Collective("router sums", kind, nbytes, messages, 2, link, True) for kind in ("send", "recv")]
 
 
 def cp_router_sums(spec: ModelSpec, par: Parallelism, link: Link, micro_batches: int) -> list[Collective]:
     """Context parallelism's routers' sums: each rank's share of every row's tokens, all-reduced
-    once per training micro-batch (2E + 2 floats) so that the auxiliary losses pool them all."""
+    once per training micro-batch so that the auxiliary losses pool them all."""
     if not spec.moe:
         return []
-    nbytes = micro_batches * (2 * spec.num_experts + 2) * SUM_BYTES
+    nbytes = micro_batches * router_sums_bytes(spec)
     return [Collective("router sums", "all_reduce", nbytes, micro_batches, par.cp, link, False)]

@@ -28,6 +28,7 @@ from distft.model import summed_loss
 from distft.model.families import layer_types
 from distft.model.lm import check_right_padded, run_layers
 from distft.model.preference import sequence_logps
+from distft.model.router import catching
 from distft.parallel.context.attention import CONTEXT, ContextShard, register
 from distft.parallel.megatron.collectives import sequence_sums
 from distft.tensors import document_ids
@@ -70,14 +71,8 @@ class ContextParallelLM(nn.Module):
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`)
     ) -> torch.Tensor:
-        router = self.module.router if torch.is_grad_enabled() else None  # an MoE's (training)
-        if router is not None:
-            router.collecting = True
-        try:
+        with catching(self.module.router):  # an MoE's, for `with_router_term`
             hidden, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
-        finally:
-            if router is not None:
-                router.collecting = False
         if self.module.preference is None:
             loss = summed_loss(hidden, self.module.lm_head, mine)  # this rank's share
             return self.with_router_term(loss, labels.ne(-100).sum(), input_ids, attention_mask)

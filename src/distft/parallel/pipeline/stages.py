@@ -29,6 +29,7 @@ from distft.errors import ConfigError
 from distft.model import summed_loss
 from distft.model.lm import run_layers
 from distft.model.preference import sequence_logps
+from distft.model.router import catching
 from distft.parallel.base import Batch
 from distft.parallel.pipeline.layout import SCHEDULES, SINGLE_STAGE, Layout
 
@@ -89,16 +90,11 @@ class StageModule(nn.Module):
         # recomputes (`run_layers`): a decoder layer without them fails.
         layers = ((int(index), layer) for index, layer in self.layers.items())
         router = self.loss_lm.router if self.loss_lm is not None and torch.is_grad_enabled() else None
+        with catching(router):
+            hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
         if router is not None:  # the routers' auxiliary losses pool every layer: their sums travel on
-            router.collecting = True
-            try:
-                hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
-            finally:
-                router.collecting = False
             mine = router.layer_sums(attention_mask)
             router_sums = mine if router_sums is None else router_sums + mine
-        else:
-            hidden = run_layers(self, layers, hidden, attention_mask, position_ids)
         if self.lm_head is None:
             return hidden if router is None else (hidden, router_sums)
         if self.loss_lm is not None and self.loss_lm.preference is not None:

@@ -10,10 +10,12 @@ reads input_ids and only the last stage's rank the labels.
 What is sent when. During the step, per micro-batch and per stage boundary that crosses ranks:
 forward, one send/recv of the hidden states (mb, T, hidden); backward, one send/recv of their
 gradient, same shape. A mixture of experts sends its routers' sums beside them (2E + 2 floats,
-`distft.model.router.RouterLosses.layer_sums`): the auxiliary losses pool all the layers. After it: an all-reduce of the loss sum (only the last stage has it), one of
-the squared gradient norm over the pipeline group (float64, every stage's share once), and in full
-finetuning of a tied embedding split over two ranks, an all-reduce of its gradient between those
-two (each copy saw half of the uses).
+`distft.model.router.RouterLosses.layer_sums`), since its auxiliary losses pool all the layers.
+After the step: an all-reduce of the loss sum (only the last stage has it), one of the squared
+gradient norm over the pipeline group (float64, every stage's share once), and in full finetuning
+of a tied embedding split over two ranks, an all-reduce of its gradient between those two (each
+copy saw half of the uses). Checkpoints name a tied lm_head as one process does, after the
+embedding (`stages.single_model_state`).
 
 The loss. The last stage returns the summed token loss of its micro-batch; the schedule's loss
 function divides it by the global number of label tokens and gradients are *not* divided by m
