@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -113,6 +114,11 @@ for _command in COMMANDS:  # each command's module, which the CLI imports only w
 # transformers' table of checkpoint renamings, which peft builds at a process's first adapter
 # (~0.2 s of CPU): built here once instead of in every rank of every run.
 get_checkpoint_conversion_mapping("qwen3")
+# Everything imported so far frozen out of the collector (as `distft.launch` does before it forks
+# ranks): the full collection at the end of every run (`distft.train.loop`) then walks only what
+# the run made, 2 ms instead of 0.3 s, here and in every run forked from the server.
+gc.collect()
+gc.freeze()
 
 
 def _start_server() -> None:

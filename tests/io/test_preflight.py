@@ -1,4 +1,4 @@
-"""A finished run is never replaced by accident (issue 14): `distft train` with the same --out
+"""A finished run is never replaced by accident: `distft train` with the same --out
 refuses, naming the run, its last step and the choices; --overwrite replaces it; --resume
 continues it from a checkpoint; an unfinished run with checkpoints resumes as before."""
 

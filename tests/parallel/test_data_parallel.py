@@ -92,7 +92,7 @@ def test_ddp_static_graph(reference, tmp_path, capsys):
     assert_same_training(out, reference)
 
 
-# ---- the misconfiguration switches (issue 15): the same training, only the traffic changes -------
+# ---- the misconfiguration switches: the same training, only the traffic changes -------
 
 
 def test_ddp_without_no_sync_moves_accumulation_times_the_bytes(reference, micro_lora, tmp_path):

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -142,12 +143,19 @@ def _vocabulary_hash(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(backend.to_str().encode()).hexdigest()
 
 
+def token_lookup(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], int | None]:
+    """A token's id in `tokenizer`, None where its vocabulary (added tokens included) lacks it. One
+    look-up per token: `get_vocab()` builds a new dict on every call (151k entries, 0.2 s for Qwen)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend.token_to_id if backend is not None else tokenizer.get_vocab().get
+
+
 def with_added_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[str]) -> PreTrainedTokenizerBase:
     """`tokenizer` holding `tokens` (model.added_tokens): a copy, each token its vocabulary lacks
     added as a special token after its last id (a token it has keeps its id and role); `tokenizer`
     itself when it lacks none. The copy's fingerprint, the token cache's key, covers them."""
-    vocabulary = tokenizer.get_vocab()  # a new dict on every call (151k entries for Qwen)
-    missing = [t for t in dict.fromkeys(tokens) if t not in vocabulary]
+    token_id = token_lookup(tokenizer)
+    missing = [t for t in dict.fromkeys(tokens) if token_id(t) is None]
     if not missing:
         return tokenizer
     tokenizer = copy.deepcopy(tokenizer)  # the offline build is shared by every caller
@@ -213,11 +221,17 @@ def _finish(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
     """Right padding, and a pad token where the model names none (Llama 3's end of text). A Qwen
     base checkpoint without a chat template gets Qwen3's, whose tokens its vocabulary holds; any
     other family keeps none, and a chat row is refused before launch (`distft.data.template`)."""
-    vocabulary = tokenizer.get_vocab()
-    if not tokenizer.chat_template and "<|im_start|>" in vocabulary and "<|im_end|>" in vocabulary:
+    token_id = token_lookup(tokenizer)
+    if (
+        not tokenizer.chat_template
+        and token_id("<|im_start|>") is not None
+        and token_id("<|im_end|>") is not None
+    ):
         tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = "<|endoftext|>" if "<|endoftext|>" in vocabulary else tokenizer.eos_token
+        tokenizer.pad_token = (
+            "<|endoftext|>" if token_id("<|endoftext|>") is not None else tokenizer.eos_token
+        )
     tokenizer.padding_side = "right"
     return tokenizer
 
