@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from distft.cli import main
+from distft.io.lineage import base_stages, read_lineage
 from tests.helpers import adapter, assert_same_training, crashed_copy, distft, metrics, write_jsonl
 
 NAMES, DAYS = ["Anna", "Bob", "Chen", "Dana", "Eli", "Fay"], ["Monday", "Friday", "next week"]
@@ -186,6 +187,13 @@ def test_a_precomputed_reference_trains_as_the_disabled_adapters_do_and_full_fin
     assert first["loss"] == pytest.approx(math.log(2), rel=1e-6) and first["margin"] == 0.0
     assert (start / "reference_logps.safetensors").is_file()  # derived: scored before it trains
     assert first["logps_chosen"] > metrics(live)[0]["logps_chosen"]  # it learnt the chosen answers
+    # Its lineage goes on from the SFT run's: random micro, then the SFT adapter, then this run.
+    stages = read_lineage(start)["stages"]
+    assert [(s["method"], s["run"]) for s in stages] == [
+        ("lora", str(sft.resolve())),
+        ("lora", str(start.resolve())),
+    ]
+    assert stages[-1]["continues"] and base_stages(read_lineage(start)) == []  # the base: micro itself
     capsys.readouterr()
     for flags, says in [
         (["lora.rank=8"], "was trained with r=16, this run asks lora.rank = 8"),

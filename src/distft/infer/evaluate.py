@@ -35,7 +35,7 @@ from distft.data.preference import PreferenceRow
 from distft.errors import ConfigError
 from distft.infer.generate import Sampling, generate
 from distft.infer.load import Loaded, _load_base, load_trained
-from distft.io.lineage import is_random
+from distft.io.lineage import base_stages, is_random
 from distft.model import LossLM
 from distft.model.build import peft_quietly, rebuild_base
 from distft.model.preference import sequence_logps
@@ -156,9 +156,9 @@ def start_scores(loaded: Loaded, path: str, rows: list[Row], max_new_tokens: int
 
 def untrained_model(loaded: Loaded) -> nn.Module | None:
     """The random preset `loaded` descends from, when its base was trained before this run (the
-    lineage has an earlier stage); None when the base is that preset itself, or pretrained."""
+    lineage has base stages, `base_stages`); None when the base is that preset itself, or pretrained."""
     lineage = loaded.lineage
-    if not is_random(lineage) or len(lineage["stages"]) < 2:
+    if not is_random(lineage) or not base_stages(lineage):
         return None
     try:
         return rebuild_base(lineage["origin"])

@@ -15,6 +15,10 @@ and only that gets the notice.
      "stages": [{"method": "full", "steps": 400, "data": "sample", "run": "/abs/runs/demo-base"}]}
     {"origin": {"model": "Qwen/Qwen3-4B", "revision": null, "commit": "1cfa9a7...",
                 "trust_remote_code": false}, "stages": [...]}
+
+A run that goes on training an adapter (`lora.init_adapter`: DPO from an SFT adapter) takes that
+adapter's chain and marks its own stage `"continues": true`; `base_stages` tells the base's stages
+from the adapter's.
 """
 
 from __future__ import annotations
@@ -47,9 +51,12 @@ def is_random(lineage: dict | None) -> bool:
 
 def run_lineage(cfg: Config, recipe: dict | None, pretrained: dict | None = None) -> dict:
     """The lineage of the model a run with `cfg` produces: its base's (a preset: `recipe`; a
-    directory: its lineage.json; else `pretrained`, where it came from) plus this run as the last
-    stage."""
-    if is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir():
+    directory: its lineage.json; else `pretrained`, where it came from), or the chain of the run
+    whose adapter it starts from (`lora.init_adapter`), plus this run as the last stage."""
+    start = _adapter_lineage(cfg.lora.init_adapter) if cfg.lora.init_adapter else None
+    if start is not None:  # a run that goes on training an adapter: that adapter's chain, then this run
+        base = start
+    elif is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir():
         base = {"origin": recipe, "stages": []}
     else:
         base = read_lineage(cfg.model.name) or {
@@ -62,7 +69,27 @@ def run_lineage(cfg: Config, recipe: dict | None, pretrained: dict | None = None
         "data": data_name(cfg.data),  # a mixture named by its sources and weights
         "run": str(Path(cfg.output.dir).resolve()),
     }
+    if start is not None:
+        stage["continues"] = True  # the stage before is the adapter's own, not its base's
     return {"origin": base["origin"], "stages": [*base["stages"], stage]}
+
+
+def base_stages(lineage: dict) -> list[dict]:
+    """The stages that trained the base of the chain's last run: all but that run's own and the
+    adapter stages it went on from (`continues`, a run from `lora.init_adapter`)."""
+    stages = list(lineage["stages"])
+    while stages and stages.pop().get("continues"):
+        pass
+    return stages
+
+
+def _adapter_lineage(path: str) -> dict | None:
+    """The lineage of the run that trained the adapter at `path` (its run directory, or the
+    `adapter/` inside it), or None where it has none."""
+    directory = Path(path)
+    return read_lineage(directory) or (
+        read_lineage(directory.parent) if directory.name == "adapter" else None
+    )
 
 
 def write_lineage(path: Path, lineage: dict | None) -> None:
