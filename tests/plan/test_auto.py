@@ -122,6 +122,21 @@ def test_a_run_the_plan_says_cannot_fit_is_refused_before_launch_unless_forced(t
     monkeypatch.setattr("distft.train.preflight._cpu_cores", lambda: 2)
     assert main(["train", "--model", "micro", "--strategy", "ddp", "--nproc", "64", "--dry-run", *SHORT]) == 0
     assert "warning: --nproc 64 on 2 CPU cores: the processes take turns" in capsys.readouterr().err
+    # A setup refused before launch says only why: no warning about the cores of a run that will not start.
+    refused = [
+        "train",
+        "--model",
+        "qwen3-moe-micro",
+        "--strategy",
+        "tp-sp",
+        "--nproc",
+        "64",
+        "--dry-run",
+        *SHORT,
+    ]
+    assert main(refused) == 2
+    err = capsys.readouterr().err
+    assert "cannot split yet" in err and "warning" not in err and len(err.strip().splitlines()) == 1, err
     # --strategy auto on 2 processes where nothing fits as asked: the checkpointing the plan needs, by level.
     monkeypatch.setattr(auto, "device_memory", lambda cfg: (12 << 30, "CPU: 12 GiB each"))
     cfg = config_from_args(

@@ -40,13 +40,6 @@ def preflight(cfg: Config, resuming: bool = False) -> float | None:
         )
     if on_cuda:
         check_bf16(cfg.model, cfg.parallel.nproc)  # bfloat16 needs compute capability 8.0
-    elif cfg.parallel.nproc > (cores := _cpu_cores()):
-        print(
-            f"distft train: warning: --nproc {cfg.parallel.nproc} on {plural(cores, 'CPU core')}: the processes "
-            "take turns on the cores, so every step waits on the slowest; right for checking a layout, "
-            f"slow for training (at most {cores} for speed)",
-            file=sys.stderr,
-        )
     check_fp8_hardware(cfg.model.fp8, "cuda" if on_cuda else "cpu", cfg.parallel.nproc)  # sm89+
     check_resume(cfg)
     check_trackers(cfg)  # output.report_to: each tracker's library is installed
@@ -57,6 +50,13 @@ def preflight(cfg: Config, resuming: bool = False) -> float | None:
     check_model(cfg, model)
     check_output_dir(cfg, model)
     check_init_adapter(cfg)
+    if not on_cuda and cfg.parallel.nproc > (cores := _cpu_cores()):  # said once the setup is known to run
+        print(
+            f"distft train: warning: --nproc {cfg.parallel.nproc} on {plural(cores, 'CPU core')}: the processes "
+            "take turns on the cores, so every step waits on the slowest; right for checking a layout, "
+            f"slow for training (at most {cores} for speed)",
+            file=sys.stderr,
+        )
     return prepare_data(cfg)
 
 
