@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from distft.cli import main
-from distft.io.lineage import base_stages, read_lineage
+from distft.config import load_config
+from distft.io.lineage import base_stages, read_lineage, run_lineage
+from distft.model.build import base_recipe
 from tests.helpers import adapter, assert_same_training, crashed_copy, distft, metrics, write_jsonl
 
 NAMES, DAYS = ["Anna", "Bob", "Chen", "Dana", "Eli", "Fay"], ["Monday", "Friday", "next week"]
@@ -194,6 +196,9 @@ def test_a_precomputed_reference_trains_as_the_disabled_adapters_do_and_full_fin
         ("lora", str(start.resolve())),
     ]
     assert stages[-1]["continues"] and base_stages(read_lineage(start)) == []  # the base: micro itself
+    # The same adapter on another base (micro drawn with another seed) starts a chain of its own.
+    other = load_config(None, ["model.name=micro", "model.seed=1", f"lora.init_adapter={sft}"])
+    assert [s.get("continues") for s in run_lineage(other, base_recipe(other.model))["stages"]] == [None]
     capsys.readouterr()
     for flags, says in [
         (["lora.rank=8"], "was trained with r=16, this run asks lora.rank = 8"),

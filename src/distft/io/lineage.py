@@ -16,9 +16,9 @@ and only that gets the notice.
     {"origin": {"model": "Qwen/Qwen3-4B", "revision": null, "commit": "1cfa9a7...",
                 "trust_remote_code": false}, "stages": [...]}
 
-A run that goes on training an adapter (`lora.init_adapter`: DPO from an SFT adapter) takes that
-adapter's chain and marks its own stage `"continues": true`; `base_stages` tells the base's stages
-from the adapter's.
+A run that goes on training an adapter of the same base (`lora.init_adapter`: DPO from an SFT
+adapter) takes that adapter's chain and marks its own stage `"continues": true`; `base_stages`
+tells the base's stages from the adapter's.
 """
 
 from __future__ import annotations
@@ -53,10 +53,7 @@ def run_lineage(cfg: Config, recipe: dict | None, pretrained: dict | None = None
     """The lineage of the model a run with `cfg` produces: its base's (a preset: `recipe`; a
     directory: its lineage.json; else `pretrained`, where it came from), or the chain of the run
     whose adapter it starts from (`lora.init_adapter`), plus this run as the last stage."""
-    start = _adapter_lineage(cfg.lora.init_adapter) if cfg.lora.init_adapter else None
-    if start is not None:  # a run that goes on training an adapter: that adapter's chain, then this run
-        base = start
-    elif is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir():
+    if is_preset(cfg.model.name) and not Path(cfg.model.name).is_dir():
         base = {"origin": recipe, "stages": []}
     else:
         base = read_lineage(cfg.model.name) or {
@@ -69,8 +66,13 @@ def run_lineage(cfg: Config, recipe: dict | None, pretrained: dict | None = None
         "data": data_name(cfg.data),  # a mixture named by its sources and weights
         "run": str(Path(cfg.output.dir).resolve()),
     }
-    if start is not None:
-        stage["continues"] = True  # the stage before is the adapter's own, not its base's
+    # An adapter trained on this very base: its chain goes on, this run's stage marked as its
+    # continuation. One trained elsewhere (a foreign PEFT adapter) starts this run's chain anew.
+    start = _adapter_lineage(cfg.lora.init_adapter) if cfg.lora.init_adapter else None
+    if start is not None and {"origin": start["origin"], "stages": base_stages(start)} == json.loads(
+        json.dumps(base)  # as the adapter's run wrote it
+    ):
+        return {"origin": start["origin"], "stages": [*start["stages"], {**stage, "continues": True}]}
     return {"origin": base["origin"], "stages": [*base["stages"], stage]}
 
 
