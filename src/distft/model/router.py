@@ -208,7 +208,8 @@ class RouterLosses:
 
 
 def catching(router: RouterLosses | None) -> contextlib.AbstractContextManager:
-    """`router.catching()`, or nothing to catch: a dense model, or a forward without gradients."""
+    """`router.catching()`, or nothing for a dense model (a forward without gradients catches
+    nothing either: `RouterLosses` looks as each router runs)."""
     return router.catching() if router is not None else contextlib.nullcontext()
 
 

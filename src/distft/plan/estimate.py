@@ -186,7 +186,7 @@ def why_not(req: Request, par: Parallelism) -> str:
         return moe
     if par.world > req.world:
         return f"needs {par.world} GPUs"
-    if par.world < 2 and par.name != "single":
+    if par.world < 2 and RUNTIME[par.name].distributed:
         return "needs 2+ GPUs"
     if tp > 1:
         mlp = spec.moe_intermediate_size if spec.moe else spec.intermediate_size
