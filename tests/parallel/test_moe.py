@@ -85,16 +85,18 @@ def reference(tmp_path_factory):
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
     """ddp, fsdp (FSDP2 shards each layer's expert stacks along the experts), fsdp+ep (each rank 4
     experts whole, tokens sent by all-to-all; the bytes the analytic count), tp (each rank every
-    expert's half of the intermediate dimension, adapters cut with it) and fsdp+pp (2 stages x 2
-    replicas; the routers' sums sent across the stage boundary, where the planner counts them),
+    expert's half of the intermediate dimension, adapters cut with it), fsdp+tp (2 x 2: FSDP2
+    shards each TP rank's halves along the experts), fsdp+tp+pp (2 stages of 2 TP ranks) and
+    fsdp+pp (2 stages x 2 replicas; the routers' sums sent across the stage boundary, where the
+    planner counts them),
     with zero1, zero2, hsdp and ddp+pp through them (`MOE_VARIANTS`; pp and fsdp+cp in the full
     finetuning below, cp in the DPO test): the same losses, gradient norms and adapter; the
     adapter holds one LoRA pair per expert stack (rank x experts rows); plain peft loads it on the
     saved base, and the export merges it (the experts' adapters into their stacks) into a model
     plain transformers loads with the same logits."""
     assert set(MOE_STRATEGIES) == {
-        *("ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp"),
-        *("pp", "ddp+pp", "fsdp+pp", "cp", "fsdp+cp"),
+        *("ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp", "fsdp+tp"),
+        *("pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "cp", "fsdp+cp"),
     }
     weights = adapter(reference)
     experts = {k: v for k, v in weights.items() if ".mlp.experts." in k}
@@ -103,11 +105,15 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
     for variant, covered in MOE_VARIANTS.items():
         assert STRATEGIES[variant].__mro__[1] in STRATEGIES[covered].__mro__, (variant, covered)
-    four = {"fsdp+pp": "parallel.pp=2"}
+    four = {
+        "fsdp+pp": ["parallel.pp=2"],
+        "fsdp+tp": ["parallel.tp=2"],
+        "fsdp+tp+pp": ["parallel.tp=2", "parallel.pp=2"],
+    }
     others = ("pp", "cp", "fsdp+cp")  # in the full finetuning and DPO tests below
     for strategy in (s for s in MOE_STRATEGIES if s not in others and s not in MOE_VARIANTS):
         run = tmp_path / strategy
-        layout = ["--nproc", "4", four[strategy]] if strategy in four else ["--nproc", "2"]
+        layout = ["--nproc", "4", *four[strategy]] if strategy in four else ["--nproc", "2"]
         distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
         assert_same_training(run, reference)
         assert_planned_bytes(run)
@@ -196,7 +202,9 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     the layers of every stage from the sums each passes on) and fsdp+cp (the losses pooled over
     every rank's tokens, the stacks sharded by FSDP) agree with one process at every step
     in loss, gradient norm, the auxiliary losses and the tokens each expert took, and in the
-    evaluation loss after. The auxiliary losses move the gradient, not the loss recorded."""
+    evaluation loss after; checkpoints resume across expert-parallel degrees and into fsdp+tp+pp
+    (full finetuning under TP x PP, every expert's half sharded by FSDP2). The auxiliary losses
+    move the gradient, not the loss recorded."""
     full = [
         *MOE,
         "--method",
@@ -237,12 +245,14 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
         for name, weight in trained.state_dict().items():
             torch.testing.assert_close(exported[name], weight, rtol=1e-4, atol=1e-6, msg=(strategy, name))
 
-    # Across degrees, each way: fsdp+ep's checkpoint (each rank's experts) resumed by pp (each rank
-    # its stages' layers, the tied lm_head under the embedding's name), tp's (every expert's half
-    # on each rank, written whole) by fsdp+ep; each trains steps 2 and 3 as one process does.
-    for source, strategy in (("fsdp+ep", "pp"), ("tp", "fsdp+ep")):
+    # Across degrees, each way: fsdp+ep's checkpoint (each rank's experts) resumed by fsdp+tp+pp
+    # (2 stages of 2 TP ranks, each expert's half cut from the whole and sharded by FSDP2), tp's
+    # (every expert's half on each rank, written whole) by fsdp+ep; each trains steps 2 and 3 as
+    # one process does, and fsdp+tp+pp writes its checkpoints (its shards gathered whole) on the way.
+    three_d = ["--nproc", "4", "parallel.tp=2", "parallel.pp=2"]
+    for source, strategy in (("fsdp+ep", "fsdp+tp+pp"), ("tp", "fsdp+ep")):
         out = crashed_copy(tmp_path / source, tmp_path / f"resumed-{source}-{strategy}", 1)
-        layout = ["--strategy", strategy, "--nproc", "2", *(interleaved if strategy == "pp" else [])]
+        layout = ["--strategy", strategy, *(three_d if strategy == "fsdp+tp+pp" else ["--nproc", "2"])]
         proc = distft("train", "--resume", str(out), *layout)
         assert "(step 1)" in proc.stdout
         for got, want in zip(metrics(out), metrics(single), strict=True):

@@ -83,9 +83,7 @@ class Strategy:
     # model.fp8 (`distft.model.fp8`): torchao's Float8Linear, whose Linear computes whole on each
     # GPU (FSDP2 gathers it first); checked only under the strategies that say so.
     supports_fp8: ClassVar[bool] = False
-    # A mixture-of-experts family (`Family.moe`): whole expert stacks on each rank, or sharded by
-    # FSDP2 along the experts; checked only under the strategies that say so.
-    supports_moe: ClassVar[bool] = False
+    supports_moe: ClassVar[bool] = False  # a mixture-of-experts family (`Family.moe`) runs under it
     needs_moe: ClassVar[bool] = False  # runs a mixture of experts only (fsdp+ep: it shards the experts)
     # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
     optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
@@ -265,10 +263,14 @@ class Strategy:
         state = {}
         for name, param in unwrap(model).lm.named_parameters():
             if param.requires_grad:
-                full = param.full_tensor() if isinstance(param, DTensor) else param  # a collective
+                full = self.whole_parameter(param)
                 if self.env.is_main:
                     state[name] = full.detach().cpu().clone()
         return state if self.env.is_main else None
+
+    def whole_parameter(self, p: torch.Tensor) -> torch.Tensor:
+        """`p` unsplit, as one process holds it: a DTensor gathered (a collective over its mesh)."""
+        return p.full_tensor() if isinstance(p, DTensor) else p
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """Trainable weights and optimizer state as `torch.distributed.checkpoint` saves and loads

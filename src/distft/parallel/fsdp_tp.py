@@ -61,10 +61,11 @@ from distft.parallel.tensor_parallel import (
     layer_plan,
     partial_gradient_params,
 )
+from distft.parallel.tp_experts import ExpertShards, split_layers, tagged
 from distft.tensors import local, quiet_redistribute
 
 
-class FSDPTensorParallel(MeshStrategy, Strategy):
+class FSDPTensorParallel(ExpertShards, MeshStrategy, Strategy):
     name = "fsdp+tp"
     label = "FSDP x TP"
     holds = "1/(dp tp) of each projection, 1/dp of the rest; a (dp, tp) mesh"
@@ -78,6 +79,7 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
     supports_dora: ClassVar[bool] = False
     supports_modules_to_save: ClassVar[bool] = True
     dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
+    supports_moe: ClassVar[bool] = True  # TP splits each expert's features, FSDP shards the slices
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
@@ -104,9 +106,12 @@ class FSDPTensorParallel(MeshStrategy, Strategy):
         layers = list(causal_lm(model.lm).model.layers)
         for layer in layers:  # 1. TP inside each layer, on the inner dimension
             parallelize_module(layer, self.mesh["tp"], layer_plan(layer))
+        splits, partial = split_layers(model, layers, self.mesh["tp"])  # an MoE's experts
         apply_fsdp(model, self.mesh["dp"], self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
         # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
+        self.expert_shards, self.expert_mesh = tagged(model, splits), self.mesh["tp"]
         self.partial_grads = partial_gradient_params(head_norms(layers))
+        self.partial_grads += [p for name, p in model.named_parameters() if name in partial]
         return model
 
     def after_backward(self, model: nn.Module) -> None:

@@ -58,10 +58,11 @@ from distft.parallel.tensor_parallel import (
     layer_plan,
     partial_gradient_params,
 )
+from distft.parallel.tp_experts import ExpertShards, Split, split_layers, tagged
 from distft.tensors import local, quiet_redistribute
 
 
-class FSDPTensorPipelineParallel(FSDPPipelineParallel):
+class FSDPTensorPipelineParallel(ExpertShards, FSDPPipelineParallel):
     name = "fsdp+tp+pp"
     label = "FSDP x TP x PP"
     holds = "of its stage(s), 1/(dp tp) of each projection, 1/dp of the rest; a (pp, dp, tp) mesh"
@@ -72,7 +73,7 @@ class FSDPTensorPipelineParallel(FSDPPipelineParallel):
     without_pp = "fsdp+tp"
     without_dp: ClassVar[str | None] = None  # dp = 1: TP x PP, a real 3D mesh with one FSDP rank
     supports_qlora: ClassVar[bool] = False
-    supports_moe: ClassVar[bool] = False  # not yet: its TP plans know dense MLPs only
+    supports_moe: ClassVar[bool] = True  # TP splits each expert's features, FSDP shards the slices
     supports_compile: ClassVar[bool] = False  # TP's DTensor plans rewrite the blocks
     qlora_refusal: ClassVar[str] = TP_REFUSAL
     supports_dora: ClassVar[bool] = False
@@ -89,12 +90,18 @@ class FSDPTensorPipelineParallel(FSDPPipelineParallel):
     def split_stage(self, module: StageModule) -> None:
         for layer in module.layers.values():  # TP inside each layer, on the innermost dimension
             parallelize_module(layer, self.mesh["tp"], layer_plan(layer))
+        self.stage_experts.append((module, *split_layers(module, module.layers.values(), self.mesh["tp"])))
 
     def parallelize(self, model: nn.Module) -> nn.Module:
+        self.stage_experts: list[tuple[StageModule, dict[str, Split], set[str]]] = []  # an MoE's
         view = super().parallelize(model)
         # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
         layers = [layer for stage in self.stages for layer in stage.submod.layers.values()]
+        self.expert_shards = [p for module, splits, _ in self.stage_experts for p in tagged(module, splits)]
+        self.expert_mesh = self.mesh["tp"]
         self.partial_grads = partial_gradient_params(head_norms(layers))
+        for module, _, partial in self.stage_experts:
+            self.partial_grads += [p for name, p in module.named_parameters() if name in partial]
         return view
 
     def after_backward(self, model: nn.Module) -> None:

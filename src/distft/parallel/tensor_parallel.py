@@ -56,7 +56,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -70,8 +69,8 @@ from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.families import PROJECTIONS
 from distft.model.nf4 import TP_REFUSAL
-from distft.parallel.base import Strategy, unwrap
-from distft.parallel.tp_experts import expert_split, local_expert_state, shard_experts, whole_expert_state
+from distft.parallel.base import Strategy
+from distft.parallel.tp_experts import ExpertShards, split_layers, tagged
 
 # Which projections of a decoder layer are column- and row-parallel, from the families' one
 # description (tp, tp-sp, fsdp+tp and the planner read them). Column: weight split on out (dim 0);
@@ -167,7 +166,7 @@ DORA_TP_REFUSAL = (
 )
 
 
-class TensorParallel(Strategy):
+class TensorParallel(ExpertShards, Strategy):
     name = "tp"
     label = "TP"
     holds = "1/N of every projection (heads, MLP features); the rest replicated"
@@ -194,14 +193,12 @@ class TensorParallel(Strategy):
         model.to(self.env.device)
         self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
         layers = causal_lm(model.lm).model.layers
-        self.partial_grads = partial_gradient_params(head_norms(layers))
-        self.expert_shards: list[nn.Parameter] = []
         for layer in layers:
             parallelize_module(layer, self.mesh, layer_plan(layer))
-            if hasattr(layer.mlp, "experts"):
-                shards, partial = shard_experts(layer.mlp.experts, self.mesh)
-                self.expert_shards += shards
-                self.partial_grads += partial
+        splits, partial = split_layers(model, layers, self.mesh)
+        self.expert_shards, self.expert_mesh = tagged(model, splits), self.mesh
+        self.partial_grads = partial_gradient_params(head_norms(layers))
+        self.partial_grads += [p for name, p in model.named_parameters() if name in partial]
         return model
 
     def after_backward(self, model: nn.Module) -> None:
@@ -209,34 +206,6 @@ class TensorParallel(Strategy):
         for p in self.partial_grads:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
-
-    def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
-        # The experts' shards are plain tensors, each rank's a distinct slice: summed over the ranks.
-        shared, replicated = super().gradient_shares(model)
-        shards = {id(p.grad) for p in self.expert_shards if p.grad is not None}
-        shared += [(g, 1) for g in replicated if id(g) in shards]
-        return shared, [g for g in replicated if id(g) not in shards]
-
-    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """As the base class's, the experts' shards gathered whole too (a collective each)."""
-        state = {}
-        for name, param in unwrap(model).lm.named_parameters():
-            if param.requires_grad:
-                split = expert_split(param)
-                full = param.full_tensor() if isinstance(param, DTensor) else param
-                full = split.gather(param, self.mesh) if split is not None else full
-                if self.env.is_main:
-                    state[name] = full.detach().cpu().clone()
-        return state if self.env.is_main else None
-
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        # DTensor shards go to DCP as they are; the experts' plain shards whole (`tp_experts`).
-        state = super().checkpoint_state(model, optimizer)
-        return whole_expert_state(state, dict(unwrap(model).named_parameters()), self.mesh)
-
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        state = local_expert_state(state, dict(unwrap(model).named_parameters()), self.mesh)
-        super().load_checkpoint_state(model, optimizer, state)
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         return local_sum  # every rank computed the same, full loss

@@ -1,5 +1,6 @@
-"""Tensor parallelism of a mixture of experts' experts (`tp`): every rank holds every expert, 1/N
-of each one's intermediate dimension, as Megatron-LM splits a dense MLP.
+"""Tensor parallelism of a mixture of experts' experts (`tp`, and the TP dimension of `fsdp+tp` and
+`fsdp+tp+pp`): every TP rank holds every expert, 1/N of each one's intermediate dimension, as
+Megatron-LM splits a dense MLP.
 
 transformers holds a layer's experts as two stacks (`Qwen3MoeExperts`): `gate_up_proj`
 (E, 2I, hidden), the gate rows of every expert followed by its up rows, and `down_proj`
@@ -45,22 +46,30 @@ unsplit model's tensors, and cut again on load. A checkpoint therefore loads und
 and `tp` loads any other's; the price is each expert tensor (and, in full finetuning, its AdamW
 moments) whole on every rank while a checkpoint is written.
 
+Under FSDP (`fsdp+tp`, `fsdp+tp+pp`) the slices are cut first; FSDP2 then shards each rank's
+slices along the experts over dp like any plain tensor and gathers them for the layer's forward
+and backward, so a rank stores 1/(dp N) of every expert. `fully_shard` replaces each parameter by
+a new one: the shards are found again by name (`split_layers`, `tagged`). The partial gradients
+of the whole adapter factors are all-reduced over TP after FSDP's reduce-scatter, each rank its
+dp shard; a checkpoint gathers over dp, then over TP, and loading cuts, then shards.
+
 Paper: Shoeybi et al., "Megatron-LM" (1909.08053), the MLP split; applied per expert.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from distft.errors import ConfigError
-from distft.parallel.base import optimizer_state_owner
+from distft.parallel.base import Strategy, optimizer_state_owner, unwrap
 from distft.parallel.fsdp_ep import experts_base
 
 
@@ -133,6 +142,69 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> tuple[list[nn.Paramet
     return shards, [p for p in partial if p.requires_grad]
 
 
+def split_layers(
+    model: nn.Module, layers: Iterable[nn.Module], mesh: DeviceMesh
+) -> tuple[dict[str, Split], set[str]]:
+    """`shard_experts` on every MoE layer of `layers`. Returns the shards' splits and the names of
+    the partial-gradient parameters, by name in `model`: FSDP2's `fully_shard` replaces every
+    parameter by a new one, so `fsdp+tp` finds them again by name (`tagged`)."""
+    shards: list[nn.Parameter] = []
+    partial: list[nn.Parameter] = []
+    for layer in layers:
+        if hasattr(layer.mlp, "experts"):
+            layer_shards, layer_partial = shard_experts(layer.mlp.experts, mesh)
+            shards, partial = shards + layer_shards, partial + layer_partial
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: p.tp_split for p in shards}, {names[id(p)] for p in partial}
+
+
+def tagged(model: nn.Module, splits: dict[str, Split]) -> list[nn.Parameter]:
+    """The parameters of `model` named in `splits`, each tagged with its `Split` (again)."""
+    params = dict(model.named_parameters())
+    for name, split in splits.items():
+        params[name].tp_split = split
+    return [params[name] for name in splits]
+
+
+class ExpertShards:
+    """Mixin for the strategies that split every expert along its features (`tp`, `fsdp+tp`): the
+    shards' gradients in the norm, and the whole tensors in exports and checkpoints. `parallelize`
+    sets `expert_shards` (this rank's, as the model holds them once wrapped: plain tensors under
+    `tp`, FSDP2's DTensors of them under `fsdp+tp`) and `expert_mesh` (the TP ranks). List it
+    before the strategy class it extends."""
+
+    expert_shards: list[nn.Parameter]
+    expert_mesh: DeviceMesh
+
+    def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
+        # Each TP rank's shard is a distinct slice: counted on every TP rank, and only as often
+        # as its own placements replicate it (never: FSDP's shards of it are distinct too).
+        shared, replicated = super().gradient_shares(model)  # type: ignore[misc]
+        shards = {id(p.grad) for p in self.expert_shards if p.grad is not None}
+        shared = [(g, Strategy.grad_copies(self, g) if id(g) in shards else n) for g, n in shared]  # type: ignore[arg-type]
+        shared += [(g, 1) for g in replicated if id(g) in shards]
+        return shared, [g for g in replicated if id(g) not in shards]
+
+    def whole_parameter(self, p: torch.Tensor) -> torch.Tensor:
+        return whole(p, expert_split(p), self.expert_mesh)  # an expert shard gathered over TP too
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        # Other DTensor shards go to DCP as they are; the experts' shards whole.
+        state = super().checkpoint_state(model, optimizer)  # type: ignore[misc]
+        return whole_expert_state(state, dict(unwrap(model).named_parameters()), self.expert_mesh)
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        state = local_expert_state(state, dict(unwrap(model).named_parameters()), self.expert_mesh)
+        super().load_checkpoint_state(model, optimizer, state)  # type: ignore[misc]
+
+
+def whole(t: torch.Tensor, split: Split | None, mesh: DeviceMesh) -> torch.Tensor:
+    """The unsplit tensor of `t`: FSDP's shards gathered (a DTensor), then the TP ranks' slices
+    (an expert shard: `split` not None); a collective each."""
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return split.gather(full, mesh) if split is not None else full
+
+
 def copy_in(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """f: identity forward; backward, the sum over the ranks of each one's partial gradient."""
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
@@ -160,7 +232,7 @@ def whole_expert_state(state: dict, params: dict[str, nn.Parameter], mesh: Devic
     every expert shard, and every optimizer tensor of a shard's shape (AdamW's moments), gathered
     whole (an all-gather each); `params`: the model's parameters by name."""
     return {
-        part: {k: _convert(k, v, params, mesh, whole=True) for k, v in state[part].items()} for part in state
+        part: {k: _convert(k, v, params, mesh, gather=True) for k, v in state[part].items()} for part in state
     }
 
 
@@ -168,18 +240,22 @@ def local_expert_state(state: dict, params: dict[str, nn.Parameter], mesh: Devic
     """The reverse of `whole_expert_state` once a checkpoint is loaded: each whole expert tensor
     cut to this rank's slice."""
     return {
-        part: {k: _convert(k, v, params, mesh, whole=False) for k, v in state[part].items()} for part in state
+        part: {k: _convert(k, v, params, mesh, gather=False) for k, v in state[part].items()}
+        for part in state
     }
 
 
 def _convert(
-    key: str, value: object, params: dict[str, nn.Parameter], mesh: DeviceMesh, whole: bool
+    key: str, value: object, params: dict[str, nn.Parameter], mesh: DeviceMesh, gather: bool
 ) -> object:
     # Model keys are parameter names; optimizer keys `state.<name>.exp_avg` (and `param_groups.*`).
     p = params.get(optimizer_state_owner(key)[0] if key.startswith("state.") else key)
     split = expert_split(p) if p is not None else None
     if split is None or not isinstance(value, torch.Tensor) or value.dim() != p.dim():
         return value  # not an expert shard's, or the optimizer's scalar step count
-    if whole:
-        return split.gather(value, mesh)
-    return split.take(value, mesh.get_local_rank(), mesh.size())
+    if gather:
+        return whole(value, split, mesh)
+    part = split.take(value, mesh.get_local_rank(), mesh.size())
+    if isinstance(p, DTensor):  # FSDP2's shards of this rank's slice (`fsdp+tp`): cut locally
+        return distribute_tensor(part, p.device_mesh, p.placements, src_data_rank=None)
+    return part

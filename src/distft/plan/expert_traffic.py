@@ -8,6 +8,8 @@ all-reduces (`cp`).
 
 from __future__ import annotations
 
+import math
+
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
 from distft.plan.collective import Collective
 from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS
@@ -56,13 +58,15 @@ def tp_expert_terms(
     return logical, len(shapes) * layers * (3 - dense - adapters)
 
 
-def tp_expert_partial_grads(spec: ModelSpec, training: Training, layers: list[int]) -> float:
+def tp_expert_partial_grads(spec: ModelSpec, training: Training, layers: list[int], dp: int = 1) -> float:
     """The experts' whole adapter factors under TP (gate_up's lora_A, down's lora_B): each rank's
-    gradient is its intermediate slice's share, all-reduced once per step."""
+    gradient is its intermediate slice's share, all-reduced once per step; under `fsdp+tp` (`dp`
+    FSDP ranks) FSDP2's dim-0 shard of it."""
     held = set(layers)
     lora = spec.lora_tensors(training.lora_rank, training.lora_targets)
     whole = [t for t in lora if t.module in ("gate_up_proj", "down_proj") and t.tp_dim is None]
-    return sum(t.numel for t in whole if t.layer in held) * training.precision.grad
+    shard = [math.ceil(t.shape[0] / dp) * t.numel // t.shape[0] for t in whole if t.layer in held]
+    return sum(shard) * training.precision.grad
 
 
 def router_sums_bytes(spec: ModelSpec) -> int:

@@ -336,7 +336,7 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism, ra
         # gradients), sharded over dp under FSDP (`parallel/tensor_parallel.py`).
         dp = par.dp if par.shard == "full" else 1
         if training.lora:  # an MoE's whole expert adapter factors (`parallel/tp_experts.py`)
-            return experts.tp_expert_partial_grads(spec, training, layers) if spec.moe else 0.0
+            return experts.tp_expert_partial_grads(spec, training, layers, dp) if spec.moe else 0.0
         return 2 * math.ceil(spec.head_dim / dp) * len(layers) * g if spec.qk_norm else 0.0
     if training.lora:
         held = set(layers)

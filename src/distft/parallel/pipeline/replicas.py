@@ -30,7 +30,7 @@ class MeshPipeline(MeshStrategy, PipelineParallel):
     # What the strategy is with one pipeline rank, and with one data-parallel replica (None: allowed).
     without_pp: ClassVar[str]
     without_dp: ClassVar[str | None] = "pp"
-    supports_moe: ClassVar[bool] = True  # the replicas of pp's stages (not yet fsdp+tp+pp)
+    supports_moe: ClassVar[bool] = True  # the replicas of pp's stages (fsdp+tp+pp: split by `tp_experts`)
 
     @classmethod
     def pipeline_layout(cls, cfg: Config) -> Layout:

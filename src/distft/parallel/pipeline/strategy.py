@@ -324,7 +324,7 @@ class PipelineParallel(Strategy):
         exports, mine = self.exports_stage(), {}
         for name, p in model.named_parameters():
             if p.requires_grad:
-                whole = p.full_tensor() if isinstance(p, DTensor) else p  # every rank joins the gather
+                whole = self.whole_parameter(p)  # every rank joins the gather
                 if exports:
                     mine[name.removeprefix("lm.")] = whole.detach().cpu().clone()
         gathered: list[dict | None] | None = [None] * self.env.world_size if self.env.is_main else None
