@@ -27,7 +27,7 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from distft.cli import COMMANDS, command, main
 from distft.data import qwen3_tokenizer
 from distft.model import causal_lm
-from distft.parallel.base import unwrap
+from distft.parallel.base import Strategy, unwrap
 from distft.plan.expected import expected_step_bytes
 from distft.plan.model_spec import spec_from_config
 from distft.train.hooks import HOOKS_VARIABLE
@@ -51,6 +51,12 @@ PARITY = [
     "optim.warmup_steps=1",
     f"optim.lr={LEARNING_RATE}",
 ]  # fmt: skip
+
+
+def extends(variant: type[Strategy], covered: type[Strategy]) -> bool:
+    """Whether `variant` is built on `covered`'s code: one of its direct bases (a strategy or a
+    mixin such as fsdp+cp's) is in `covered`'s class hierarchy, `Strategy` itself aside."""
+    return bool((set(variant.__bases__) & set(covered.__mro__)) - {Strategy})
 
 
 def distft(

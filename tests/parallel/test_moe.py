@@ -19,7 +19,7 @@ from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
 from distft.plan import evaluate, make_request
 from distft.plan.collective import bytes_by_kind
-from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
+from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, extends, metrics
 
 # Adam's eps above the rounding of a gradient element (~2e-9 here): at the default 1e-8, an element
 # whose first gradient is itself ~1e-8 moves by lr g / (|g| + eps), and another summation order (tp
@@ -85,8 +85,9 @@ def reference(tmp_path_factory):
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
     """ddp, fsdp (FSDP2 shards each layer's expert stacks along the experts), fsdp+ep (each rank 4
     experts whole, tokens sent by all-to-all; the bytes the analytic count), tp (each rank every
-    expert's half of the intermediate dimension, adapters cut with it), fsdp+tp (2 x 2: FSDP2
-    shards each TP rank's halves along the experts), fsdp+tp+pp (2 stages of 2 TP ranks) and
+    expert's half of the intermediate dimension, adapters cut with it), tp-sp (each rank routes its
+    sequence shard; the choices all-gathered), fsdp+tp (2 x 2: FSDP2 shards each TP rank's halves
+    along the experts), fsdp+tp+pp (2 stages of 2 TP ranks) and
     fsdp+pp (2 stages x 2 replicas; the routers' sums sent across the stage boundary, where the
     planner counts them),
     with zero1, zero2, hsdp and ddp+pp through them (`MOE_VARIANTS`; pp and fsdp+cp in the full
@@ -95,7 +96,7 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     saved base, and the export merges it (the experts' adapters into their stacks) into a model
     plain transformers loads with the same logits."""
     assert set(MOE_STRATEGIES) == {
-        *("ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp", "fsdp+tp"),
+        *("ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp", "tp-sp", "fsdp+tp"),
         *("pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "cp", "fsdp+cp"),
     }
     weights = adapter(reference)
@@ -104,7 +105,7 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert all(16 * 8 in v.shape for v in experts.values())  # r = 16 for each of the 8 experts
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
     for variant, covered in MOE_VARIANTS.items():
-        assert STRATEGIES[variant].__mro__[1] in STRATEGIES[covered].__mro__, (variant, covered)
+        assert extends(STRATEGIES[variant], STRATEGIES[covered]), (variant, covered)
     four = {
         "fsdp+pp": ["parallel.pp=2"],
         "fsdp+tp": ["parallel.tp=2"],
@@ -147,11 +148,12 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     )
 
 
-def test_dpo_under_expert_and_context_parallelism_trains_as_one_process(tmp_path):
+def test_dpo_under_expert_context_and_sequence_parallelism_trains_as_one_process(tmp_path):
     """DPO on the bundled pairs, padded (each pair's answers of their own lengths), its reference the
     base under the disabled adapters in every step's forward: under fsdp+ep (each rank's experts
-    without their LoRA deltas) and cp (each rank half of every row's tokens, the padding and the
-    fill that evens the halves left out of the routers' pooled sums, which one all-reduce adds up),
+    without their LoRA deltas), cp (each rank half of every row's tokens, the padding and the
+    fill that evens the halves left out of the routers' pooled sums, which one all-reduce adds up)
+    and tp-sp (each rank routes its sequence shard, the routers' sums pooled as cp pools them),
     the losses, rewards, auxiliary loss and adapter of one process."""
     flags = [*MOE, "--objective", "dpo", "--data", "sample-pairs", "data.max_rows=12", "train.max_steps=2"]
     flags += [
@@ -160,7 +162,7 @@ def test_dpo_under_expert_and_context_parallelism_trains_as_one_process(tmp_path
     ]  # whole rows, padded; 1202: not 2 x 2 whole chunks
     single = tmp_path / "single"
     assert main(["train", *flags, "--out", str(single)]) == 0
-    for strategy in ("fsdp+ep", "cp"):
+    for strategy in ("fsdp+ep", "cp", "tp-sp"):
         run = tmp_path / strategy
         distft("train", *flags, "--strategy", strategy, "--nproc", "2", "--out", str(run))
         # cp sums each answer's log-probability over its sequence shards, and DPO weighs each
@@ -198,12 +200,13 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     """--method full, with the router's load-balancing loss and z-loss: every expert, the router
     and attention train; fsdp, fsdp+ep (the experts' stacks and their optimizer state sharded
     along the experts), tp (along their intermediate dimension, the router's gradient complete
-    on every rank), pp (interleaved: 4 stages of one layer on 2 ranks, the losses pooled over
+    on every rank), tp-sp (the same, its collectives hand-written), pp (interleaved: 4 stages of one layer on 2 ranks, the losses pooled over
     the layers of every stage from the sums each passes on) and fsdp+cp (the losses pooled over
     every rank's tokens, the stacks sharded by FSDP) agree with one process at every step
     in loss, gradient norm, the auxiliary losses and the tokens each expert took, and in the
-    evaluation loss after; checkpoints resume across expert-parallel degrees and into fsdp+tp+pp
-    (full finetuning under TP x PP, every expert's half sharded by FSDP2). The auxiliary losses
+    evaluation loss after; checkpoints resume across expert-parallel degrees, into fsdp+tp+pp
+    (full finetuning under TP x PP, every expert's half sharded by FSDP2) and into tp-sp's
+    sequence-parallel form. The auxiliary losses
     move the gradient, not the loss recorded."""
     full = [
         *MOE,
@@ -219,8 +222,11 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     assert main(["train", *full, *aux, "--out", str(single)]) == 0
     routing = ("router_aux_loss", "router_z_loss", "expert_imbalance")
     interleaved = ["parallel.schedule=interleaved-1f1b", "parallel.stages_per_rank=2"]
-    for strategy in ("fsdp", "fsdp+ep", "tp", "pp", "fsdp+cp"):
-        run, layout = tmp_path / strategy, interleaved if strategy == "pp" else []
+    # tp-sp without sequence parallelism: every rank routes every position, the router's gradient
+    # complete on each (its sequence-parallel form resumes below); each layer recomputed.
+    plain_tp = ["parallel.sequence_parallel=false", "model.activation_checkpointing=full"]
+    for strategy in ("fsdp", "fsdp+ep", "tp", "tp-sp", "pp", "fsdp+cp"):
+        run, layout = tmp_path / strategy, {"pp": interleaved, "tp-sp": plain_tp}.get(strategy, [])
         distft("train", *full, *aux, *layout, "--strategy", strategy, "--nproc", "2", "--out", str(run))
         assert_planned_bytes(run)
         for got, want in zip(metrics(run), metrics(single), strict=True):
@@ -240,19 +246,24 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     assert trained.config.model_type == "qwen3_moe"  # the export plain transformers loads
     assert not torch.equal(layer.experts.down_proj, before.experts.down_proj)
     assert not torch.equal(layer.gate.weight, before.gate.weight)
-    for strategy in ("fsdp+ep", "tp", "pp"):  # the experts gathered whole again
+    for strategy in ("fsdp+ep", "tp", "tp-sp", "pp"):  # the experts gathered whole again
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / strategy / "model").state_dict()
         for name, weight in trained.state_dict().items():
             torch.testing.assert_close(exported[name], weight, rtol=1e-4, atol=1e-6, msg=(strategy, name))
 
     # Across degrees, each way: fsdp+ep's checkpoint (each rank's experts) resumed by fsdp+tp+pp
-    # (2 stages of 2 TP ranks, each expert's half cut from the whole and sharded by FSDP2), tp's
-    # (every expert's half on each rank, written whole) by fsdp+ep; each trains steps 2 and 3 as
-    # one process does, and fsdp+tp+pp writes its checkpoints (its shards gathered whole) on the way.
-    three_d = ["--nproc", "4", "parallel.tp=2", "parallel.pp=2"]
-    for source, strategy in (("fsdp+ep", "fsdp+tp+pp"), ("tp", "fsdp+ep")):
+    # (2 stages of 2 TP ranks, each expert's half cut from the whole and sharded by FSDP2) and by
+    # tp-sp with sequence parallelism (each rank routing its shard, the router's gradient summed
+    # over the shards), tp-sp's (its projections' slices as DTensors, every expert's half written
+    # whole) by fsdp+ep; each trains steps 2 and 3 as one process does, and fsdp+tp+pp writes its
+    # checkpoints (its shards gathered whole) on the way.
+    layouts = {
+        "fsdp+tp+pp": ["--nproc", "4", "parallel.tp=2", "parallel.pp=2"],
+        "tp-sp": ["--nproc", "2", "parallel.sequence_parallel=true", "model.activation_checkpointing=none"],
+    }
+    for source, strategy in (("fsdp+ep", "fsdp+tp+pp"), ("fsdp+ep", "tp-sp"), ("tp-sp", "fsdp+ep")):
         out = crashed_copy(tmp_path / source, tmp_path / f"resumed-{source}-{strategy}", 1)
-        layout = ["--strategy", strategy, *(three_d if strategy == "fsdp+tp+pp" else ["--nproc", "2"])]
+        layout = ["--strategy", strategy, *layouts.get(strategy, ["--nproc", "2"])]
         proc = distft("train", "--resume", str(out), *layout)
         assert "(step 1)" in proc.stdout
         for got, want in zip(metrics(out), metrics(single), strict=True):
@@ -294,7 +305,6 @@ def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys)
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--strategy", "tp-sp", "--nproc", "2"], "cannot split yet (its plans know dense MLPs only)"),
         (["--method", "qlora"], "its NF4 base quantizes Linear layers"),
         (['lora.target_modules=["q_proj","gate_proj"]'], "names gate_proj but not up_proj"),
         (["lora.dropout=0.1"], "lora.dropout cannot apply to qwen3-moe-micro's experts"),
@@ -304,7 +314,7 @@ def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys)
         ),
         (["--strategy", "fsdp+ep", "--nproc", "2", "--model", "micro"], "and micro has none"),
     ],
-    ids=["tp-sp", "qlora", "gate-without-up", "dropout", "ep-uneven", "ep-dense"],
+    ids=["qlora", "gate-without-up", "dropout", "ep-uneven", "ep-dense"],
 )
 def test_what_cannot_run_an_moe_is_refused_before_launch(flags, says, tmp_path, capsys):
     assert main(["train", *MOE, *flags, "--out", str(tmp_path / "x")]) == 2

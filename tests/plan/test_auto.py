@@ -126,7 +126,7 @@ def test_a_run_the_plan_says_cannot_fit_is_refused_before_launch_unless_forced(t
     refused = [
         "train",
         "--model",
-        "qwen3-moe-micro",
+        "micro",
         "--strategy",
         "tp-sp",
         "--nproc",
@@ -136,7 +136,11 @@ def test_a_run_the_plan_says_cannot_fit_is_refused_before_launch_unless_forced(t
     ]
     assert main(refused) == 2
     err = capsys.readouterr().err
-    assert "cannot split yet" in err and "warning" not in err and len(err.strip().splitlines()) == 1, err
+    assert (
+        "the TP degree must divide both" in err
+        and "warning" not in err
+        and len(err.strip().splitlines()) == 1
+    ), err
     # --strategy auto on 2 processes where nothing fits as asked: the checkpointing the plan needs, by level.
     monkeypatch.setattr(auto, "device_memory", lambda cfg: (12 << 30, "CPU: 12 GiB each"))
     cfg = config_from_args(

@@ -68,8 +68,8 @@ def _check_moe(cfg: Config, strategy: type[Strategy]) -> None:
     model = cfg.model.name
     if not strategy.supports_moe:
         raise ConfigError(
-            f"{model} is a mixture of experts, which --strategy {strategy.name} cannot split yet (its "
-            f"plans know dense MLPs only): it runs with {_takers('supports_moe')}."
+            f"{model} is a mixture of experts, which --strategy {strategy.name} has not been taught to "
+            f"split: it runs with {_takers('supports_moe')}."
         )
     if cfg.train.method == "qlora":
         raise ConfigError(

@@ -70,7 +70,7 @@ from distft.model import causal_lm
 from distft.model.families import PROJECTIONS
 from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Strategy
-from distft.parallel.tp_experts import ExpertShards, split_layers, tagged
+from distft.parallel.tp_experts import ExpertShards, expert_split, split_layers, tagged
 
 # Which projections of a decoder layer are column- and row-parallel, from the families' one
 # description (tp, tp-sp, fsdp+tp and the planner read them). Column: weight split on out (dim 0);
@@ -123,7 +123,9 @@ def partial_gradient_params(scope: Iterable[nn.Module]) -> list[nn.Parameter]:
     parallelism the whole model (`megatron/strategy.py`).
     """
     params = {id(p): p for m in scope for p in m.parameters()}
-    return [p for p in params.values() if p.requires_grad and partition_dim(p) is None]
+    return [
+        p for p in params.values() if p.requires_grad and partition_dim(p) is None and expert_split(p) is None
+    ]
 
 
 def head_norms(layers: Iterable[nn.Module]) -> list[nn.Module]:

@@ -122,10 +122,19 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> tuple[list[nn.Paramet
     """Keep this rank's features of every expert in `experts` (transformers' module under peft's
     wrappers, if any), its adapters cut with their stacks, and bracket its forward with f and g.
     Returns (the sharded parameters, the trainable replicated ones whose gradients are partial)."""
-    base, rank, world = experts_base(experts), mesh.get_local_rank(), mesh.size()
+    shards, partial = cut_experts(experts, mesh.get_local_rank(), mesh.size())
+    experts.register_forward_pre_hook(functools.partial(_enter, mesh=mesh))
+    experts.register_forward_hook(functools.partial(_leave, mesh=mesh))
+    return shards, partial
+
+
+def cut_experts(experts: nn.Module, rank: int, world: int) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """`shard_experts` without f and g: `tp-sp` places its collectives at the block's edges
+    (`megatron/model.py`)."""
+    base = experts_base(experts)
     if base.is_transposed or not base.is_concatenated or base.has_bias or not base.has_gate:
         raise ConfigError(
-            f"--strategy tp splits fused [gate; up] expert stacks without a bias; {type(base).__name__} "
+            f"tensor parallelism splits fused [gate; up] expert stacks without a bias; {type(base).__name__} "
             "holds its experts otherwise: use --strategy fsdp."
         )
     shards = [_shard(base, name, split, rank, world) for name, split in STACKS.items()]
@@ -137,8 +146,6 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> tuple[list[nn.Paramet
             shards.append(_shard(getattr(module, cut)[adapter], "weight", split, rank, world))
             partial.append(getattr(module, whole)[adapter].weight)
         module = module.base_layer
-    experts.register_forward_pre_hook(functools.partial(_enter, mesh=mesh))
-    experts.register_forward_hook(functools.partial(_leave, mesh=mesh))
     return shards, [p for p in partial if p.requires_grad]
 
 
@@ -174,7 +181,7 @@ class ExpertShards:
     before the strategy class it extends."""
 
     expert_shards: list[nn.Parameter]
-    expert_mesh: DeviceMesh
+    expert_mesh: DeviceMesh | None = None  # none: a dense model
 
     def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
         # Each TP rank's shard is a distinct slice: counted on every TP rank, and only as often

@@ -1,21 +1,25 @@
 """What a mixture of experts changes in a step's collectives: expert parallelism's all-to-alls
 (`fsdp+ep`, as `plan/experts.py` describes them; beside them FSDP's all-gathers and
 reduce-scatters of everything but the expert stacks, `traffic.dp_collectives`), and tensor
-parallelism's all-reduces of an MoE layer's MLP (`tp`), which are not a dense MLP's, and the
-routers' sums that a pipeline sends beside its hidden states (`pp`) and context parallelism
-all-reduces (`cp`).
+parallelism's all-reduces of an MoE layer's MLP (`tp`), which are not a dense MLP's, tp-sp's
+collectives of each position's expert choices (`megatron_expert_terms`), and the routers' sums
+that a pipeline sends beside its hidden states (`pp`) and context parallelism (`cp`) and tp-sp
+all-reduce.
 """
 
 from __future__ import annotations
 
 import math
 
+from distft.parallel.megatron import PLAN
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
 from distft.plan.collective import Collective
 from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS
 from distft.plan.hardware import Link
 from distft.plan.inputs import Parallelism, Training, compute_bytes
+from distft.plan.memory import layer_seq_len
 from distft.plan.model_spec import ModelSpec
+from distft.plan.preference_traffic import kl_shapes
 
 COUNT_BYTES = 8  # an int64 per expert: the all-to-all of the counts
 SUM_BYTES = 4  # an fp32 per router sum
@@ -69,6 +73,43 @@ def tp_expert_partial_grads(spec: ModelSpec, training: Training, layers: list[in
     return sum(shard) * training.precision.grad
 
 
+def megatron_expert_terms(
+    spec: ModelSpec, training: Training, par: Parallelism, layers: int, targets: set[str]
+) -> tuple[float, int, float, int]:
+    """(forward bytes, calls, backward bytes, calls) per step that an MoE adds to tp-sp's crossings
+    (`parallel/megatron/model.py`, `MegatronLM.experts`): each rank routes its own positions, and
+    each MoE layer's choices enter the block beside the hidden state, which crosses as a dense
+    MLP's input does. With SP, forward: all-gathers of the routing weights (k per position, the
+    router's dtype) and the chosen experts (k int64), again where the layer is recomputed;
+    backward: a reduce-scatter of the weights' gradient where it has one. Without SP only that
+    backward, as an all-reduce (f's). Forwards without backward (a reference, KTO's KL term)
+    gather both once per model run. All 0 on a dense model."""
+    if not spec.moe:
+        return 0.0, 0, 0.0, 0
+    shapes, kl = training.shapes(par.microbatches), kl_shapes(training, par)
+    positions = sum(rows * layer_seq_len(training, par, seq) for rows, seq in shapes)
+    k = spec.num_experts_per_tok
+    weight = 2 if training.autocast else training.precision.param  # the router's logits' dtype
+    attention, mlp = (
+        {path.rsplit(".", 1)[1] for path in PLAN if path.startswith(b)} for b in ("self_attn", "mlp")
+    )
+    needs_grad, backward, recomputed = not training.lora, 0, 0
+    for _ in range(layers):  # as `counts.megatron_crossings` walks them
+        needs_grad = needs_grad or bool(attention & targets)
+        backward += needs_grad  # the weights come from positions that need a gradient
+        needs_grad = needs_grad or bool(mlp & targets)
+        recomputed += needs_grad and training.activation_checkpointing != "none"
+    backward_bytes, backward_calls = positions * k * weight * backward, len(shapes) * backward
+    if not par.sp:
+        return 0.0, 0, backward_bytes, backward_calls
+    only = training.reference_forward * positions  # model runs without backward
+    only += training.kl_forwards * sum(rows * layer_seq_len(training, par, seq) for rows, seq in kl)
+    only_runs = training.reference_forward * len(shapes) + training.kl_forwards * len(kl)
+    gathered = (positions * (layers + recomputed) + only * layers) * k * (weight + COUNT_BYTES)
+    gathers = 2 * (len(shapes) * (layers + recomputed) + only_runs * layers)
+    return gathered, gathers, backward_bytes, backward_calls
+
+
 def router_sums_bytes(spec: ModelSpec) -> int:
     """One micro-batch's routers' sums (each expert's probability and assignments, logsumexp^2 and
     the rows: 2E + 2 floats, `distft.model.router.RouterLosses.layer_sums`)."""
@@ -86,10 +127,13 @@ def pp_router_sums(spec: ModelSpec, par: Parallelism, link: Link, boundaries: in
     return [Collective("router sums", kind, nbytes, messages, 2, link, True) for kind in ("send", "recv")]
 
 
-def cp_router_sums(spec: ModelSpec, par: Parallelism, link: Link, micro_batches: int) -> list[Collective]:
+def cp_router_sums(
+    spec: ModelSpec, par: Parallelism, link: Link, micro_batches: int, ranks: int | None = None
+) -> list[Collective]:
     """Context parallelism's routers' sums: each rank's share of every row's tokens, all-reduced
-    once per training micro-batch so that the auxiliary losses pool them all."""
+    once per training micro-batch so that the auxiliary losses pool them all (over `ranks`: the
+    CP degree, or tp-sp's with SP)."""
     if not spec.moe:
         return []
     nbytes = micro_batches * router_sums_bytes(spec)
-    return [Collective("router sums", "all_reduce", nbytes, micro_batches, par.cp, link, False)]
+    return [Collective("router sums", "all_reduce", nbytes, micro_batches, ranks or par.cp, link, False)]

@@ -50,12 +50,7 @@ from dataclasses import replace
 from distft.parallel import STRATEGIES
 from distft.parallel.context.model import layers_without_kv_gradient, padded_length
 from distft.plan import expert_traffic as experts
-from distft.plan.collective import (
-    Collective,
-    Topology,
-    held_bytes,
-    step_positions,
-)
+from distft.plan.collective import Collective, Topology, held_bytes, step_positions
 from distft.plan.counts import (
     fsdp_gathers_per_microbatch,
     fsdp_pipeline_gathers,
@@ -187,21 +182,24 @@ def tp_collectives(
         enters, leaves, enters_bwd, leaves_bwd = megatron_crossings(layers, lora, targets, ckpt)
         enter = positions * spec.hidden_size * training.precision.param
         leave = positions * spec.hidden_size * (2 if training.autocast else c)  # bf16 under autocast
+        moe = experts.megatron_expert_terms(spec, training, par, layers, targets)  # an MoE's choices
         if par.sp:
             gathered, gathers = enter * enters + leave * leaves_bwd, m * (enters + leaves_bwd)
             scattered, scatters = leave * leaves + enter * enters_bwd, m * (leaves + enters_bwd)
             extra = sp_forward_only_crossings(training, par, layers, enter / positions, leave / positions)
             gathered, gathers, scattered, scatters = (
-                a + b for a, b in zip((gathered, gathers, scattered, scatters), extra, strict=True)
+                a + b + e
+                for a, b, e in zip((gathered, gathers, scattered, scatters), extra, moe, strict=True)
             )
             out.append(Collective("activations", "all_gather", gathered, gathers, par.tp, link, False))
             out.append(Collective("activations", "reduce_scatter", scattered, scatters, par.tp, link, False))
             if training.pair_statistics:  # each sequence's log-probability and count, summed over the ranks
                 out.append(sequence_sums(training, par, link, par.tp))
+            out += experts.cp_router_sums(spec, par, link, m, ranks=par.tp)  # pooled over the shards
         else:  # forwards without backward: each block's exit all-reduced once per model run
             _, _, extra, extra_calls = sp_forward_only_crossings(training, par, layers, 0, leave / positions)
-            logical = leave * leaves + enter * enters_bwd + extra
-            calls = m * (leaves + enters_bwd) + extra_calls
+            logical = leave * leaves + enter * enters_bwd + extra + moe[2]
+            calls = m * (leaves + enters_bwd) + extra_calls + moe[3]
             out.append(Collective("activations", "all_reduce", logical, calls, par.tp, link, False))
     else:
         # Per stage this rank holds: a later stage's input needs its gradient (it is sent back).
@@ -346,5 +344,6 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism, ra
     if par.tensor_parallel == "megatron" and par.sp:  # every replicated weight sees a sequence shard
         norms = 2 * spec.hidden_size * len(layers) + spec.hidden_size
         embed = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-        return (qk + norms + embed) * g
+        routers = spec.num_experts * spec.hidden_size * len(layers) if spec.moe else 0  # each routes a shard
+        return (qk + norms + embed + routers) * g
     return qk * g

@@ -38,6 +38,7 @@ from torch import nn
 
 from distft.model import causal_lm
 from distft.parallel.tensor_parallel import COLUMN, ROW
+from distft.parallel.tp_experts import cut_experts
 
 # The plan, as data: each decoder layer's projection paths and how their base weights are split.
 PLAN: dict[str, str] = {**dict.fromkeys(COLUMN, "column"), **dict.fromkeys(ROW, "row")}
@@ -158,10 +159,18 @@ class RowParallelLinear(ParallelLinear):
     weight_dim, lora_A_dim, lora_B_dim = 1, 1, None
 
 
-def shard_projections(lm: nn.Module, rank: int, world: int) -> None:
-    """Replace every decoder layer's projections in place by this rank's `PLAN` shards."""
+def shard_projections(lm: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
+    """Replace every decoder layer's projections in place by this rank's `PLAN` shards; a mixture
+    of experts' MLP keeps this rank's features of every expert (`tp_experts.cut_experts`), whose
+    shards it returns."""
+    experts: list[nn.Parameter] = []
     for layer in causal_lm(lm).model.layers:
+        moe = hasattr(layer.mlp, "experts")
+        if moe:
+            experts += cut_experts(layer.mlp.experts, rank, world)[0]
         for path, style in PLAN.items():
+            if moe and path.startswith("mlp."):
+                continue
             parent_path, name = path.rsplit(".", 1)
             parent = layer.get_submodule(parent_path)
             cls = ColumnParallelLinear if style == "column" else RowParallelLinear
@@ -171,3 +180,4 @@ def shard_projections(lm: nn.Module, rank: int, world: int) -> None:
                     f"tp-sp: the row-parallel {path} has a bias, which a partial sum cannot carry"
                 )
             setattr(parent, name, cls(source, rank, world))
+    return experts

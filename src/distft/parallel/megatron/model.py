@@ -12,6 +12,9 @@ One decoder layer, one micro-batch (N = 2; AG all-gather, RS reduce-scatter, alo
       -> partial (S,B,H) -> RS -> (S/N,B,H) -> + x -> norm -> AG -> gate,up (column) -> silu *
       -> down (row) -> partial (S,B,H) -> RS -> (S/N,B,H) -> + x
 
+A mixture of experts' MLP block routes this rank's positions first and all-gathers the choices
+with the hidden state (`MegatronLM.experts`).
+
 Forward: 2 all-gathers and 2 reduce-scatters of an (S, B, H) activation per layer. Backward: each
 all-gather's adjoint is a reduce-scatter of the input gradient and each reduce-scatter's is an
 all-gather of the output gradient: 2 + 2 more (the first block's reduce-scatter is skipped when
@@ -50,6 +53,7 @@ from distft.model import summed_loss
 from distft.model.checkpointing import HostOffload
 from distft.model.lm import check_right_padded
 from distft.model.preference import sequence_logps
+from distft.model.router import catching
 from distft.parallel.megatron.collectives import (
     copy_to_tp_region,
     gather_from_sp_region,
@@ -105,9 +109,11 @@ class MegatronLM(nn.Module):
         position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
         **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`)
     ) -> torch.Tensor:
-        x, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
+        with catching(self.module.router):  # an MoE's, for `with_router_term`
+            x, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
         if self.module.preference is None:
-            return summed_loss(x, self.module.lm_head, mine)  # this rank's tokens' share of the loss
+            loss = summed_loss(x, self.module.lm_head, mine)  # this rank's tokens' share of the loss
+            return self.with_router_term(loss, labels.ne(-100).sum(), input_ids, attention_mask)
         logps, counts = self.sequence_logps(x, mine, documents, grad=True)
         share = 1 / self.world if self.sequence_parallel else 1.0  # `reduce_loss` sums the ranks'
 
@@ -118,7 +124,37 @@ class MegatronLM(nn.Module):
                     *self.hidden_states(input_ids, labels, attention_mask, position_ids)
                 )[0]
 
-        return self.module.preference_head(logps, counts, base, preference, share)
+        loss = self.module.preference_head(logps, counts, base, preference, share)
+        if self.module.scoring:
+            return loss
+        units = self.module.preference.units(counts, preference.get("desirable"))
+        return self.with_router_term(loss, units, input_ids, attention_mask)
+
+    def with_router_term(
+        self,
+        loss: torch.Tensor,
+        units: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The loss carrying the routers' auxiliary losses (a mixture of experts). Each rank routed
+        its own positions of every row, sequence-first: with SP its shard, pooled over the ranks
+        as context parallelism pools them (the fill that evens the shards left out); without, all
+        of them, as one process does."""
+        router = self.module.router
+        if router is None or not router.caught:
+            return loss
+        units = torch.as_tensor(units, device=loss.device)
+        real = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).t().float()
+        if not self.sequence_parallel:  # (S, B): the order the router saw the positions in
+            term = router.term(units, None if attention_mask is None else real)
+        else:
+            real = F.pad(real, (0, 0, 0, -real.shape[0] % self.world), value=0)
+            positions = real.shape[0] // self.world
+            term = router.split_term(
+                units, real[self.rank * positions : (self.rank + 1) * positions], self.group
+            )
+        return loss if term is None else loss + term
 
     def hidden_states(
         self,
@@ -209,8 +245,23 @@ class MegatronLM(nn.Module):
         o = o.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # (S, B, H/N * d): this rank's heads
         x = x + self.leave(attn.o_proj(o))
 
-        h = self.enter(layer.post_attention_layernorm(x))
+        normed = layer.post_attention_layernorm(x)
+        if hasattr(mlp, "experts"):  # a mixture of experts
+            return x + self.leave(self.experts(mlp, normed))
+        h = self.enter(normed)
         return x + self.leave(mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h)))
+
+    def experts(self, mlp: nn.Module, normed: torch.Tensor) -> torch.Tensor:
+        """A mixture of experts' block on this rank's positions `normed` (S/N, B, H) with SP, (S, B,
+        H) without: the router picks each position's experts here, on this rank's positions only;
+        the hidden states, the choices and their weights then enter the block like any input, and
+        this rank's features of every expert (`tp_experts.cut_experts`) give a partial sum of every
+        token's output, which `leave` reduces. Without SP the router's input skips f, whose
+        backward would sum its gradient, complete on every rank, N times."""
+        _, weights, chosen = mlp.gate(normed)  # (positions x B, k): sequence-first
+        rows = (*normed.shape[:2], -1)
+        h, weights, chosen = self.enter(normed), self.enter(weights.view(rows)), self.enter(chosen.view(rows))
+        return mlp.experts(h.flatten(0, 1), chosen.flatten(0, 1), weights.flatten(0, 1)).view(h.shape)
 
 
 def head_norm(attn: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -21,10 +21,14 @@ everything that weight touches:
   the input gradients, so an extra all-reduce of dZ would count the adapter N times.)
 - row lora_B (replicated): partial, dY^T (A_r x_r) sees this rank's partial sum only.
 - q_norm / k_norm: partial, applied to this rank's heads only.
+- a mixture of experts' expert shards (`tp_experts`): complete for their shard, as the base
+  shards; gate_up's lora_A and down's lora_B, whole on every rank: partial, like column lora_A
+  and row lora_B.
 - with SP, every other replicated weight too (input_layernorm, post_attention_layernorm, the final
-  norm, embedding / lm_head in full finetuning): each is applied to this rank's sequence shard.
-  Without SP those see the replicated residual stream, whose gradient f's all-reduce makes
-  complete: only the four kinds above are partial.
+  norm, embedding / lm_head in full finetuning, an MoE's router, which routes this rank's
+  positions): each is applied to this rank's sequence shard. Without SP those see the replicated
+  residual stream, whose gradient f's all-reduce makes complete (the router reads it ahead of
+  f): only the kinds above are partial.
 In short: with SP every replicated trainable weight has a partial gradient.
 
 Checkpoints. `torch.distributed.checkpoint` knows a sharded tensor only as a DTensor; the shards
@@ -57,10 +61,11 @@ from distft.parallel.megatron.collectives import all_gather_dim
 from distft.parallel.megatron.layers import shard_projections
 from distft.parallel.megatron.model import MegatronLM
 from distft.parallel.tensor_parallel import check_tp_degree, partial_gradient_params, partition_dim
+from distft.parallel.tp_experts import ExpertShards
 from distft.tensors import local
 
 
-class TensorSequenceParallel(Strategy):
+class TensorSequenceParallel(ExpertShards, Strategy):
     name = "tp-sp"
     label = "TP + SP"
     holds = "as `tp`, plus 1/N of the sequence between blocks"
@@ -78,6 +83,7 @@ class TensorSequenceParallel(Strategy):
     collectives = "the all-gathers / reduce-scatters of activations (tp-sp)"
     mesh: DeviceMesh | None = None  # only checkpoints use one (DTensor views of the shards)
     takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
+    supports_moe: ClassVar[bool] = True  # routed on each rank's positions, experts split by features
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
@@ -97,15 +103,22 @@ class TensorSequenceParallel(Strategy):
             )
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        shard_projections(model.lm, self.env.rank, self.env.world_size)  # on the CPU: the device gets shards
+        # On the CPU: the device gets shards.
+        self.expert_shards = shard_projections(model.lm, self.env.rank, self.env.world_size)
         model.to(self.env.device)
+        if self.expert_shards:  # an MoE's shards are gathered whole over it (`tp_experts`)
+            self.expert_mesh = self.mesh = self.tp_mesh()
         self.sequence_parallel = self.cfg.parallel.sequence_parallel
         if (
             self.sequence_parallel
         ):  # every replicated weight sees a sequence shard, its heads or a partial sum
             scope = [model]
-        else:  # inside the blocks only; the replicated residual stream gets complete gradients
-            scope = [m for layer in causal_lm(model.lm).model.layers for m in (layer.self_attn, layer.mlp)]
+        else:  # inside the blocks only; the replicated residual stream gets complete gradients,
+            # as does a router, which routes it before f (`MegatronLM.experts`)
+            layers = causal_lm(model.lm).model.layers
+            scope = [
+                m for layer in layers for m in (layer.self_attn, getattr(layer.mlp, "experts", layer.mlp))
+            ]
         self.partial_grads = partial_gradient_params(scope)
         return MegatronLM(model, None, self.sequence_parallel, self.cfg.model.activation_checkpointing)
 
@@ -113,11 +126,16 @@ class TensorSequenceParallel(Strategy):
         all_reduce_flat([p.grad for p in self.partial_grads if p.grad is not None])  # one collective
 
     def gradient_shares(self, model: nn.Module) -> tuple[list[tuple[torch.Tensor, int]], list[torch.Tensor]]:
-        """Shards (plain tensors with a `partition_dim`) are summed over the TP ranks, one copy each;
-        replicated gradients, equal on every rank after `after_backward`, are counted once."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        shared = [(p.grad, 1) for p in params if partition_dim(p) is not None]
-        return shared, [p.grad for p in params if partition_dim(p) is None]
+        """Shards (plain tensors with a `partition_dim`, and an MoE's expert shards: `ExpertShards`)
+        are summed over the TP ranks, one copy each; replicated gradients, equal on every rank
+        after `after_backward`, are counted once."""
+        shared, replicated = super().gradient_shares(model)
+        shards = {
+            id(p.grad) for p in model.parameters() if p.grad is not None and partition_dim(p) is not None
+        }
+        return shared + [(g, 1) for g in replicated if id(g) in shards], [
+            g for g in replicated if id(g) not in shards
+        ]
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -140,8 +158,7 @@ class TensorSequenceParallel(Strategy):
         inner = unwrap(model)  # the same Parameters, without MegatronLM's `module.` prefix
         state = super().checkpoint_state(inner, optimizer)
         params = dict(inner.named_parameters())
-        if self.mesh is None:  # all TP ranks (the default group), made on first use
-            self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+        self.mesh = self.mesh or self.tp_mesh()  # made on first use
 
         def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
             p = params.get(name)
@@ -157,6 +174,10 @@ class TensorSequenceParallel(Strategy):
         }
         return state
 
+    def tp_mesh(self) -> DeviceMesh:
+        """A 1-D mesh of the TP ranks (the default group)."""
+        return init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         state = {part: {k: local(v) for k, v in state[part].items()} for part in ("model", "optim")}
         super().load_checkpoint_state(unwrap(model), optimizer, state)
@@ -166,8 +187,13 @@ class TensorSequenceParallel(Strategy):
         state = {}
         for name, param in unwrap(model).lm.named_parameters():
             if param.requires_grad:
-                dim = partition_dim(param)
-                full = param.detach() if dim is None else all_gather_dim(param, dim)
+                full = self.whole_parameter(param).detach()
                 if self.env.is_main:
                     state[name] = full.cpu().clone()
         return state if self.env.is_main else None
+
+    def whole_parameter(self, p: torch.Tensor) -> torch.Tensor:
+        dim = partition_dim(p)
+        return (
+            super().whole_parameter(p) if dim is None else all_gather_dim(p, dim)
+        )  # an expert's: `tp_experts`
