@@ -28,8 +28,10 @@ MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_ro
 MOE_STRATEGIES = [name for name, cls in STRATEGIES.items() if cls.supports_moe and name != "single"]
 # As in test_families.py: a variant's code for the experts is the named strategy's (ZeRO-1
 # partitions DDP's optimizer state, ZeRO-2 and HSDP keep FSDP's units gathered or replicated,
-# ddp+pp is fsdp+pp's stages with DDP around them), proven on dense models in their own files.
-MOE_VARIANTS = {"zero1": "ddp", "zero2": "fsdp", "hsdp": "fsdp", "ddp+pp": "fsdp+pp"}
+# ddp+pp is fsdp+pp's stages with DDP around them, fsdp+tp+pp splits fsdp+pp's stages as fsdp+tp
+# splits the model: `ExpertShards`), proven on dense models in their own files; fsdp+tp+pp's
+# full finetuning of the experts resumes in `test_full_finetuning_...` below.
+MOE_VARIANTS = {"zero1": "ddp", "zero2": "fsdp", "hsdp": "fsdp", "ddp+pp": "fsdp+pp", "fsdp+tp+pp": "fsdp+tp"}
 
 
 def assert_all_to_all_bytes(run, micro_batches: int, forwards: int = 1) -> None:
@@ -85,13 +87,11 @@ def reference(tmp_path_factory):
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
     """ddp, fsdp (FSDP2 shards each layer's expert stacks along the experts), fsdp+ep (each rank 4
     experts whole, tokens sent by all-to-all; the bytes the analytic count), tp (each rank every
-    expert's half of the intermediate dimension, adapters cut with it), tp-sp (each rank routes its
-    sequence shard; the choices all-gathered), fsdp+tp (2 x 2: FSDP2 shards each TP rank's halves
-    along the experts), fsdp+tp+pp (2 stages of 2 TP ranks) and
-    fsdp+pp (2 stages x 2 replicas; the routers' sums sent across the stage boundary, where the
-    planner counts them),
-    with zero1, zero2, hsdp and ddp+pp through them (`MOE_VARIANTS`; pp and fsdp+cp in the full
-    finetuning below, cp in the DPO test): the same losses, gradient norms and adapter; the
+    expert's half of the intermediate dimension, adapters cut with it), fsdp+tp (2 x 2: FSDP2
+    shards each TP rank's halves along the experts) and fsdp+pp (2 stages x 2 replicas; the
+    routers' sums sent across the stage boundary, where the planner counts them), with zero1,
+    zero2, hsdp, ddp+pp and fsdp+tp+pp through them (`MOE_VARIANTS`; pp, tp-sp and fsdp+cp in the
+    full finetuning below, cp and tp-sp in the DPO test): the same losses, gradient norms and adapter; the
     adapter holds one LoRA pair per expert stack (rank x experts rows); plain peft loads it on the
     saved base, and the export merges it (the experts' adapters into their stacks) into a model
     plain transformers loads with the same logits."""
@@ -106,15 +106,11 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
     for variant, covered in MOE_VARIANTS.items():
         assert extends(STRATEGIES[variant], STRATEGIES[covered]), (variant, covered)
-    four = {
-        "fsdp+pp": ["parallel.pp=2"],
-        "fsdp+tp": ["parallel.tp=2"],
-        "fsdp+tp+pp": ["parallel.tp=2", "parallel.pp=2"],
-    }
-    others = ("pp", "cp", "fsdp+cp")  # in the full finetuning and DPO tests below
+    four = {"fsdp+pp": "parallel.pp=2", "fsdp+tp": "parallel.tp=2"}
+    others = ("pp", "cp", "fsdp+cp", "tp-sp")  # in the full finetuning and DPO tests below
     for strategy in (s for s in MOE_STRATEGIES if s not in others and s not in MOE_VARIANTS):
         run = tmp_path / strategy
-        layout = ["--nproc", "4", *four[strategy]] if strategy in four else ["--nproc", "2"]
+        layout = ["--nproc", "4", four[strategy]] if strategy in four else ["--nproc", "2"]
         distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
         assert_same_training(run, reference)
         assert_planned_bytes(run)
@@ -255,8 +251,8 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     # (2 stages of 2 TP ranks, each expert's half cut from the whole and sharded by FSDP2) and by
     # tp-sp with sequence parallelism (each rank routing its shard, the router's gradient summed
     # over the shards), tp-sp's (its projections' slices as DTensors, every expert's half written
-    # whole) by fsdp+ep; each trains steps 2 and 3 as one process does, and fsdp+tp+pp writes its
-    # checkpoints (its shards gathered whole) on the way.
+    # whole) by fsdp+ep; each trains steps 2 and 3 as one process does, moving the bytes the planner
+    # predicted for it, and fsdp+tp+pp writes its checkpoints (its shards gathered whole) on the way.
     layouts = {
         "fsdp+tp+pp": ["--nproc", "4", "parallel.tp=2", "parallel.pp=2"],
         "tp-sp": ["--nproc", "2", "parallel.sequence_parallel=true", "model.activation_checkpointing=none"],
@@ -269,6 +265,9 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
         for got, want in zip(metrics(out), metrics(single), strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (out.name, got["step"])
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (out.name, got["step"])
+        ranks = json.loads((out / "ranks.json").read_text())  # the resumed run's, from its step 2
+        assert ranks[0]["predicted_by"].startswith(STRATEGIES[strategy].label + " on")
+        assert_planned_bytes(out)
 
 
 def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys):

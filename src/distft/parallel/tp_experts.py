@@ -1,6 +1,6 @@
-"""Tensor parallelism of a mixture of experts' experts (`tp`, and the TP dimension of `fsdp+tp` and
-`fsdp+tp+pp`): every TP rank holds every expert, 1/N of each one's intermediate dimension, as
-Megatron-LM splits a dense MLP.
+"""Tensor parallelism of a mixture of experts' experts (`tp`, `tp-sp`, and the TP dimension of
+`fsdp+tp` and `fsdp+tp+pp`): every TP rank holds every expert, 1/N of each one's intermediate
+dimension, as Megatron-LM splits a dense MLP.
 
 transformers holds a layer's experts as two stacks (`Qwen3MoeExperts`): `gate_up_proj`
 (E, 2I, hidden), the gate rows of every expert followed by its up rows, and `down_proj`
@@ -154,7 +154,7 @@ def split_layers(
 ) -> tuple[dict[str, Split], set[str]]:
     """`shard_experts` on every MoE layer of `layers`. Returns the shards' splits and the names of
     the partial-gradient parameters, by name in `model`: FSDP2's `fully_shard` replaces every
-    parameter by a new one, so `fsdp+tp` finds them again by name (`tagged`)."""
+    parameter by a new one, so `fsdp+tp` and `fsdp+tp+pp` find them again by name (`tagged`)."""
     shards: list[nn.Parameter] = []
     partial: list[nn.Parameter] = []
     for layer in layers:
@@ -174,11 +174,11 @@ def tagged(model: nn.Module, splits: dict[str, Split]) -> list[nn.Parameter]:
 
 
 class ExpertShards:
-    """Mixin for the strategies that split every expert along its features (`tp`, `fsdp+tp`): the
-    shards' gradients in the norm, and the whole tensors in exports and checkpoints. `parallelize`
-    sets `expert_shards` (this rank's, as the model holds them once wrapped: plain tensors under
-    `tp`, FSDP2's DTensors of them under `fsdp+tp`) and `expert_mesh` (the TP ranks). List it
-    before the strategy class it extends."""
+    """Mixin for the strategies that split every expert along its features (`tp`, `tp-sp`, `fsdp+tp`,
+    `fsdp+tp+pp`): the shards' gradients in the norm, and the whole tensors in exports and
+    checkpoints. `parallelize` sets `expert_shards` (this rank's, as the model holds them once
+    wrapped: plain tensors under `tp` and `tp-sp`, FSDP2's DTensors of them under FSDP) and
+    `expert_mesh` (the TP ranks). List it before the strategy class it extends."""
 
     expert_shards: list[nn.Parameter]
     expert_mesh: DeviceMesh | None = None  # none: a dense model

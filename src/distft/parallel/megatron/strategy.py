@@ -37,7 +37,9 @@ export stay simple). For save and load only, `checkpoint_state` presents each sh
 AdamW moments, as a DTensor with Shard(partition_dim) on a 1-D mesh of the TP ranks, under the
 single-model names: each rank writes its own slice and the checkpoint is the unsplit model's.
 Per-rank keys (`rank1/q_proj...`) would also have worked, but would tie a checkpoint to one TP
-degree and one strategy; as DTensors it reshards like FSDP's.
+degree and one strategy; as DTensors it reshards like FSDP's. An MoE's expert shards, two
+slices of their stack each, which no single placement describes, are written whole instead
+(`tp_experts.ExpertShards`).
 """
 
 from __future__ import annotations
@@ -130,12 +132,9 @@ class TensorSequenceParallel(ExpertShards, Strategy):
         are summed over the TP ranks, one copy each; replicated gradients, equal on every rank
         after `after_backward`, are counted once."""
         shared, replicated = super().gradient_shares(model)
-        shards = {
-            id(p.grad) for p in model.parameters() if p.grad is not None and partition_dim(p) is not None
-        }
-        return shared + [(g, 1) for g in replicated if id(g) in shards], [
-            g for g in replicated if id(g) not in shards
-        ]
+        shards = {id(p.grad) for p in model.parameters() if partition_dim(p) is not None}
+        shared += [(g, 1) for g in replicated if id(g) in shards]
+        return shared, [g for g in replicated if id(g) not in shards]
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -193,7 +192,5 @@ class TensorSequenceParallel(ExpertShards, Strategy):
         return state if self.env.is_main else None
 
     def whole_parameter(self, p: torch.Tensor) -> torch.Tensor:
-        dim = partition_dim(p)
-        return (
-            super().whole_parameter(p) if dim is None else all_gather_dim(p, dim)
-        )  # an expert's: `tp_experts`
+        dim = partition_dim(p)  # None: replicated, or an MoE's expert shard (`ExpertShards`)
+        return all_gather_dim(p, dim) if dim is not None else super().whole_parameter(p)
