@@ -91,10 +91,10 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     shards each TP rank's halves along the experts) and fsdp+pp (2 stages x 2 replicas; the
     routers' sums sent across the stage boundary, where the planner counts them), with zero1,
     zero2, hsdp, ddp+pp and fsdp+tp+pp through them (`MOE_VARIANTS`; pp, tp-sp and fsdp+cp in the
-    full finetuning below, cp and tp-sp in the DPO test): the same losses, gradient norms and adapter; the
-    adapter holds one LoRA pair per expert stack (rank x experts rows); plain peft loads it on the
-    saved base, and the export merges it (the experts' adapters into their stacks) into a model
-    plain transformers loads with the same logits."""
+    full finetuning below, cp and tp-sp in the DPO test): the same losses, gradient norms and
+    adapter; the adapter holds one LoRA pair per expert stack (rank x experts rows); plain peft
+    loads it on the saved base, and the export merges it (the experts' adapters into their
+    stacks) into a model plain transformers loads with the same logits."""
     assert set(MOE_STRATEGIES) == {
         *("ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp", "tp-sp", "fsdp+tp"),
         *("pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "cp", "fsdp+cp"),
@@ -196,14 +196,14 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     """--method full, with the router's load-balancing loss and z-loss: every expert, the router
     and attention train; fsdp, fsdp+ep (the experts' stacks and their optimizer state sharded
     along the experts), tp (along their intermediate dimension, the router's gradient complete
-    on every rank), tp-sp (the same, its collectives hand-written), pp (interleaved: 4 stages of one layer on 2 ranks, the losses pooled over
-    the layers of every stage from the sums each passes on) and fsdp+cp (the losses pooled over
-    every rank's tokens, the stacks sharded by FSDP) agree with one process at every step
-    in loss, gradient norm, the auxiliary losses and the tokens each expert took, and in the
-    evaluation loss after; checkpoints resume across expert-parallel degrees, into fsdp+tp+pp
-    (full finetuning under TP x PP, every expert's half sharded by FSDP2) and into tp-sp's
-    sequence-parallel form. The auxiliary losses
-    move the gradient, not the loss recorded."""
+    on every rank), tp-sp (the same, its collectives hand-written), pp (interleaved: 4 stages of
+    one layer on 2 ranks, the losses pooled over the layers of every stage from the sums each
+    passes on) and fsdp+cp (the losses pooled over every rank's tokens, the stacks sharded by
+    FSDP) agree with one process at every step in loss, gradient norm, the auxiliary losses and
+    the tokens each expert took, and in the evaluation loss after; checkpoints resume across
+    expert-parallel degrees, into fsdp+tp+pp (full finetuning under TP x PP, every expert's half
+    sharded by FSDP2) and into tp-sp's sequence-parallel form. The auxiliary losses move the
+    gradient, not the loss recorded."""
     full = [
         *MOE,
         "--method",
@@ -320,6 +320,20 @@ def test_what_cannot_run_an_moe_is_refused_before_launch(flags, says, tmp_path, 
     err = [line for line in capsys.readouterr().err.splitlines() if "warning:" not in line]  # --nproc 3
     assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_strategy_not_taught_an_moe_is_refused_and_planned_as_such(monkeypatch, tmp_path, capsys):
+    """Every strategy runs an MoE today; one that does not say `supports_moe` (a new one, until it
+    is taught) is refused before launch in one line naming those that do, and the planner lists
+    it as not applicable, saying why."""
+    monkeypatch.setattr(STRATEGIES["tp"], "supports_moe", False)
+    assert main(["train", *MOE, "--strategy", "tp", "--nproc", "2", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "which --strategy tp has not been taught to split" in err[0], err
+    assert "tp-sp" in err[0] and not (tmp_path / "x").exists()
+    assert main(["plan", "--model", "qwen3-moe-micro", "--gpu", "h100", "--gpus", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps the line
+    assert "TP (does not split a mixture of experts yet)" in out
 
 
 def test_a_tp_degree_that_does_not_split_the_experts_is_refused(tmp_path, capsys):
