@@ -178,12 +178,14 @@ def test_dpo_under_expert_context_and_sequence_parallelism_trains_as_one_process
 
 def test_the_router_trains_beside_the_adapters_on_request(tmp_path):
     """lora.modules_to_save=["gate"]: each layer's router trains in full beside the adapters, saved
-    with them; fsdp shards it and trains as one process."""
+    with them; under tp-sp, each rank routing its sequence shard, its gradient is summed over the
+    shards (the bytes the planner's) and it trains as one process."""
     flags = [*MOE, 'lora.modules_to_save=["gate"]', "train.max_steps=2"]
-    single, fsdp = tmp_path / "single", tmp_path / "fsdp"
+    single, tp_sp = tmp_path / "single", tmp_path / "tp-sp"
     assert main(["train", *flags, "--out", str(single)]) == 0
-    distft("train", *flags, "--strategy", "fsdp", "--nproc", "2", "--out", str(fsdp))
-    assert_same_training(fsdp, single)
+    distft("train", *flags, "--strategy", "tp-sp", "--nproc", "2", "--out", str(tp_sp))
+    assert_same_training(tp_sp, single)
+    assert_planned_bytes(tp_sp)
     routers = {k: v for k, v in adapter(single).items() if k.endswith("mlp.gate.weight")}
     base = AutoModelForCausalLM.from_pretrained(single / "base")
     assert len(routers) == 4

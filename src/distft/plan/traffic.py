@@ -69,7 +69,7 @@ from distft.plan.inputs import (
     rank_layers,
     rank_stages,
 )
-from distft.plan.memory import stage_tensors
+from distft.plan.memory import stage_tensors, trained_beside
 from distft.plan.model_spec import ModelSpec
 from distft.plan.preference_traffic import (
     cp_forward_only,
@@ -336,10 +336,11 @@ def partial_grad_bytes(spec: ModelSpec, training: Training, par: Parallelism, ra
         if training.lora:  # an MoE's whole expert adapter factors (`parallel/tp_experts.py`)
             return experts.tp_expert_partial_grads(spec, training, layers, dp) if spec.moe else 0.0
         return 2 * math.ceil(spec.head_dim / dp) * len(layers) * g if spec.qk_norm else 0.0
-    if training.lora:
+    if training.lora:  # with SP, what trains beside the adapters (`lora.modules_to_save`) too
         held = set(layers)
         lora = spec.lora_tensors(training.lora_rank, training.lora_targets, training.dora)
-        return sum(t.numel for t in lora if t.tp_dim is None and t.layer in held) * g
+        partial = [t for t in lora if t.tp_dim is None and t.layer in held]
+        return sum(t.numel for t in partial + (trained_beside(spec, training) if par.sp else [])) * g
     qk = 2 * spec.head_dim * len(layers) if spec.qk_norm else 0
     if par.tensor_parallel == "megatron" and par.sp:  # every replicated weight sees a sequence shard
         norms = 2 * spec.hidden_size * len(layers) + spec.hidden_size
