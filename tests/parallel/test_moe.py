@@ -179,8 +179,9 @@ def test_dpo_under_expert_context_and_sequence_parallelism_trains_as_one_process
 def test_the_router_trains_beside_the_adapters_on_request(tmp_path):
     """lora.modules_to_save=["gate"]: each layer's router trains in full beside the adapters, saved
     with them; under tp-sp, each rank routing its sequence shard, its gradient is summed over the
-    shards (the bytes the planner's) and it trains as one process."""
-    flags = [*MOE, 'lora.modules_to_save=["gate"]', "train.max_steps=2"]
+    shards and it trains as one process. With the (tied) lm_head's copy training too, the first
+    layer's input needs a gradient: the bytes are the planner's."""
+    flags = [*MOE, 'lora.modules_to_save=["gate","lm_head"]', "train.max_steps=2"]
     single, tp_sp = tmp_path / "single", tmp_path / "tp-sp"
     assert main(["train", *flags, "--out", str(single)]) == 0
     distft("train", *flags, "--strategy", "tp-sp", "--nproc", "2", "--out", str(tp_sp))

@@ -8,6 +8,16 @@ from __future__ import annotations
 
 from distft.parallel.megatron import PLAN
 from distft.parallel.tensor_parallel import COLUMN, ROW
+from distft.plan.inputs import Training
+from distft.plan.memory import trained_beside
+from distft.plan.model_spec import ModelSpec
+
+
+def frozen_embedding(spec: ModelSpec, training: Training) -> bool:
+    """Whether nothing before the first layer trains, so that its input needs no gradient: LoRA
+    with the embedding neither copied by `lora.modules_to_save` (a tied lm_head's copy is the
+    embedding's) nor given trainable rows for added tokens."""
+    return training.lora and not any(t.kind == "embed" for t in trained_beside(spec, training))
 
 
 def fsdp_gathers_per_microbatch(reshard_after_forward: bool) -> int:
@@ -47,18 +57,18 @@ def tp_adapter_calls(layers: int, targets: set[str], checkpointing: str) -> int:
     return layers * (sum(n in targets for n in projections) + sum(n in targets for n in recomputed))
 
 
-def tp_activation_calls(layers: int, lora: bool, checkpointing: str, input_needs_grad: bool = False) -> int:
+def tp_activation_calls(layers: int, frozen: bool, checkpointing: str, input_needs_grad: bool = False) -> int:
     """parallelize_module TP, per micro-batch: all-reduces of a (B, S, h) activation, 2 per layer
     forward (after the row projections) and 5 backward (one per column projection's input), 3 fewer
-    in the first layer when nothing before it trains (LoRA; a later pipeline stage's input always
-    needs its gradient, to send back); checkpointing repeats the forward ones it recomputes.
-    `distft plan` counts with the same function."""
+    in the first layer when nothing before it trains (`frozen_embedding`; a later pipeline stage's
+    input always needs its gradient, to send back); checkpointing repeats the forward ones it
+    recomputes. `distft plan` counts with the same function."""
     recomputed = len(RECOMPUTED_ROW_PROJECTIONS[checkpointing]) * layers
-    return 2 * layers + recomputed + 5 * layers - (3 if lora and not input_needs_grad else 0)
+    return 2 * layers + recomputed + 5 * layers - (3 if frozen and not input_needs_grad else 0)
 
 
 def megatron_crossings(
-    layers: int, lora: bool, targets: set[str], checkpointing: str
+    layers: int, frozen: bool, targets: set[str], checkpointing: str
 ) -> tuple[int, int, int, int]:
     """Megatron TP(+SP), per micro-batch: (block entries, exits, entries with a backward, exits with
     a backward) over all layers. Each layer has 2 blocks (attention, MLP), each entered and left
@@ -66,7 +76,7 @@ def megatron_crossings(
     block's output needs a gradient; a checkpointed layer repeats its forward crossings. `distft
     plan` counts with the same function."""
     blocks = [{path.rsplit(".", 1)[1] for path in PLAN if path.startswith(p)} for p in ("self_attn", "mlp")]
-    needs_grad = not lora  # full finetuning: the embeddings train
+    needs_grad = not frozen  # the embedding trains (`frozen_embedding`)
     enters_bwd = leaves_bwd = recomputed = 0
     for _ in range(layers):
         for block in blocks:

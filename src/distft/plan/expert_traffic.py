@@ -14,7 +14,7 @@ import math
 from distft.parallel.megatron import PLAN
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
 from distft.plan.collective import Collective
-from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS
+from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS, frozen_embedding
 from distft.plan.hardware import Link
 from distft.plan.inputs import Parallelism, Training, compute_bytes
 from distft.plan.memory import layer_seq_len
@@ -93,7 +93,7 @@ def megatron_expert_terms(
     attention, mlp = (
         {path.rsplit(".", 1)[1] for path in PLAN if path.startswith(b)} for b in ("self_attn", "mlp")
     )
-    needs_grad, backward, recomputed = not training.lora, 0, 0
+    needs_grad, backward, recomputed = not frozen_embedding(spec, training), 0, 0
     for _ in range(layers):  # as `counts.megatron_crossings` walks them
         needs_grad = needs_grad or bool(attention & targets)
         backward += needs_grad  # the weights come from positions that need a gradient

@@ -52,6 +52,7 @@ from distft.parallel.context.model import layers_without_kv_gradient, padded_len
 from distft.plan import expert_traffic as experts
 from distft.plan.collective import Collective, Topology, held_bytes, step_positions
 from distft.plan.counts import (
+    frozen_embedding,
     fsdp_gathers_per_microbatch,
     fsdp_pipeline_gathers,
     megatron_crossings,
@@ -171,15 +172,14 @@ def tp_collectives(
 ) -> list[Collective]:
     """Tensor parallelism's activation collectives and the replicated weights' partial gradients."""
     m, c, lora = len(training.shapes(par.microbatches)), compute_bytes(training, par), training.lora
-    positions = step_positions(training, par)  # every micro-batch's (batch, seq) together
-    ckpt = training.activation_checkpointing
-    targets = set(training.lora_targets) if lora else set()
+    positions, ckpt = step_positions(training, par), training.activation_checkpointing  # every micro-batch's
+    targets, frozen = set(training.lora_targets) if lora else set(), frozen_embedding(spec, training)
     out = []
     if par.tensor_parallel == "megatron":
         # A block's entry carries a norm output (the weights' dtype) forward and its gradient
         # back; an exit a projection output (the compute dtype) and its gradient: with SP an
         # entry all-gathers forward and reduce-scatters backward, an exit the other way round.
-        enters, leaves, enters_bwd, leaves_bwd = megatron_crossings(layers, lora, targets, ckpt)
+        enters, leaves, enters_bwd, leaves_bwd = megatron_crossings(layers, frozen, targets, ckpt)
         enter = positions * spec.hidden_size * training.precision.param
         leave = positions * spec.hidden_size * (2 if training.autocast else c)  # bf16 under autocast
         moe = experts.megatron_expert_terms(spec, training, par, layers, targets)  # an MoE's choices
@@ -204,7 +204,7 @@ def tp_collectives(
     else:
         # Per stage this rank holds: a later stage's input needs its gradient (it is sent back).
         stages = rank_stages(spec, training, par, rank)
-        calls = sum(tp_activation_calls(n, lora, ckpt, not first) for n, first in stages)
+        calls = sum(tp_activation_calls(n, frozen, ckpt, not first) for n, first in stages)
         adapters = tp_adapter_calls(layers, targets, ckpt)
         logical = c * positions * (spec.hidden_size * calls + training.lora_rank * adapters)
         count = m * (calls + adapters)
@@ -231,8 +231,8 @@ def cp_collectives(spec: ModelSpec, training: Training, par: Parallelism, link: 
     positions = sum(rows * padded_length(seq, n) for rows, seq in shapes)
     kv = 2 * c * positions * spec.num_kv_heads * spec.head_dim  # one layer's K and V, every micro-batch
     forwards = layers * (2 if training.activation_checkpointing in ("full", "offload") else 1)
-    backward = layers - layers_without_kv_gradient(training.lora, set(training.lora_targets))
-    m = len(shapes)
+    m, frozen = len(shapes), frozen_embedding(spec, training)
+    backward = layers - layers_without_kv_gradient(frozen, set(training.lora_targets))
     if par.cp_method == "ring":  # kv / n: this rank's share, passed on; its gradient in fp32
         local = kv // n
         passes = (n - 1) * local * (forwards + layers) + n * (local * 4 // c) * backward

@@ -39,11 +39,11 @@ def padded_length(seq: int, world: int) -> int:
     return -(-seq // (2 * world)) * 2 * world
 
 
-def layers_without_kv_gradient(lora: bool, targets: set[str]) -> int:
+def layers_without_kv_gradient(frozen: bool, targets: set[str]) -> int:
     """Layers whose gathered K and V need no gradient, so backward reduce-scatters none: LoRA's
-    first layer when nothing before its k/v projections trains (frozen embedding, no adapter on
+    first layer when nothing before its k/v projections trains (`frozen` embedding, no adapter on
     k_proj or v_proj)."""
-    return int(lora and not targets & {"k_proj", "v_proj"})
+    return int(frozen and not targets & {"k_proj", "v_proj"})
 
 
 class ContextParallelLM(nn.Module):
