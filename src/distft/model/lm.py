@@ -28,6 +28,7 @@ runs chunk by chunk (`distft.model.loss.chunked_cross_entropy`), never holding t
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -100,10 +101,8 @@ class LossLM(nn.Module):
                 return sequence_logps(again, self.lm_head, labels, position_ids)[0]
 
         extra = {"reference": reference, "token_weight": token_weight, "desirable": desirable, "kl": kl}
-        loss = self.preference_head(logps, counts, base, extra)
-        if self.scoring:
-            return loss
-        return self.with_router_term(loss, self.preference.units(counts, desirable), attention_mask)
+        router_term = functools.partial(self.with_router_term, attention_mask=attention_mask)
+        return self.preference_head(logps, counts, base, extra, router_term=router_term)
 
     def routed_hidden_states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
@@ -128,10 +127,13 @@ class LossLM(nn.Module):
         base: Callable[[], torch.Tensor] | None,  # the reference's, run when not given (precomputed)
         inputs: dict[str, torch.Tensor | None],  # reference, token_weight, desirable, kl
         share: float = 1.0,  # this rank's share where every rank computes the same head (tp-sp, cp)
+        router_term: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The preference objective's loss, or in scoring mode each sequence's log-probability (or
         its log-ratio to the reference: KTO's KL term), times `share`: the one head of every
-        strategy, given the sequences' log-probabilities however it summed them."""
+        strategy, given the sequences' log-probabilities however it summed them. `router_term`
+        (loss, units) adds a mixture of experts' auxiliary losses to the loss, as the strategy
+        pools them (`with_router_term`)."""
         reference = inputs.get("reference")
         if self.scoring:
             keep = counts > 0  # every sequence has a label; a packed row's fill has none
@@ -141,9 +143,12 @@ class LossLM(nn.Module):
         if self.preference.needs_reference and reference is None:
             reference = base()
         get = inputs.get
-        return self.preference(
+        loss = self.preference(
             logps, counts, reference, get("token_weight"), get("desirable"), get("kl"), share
         )
+        if router_term is None:
+            return loss
+        return router_term(loss, self.preference.units(counts, get("desirable")))
 
     def hidden_states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None

@@ -15,7 +15,11 @@ What each rank holds, with dp = tp = 2 (rank = 2 dp_index + tp_index):
 - of everything TP replicates (embeddings / tied lm_head, norms, column lora_A, row lora_B):
   1/dp, the same shard as the other rank of its TP group;
 - the gradients and AdamW state of its shards only;
-- activations of its data shard, with attention heads and MLP features split by tp.
+- activations of its data shard, with attention heads and MLP features split by tp;
+- of a mixture of experts' expert stacks, 1/(dp tp): tp cuts every expert's intermediate
+  features (`tp_experts`, as under `tp`), FSDP shards those slices along the experts. Their
+  collectives are `tp`'s experts' (one all-reduce of the experts' output forward, of their
+  inputs' gradients backward) over tp, beside FSDP's gathers of the slices over dp.
 
 Which collectives run on which dimension (per micro-batch):
 - dp (FSDP, groups {0, 2} and {1, 3}): all-gather of each layer's TP-local parameters before its

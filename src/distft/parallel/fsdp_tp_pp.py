@@ -16,6 +16,8 @@ What each rank holds: of its stage(s), 1/(dp tp) of each projection and its TP-s
 (column: q, k, v, gate, up, lora_B; row: o, down, lora_A), 1/dp of what TP replicates (embedding
 or final norm + lm_head, norms, column lora_A, row lora_B), the gradients and AdamW state of those
 shards; during a step the stage's TP slice gathered whole (no reshard after forward, `fsdp_pp.py`).
+A mixture of experts' stacks are split as under `fsdp+tp`: tp cuts every expert's features
+(`tp_experts`), FSDP shards the slices, 1/(dp tp) of each expert per rank.
 
 What runs on which mesh dimension, per optimizer step:
 - tp (inside a stage): TP's activation all-reduces of each of the stage's layers, per micro-batch

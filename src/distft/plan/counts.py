@@ -6,6 +6,8 @@ formula (`plan/traffic.py`) counts what the strategies run.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from distft.parallel.megatron import PLAN
 from distft.parallel.tensor_parallel import COLUMN, ROW
 from distft.plan.inputs import Training
@@ -67,22 +69,31 @@ def tp_activation_calls(layers: int, frozen: bool, checkpointing: str, input_nee
     return 2 * layers + recomputed + 5 * layers - (3 if frozen and not input_needs_grad else 0)
 
 
-def megatron_crossings(
-    layers: int, frozen: bool, targets: set[str], checkpointing: str
-) -> tuple[int, int, int, int]:
-    """Megatron TP(+SP), per micro-batch: (block entries, exits, entries with a backward, exits with
-    a backward) over all layers. Each layer has 2 blocks (attention, MLP), each entered and left
-    once forward; an entry runs backward only if something before it trains, an exit only if its
-    block's output needs a gradient; a checkpointed layer repeats its forward crossings. `distft
-    plan` counts with the same function."""
+class Crossings(NamedTuple):
+    """Megatron TP(+SP)'s block crossings per micro-batch, over all layers (`megatron_crossings`)."""
+
+    enters: int  # block entries forward (a recomputed layer's again)
+    leaves: int  # block exits forward
+    enters_bwd: int  # entries whose input needs a gradient: a backward collective each
+    leaves_bwd: int  # exits whose output needs a gradient
+    mlp_enters_bwd: int  # of those entries, the MLP blocks' (an MoE's routing weights: `expert_traffic`)
+    recomputed: int  # layers whose forward runs again in backward
+
+
+def megatron_crossings(layers: int, frozen: bool, targets: set[str], checkpointing: str) -> Crossings:
+    """Megatron TP(+SP), per micro-batch. Each layer has 2 blocks (attention, MLP), each entered
+    and left once forward; an entry runs backward only if something before it trains, an exit only
+    if its block's output needs a gradient; a checkpointed layer repeats its forward crossings.
+    `distft plan` counts with the same function."""
     blocks = [{path.rsplit(".", 1)[1] for path in PLAN if path.startswith(p)} for p in ("self_attn", "mlp")]
     needs_grad = not frozen  # the embedding trains (`frozen_embedding`)
-    enters_bwd = leaves_bwd = recomputed = 0
+    enters_bwd = leaves_bwd = mlp_enters_bwd = recomputed = 0
     for _ in range(layers):
         for block in blocks:
             enters_bwd += needs_grad
+            mlp_enters_bwd += needs_grad and block is blocks[1]
             needs_grad = needs_grad or bool(block & targets)
             leaves_bwd += needs_grad
         recomputed += needs_grad and checkpointing != "none"  # tp-sp recomputes whole layers
     crossings = 2 * layers + 2 * recomputed
-    return crossings, crossings, enters_bwd, leaves_bwd
+    return Crossings(crossings, crossings, enters_bwd, leaves_bwd, mlp_enters_bwd, recomputed)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import math
 
-from distft.parallel.megatron import PLAN
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
 from distft.plan.collective import Collective
-from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS, frozen_embedding
+from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS, frozen_embedding, megatron_crossings
 from distft.plan.hardware import Link
 from distft.plan.inputs import Parallelism, Training, compute_bytes
 from distft.plan.memory import layer_seq_len
@@ -90,15 +89,11 @@ def megatron_expert_terms(
     positions = sum(rows * layer_seq_len(training, par, seq) for rows, seq in shapes)
     k = spec.num_experts_per_tok
     weight = 2 if training.autocast else training.precision.param  # the router's logits' dtype
-    attention, mlp = (
-        {path.rsplit(".", 1)[1] for path in PLAN if path.startswith(b)} for b in ("self_attn", "mlp")
+    crossings = megatron_crossings(
+        layers, frozen_embedding(spec, training), targets, training.activation_checkpointing
     )
-    needs_grad, backward, recomputed = not frozen_embedding(spec, training), 0, 0
-    for _ in range(layers):  # as `counts.megatron_crossings` walks them
-        needs_grad = needs_grad or bool(attention & targets)
-        backward += needs_grad  # the weights come from positions that need a gradient
-        needs_grad = needs_grad or bool(mlp & targets)
-        recomputed += needs_grad and training.activation_checkpointing != "none"
+    # The weights need a gradient where the MLP block's input does; a recomputed layer routes again.
+    backward, recomputed = crossings.mlp_enters_bwd, crossings.recomputed
     backward_bytes, backward_calls = positions * k * weight * backward, len(shapes) * backward
     if not par.sp:
         return 0.0, 0, backward_bytes, backward_calls

@@ -179,7 +179,7 @@ def tp_collectives(
         # A block's entry carries a norm output (the weights' dtype) forward and its gradient
         # back; an exit a projection output (the compute dtype) and its gradient: with SP an
         # entry all-gathers forward and reduce-scatters backward, an exit the other way round.
-        enters, leaves, enters_bwd, leaves_bwd = megatron_crossings(layers, frozen, targets, ckpt)
+        enters, leaves, enters_bwd, leaves_bwd, *_ = megatron_crossings(layers, frozen, targets, ckpt)
         enter = positions * spec.hidden_size * training.precision.param
         leave = positions * spec.hidden_size * (2 if training.autocast else c)  # bf16 under autocast
         moe = experts.megatron_expert_terms(spec, training, par, layers, targets)  # an MoE's choices

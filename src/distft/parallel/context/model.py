@@ -19,6 +19,8 @@ backward reaches the layers, and the end of that backward restores it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -86,11 +88,10 @@ class ContextParallelLM(nn.Module):
                 )[0]
 
         # Every rank computes the head whole from the summed values; `reduce_loss` sums the shares.
-        loss = self.module.preference_head(logps, counts, base, preference, share=1 / self.world)
-        if self.module.scoring:
-            return loss
-        units = self.module.preference.units(counts, preference.get("desirable"))
-        return self.with_router_term(loss, units, input_ids, attention_mask)
+        router_term = functools.partial(
+            self.with_router_term, input_ids=input_ids, attention_mask=attention_mask
+        )
+        return self.module.preference_head(logps, counts, base, preference, 1 / self.world, router_term)
 
     def with_router_term(
         self,

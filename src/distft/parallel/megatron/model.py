@@ -40,6 +40,7 @@ document attends to another; the appended positions are documents of their own.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -124,11 +125,10 @@ class MegatronLM(nn.Module):
                     *self.hidden_states(input_ids, labels, attention_mask, position_ids)
                 )[0]
 
-        loss = self.module.preference_head(logps, counts, base, preference, share)
-        if self.module.scoring:
-            return loss
-        units = self.module.preference.units(counts, preference.get("desirable"))
-        return self.with_router_term(loss, units, input_ids, attention_mask)
+        router_term = functools.partial(
+            self.with_router_term, input_ids=input_ids, attention_mask=attention_mask
+        )
+        return self.module.preference_head(logps, counts, base, preference, share, router_term)
 
     def with_router_term(
         self,
