@@ -3,7 +3,8 @@ every layer's experts module and its forward dispatches to the implementation na
 batched_mm and grouped_lora give eager's loss and gradients on the same batch, under LoRA
 (adapters on the experts, made non-zero so the experts' deltas take part) and under full
 finetuning, the experts' own weights receiving gradient; grouped_lora keeps the adapters' rank-r
-products for backward where the others keep a merged copy of every expert."""
+products for backward where the others keep a merged copy of every expert (or the merged copy,
+where that costs fewer multiply-adds), and fewer bytes per routed row."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from distft.config import load_config
 from distft.measure.activations import SavedActivations
 from distft.model import LossLM, apply_method, load_base_model
-from distft.model.experts import AUTO, experts_modules, implementations_in_effect
+from distft.model.experts import AUTO, experts_modules, implementations_in_effect, merges_delta
 
 B, S = 2, 40
 
@@ -103,10 +104,13 @@ def test_a_dense_model_ignores_the_setting():
 
 
 @pytest.mark.parametrize("rank", [16, 5])  # 5: rows of 20 bytes, below the grouped kernel's alignment
-def test_grouped_lora_keeps_the_factors_not_a_merged_copy(rank):
-    """Per MoE layer, what backward keeps changes by exactly: minus the merged stacks (E x 3 I x h
-    floats), plus a contiguous copy of each stack's B (E r (2I + h)) and each routed row's two
-    rank-r products (2 r per row: 2 x 40 tokens x k = 2); the loss and gradients are grouped_mm's."""
+def test_grouped_lora_keeps_the_factors_or_the_cheaper_merge(rank):
+    """Per MoE layer, what backward keeps changes by exactly: for each stack whose delta goes
+    through the rows, minus the merged stack (E out in floats), plus a contiguous copy of its B
+    (E out r) and each routed row's rank-r product (2 x 40 tokens x k = 2 rows); a merged stack
+    where that is cheaper (at rank 16 here, down_proj's, the narrower); per routed row, minus
+    SiLU's output (SwiGLU recomputes it) and the row's token (the pairs' permutation serves);
+    the loss and gradients are grouped_mm's."""
     saved, results = {}, {}
     for implementation in ("grouped_mm", "grouped_lora"):
         lm = build(implementation, "lora", f"lora.rank={rank}")
@@ -124,5 +128,12 @@ def test_grouped_lora_keeps_the_factors_not_a_merged_copy(rank):
     for name, grad in grads.items():
         torch.testing.assert_close(other_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
     experts, inter, hidden, rows = 8, 24, 32, B * S * 2
-    per_layer = 4 * (-experts * 3 * inter * hidden + experts * rank * (2 * inter + hidden) + 2 * rows * rank)
+    stacks = ((2 * inter, hidden), (hidden, inter))  # gate_up_proj, down_proj: (out, in)
+    merged = [merges_delta(rows, experts, out, inp, rank) for out, inp in stacks]
+    assert merged == ([False, True] if rank == 16 else [False, False])  # both ways are measured
+    per_layer = sum(
+        4 * (rows * rank + experts * rank * out - experts * out * inp)
+        for (out, inp), merges in zip(stacks, merged, strict=True)
+        if not merges
+    ) - rows * (4 * inter + 8)
     assert saved["grouped_lora"] - saved["grouped_mm"] == 4 * per_layer < 0

@@ -3,21 +3,24 @@
 `model.experts_implementation` picks how transformers runs an MoE layer's experts
 (`distft.model.experts`): eager (a Python loop over the experts hit), grouped_mm (one grouped
 matmul over the rows sorted by expert), batched_mm (one batched matmul over a copy of each row's
-expert weights) or grouped_lora (grouped_mm with LoRA's factors applied to the rows, the default).
+expert weights) or grouped_lora (distft's grouped path: LoRA's factors applied to the rows, rows
+moved by gathers, SiLU fused; the default).
 They compute the same sums in a different order, so the bench times them on the
 same model, weights and batch, and checks that their losses agree.
 
 Per method (LoRA, full finetuning) the model is built once, through distft's own functions as a
-run builds it; then rounds of one forward + backward per implementation, interleaved (eager,
-batched_mm, grouped_mm, grouped_lora, eager, ...) so that a slow spell of a shared machine falls on each one,
-the first `warmup` rounds not counted and the median of the rest reported. Two figures each:
+run builds it; then rounds, the first `warmup` not counted and the median of the rest reported,
+each implementation after the other within a round (eager, batched_mm, grouped_mm, grouped_lora)
+so that a slow spell of a shared machine falls on each one alike. Two figures each:
 
 - the step: `LossLM` forward and backward over a micro-batch of random tokens, what a training
   step computes before the optimizer. On a small-width model most of it is the embedding and the
   output head over a 151,936-token vocabulary, which no experts implementation changes;
 - the experts alone: each layer's experts module (with its LoRA wrappers) forward and backward on
   exactly the rows, routing and weights the step's forward gave it, and a fixed gradient from
-  above. This is what the implementation changes, and what the target compares.
+  above. This is what the implementation changes, and what the target compares. They take
+  milliseconds where the step takes a second, so each round times them `experts_repeats` times,
+  the implementations taking turns at every repeat.
 
 Target (docs/moe.md, "Grouped expert matmul"): the default's (`auto`, grouped_lora) experts at
 least `TARGET` times as fast as eager's, the loop transformers' experts class is written as. It is reported, never
@@ -59,6 +62,7 @@ class ExpertsSettings:
     seq_len: int = 512
     steps: int = 5  # measured rounds (the median is reported)
     warmup: int = 2  # rounds run first and not counted
+    experts_repeats: int = 10  # the experts alone timed this many times a round, interleaved
     seed: int = 0  # the batch's random tokens
     overrides: list[str] = field(default_factory=list)
 
@@ -88,6 +92,13 @@ def _now(device: torch.device) -> float:
     if device.type == "cuda":  # kernels run asynchronously: the clock waits for them
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def use_implementation(lm: nn.Module, name: str) -> None:
+    """Every layer's experts set to run `name`, checked where they read it."""
+    causal_lm(lm).set_experts_implementation(name)
+    if implementations_in_effect(lm) != {name}:
+        raise RuntimeError(f"experts implementation {name} did not reach every layer")
 
 
 def time_step(model: LossLM, batch: dict, device: torch.device) -> tuple[float, float]:
@@ -128,14 +139,18 @@ def measure_method(settings: ExpertsSettings, method: str, device: torch.device)
     losses: dict[str, float] = {}
     for round_ in range(settings.warmup + settings.steps):
         for name in IMPLEMENTATIONS:
-            causal_lm(lm).set_experts_implementation(name)
-            if implementations_in_effect(lm) != {name}:  # what every layer's experts read
-                raise RuntimeError(f"experts implementation {name} did not reach every layer")
+            use_implementation(lm, name)
             step_s, losses[name] = time_step(model, batch, device)
-            experts_s = time_experts(calls, grads, device)
             if round_ >= settings.warmup:
                 times[name]["step_s"].append(step_s)
-                times[name]["experts_s"].append(experts_s)
+        # The experts take milliseconds where a step takes a second: timed several times a round,
+        # each implementation after the other, so that a slow spell falls on each one alike.
+        for _ in range(settings.experts_repeats):
+            for name in IMPLEMENTATIONS:
+                use_implementation(lm, name)
+                experts_s = time_experts(calls, grads, device)
+                if round_ >= settings.warmup:
+                    times[name]["experts_s"].append(experts_s)
     tokens = settings.micro_batch_size * settings.seq_len
     rows = [_row(name, times[name], losses[name], tokens) for name in IMPLEMENTATIONS]
     for row in rows:  # speed-ups over eager, the first row
@@ -227,9 +242,9 @@ def render(summary: dict) -> str:
         "",
         f"`{s['model']}`, a micro-batch of {s['micro_batch_size']} x {s['seq_len']} random tokens; {where}, "
         f"torch {env['torch']}, transformers {env['transformers']}, peft {env['peft']}; load average "
-        f"{env['load_1min']:.1f} after the runs. Median of {plural(s['steps'], 'round')}, interleaved, after "
+        f"{env['load_1min']:.1f} after the runs. Medians of {plural(s['steps'], 'round')}, interleaved, after "
         f"{s['warmup']} not counted. Step: `LossLM` forward + backward; experts: every layer's experts "
-        "module forward + backward on the rows the step routed.",
+        f"module forward + backward on the rows the step routed, {s['experts_repeats']} times a round.",
         "",
         "| method | implementation | ms per step | tokens/s | speed-up | experts ms | experts tokens/s "
         "| experts speed-up | loss vs eager |",

@@ -20,15 +20,19 @@ and runs one of
   T k x 2 inter x hidden) and one `bmm` multiplies them all: no sort and no loop, at the price of
   materialising a weight matrix per row (and, in backward, scattering its gradient back).
 
-- `grouped_lora` (distft's, what `auto` picks): `grouped_mm` with peft's LoRA on the stacks kept
-  as its two factors. peft (`target_parameters`) parametrizes each stack as base + delta, so
-  the three above read a merged copy of every expert's weights, made in each forward and kept
-  for backward like an activation: per MoE layer the size of its experts (1.2 GB for one layer of
-  Qwen3-30B-A3B in bf16, 58 GB over its 48). Here each projection is instead
-  `rows @ W_e^T + scaling (rows @ A_e^T) @ B_e^T`, three grouped matmuls, and backward keeps the
-  rank-r rows (2 r per routed row and layer) and a contiguous copy of each B (r/in of its stack).
-  Without adapters on the experts (full finetuning, or LoRA on attention only) it is
-  transformers' `grouped_mm`.
+- `grouped_lora` (distft's, what `auto` picks): `grouped_mm`'s sort and grouped matmuls, and
+  - peft's LoRA on the stacks kept as its two factors. peft (`target_parameters`) parametrizes
+    each stack as base + delta, so the three above read a merged copy of every expert's weights,
+    made in each forward and kept for backward like an activation: per MoE layer the size of its
+    experts (1.2 GB for one layer of Qwen3-30B-A3B in bf16, 58 GB over its 48). Here each
+    projection is `rows @ W_e^T + scaling (rows @ A_e^T) @ B_e^T`, three grouped matmuls, and
+    backward keeps the rank-r rows (r per routed row and stack) and a contiguous copy of each B
+    (r/in of its stack); merged only where that is fewer multiply-adds (`merges_delta`: experts
+    narrower than about 6 r, as on a CPU-sized model).
+  - the rows moved by gathers alone (`Dispatch`, `Combine`): the (token, choice) pairs permuted
+    into expert order and back, where autograd's backward of a gather is a scatter-add (atomics
+    on CUDA, several times a gather's time on a CPU).
+  - SiLU fused with its product (`SwiGLU`): SiLU's output recomputed in backward, not kept.
 
 All four compute the same sums in a different order: equal outputs and gradients up to float
 rounding (tests/model/test_experts.py). `auto` is `grouped_lora`: `grouped_mm` was the fastest of
@@ -42,7 +46,12 @@ import torch
 from peft.tuners.lora.layer import _LoraFactorsProxy
 from torch import nn
 from torch.nn.utils import parametrize
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+from transformers.activations import SiLUActivation
+from transformers.integrations.moe import (
+    ALL_EXPERTS_FUNCTIONS,
+    _default_apply_gate,
+    grouped_mm_experts_forward,
+)
 from transformers.integrations.moe import _grouped_linear as grouped_linear  # its grouped_mm dispatch
 
 from distft.model.families import FAMILIES
@@ -53,7 +62,7 @@ Factors = tuple[torch.Tensor, torch.Tensor, float]  # LoRA's (B (E, out, r), A (
 
 def lora_stack(experts: nn.Module, name: str) -> tuple[torch.Tensor, Factors | None]:
     """An expert stack (E, out, in) and, where peft's one active adapter parametrizes it, that
-    adapter's factors, B contiguous as a grouped matmul wants it; (the stack as read, None) else."""
+    adapter's factors; (the stack as read, None) else."""
     if parametrize.is_parametrized(experts, name):
         chain = experts.parametrizations[name]
         if len(chain) == 1 and isinstance(chain[0], _LoraFactorsProxy):
@@ -63,21 +72,34 @@ def lora_stack(experts: nn.Module, name: str) -> tuple[torch.Tensor, Factors | N
                 # which bumps the parameter's version, and a pipeline runs several forwards before
                 # the backward that reads it.
                 weight = chain.original.data if not chain.original.requires_grad else chain.original
-                return weight, (b.contiguous(), a, scaling)
+                return weight, (b, a, scaling)
     return getattr(experts, name), None
 
 
 def grouped_projection(
     rows: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor, factors: Factors | None = None
 ) -> torch.Tensor:
-    """Each expert's rows (consecutive, ending at `offsets`) times its weight, plus its LoRA delta
-    applied to the rows through the rank-r factors: `W + scaling B A` is never formed."""
-    out = grouped_linear(rows, weight, offsets)
+    """Each expert's rows (consecutive, ending at `offsets`) times its weight, plus its LoRA delta:
+    applied to the rows through the rank-r factors, or merged into the stack where that is fewer
+    multiply-adds (`merges_delta`: experts far narrower than the rank's few dozen, as on a
+    CPU-sized model)."""
     if factors is None:
-        return out
+        return grouped_linear(rows, weight, offsets)
     b, a, scaling = factors
+    if merges_delta(rows.shape[0], *weight.shape, a.shape[1]):
+        merged = torch.baddbmm(weight, b.to(weight.dtype), a.to(weight.dtype), alpha=scaling)
+        return grouped_linear(rows, merged, offsets)
     rank = grouped_linear if a.shape[1] * a.element_size() % 16 == 0 else _loop_linear
-    return out + scaling * rank(rank(rows, a, offsets), b, offsets)
+    delta = rank(rank(rows, a, offsets), b.contiguous(), offsets)  # B as the grouped kernel wants it
+    return grouped_linear(rows, weight, offsets) + scaling * delta
+
+
+def merges_delta(rows: int, experts: int, out: int, inp: int, rank: int) -> bool:
+    """Whether a stack's LoRA delta costs fewer multiply-adds merged (`W + s B A`, E out in r, then
+    in backward the merged stack's gradient, rows out in, and the factors' from it, 2 E out in r)
+    than applied to the rows (rows r (in + out) forward, twice that backward). Only where
+    min(in, out) is below about 6 r: never at a real model's width, whose delta goes through the rows."""
+    return 3 * experts * out * inp * rank + rows * out * inp < 3 * rows * rank * (inp + out)
 
 
 def _loop_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -91,24 +113,107 @@ def _loop_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
 def grouped_lora_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """transformers' grouped_mm experts forward, each projection a `grouped_projection`; theirs
-    where no adapter sits on the stacks or the layout is another (biases, transposed stacks)."""
+    """grouped_mm's sort by expert and grouped matmuls, the rows moved by gathers (`Dispatch`,
+    `Combine`), each projection a `grouped_projection`, SiLU fused (`gated`); transformers' own
+    grouped_mm where the layout is another (biases, transposed stacks, no gate) or its expert
+    parallelism runs."""
     stacks = {name: lora_stack(self, name) for name in ("gate_up_proj", "down_proj")}
     plain = self.has_bias or self.is_transposed or not self.has_gate or self.has_post_expert_norm
-    if plain or self._is_expert_parallel or all(f is None for _, f in stacks.values()):
+    if plain or self._is_expert_parallel:
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    k = top_k_index.shape[-1]
     experts, order = torch.sort(top_k_index.reshape(-1))  # each token's k rows, grouped by expert
-    # histc, as transformers counts them: no host sync; deterministic on floats (CPU), ints (CUDA)
-    ids = experts.float() if experts.device.type in ("cpu", "mps") else experts.int()
-    counts = torch.histc(ids, bins=self.num_experts, min=0, max=self.num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    out = grouped_projection(hidden_states[order // k], offsets, *stacks["gate_up_proj"])
-    out = grouped_projection(self._apply_gate(out), offsets, *stacks["down_proj"])
-    out = out * top_k_weights.reshape(-1)[order, None]
-    unsort = torch.empty_like(order)
-    unsort[order] = torch.arange(order.numel(), device=order.device)
-    return out[unsort].view(-1, k, out.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+    offsets = torch.cumsum(expert_counts(experts, self.num_experts), dim=0, dtype=torch.int32)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    rows = Dispatch.apply(hidden_states, order, inverse)
+    out = grouped_projection(rows, offsets, *stacks["gate_up_proj"])
+    out = grouped_projection(gated(self, out), offsets, *stacks["down_proj"])
+    return Combine.apply(out, top_k_weights, order, inverse).to(hidden_states.dtype)
+
+
+def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert: `histc` on an accelerator, as transformers counts them (no host sync, which
+    `bincount` has there), `bincount` on the CPU (five times faster)."""
+    if sorted_experts.device.type == "cpu":
+        return torch.bincount(sorted_experts, minlength=num_experts)
+    ids = sorted_experts.float() if sorted_experts.device.type == "mps" else sorted_experts.int()
+    return torch.histc(ids, bins=num_experts, min=0, max=num_experts - 1)
+
+
+# The (token, choice) pairs are permuted into expert order (`order`) and back (`inverse`): every
+# move of rows, forward and backward, is a gather, where autograd's own backward of a gather is a
+# scatter-add (atomics on CUDA, and several times slower than a gather on a CPU).
+
+
+class Dispatch(torch.autograd.Function):
+    """Each token's hidden state copied to its k rows, in expert order (row i: token order[i] // k);
+    backward gathers the rows' gradient back into pair order and sums each token's k."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = order.numel() // hidden.shape[0]
+        return hidden.index_select(0, order // ctx.k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None
+
+
+class Combine(torch.autograd.Function):
+    """The expert-ordered output rows back in pair order, each weighted by its routing probability
+    and a token's k summed; backward gathers the weighted gradient into expert order."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor):
+        pairs = rows.index_select(0, inverse).view(*weights.shape, rows.shape[-1])
+        ctx.save_for_backward(pairs, weights, order)
+        return (pairs * weights[..., None]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        pairs, weights, order = ctx.saved_tensors
+        grad_rows = (grad[:, None] * weights[..., None]).view(-1, grad.shape[-1]).index_select(0, order)
+        grad_weights = (
+            (pairs * grad[:, None]).sum(dim=-1).to(weights.dtype) if ctx.needs_input_grad[1] else None
+        )
+        return grad_rows.to(pairs.dtype), grad_weights, None, None
+
+
+class SwiGLU(torch.autograd.Function):
+    """`silu(gate) * up` over the fused gate/up rows, keeping only those rows for backward: SiLU's
+    output is recomputed there (one sigmoid) instead of kept, c I bytes less per routed row. Each
+    half is made contiguous first: an elementwise op over a strided half of a row runs several
+    times slower on a CPU."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.silu(gate.contiguous()) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (gate_up,) = ctx.saved_tensors
+        gate, up = (half.contiguous() for half in gate_up.chunk(2, dim=-1))
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)  # d silu(g) / dg, in fp32 inside
+        return torch.cat([grad_gate, grad * nn.functional.silu(gate)], dim=-1)
+
+
+def gated(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The experts' gated activation: the class's own (`_apply_gate`) where a family changes
+    transformers' default, else `swiglu`."""
+    if type(experts)._apply_gate is not _default_apply_gate:
+        return experts._apply_gate(gate_up)
+    return swiglu(experts.act_fn, gate_up)
+
+
+def swiglu(act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """`act_fn(gate) * up` over the fused gate/up rows: `SwiGLU` where the activation is SiLU."""
+    if type(act_fn) in (nn.SiLU, SiLUActivation):
+        return SwiGLU.apply(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act_fn(gate) * up
 
 
 ALL_EXPERTS_FUNCTIONS.register("grouped_lora", grouped_lora_experts_forward)

@@ -55,7 +55,7 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.model.experts import Factors, grouped_projection
+from distft.model.experts import Factors, grouped_projection, swiglu
 from distft.parallel.fsdp import FSDP, shard_units
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
@@ -203,13 +203,14 @@ def expert_mlps(
     grouped: bool = True,
 ) -> torch.Tensor:
     """Each local expert's SwiGLU MLP over its consecutive rows (`per_expert` of them): one grouped
-    matmul per projection over the local stack, its adapter applied to the rows
-    (`distft.model.experts.grouped_projection`), where `model.experts_implementation` is grouped,
-    else a loop over the local experts, as transformers' eager path computes one."""
+    matmul per projection over the local stack, its adapter applied to the rows or merged
+    (`distft.model.experts.grouped_projection`), the activation fused (`swiglu`), where
+    `model.experts_implementation` is grouped, else a loop over the local experts, as
+    transformers' eager path computes one."""
     if grouped:
         offsets = torch.tensor(per_expert, device=rows.device).cumsum(0, dtype=torch.int32)
-        gate, up = grouped_projection(rows, offsets, *stacks["gate_up_proj"]).chunk(2, dim=-1)
-        return grouped_projection(act_fn(gate) * up, offsets, *stacks["down_proj"])
+        gate_up = grouped_projection(rows, offsets, *stacks["gate_up_proj"])
+        return grouped_projection(swiglu(act_fn, gate_up), offsets, *stacks["down_proj"])
 
     def linear(x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         weight, factors = stacks[name]

@@ -5,20 +5,22 @@ Symbols as in `activations.py`, plus E experts of width I per layer, k of them p
 T tokens of a micro-batch in the layer. Every expert's weights count in memory (`ModelSpec.
 expert_tensors`), a token's k in FLOPs (`parallel.pipeline.cost.layer_weights`).
 
-What one MoE block keeps for backward (transformers' grouped expert matmuls, measured on the
-`qwen3-moe-micro` preset to the byte):
+What one MoE block keeps for backward (distft's grouped expert matmuls, `model.experts_implementation
+=auto`, `distft.model.experts.grouped_lora_experts_forward`, measured on the `qwen3-moe-micro`
+preset to the byte):
 - the router: its input (c T h) when it trains, its fp32 softmax (4 T E), the renormalised top-k
   probabilities and their sum (4 T (k + 1)), the integer bookkeeping of the sort by expert
-  (32 T k: top-k indices, their order, its inverse, the rows' tokens);
+  (24 T k: top-k indices, the pairs' order and its inverse);
 - per routed row (T k of them): the token's hidden state gathered for its expert (c h), the fused
-  gate/up output (c 2I), SiLU's output and its product with up (2 c I), the expert's output before
-  its routing weight multiplies it (c h) and that weight (c);
-- under LoRA on the stacks, applied to the rows through its factors (`model.experts_implementation
-  =auto`, `distft.model.experts.grouped_lora_experts_forward`): each routed row's two rank-r
-  products (2 c r), a contiguous copy of each stack's B factor (c E r (2I + h)) and, over a
-  16-bit base, the cast of each A factor (c E r (h + I)). (transformers' own grouped_mm would
-  keep a merged copy of every expert's weights instead, c E 3 I h per layer: the size of the
-  experts themselves, 1.2 GB a layer on Qwen3-30B-A3B.)
+  gate/up output (c 2I), the SwiGLU product (c I; SiLU's output is recomputed in backward), the
+  expert's output before its routing weight multiplies it (c h) and that weight (c);
+- under LoRA on the stacks, per stack (`lora_delta_bytes`): applied to the rows through its
+  factors, each routed row's rank-r product (c r) and a contiguous copy of its B factor
+  (c E r out), and over a 16-bit base the cast of its A (c E r in); or, where that is fewer
+  multiply-adds (`distft.model.experts.merges_delta`: experts narrower than about 6 r, never at a
+  real model's width), the merged stack (c E out in). (transformers' own grouped_mm keeps a
+  merged copy of every expert's weights, c E 3 I h per layer: the size of the experts themselves,
+  1.2 GB a layer on Qwen3-30B-A3B.)
 - the expert row offsets of the grouped matmul (4 E).
 Tensor parallelism splits everything I-wide; expert parallelism holds E/N of the factors' copies
 and computes the rows its experts received.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from distft.model.experts import merges_delta
 from distft.parallel.pipeline.cost import layer_weights, matmul
 from distft.plan.inputs import Parallelism, Training, compute_bytes
 from distft.plan.model_spec import ModelSpec, TensorSpec
@@ -62,18 +65,30 @@ def moe_block_bytes(spec: ModelSpec, training: Training, par: Parallelism, token
     c, h, E, k = training.precision.activation, spec.hidden_size, spec.num_experts, spec.num_experts_per_tok
     inter = spec.moe_intermediate_size // par.tp
     full = training.method == "full"
-    router = (c * h if full else 0) + 4 * E + 4 * (k + 1) + 32 * k
+    router = (c * h if full else 0) + 4 * E + 4 * (k + 1) + 24 * k
     rows = math.ceil(tokens * k * received_share(training, par))
-    # per row: the gathered hidden state, gate/up's output, SiLU's output and the product, the
-    # expert's output, its routing weight
-    experts = rows * c * (h + 2 * inter + 2 * inter + h + 1)
+    # per row: the gathered hidden state, gate/up's output, the SwiGLU product, the expert's
+    # output, its routing weight
+    experts = rows * c * (h + 2 * inter + inter + h + 1)
     adapters = 0
     if training.lora and {"gate_proj", "up_proj", "down_proj"} & set(training.lora_targets):
-        r = training.lora_rank
-        adapters = rows * 2 * c * r + c * (E // par.ep) * r * (2 * inter + h)  # rank-r rows, B copies
-        if training.adapter_bytes != c:  # each fp32 A cast to the compute dtype, then kept
-            adapters += c * (E // par.ep) * r * (h + inter)
+        adapters = sum(
+            lora_delta_bytes(training, rows, E // par.ep, out, inp)
+            for out, inp in ((2 * inter, h), (h, inter))
+        )
     return tokens * router + experts + adapters + 4 * E  # and the experts' row offsets (int32)
+
+
+def lora_delta_bytes(training: Training, rows: int, experts: int, out: int, inp: int) -> int:
+    """What one stack's LoRA delta keeps for backward (`distft.model.experts.grouped_projection`):
+    merged, the merged stack (E out in); through the rows, their rank-r product and a contiguous
+    copy of B (E out r). Factors in another dtype than the compute's are kept cast: B and A merged,
+    A through the rows (B's copy is the cast)."""
+    c, r = training.precision.activation, training.lora_rank
+    cast = training.adapter_bytes != c
+    if merges_delta(rows, experts, out, inp, r):
+        return c * experts * out * inp + (c * experts * r * (out + inp) if cast else 0)
+    return rows * c * r + c * experts * r * out + (c * experts * r * inp if cast else 0)
 
 
 def all_to_all_buffer_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> int:
