@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.utils import parametrize
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from distft.config import load_config
 from distft.measure.activations import SavedActivations
 from distft.model import LossLM, apply_method, load_base_model
+from distft.model import experts as experts_module
 from distft.model.experts import AUTO, experts_modules, implementations_in_effect, merges_delta
 
 B, S = 2, 40
@@ -79,7 +81,8 @@ def test_every_implementation_trains_as_eager(method):
 @pytest.mark.parametrize("implementation", ["auto", "eager", "grouped_mm", "batched_mm", "grouped_lora"])
 def test_the_setting_reaches_every_layers_experts(implementation, monkeypatch):
     """Read where the experts read it (their config), and seen in the forward: transformers looks
-    the name up in `ALL_EXPERTS_FUNCTIONS` (eager: the class's own forward, in no table) at every call."""
+    the name up in `ALL_EXPERTS_FUNCTIONS` (eager: the class's own forward, in no table) at every
+    call; grouped_lora's adapted experts are computed from peft's wrappers, before that lookup."""
     called: list[str] = []
     for name, forward in list(ALL_EXPERTS_FUNCTIONS.items()):
 
@@ -88,13 +91,45 @@ def test_the_setting_reaches_every_layers_experts(implementation, monkeypatch):
             return forward(*args, **kwargs)
 
         monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._global_mapping, name, spy)
+    direct: list[str] = []
+    grouped = experts_module.grouped_experts
+    monkeypatch.setattr(experts_module, "grouped_experts", lambda *a: direct.append(AUTO) or grouped(*a))
     lm = build(implementation, "lora")
     expected = AUTO if implementation == "auto" else implementation
     assert len(experts_modules(lm)) == 4  # qwen3-moe-micro's layers, each under peft's wrappers
     assert implementations_in_effect(lm) == {expected}
     with torch.no_grad():
         LossLM(lm)(**batch())
-    assert called == ([] if expected == "eager" else [expected] * 4)
+    assert called == ([] if expected in ("eager", AUTO) else [expected] * 4)
+    assert direct == ([AUTO] * 4 if expected == AUTO else [])
+
+
+def test_grouped_lora_leaves_out_peft_parametrization_unless_adapters_are_off(monkeypatch):
+    """Under grouped_lora the adapters' factors are read from peft's wrappers: no stack is
+    parametrized (peft's way, grouped_mm's here, computes each merged stack once per forward to
+    check it). With the adapters disabled (a preference loss's reference model) peft's own
+    forward runs: the base's output, as under grouped_mm."""
+    registered: list[str] = []
+    register = parametrize.register_parametrization
+    monkeypatch.setattr(
+        parametrize,
+        "register_parametrization",
+        lambda m, n, *a, **k: registered.append(n) or register(m, n, *a, **k),
+    )
+    counts, outputs = {}, {}
+    for implementation in ("grouped_mm", "grouped_lora"):
+        lm = build(implementation, "lora")
+        registered.clear()
+        loss = LossLM(lm)(**batch())
+        loss.backward()
+        counts[implementation] = len(registered)
+        with torch.no_grad(), lm.disable_adapter():
+            outputs[implementation] = lm(**batch()).logits
+    assert counts == {"grouped_mm": 8, "grouped_lora": 0}  # 2 stacks x 4 layers, at every forward
+    torch.testing.assert_close(outputs["grouped_lora"], outputs["grouped_mm"], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        base = build("grouped_lora", "full")(**batch()).logits  # the same base weights, no adapters
+    torch.testing.assert_close(outputs["grouped_lora"], base, rtol=1e-5, atol=1e-5)
 
 
 def test_a_dense_model_ignores_the_setting():

@@ -22,6 +22,11 @@ so that a slow spell of a shared machine falls on each one alike. Two figures ea
   milliseconds where the step takes a second, so each round times them `experts_repeats` times,
   the implementations taking turns at every repeat.
 
+Python's garbage collector runs before each timed call and is paused during it
+(`collector_paused`), as `timeit` does: a collection of this process's objects (0.2 s, unless the
+model and libraries are frozen out of it first, as here) would otherwise fall on whichever call
+comes due, longer than the experts' forward and backward.
+
 Target (docs/moe.md, "Grouped expert matmul"): the default's (`auto`, grouped_lora) experts at
 least `TARGET` times as fast as eager's, the loop transformers' experts class is written as. It is reported, never
 asserted in a test; the command fails only when the implementations' losses disagree.
@@ -29,10 +34,13 @@ asserted in a test; the command fails only when the implementations' losses disa
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -94,6 +102,20 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector run first, then paused for the timed call, as `timeit`
+    times: a collection otherwise falls on whichever call allocates when one comes due, and the
+    cycles it frees (peft's registered parametrizations hold merged stacks) are memory the next
+    call would find taken. Cheap here: the model and the libraries are frozen out of it."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def use_implementation(lm: nn.Module, name: str) -> None:
     """Every layer's experts set to run `name`, checked where they read it."""
     causal_lm(lm).set_experts_implementation(name)
@@ -137,10 +159,13 @@ def measure_method(settings: ExpertsSettings, method: str, device: torch.device)
     grads = [torch.randn(args[0].shape, generator=g).to(device, args[0].dtype) for _, args in calls]
     times = {name: {"step_s": [], "experts_s": []} for name in IMPLEMENTATIONS}
     losses: dict[str, float] = {}
+    gc.collect()
+    gc.freeze()  # what exists now (the model, the libraries) is never walked by a collection again
     for round_ in range(settings.warmup + settings.steps):
         for name in IMPLEMENTATIONS:
             use_implementation(lm, name)
-            step_s, losses[name] = time_step(model, batch, device)
+            with collector_paused():
+                step_s, losses[name] = time_step(model, batch, device)
             if round_ >= settings.warmup:
                 times[name]["step_s"].append(step_s)
         # The experts take milliseconds where a step takes a second: timed several times a round,
@@ -148,9 +173,11 @@ def measure_method(settings: ExpertsSettings, method: str, device: torch.device)
         for _ in range(settings.experts_repeats):
             for name in IMPLEMENTATIONS:
                 use_implementation(lm, name)
-                experts_s = time_experts(calls, grads, device)
+                with collector_paused():
+                    experts_s = time_experts(calls, grads, device)
                 if round_ >= settings.warmup:
                     times[name]["experts_s"].append(experts_s)
+    gc.unfreeze()  # the model is garbage once this method is measured
     tokens = settings.micro_batch_size * settings.seq_len
     rows = [_row(name, times[name], losses[name], tokens) for name in IMPLEMENTATIONS]
     for row in rows:  # speed-ups over eager, the first row

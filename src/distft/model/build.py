@@ -29,7 +29,7 @@ from distft.config.choices import LORA_TARGET_PRESETS
 from distft.errors import ConfigError, DamagedFileError
 from distft.hub import hub_offline
 from distft.model.attention import resolve_attention, transformers_name
-from distft.model.experts import use_experts
+from distft.model.experts import read_adapters_directly, use_experts
 from distft.model.families import family_of
 from distft.model.files import check_model_path
 from distft.model.fp8 import convert_to_float8
@@ -316,6 +316,7 @@ def apply_method(model: nn.Module, cfg: Config, tokenizer=None) -> nn.Module:
     )
     with peft_quietly():
         peft_model = get_peft_model(model, lora)
+    read_adapters_directly(peft_model)  # an MoE's experts under grouped_lora: peft's factors as they are
     # peft initialises lora_A from the global RNG: the caller seeds it so every rank agrees.
     if cfg.lora.init_adapter:  # or a trained adapter's weights are the run's at step 0
         load_init_adapter(peft_model, cfg.lora.init_adapter)

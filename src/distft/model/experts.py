@@ -33,6 +33,8 @@ and runs one of
     into expert order and back, where autograd's backward of a gather is a scatter-add (atomics
     on CUDA, several times a gather's time on a CPU).
   - SiLU fused with its product (`SwiGLU`): SiLU's output recomputed in backward, not kept.
+  - the factors read from peft's wrappers (`adapters_on_rows`), without the parametrization peft
+    registers on each stack at every forward, which computes the merged stack once to check it.
 
 All four compute the same sums in a different order: equal outputs and gradients up to float
 rounding (tests/model/test_experts.py). `auto` is `grouped_lora`: `grouped_mm` was the fastest of
@@ -42,8 +44,11 @@ default when nothing is set.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
-from peft.tuners.lora.layer import _LoraFactorsProxy
+from peft.tuners.lora.layer import ParamWrapper, _LoraFactorsProxy
 from torch import nn
 from torch.nn.utils import parametrize
 from transformers.activations import SiLUActivation
@@ -56,6 +61,7 @@ from transformers.integrations.moe import _grouped_linear as grouped_linear  # i
 
 from distft.model.families import FAMILIES
 
+STACKS = ("gate_up_proj", "down_proj")  # an experts module's two stacked parameters
 AUTO = "grouped_lora"  # model.experts_implementation=auto (docs/moe.md, "Grouped expert matmul")
 Factors = tuple[torch.Tensor, torch.Tensor, float]  # LoRA's (B (E, out, r), A (E, r, in), scaling)
 
@@ -113,21 +119,89 @@ def _loop_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
 def grouped_lora_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """grouped_mm's sort by expert and grouped matmuls, the rows moved by gathers (`Dispatch`,
-    `Combine`), each projection a `grouped_projection`, SiLU fused (`gated`); transformers' own
-    grouped_mm where the layout is another (biases, transposed stacks, no gate) or its expert
+    """`grouped_experts` on the stacks as peft's parametrization presents them (`lora_stack`):
+    the experts module called with its adapters registered, or without adapters; transformers'
+    own grouped_mm where the layout is another (biases, transposed stacks, no gate) or its expert
     parallelism runs."""
-    stacks = {name: lora_stack(self, name) for name in ("gate_up_proj", "down_proj")}
-    plain = self.has_bias or self.is_transposed or not self.has_gate or self.has_post_expert_norm
-    if plain or self._is_expert_parallel:
+    if not grouped_layout(self):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    experts, order = torch.sort(top_k_index.reshape(-1))  # each token's k rows, grouped by expert
-    offsets = torch.cumsum(expert_counts(experts, self.num_experts), dim=0, dtype=torch.int32)
+    stacks = {name: lora_stack(self, name) for name in STACKS}
+    return grouped_experts(self, hidden_states, top_k_index, top_k_weights, stacks)
+
+
+def grouped_layout(experts: nn.Module) -> bool:
+    """Whether `grouped_experts` computes these experts: fused [gate; up] stacks in transformers'
+    (E, out, in) layout, no biases or post-expert norm, and not transformers' expert parallelism."""
+    plain = experts.has_bias or experts.is_transposed or not experts.has_gate or experts.has_post_expert_norm
+    return not plain and not experts._is_expert_parallel
+
+
+def grouped_experts(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    stacks: dict[str, tuple[torch.Tensor, Factors | None]],
+) -> torch.Tensor:
+    """grouped_mm's sort by expert and grouped matmuls, the rows moved by gathers (`Dispatch`,
+    `Combine`), each projection a `grouped_projection`, SiLU fused (`gated`)."""
+    sorted_experts, order = torch.sort(top_k_index.reshape(-1))  # each token's k rows, by expert
+    offsets = torch.cumsum(expert_counts(sorted_experts, experts.num_experts), dim=0, dtype=torch.int32)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     rows = Dispatch.apply(hidden_states, order, inverse)
     out = grouped_projection(rows, offsets, *stacks["gate_up_proj"])
-    out = grouped_projection(gated(self, out), offsets, *stacks["down_proj"])
+    out = grouped_projection(gated(experts, out), offsets, *stacks["down_proj"])
     return Combine.apply(out, top_k_weights, order, inverse).to(hidden_states.dtype)
+
+
+def read_adapters(experts: nn.Module) -> tuple[nn.Module, dict[str, Factors]] | None:
+    """transformers' experts module under peft's parameter wrappers, and each wrapped stack's
+    factors as peft computes them (`get_delta_factors`); None where peft's own forward must run:
+    adapters disabled (a preference loss's reference) or merged, or not one active on a stack."""
+    module, factors = experts, {}
+    while isinstance(module, ParamWrapper):
+        active = [adapter for adapter in module.active_adapters if adapter in module.lora_A]
+        if module.disable_adapters or module.merged or len(active) != 1:
+            return None
+        b, a, scaling = module.get_delta_factors(active[0])
+        if b.shape[1] != module.get_param().shape[1]:  # (E, out, r): the stack's own (E, out, in) layout
+            return None
+        factors[module.parameter_name] = (b, a, scaling)
+        module = module.base_layer
+    return module, factors
+
+
+def adapters_on_rows(
+    wrapper: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    peft_forward: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """The outermost of peft's parameter wrappers' forward under grouped_lora: the experts computed
+    with the adapters' factors read from the wrappers, without peft's parametrization, which at
+    every forward registers each stack's merged copy and computes it once to check it (E out in r
+    multiply-adds and a stack-sized transient that no experts path reads). Else peft's forward."""
+    read = read_adapters(wrapper)
+    if (
+        read is None
+        or read[0].config._experts_implementation != "grouped_lora"
+        or not grouped_layout(read[0])
+    ):
+        return peft_forward(hidden_states, top_k_index, top_k_weights)
+    base, factors = read
+    stacks = {name: (getattr(base, name), factors.get(name)) for name in STACKS}
+    return grouped_experts(base, hidden_states, top_k_index, top_k_weights, stacks)
+
+
+def read_adapters_directly(model: nn.Module) -> None:
+    """Route each MoE layer's adapted experts through `adapters_on_rows` (on the instance, as
+    expert parallelism replaces it with its own): peft's model, right after its wrappers are in."""
+    for module in model.modules():
+        wrapper = getattr(module, "experts", None)
+        if isinstance(wrapper, ParamWrapper):
+            wrapper.forward = functools.partial(adapters_on_rows, wrapper, peft_forward=wrapper.forward)
 
 
 def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
