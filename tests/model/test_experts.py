@@ -104,11 +104,11 @@ def test_the_setting_reaches_every_layers_experts(implementation, monkeypatch):
     assert direct == ([AUTO] * 4 if expected == AUTO else [])
 
 
-def test_grouped_lora_leaves_out_peft_parametrization_unless_adapters_are_off(monkeypatch):
+def test_grouped_lora_reads_the_adapters_without_peft_parametrization(monkeypatch):
     """Under grouped_lora the adapters' factors are read from peft's wrappers: no stack is
     parametrized (peft's way, grouped_mm's here, computes each merged stack once per forward to
-    check it). With the adapters disabled (a preference loss's reference model) peft's own
-    forward runs: the base's output, as under grouped_mm."""
+    check it). With the adapters disabled (a preference loss's reference model) both give the
+    base's output."""
     registered: list[str] = []
     register = parametrize.register_parametrization
     monkeypatch.setattr(

@@ -29,6 +29,7 @@ from distft.io.files import verify_directory
 from distft.io.lineage import describe, is_random, read_lineage
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
 from distft.model.build import RECIPE_FILE, rebuild_base
+from distft.model.experts import read_adapters_directly
 from distft.model.files import check_weight_files
 from distft.model.nf4 import QUANTIZATION_FILE, NF4Spec, dequantize_base
 from distft.model.tokens import fit_vocabulary
@@ -166,6 +167,7 @@ def _load_trained(run: str | None, adapter: str | None, model: str | None) -> Lo
     fit_vocabulary(causal_lm(base), tokenizer, cfg.model.seed)  # model.added_tokens: the rows they trained
     with peft_quietly():  # peft's own deprecation warning, not the user's concern
         lm = PeftModel.from_pretrained(base, adapter)
+    read_adapters_directly(lm)  # an MoE's experts under grouped_lora, as in training
     return Loaded(lm.eval(), tokenizer, cfg, True, preset, lineage, run)
 
 

@@ -48,9 +48,8 @@ import functools
 from collections.abc import Callable
 
 import torch
-from peft.tuners.lora.layer import ParamWrapper, _LoraFactorsProxy
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
-from torch.nn.utils import parametrize
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import (
     ALL_EXPERTS_FUNCTIONS,
@@ -62,24 +61,9 @@ from transformers.integrations.moe import _grouped_linear as grouped_linear  # i
 from distft.model.families import FAMILIES
 
 STACKS = ("gate_up_proj", "down_proj")  # an experts module's two stacked parameters
-AUTO = "grouped_lora"  # model.experts_implementation=auto (docs/moe.md, "Grouped expert matmul")
+GROUPED = "grouped_lora"  # distft's, registered beside transformers' three
+AUTO = GROUPED  # model.experts_implementation=auto (docs/moe.md, "Grouped expert matmul")
 Factors = tuple[torch.Tensor, torch.Tensor, float]  # LoRA's (B (E, out, r), A (E, r, in), scaling)
-
-
-def lora_stack(experts: nn.Module, name: str) -> tuple[torch.Tensor, Factors | None]:
-    """An expert stack (E, out, in) and, where peft's one active adapter parametrizes it, that
-    adapter's factors; (the stack as read, None) else."""
-    if parametrize.is_parametrized(experts, name):
-        chain = experts.parametrizations[name]
-        if len(chain) == 1 and isinstance(chain[0], _LoraFactorsProxy):
-            b, a, scaling = chain[0].lhs, chain[0].rhs, chain[0].scaling
-            if b.shape[1] == chain.original.shape[1]:  # (E, out, r): the stack's own (E, out, in) layout
-                # The frozen stack as data: peft re-registers its parametrization at every forward,
-                # which bumps the parameter's version, and a pipeline runs several forwards before
-                # the backward that reads it.
-                weight = chain.original.data if not chain.original.requires_grad else chain.original
-                return weight, (b, a, scaling)
-    return getattr(experts, name), None
 
 
 def grouped_projection(
@@ -119,13 +103,13 @@ def _loop_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
 def grouped_lora_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """`grouped_experts` on the stacks as peft's parametrization presents them (`lora_stack`):
-    the experts module called with its adapters registered, or without adapters; transformers'
-    own grouped_mm where the layout is another (biases, transposed stacks, no gate) or its expert
-    parallelism runs."""
+    """`grouped_experts` on the stacks as the module presents them: with no adapter on them, or
+    with peft's merged into them where its own forward ran (the adapters' factors are read before,
+    by `adapters_on_rows`); transformers' own grouped_mm where the layout is another (biases,
+    transposed stacks, no gate) or its expert parallelism runs."""
     if not grouped_layout(self):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    stacks = {name: lora_stack(self, name) for name in STACKS}
+    stacks = {name: (getattr(self, name), None) for name in STACKS}
     return grouped_experts(self, hidden_states, top_k_index, top_k_weights, stacks)
 
 
@@ -155,18 +139,20 @@ def grouped_experts(
 
 
 def read_adapters(experts: nn.Module) -> tuple[nn.Module, dict[str, Factors]] | None:
-    """transformers' experts module under peft's parameter wrappers, and each wrapped stack's
-    factors as peft computes them (`get_delta_factors`); None where peft's own forward must run:
-    adapters disabled (a preference loss's reference) or merged, or not one active on a stack."""
+    """transformers' experts module under peft's parameter wrappers, and the factors of each
+    wrapped stack's active adapter as peft computes them (`get_delta_factors`); none for a stack
+    whose adapters are off (a preference loss's reference). None where peft's own forward must
+    run: an adapter merged into its stack, or several active on one."""
     module, factors = experts, {}
     while isinstance(module, ParamWrapper):
         active = [adapter for adapter in module.active_adapters if adapter in module.lora_A]
-        if module.disable_adapters or module.merged or len(active) != 1:
+        if module.merged or len(active) > 1:
             return None
-        b, a, scaling = module.get_delta_factors(active[0])
-        if b.shape[1] != module.get_param().shape[1]:  # (E, out, r): the stack's own (E, out, in) layout
-            return None
-        factors[module.parameter_name] = (b, a, scaling)
+        if active and not module.disable_adapters:
+            b, a, scaling = module.get_delta_factors(active[0])
+            if b.shape[1] != module.get_param().shape[1]:  # (E, out, r): the stack's (E, out, in) layout
+                return None
+            factors[module.parameter_name] = (b, a, scaling)
         module = module.base_layer
     return module, factors
 
@@ -180,15 +166,12 @@ def adapters_on_rows(
     peft_forward: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """The outermost of peft's parameter wrappers' forward under grouped_lora: the experts computed
-    with the adapters' factors read from the wrappers, without peft's parametrization, which at
-    every forward registers each stack's merged copy and computes it once to check it (E out in r
-    multiply-adds and a stack-sized transient that no experts path reads). Else peft's forward."""
+    with the adapters' factors read from the wrappers (`read_adapters`), without peft's
+    parametrization, which at every forward registers each stack's merged copy and computes it
+    once to check it (E out in r multiply-adds and a stack-sized transient that no experts path
+    reads). Else peft's forward."""
     read = read_adapters(wrapper)
-    if (
-        read is None
-        or read[0].config._experts_implementation != "grouped_lora"
-        or not grouped_layout(read[0])
-    ):
+    if read is None or read[0].config._experts_implementation != GROUPED or not grouped_layout(read[0]):
         return peft_forward(hidden_states, top_k_index, top_k_weights)
     base, factors = read
     stacks = {name: (getattr(base, name), factors.get(name)) for name in STACKS}
@@ -197,7 +180,7 @@ def adapters_on_rows(
 
 def read_adapters_directly(model: nn.Module) -> None:
     """Route each MoE layer's adapted experts through `adapters_on_rows` (on the instance, as
-    expert parallelism replaces it with its own): peft's model, right after its wrappers are in."""
+    expert parallelism replaces it with its own): a peft model, right after its wrappers are in."""
     for module in model.modules():
         wrapper = getattr(module, "experts", None)
         if isinstance(wrapper, ParamWrapper):
@@ -290,7 +273,7 @@ def swiglu(act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     return act_fn(gate) * up
 
 
-ALL_EXPERTS_FUNCTIONS.register("grouped_lora", grouped_lora_experts_forward)
+ALL_EXPERTS_FUNCTIONS.register(GROUPED, grouped_lora_experts_forward)
 
 
 def experts_kernel(choice: str) -> str:

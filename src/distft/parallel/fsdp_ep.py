@@ -55,7 +55,7 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.model.experts import Factors, grouped_projection, swiglu
+from distft.model.experts import Factors, grouped_projection, read_adapters, swiglu
 from distft.parallel.fsdp import FSDP, shard_units
 
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
@@ -138,16 +138,15 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
 
 def local_expert_weights(experts: nn.Module, first: int, count: int) -> dict[str, Stack]:
     """This rank's experts' stacks, (count, out, in) each, with their active LoRA adapter's factors
-    (peft's for the whole stack, sliced to the local experts; applied to the rows, never merged)."""
-    module, factors = experts, {}
-    while isinstance(module, ParamWrapper):
-        adapter = next((a for a in module.active_adapters if a in module.lora_A), None)
-        if adapter is not None and not module.disable_adapters:
-            b, a, scaling = module.get_delta_factors(adapter)  # (experts, out, r), (experts, r, in)
-            local = slice(first, first + count)
-            factors[module.parameter_name] = (b[local].contiguous(), a[local], scaling)
-        module = module.base_layer
-    return {name: (getattr(module, name).to_local(), factors.get(name)) for name in EXPERT_STACKS}
+    (peft's for the whole stack, `read_adapters`, sliced to the local experts; applied to the rows
+    or merged by `grouped_projection`'s rule)."""
+    read = read_adapters(experts)
+    if read is None:  # distft trains one adapter, merged only by an export
+        raise RuntimeError("fsdp+ep computes one unmerged LoRA adapter on the expert stacks")
+    base, factors = read
+    local = slice(first, first + count)
+    sliced = {name: (b[local], a[local], scaling) for name, (b, a, scaling) in factors.items()}
+    return {name: (getattr(base, name).to_local(), sliced.get(name)) for name in EXPERT_STACKS}
 
 
 def expert_parallel_forward(
