@@ -4,7 +4,8 @@ batched_mm and grouped_lora give eager's loss and gradients on the same batch, u
 (adapters on the experts, made non-zero so the experts' deltas take part) and under full
 finetuning, the experts' own weights receiving gradient; grouped_lora keeps the adapters' rank-r
 products for backward where the others keep a merged copy of every expert (or the merged copy,
-where that costs fewer multiply-adds), and fewer bytes per routed row."""
+where that costs fewer multiply-adds), and fewer bytes per routed row (no SiLU output, no expert
+output)."""
 
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ def test_grouped_lora_keeps_the_factors_or_the_cheaper_merge(rank):
     through the rows, minus the merged stack (E out in floats), plus a contiguous copy of its B
     (E out r) and each routed row's rank-r product (2 x 40 tokens x k = 2 rows); a merged stack
     where that is cheaper (at rank 16 here, down_proj's, the narrower); per routed row, minus
-    SiLU's output (SwiGLU recomputes it) and the row's token (the pairs' permutation serves);
+    SiLU's output (SwiGLU recomputes it), the expert's output (the routing weight multiplies the
+    row before the down projection) and the row's token (the pairs' permutation serves);
     the loss and gradients are grouped_mm's."""
     saved, results = {}, {}
     for implementation in ("grouped_mm", "grouped_lora"):
@@ -170,5 +172,5 @@ def test_grouped_lora_keeps_the_factors_or_the_cheaper_merge(rank):
         4 * (rows * rank + experts * rank * out - experts * out * inp)
         for (out, inp), merges in zip(stacks, merged, strict=True)
         if not merges
-    ) - rows * (4 * inter + 8)
+    ) - rows * (4 * inter + 4 * hidden + 8)
     assert saved["grouped_lora"] - saved["grouped_mm"] == 4 * per_layer < 0

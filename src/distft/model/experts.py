@@ -128,14 +128,17 @@ def grouped_experts(
     stacks: dict[str, tuple[torch.Tensor, Factors | None]],
 ) -> torch.Tensor:
     """grouped_mm's sort by expert and grouped matmuls, the rows moved by gathers (`Dispatch`,
-    `Combine`), each projection a `grouped_projection`, SiLU fused (`gated`)."""
+    `Combine`), each projection a `grouped_projection`, SiLU fused and each row's routing weight
+    applied before the down projection (`gated`)."""
+    k = top_k_index.shape[-1]
     sorted_experts, order = torch.sort(top_k_index.reshape(-1))  # each token's k rows, by expert
     offsets = torch.cumsum(expert_counts(sorted_experts, experts.num_experts), dim=0, dtype=torch.int32)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    rows = Dispatch.apply(hidden_states, order, inverse)
+    token_of_row = order // k
+    rows, row_weights = Dispatch.apply(hidden_states, top_k_weights, token_of_row, order, inverse)
     out = grouped_projection(rows, offsets, *stacks["gate_up_proj"])
-    out = grouped_projection(gated(experts, out), offsets, *stacks["down_proj"])
-    return Combine.apply(out, top_k_weights, order, inverse).to(hidden_states.dtype)
+    out = grouped_projection(gated(experts, out, row_weights), offsets, *stacks["down_proj"])
+    return Combine.apply(out, token_of_row, inverse, k).to(hidden_states.dtype)
 
 
 def read_adapters(experts: nn.Module) -> tuple[nn.Module, dict[str, Factors]] | None:
@@ -198,79 +201,94 @@ def expert_counts(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tenso
 
 # The (token, choice) pairs are permuted into expert order (`order`) and back (`inverse`): every
 # move of rows, forward and backward, is a gather, where autograd's own backward of a gather is a
-# scatter-add (atomics on CUDA, and several times slower than a gather on a CPU).
+# scatter-add (atomics on CUDA, and several times slower than a gather on a CPU). The routing
+# weight multiplies a row before the down projection, which is linear: I wide instead of h, and
+# the expert's h-wide output is then not kept for the weight's gradient.
 
 
 class Dispatch(torch.autograd.Function):
-    """Each token's hidden state copied to its k rows, in expert order (row i: token order[i] // k);
-    backward gathers the rows' gradient back into pair order and sums each token's k."""
+    """Each token's hidden state copied to its k rows and each (token, choice)'s routing weight to
+    its row, in expert order (row i: token `token_of_row[i]`, pair `order[i]`); backward gathers
+    both gradients back into pair order, each token's k rows summed."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hidden, weights, token_of_row, order, inverse) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(inverse)
-        ctx.k = order.numel() // hidden.shape[0]
-        return hidden.index_select(0, order // ctx.k)
+        ctx.k, ctx.weights_dtype = weights.shape[-1], weights.dtype
+        ctx.set_materialize_grads(False)
+        return hidden.index_select(0, token_of_row), weights.reshape(-1).index_select(0, order).to(
+            hidden.dtype
+        )
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad_rows: torch.Tensor | None, grad_weights: torch.Tensor | None):
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None
+        grad_hidden = grad_weights_pairs = None
+        if grad_rows is not None and ctx.needs_input_grad[0]:
+            grad_hidden = grad_rows.index_select(0, inverse).view(-1, ctx.k, grad_rows.shape[-1]).sum(dim=1)
+        if grad_weights is not None and ctx.needs_input_grad[1]:
+            grad_weights_pairs = grad_weights.index_select(0, inverse).view(-1, ctx.k).to(ctx.weights_dtype)
+        return grad_hidden, grad_weights_pairs, None, None, None
 
 
 class Combine(torch.autograd.Function):
-    """The expert-ordered output rows back in pair order, each weighted by its routing probability
-    and a token's k summed; backward gathers the weighted gradient into expert order."""
+    """The expert-ordered output rows (already weighted) back in pair order, a token's k summed:
+    `Dispatch`'s adjoint. Backward copies each token's gradient to its k rows."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor):
-        pairs = rows.index_select(0, inverse).view(*weights.shape, rows.shape[-1])
-        ctx.save_for_backward(pairs, weights, order)
-        return (pairs * weights[..., None]).sum(dim=1)
+    def forward(ctx, rows: torch.Tensor, token_of_row: torch.Tensor, inverse: torch.Tensor, k: int):
+        ctx.save_for_backward(token_of_row)
+        return rows.index_select(0, inverse).view(-1, k, rows.shape[-1]).sum(dim=1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        pairs, weights, order = ctx.saved_tensors
-        grad_rows = (grad[:, None] * weights[..., None]).view(-1, grad.shape[-1]).index_select(0, order)
-        grad_weights = (
-            (pairs * grad[:, None]).sum(dim=-1).to(weights.dtype) if ctx.needs_input_grad[1] else None
-        )
-        return grad_rows.to(pairs.dtype), grad_weights, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (token_of_row,) = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None, None
 
 
 class SwiGLU(torch.autograd.Function):
-    """`silu(gate) * up` over the fused gate/up rows, keeping only those rows for backward: SiLU's
-    output is recomputed there (one sigmoid) instead of kept, c I bytes less per routed row. Each
-    half is made contiguous first: an elementwise op over a strided half of a row runs several
-    times slower on a CPU."""
+    """`silu(gate) * up` over the fused gate/up rows, times each row's routing weight where given,
+    keeping only those rows (and the weights) for backward: SiLU's output is recomputed there (one
+    sigmoid) instead of kept, c I bytes less per routed row, and the weights' gradient comes from
+    the same recomputation. Each half is made contiguous first: an elementwise op over a strided
+    half of a row runs several times slower on a CPU."""
 
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate_up)
+    def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(gate_up, row_weights)
         gate, up = gate_up.chunk(2, dim=-1)
-        return nn.functional.silu(gate.contiguous()) * up
+        out = nn.functional.silu(gate.contiguous()).mul_(up)
+        return out if row_weights is None else out.mul_(row_weights[:, None])
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (gate_up,) = ctx.saved_tensors
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        gate_up, row_weights = ctx.saved_tensors
         gate, up = (half.contiguous() for half in gate_up.chunk(2, dim=-1))
+        silu = nn.functional.silu(gate)
+        grad_weights = (grad * silu).mul_(up).sum(dim=-1) if ctx.needs_input_grad[1] else None
+        if row_weights is not None:
+            grad = grad * row_weights[:, None]
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate)  # d silu(g) / dg, in fp32 inside
-        return torch.cat([grad_gate, grad * nn.functional.silu(gate)], dim=-1)
+        return torch.cat([grad_gate, silu.mul_(grad)], dim=-1), grad_weights
 
 
-def gated(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """The experts' gated activation: the class's own (`_apply_gate`) where a family changes
-    transformers' default, else `swiglu`."""
+def gated(experts: nn.Module, gate_up: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts' gated activation, each row times its routing weight where given: the class's
+    own (`_apply_gate`) where a family changes transformers' default, else `swiglu`."""
     if type(experts)._apply_gate is not _default_apply_gate:
-        return experts._apply_gate(gate_up)
-    return swiglu(experts.act_fn, gate_up)
+        out = experts._apply_gate(gate_up)
+        return out if row_weights is None else out * row_weights[:, None]
+    return swiglu(experts.act_fn, gate_up, row_weights)
 
 
-def swiglu(act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """`act_fn(gate) * up` over the fused gate/up rows: `SwiGLU` where the activation is SiLU."""
+def swiglu(act_fn: nn.Module, gate_up: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """`act_fn(gate) * up` over the fused gate/up rows, times each row's routing weight where
+    given: `SwiGLU` where the activation is SiLU."""
     if type(act_fn) in (nn.SiLU, SiLUActivation):
-        return SwiGLU.apply(gate_up)
+        return SwiGLU.apply(gate_up, row_weights)
     gate, up = gate_up.chunk(2, dim=-1)
-    return act_fn(gate) * up
+    out = act_fn(gate) * up
+    return out if row_weights is None else out * row_weights[:, None]
 
 
 ALL_EXPERTS_FUNCTIONS.register(GROUPED, grouped_lora_experts_forward)

@@ -12,8 +12,10 @@ preset to the byte):
   probabilities and their sum (4 T (k + 1)), the integer bookkeeping of the sort by expert
   (24 T k: top-k indices, the pairs' order and its inverse);
 - per routed row (T k of them): the token's hidden state gathered for its expert (c h), the fused
-  gate/up output (c 2I), the SwiGLU product (c I; SiLU's output is recomputed in backward), the
-  expert's output before its routing weight multiplies it (c h) and that weight (c);
+  gate/up output (c 2I), the SwiGLU product times the row's routing weight (c I; SiLU's output is
+  recomputed in backward) and that weight (c). The weight multiplies the row before the down
+  projection, so the expert's output is not kept; under expert parallelism it is (c h), as the
+  weight stays on the rank that dispatched the row;
 - under LoRA on the stacks, per stack (`lora_delta_bytes`): applied to the rows through its
   factors, each routed row's rank-r product (c r) and a contiguous copy of its B factor
   (c E r out), and over a 16-bit base the cast of its A (c E r in); or, where that is fewer
@@ -67,9 +69,10 @@ def moe_block_bytes(spec: ModelSpec, training: Training, par: Parallelism, token
     full = training.method == "full"
     router = (c * h if full else 0) + 4 * E + 4 * (k + 1) + 24 * k
     rows = math.ceil(tokens * k * received_share(training, par))
-    # per row: the gathered hidden state, gate/up's output, the SwiGLU product, the expert's
-    # output, its routing weight
-    experts = rows * c * (h + 2 * inter + inter + h + 1)
+    # per row: the gathered hidden state, gate/up's output, the weighted SwiGLU product, the
+    # routing weight; and under EP the expert's output, weighted where the row was dispatched
+    returned = h if par.ep > 1 else 0
+    experts = rows * c * (h + 2 * inter + inter + 1 + returned)
     adapters = 0
     if training.lora and {"gate_proj", "up_proj", "down_proj"} & set(training.lora_targets):
         adapters = sum(
