@@ -7,12 +7,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from distft.host_memory import keep_freed_memory
 from tests.helpers import PARITY, distft
 
 # The CLI runs in subprocesses with OMP_NUM_THREADS=1 (tests/helpers.py); references trained in
 # this process must sum in the same order, or a parity test compares 1-thread against 2-thread
 # matmul rounding, which Adam amplifies past 1e-5 in near-zero adapter weights.
 torch.set_num_threads(1)
+# And with malloc keeping what each step frees, as every distft process on the CPU runs.
+keep_freed_memory()
 
 # Property tests (tests/*/test_*_properties.py): a few seconds each. `CI=1` replays the same
 # examples every run (derandomized); HYPOTHESIS_PROFILE=thorough hunts with 30x as many. No

@@ -23,6 +23,7 @@ LAYERS = {
     "distft.signals": 0,  # SIGINT/SIGTERM: stop at a step boundary (the loop, the launcher, the CLI)
     "distft.textfiles": 0,  # what a file's bytes look like (UTF-16, Parquet, binary), for errors that say so
     "distft.text": 0,  # counts in what is printed: "1 step", "2 steps"
+    "distft.host_memory": 0,  # CPU tensors: glibc's malloc keeps what a step frees
     "distft.config": 1,
     "distft.exits": 1,  # how every command ends: one line and an exit code
     "distft.model": 2,

@@ -31,6 +31,7 @@ from distft.errors import (
     HealthError,
     TrainingError,
 )
+from distft.host_memory import keep_freed_memory
 
 T = TypeVar("T")
 # What `decided_by_rank_zero` re-raises on the other ranks, most specific first (`next` takes the
@@ -74,10 +75,17 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def _computing_on(device: torch.device) -> torch.device:
+    if device.type == "cpu":
+        keep_freed_memory()
+    return device
+
+
 def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: bool = False) -> DistEnv:
-    """Join the process group torchrun set up, or describe the single process we are."""
+    """Join the process group torchrun set up, or describe the single process we are. On the CPU,
+    malloc keeps what a step frees for the next (`distft.host_memory`)."""
     if not launched_by_torchrun() and not need_group:
-        return DistEnv(0, 1, 0, pick_device(device), None)
+        return DistEnv(0, 1, 0, _computing_on(pick_device(device)), None)
     if not launched_by_torchrun():
         # A multi-process strategy at world size 1 (e.g. `--strategy ddp` on one GPU): a group of one.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -85,7 +93,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: boo
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    dev = pick_device(device, local_rank)
+    dev = _computing_on(pick_device(device, local_rank))
     if dev.type == "cuda":
         check_local_gpu(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(dev)

@@ -25,6 +25,7 @@ from distft.config import Config, load_config
 from distft.data import data_name
 from distft.data.tokenizer import load_tokenizer, with_added_tokens
 from distft.errors import ConfigError, DamagedFileError
+from distft.host_memory import keep_freed_memory
 from distft.io.files import verify_directory
 from distft.io.lineage import describe, is_random, read_lineage
 from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
@@ -84,6 +85,7 @@ def load_trained(run: str | None = None, adapter: str | None = None, model: str 
     """A run directory, or an adapter directory (+ optional base model override), verified first."""
     from safetensors import SafetensorError
 
+    keep_freed_memory()  # the model is loaded, and generates, on the CPU (`distft.host_memory`)
     written = [Path(run) / d for d in ("adapter", "model", "base")] if run else []
     for directory in [*written, *(Path(p) for p in (adapter, model) if p)]:
         if directory.is_dir():

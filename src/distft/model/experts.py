@@ -32,7 +32,9 @@ and runs one of
   - the rows moved by gathers alone (`Dispatch`, `Combine`): the (token, choice) pairs permuted
     into expert order and back, where autograd's backward of a gather is a scatter-add (atomics
     on CUDA, several times a gather's time on a CPU).
-  - SiLU fused with its product (`SwiGLU`): SiLU's output recomputed in backward, not kept.
+  - SiLU fused with its product and the row's routing weight (`SwiGLU`): SiLU's output recomputed
+    in backward, not kept; the weight applied before the down projection (linear: the same sum),
+    I wide instead of h, so the expert's output is not kept for the weight's gradient either.
   - the factors read from peft's wrappers (`adapters_on_rows`), without the parametrization peft
     registers on each stack at every forward, which computes the merged stack once to check it.
 
