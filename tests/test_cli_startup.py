@@ -143,3 +143,18 @@ def test_the_studies_bench_lists_are_the_studies():
     from distft.bench.study import STUDIES
 
     assert tuple(sorted(STUDIES)) == bench_flags.STUDIES
+
+
+def test_a_command_is_imported_with_the_collector_paused_and_its_imports_frozen():
+    """`distft.cli.command`: no collection runs while a command's module (torch, transformers,
+    peft) imports; then the collector is on again, and what the imports made is out of its reach."""
+    probe = (
+        "import gc\n"
+        "from distft import cli\n"
+        "collections = []\n"
+        "gc.callbacks.append(lambda phase, info: collections.append(info) if phase == 'start' else None)\n"
+        "cli.command('plan')\n"
+        "print(len(collections), gc.isenabled(), gc.get_freeze_count() > 100_000)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "0 True True\n"), proc.stderr

@@ -274,12 +274,11 @@ class SwiGLU(torch.autograd.Function):
         return torch.cat([grad_gate, silu.mul_(grad)], dim=-1), grad_weights
 
 
-def gated(experts: nn.Module, gate_up: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts' gated activation, each row times its routing weight where given: the class's
-    own (`_apply_gate`) where a family changes transformers' default, else `swiglu`."""
+def gated(experts: nn.Module, gate_up: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' gated activation, each row times its routing weight: the class's own
+    (`_apply_gate`) where a family changes transformers' default, else `swiglu`."""
     if type(experts)._apply_gate is not _default_apply_gate:
-        out = experts._apply_gate(gate_up)
-        return out if row_weights is None else out * row_weights[:, None]
+        return experts._apply_gate(gate_up) * row_weights[:, None]
     return swiglu(experts.act_fn, gate_up, row_weights)
 
 
