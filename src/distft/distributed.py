@@ -76,6 +76,7 @@ def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
 
 
 def _computing_on(device: torch.device) -> torch.device:
+    """`device`, this process set up to compute there: on the CPU, malloc keeps freed memory."""
     if device.type == "cpu":
         keep_freed_memory()
     return device
