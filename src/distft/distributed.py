@@ -68,25 +68,20 @@ def restart_count() -> int:
 
 
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device this process computes on: GPU `local_rank` where CUDA is (or is asked for), else
+    the CPU, where malloc is then told to keep what a step frees (`distft.host_memory`)."""
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("train.device=cuda but CUDA is not available on this machine.")
         return torch.device("cuda", local_rank)
+    keep_freed_memory()
     return torch.device("cpu")
 
 
-def _computing_on(device: torch.device) -> torch.device:
-    """`device`, this process set up to compute there: on the CPU, malloc keeps freed memory."""
-    if device.type == "cpu":
-        keep_freed_memory()
-    return device
-
-
 def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: bool = False) -> DistEnv:
-    """Join the process group torchrun set up, or describe the single process we are. On the CPU,
-    malloc keeps what a step frees for the next (`distft.host_memory`)."""
+    """Join the process group torchrun set up, or describe the single process we are."""
     if not launched_by_torchrun() and not need_group:
-        return DistEnv(0, 1, 0, _computing_on(pick_device(device)), None)
+        return DistEnv(0, 1, 0, pick_device(device), None)
     if not launched_by_torchrun():
         # A multi-process strategy at world size 1 (e.g. `--strategy ddp` on one GPU): a group of one.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -94,7 +89,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: boo
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    dev = _computing_on(pick_device(device, local_rank))
+    dev = pick_device(device, local_rank)
     if dev.type == "cuda":
         check_local_gpu(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(dev)

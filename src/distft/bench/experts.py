@@ -51,8 +51,8 @@ from torch import nn
 
 from distft.bench.harness import environment
 from distft.config import load_config
+from distft.distributed import pick_device
 from distft.errors import ConfigError
-from distft.host_memory import keep_freed_memory
 from distft.io.files import atomic_write_text
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.model.experts import AUTO, experts_modules, implementations_in_effect
@@ -205,9 +205,7 @@ def _row(name: str, times: dict[str, list[float]], loss: float, tokens: int) -> 
 def run_experts_bench(settings: ExpertsSettings) -> dict:
     """Every method measured on the CUDA device if there is one, else the CPU; the agreement of
     the losses and the target checked on the figures."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":  # as a CPU run computes (`distft.host_memory`)
-        keep_freed_memory()
+    device = pick_device()  # on the CPU, with malloc set as a CPU run computes
     results = [measure_method(settings, method, device) for method in settings.methods]
     grouped = {r["method"]: _find(r, AUTO)["experts_speedup"] for r in results}
     return {

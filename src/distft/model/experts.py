@@ -138,9 +138,20 @@ def grouped_experts(
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     token_of_row = order // k
     rows, row_weights = Dispatch.apply(hidden_states, top_k_weights, token_of_row, order, inverse)
-    out = grouped_projection(rows, offsets, *stacks["gate_up_proj"])
-    out = grouped_projection(gated(experts, out, row_weights), offsets, *stacks["down_proj"])
+    out = grouped_mlp(rows, offsets, stacks, lambda gate_up: gated(experts, gate_up, row_weights))
     return Combine.apply(out, token_of_row, inverse, k).to(hidden_states.dtype)
+
+
+def grouped_mlp(
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    stacks: dict[str, tuple[torch.Tensor, Factors | None]],
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Every expert's gated MLP over its consecutive rows: gate/up, `activation` over the fused
+    output, down, each projection a `grouped_projection` (also `fsdp+ep`'s local experts)."""
+    gate_up = grouped_projection(rows, offsets, *stacks["gate_up_proj"])
+    return grouped_projection(activation(gate_up), offsets, *stacks["down_proj"])
 
 
 def read_adapters(experts: nn.Module) -> tuple[nn.Module, dict[str, Factors]] | None:

@@ -55,10 +55,9 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.model.experts import Factors, grouped_projection, read_adapters, swiglu
+from distft.model.experts import STACKS, Factors, grouped_mlp, read_adapters, swiglu
 from distft.parallel.fsdp import FSDP, shard_units
 
-EXPERT_STACKS = ("gate_up_proj", "down_proj")
 Stack = tuple[torch.Tensor, Factors | None]  # a local expert stack and its LoRA factors
 
 
@@ -122,7 +121,7 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
     base, rank, world = experts_base(experts), mesh.get_local_rank(), mesh.size()
     local = base.num_experts // world
     sharded = []
-    for name in EXPERT_STACKS:
+    for name in STACKS:
         full = getattr(base, name)
         shard = full.detach()[rank * local : (rank + 1) * local].clone()
         weight = nn.Parameter(
@@ -146,7 +145,7 @@ def local_expert_weights(experts: nn.Module, first: int, count: int) -> dict[str
     base, factors = read
     local = slice(first, first + count)
     sliced = {name: (b[local], a[local], scaling) for name, (b, a, scaling) in factors.items()}
-    return {name: (getattr(base, name).to_local(), sliced.get(name)) for name in EXPERT_STACKS}
+    return {name: (getattr(base, name).to_local(), sliced.get(name)) for name in STACKS}
 
 
 def expert_parallel_forward(
@@ -203,13 +202,12 @@ def expert_mlps(
 ) -> torch.Tensor:
     """Each local expert's SwiGLU MLP over its consecutive rows (`per_expert` of them): one grouped
     matmul per projection over the local stack, its adapter applied to the rows or merged
-    (`distft.model.experts.grouped_projection`), the activation fused (`swiglu`), where
+    (`distft.model.experts.grouped_mlp`), the activation fused (`swiglu`), where
     `model.experts_implementation` is grouped, else a loop over the local experts, as
     transformers' eager path computes one."""
     if grouped:
         offsets = torch.tensor(per_expert, device=rows.device).cumsum(0, dtype=torch.int32)
-        gate_up = grouped_projection(rows, offsets, *stacks["gate_up_proj"])
-        return grouped_projection(swiglu(act_fn, gate_up), offsets, *stacks["down_proj"])
+        return grouped_mlp(rows, offsets, stacks, lambda gate_up: swiglu(act_fn, gate_up))
 
     def linear(x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         weight, factors = stacks[name]

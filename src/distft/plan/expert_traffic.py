@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from distft.model.experts import STACKS
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
 from distft.plan.collective import Collective
 from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS, frozen_embedding, megatron_crossings
@@ -67,7 +68,7 @@ def tp_expert_partial_grads(spec: ModelSpec, training: Training, layers: list[in
     FSDP ranks) FSDP2's dim-0 shard of it."""
     held = set(layers)
     lora = spec.lora_tensors(training.lora_rank, training.lora_targets)
-    whole = [t for t in lora if t.module in ("gate_up_proj", "down_proj") and t.tp_dim is None]
+    whole = [t for t in lora if t.module in STACKS and t.tp_dim is None]
     shard = [math.ceil(t.shape[0] / dp) * t.numel // t.shape[0] for t in whole if t.layer in held]
     return sum(shard) * training.precision.grad
 
