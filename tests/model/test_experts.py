@@ -141,10 +141,10 @@ def test_a_dense_model_ignores_the_setting():
 
 @pytest.mark.parametrize("rank", [16, 5])  # 5: rows of 20 bytes, below the grouped kernel's alignment
 def test_grouped_lora_keeps_the_factors_or_the_cheaper_merge(rank):
-    """Per MoE layer, what backward keeps changes by exactly: for each stack whose delta goes
-    through the rows, minus the merged stack (E out in floats), plus a contiguous copy of its B
-    (E out r) and each routed row's rank-r product (2 x 40 tokens x k = 2 rows); a merged stack
-    where that is cheaper (at rank 16 here, down_proj's, the narrower); per routed row, minus
+    """Per MoE layer, what backward keeps changes by exactly: for each stack, a contiguous copy
+    of its B (E out r floats); for each whose delta goes through the rows, minus the merged stack
+    (E out in) and plus each routed row's rank-r product (2 x 40 tokens x k = 2 rows), the delta
+    merged where that is cheaper (at rank 16 here, down_proj's, the narrower); per routed row, minus
     SiLU's output (SwiGLU recomputes it), the expert's output (the routing weight multiplies the
     row before the down projection) and the row's token (the pairs' permutation serves);
     the loss and gradients are grouped_mm's."""
@@ -169,8 +169,7 @@ def test_grouped_lora_keeps_the_factors_or_the_cheaper_merge(rank):
     merged = [merges_delta(rows, experts, out, inp, rank) for out, inp in stacks]
     assert merged == ([False, True] if rank == 16 else [False, False])  # both ways are measured
     per_layer = sum(
-        4 * (rows * rank + experts * rank * out - experts * out * inp)
+        4 * (experts * out * rank + (0 if merges else rows * rank - experts * out * inp))
         for (out, inp), merges in zip(stacks, merged, strict=True)
-        if not merges
     ) - rows * (4 * inter + 4 * hidden + 8)
     assert saved["grouped_lora"] - saved["grouped_mm"] == 4 * per_layer < 0

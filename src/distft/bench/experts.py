@@ -18,7 +18,7 @@ so that a slow spell of a shared machine falls on each one alike. Two figures ea
   output head over a 151,936-token vocabulary, which no experts implementation changes;
 - the experts alone: each layer's experts module (with its LoRA wrappers) forward and backward on
   exactly the rows, routing and weights the step's forward gave it, and a fixed gradient from
-  above. This is what the implementation changes, and what the target compares. They take
+  above; the rows and the routing weights carry gradient, as in the step. This is what the implementation changes, and what the target compares. They take
   milliseconds where the step takes a second, so each round times them `experts_repeats` times,
   the implementations taking turns at every repeat.
 
@@ -139,8 +139,9 @@ def time_experts(
     """Seconds for every layer's experts, forward and backward, on the rows the step routed."""
     start = _now(device)
     for (module, (hidden, top_k_index, top_k_weights)), grad in zip(calls, grads, strict=True):
-        rows = hidden.clone().requires_grad_(True)  # the step's hidden states carry gradient too
-        module(rows, top_k_index, top_k_weights).backward(grad)
+        # as in a step, the hidden states and the routing weights (the router's output) carry gradient
+        rows, weights = hidden.clone().requires_grad_(True), top_k_weights.clone().requires_grad_(True)
+        module(rows, top_k_index, weights).backward(grad)
     return _now(device) - start
 
 

@@ -27,8 +27,8 @@ and runs one of
     experts (1.2 GB for one layer of Qwen3-30B-A3B in bf16, 58 GB over its 48). Here each
     projection is `rows @ W_e^T + scaling (rows @ A_e^T) @ B_e^T`, three grouped matmuls, and
     backward keeps the rank-r rows (r per routed row and stack) and a contiguous copy of each B
-    (r/in of its stack); merged only where that is fewer multiply-adds (`merges_delta`: experts
-    narrower than about 6 r, as on a CPU-sized model).
+    (r/in of its stack, either way); merged only where that is fewer multiply-adds
+    (`merges_delta`: experts narrower than about 6 r, as on a CPU-sized model).
   - the rows moved by gathers alone (`Dispatch`, `Combine`): the (token, choice) pairs permuted
     into expert order and back, where autograd's backward of a gather is a scatter-add (atomics
     on CUDA, several times a gather's time on a CPU).
@@ -79,7 +79,8 @@ def grouped_projection(
         return grouped_linear(rows, weight, offsets)
     b, a, scaling = factors
     if merges_delta(rows.shape[0], *weight.shape, a.shape[1]):
-        merged = torch.baddbmm(weight, b.to(weight.dtype), a.to(weight.dtype), alpha=scaling)
+        # peft's B is a permuted view: contiguous first, else the batched matmul and its backward copy per expert
+        merged = torch.baddbmm(weight, b.to(weight.dtype).contiguous(), a.to(weight.dtype), alpha=scaling)
         return grouped_linear(rows, merged, offsets)
     rank = grouped_linear if a.shape[1] * a.element_size() % 16 == 0 else _loop_linear
     delta = rank(rank(rows, a, offsets), b.contiguous(), offsets)  # B as the grouped kernel wants it
@@ -238,7 +239,7 @@ class Dispatch(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         grad_hidden = grad_weights_pairs = None
         if grad_rows is not None and ctx.needs_input_grad[0]:
-            grad_hidden = grad_rows.index_select(0, inverse).view(-1, ctx.k, grad_rows.shape[-1]).sum(dim=1)
+            grad_hidden = sum_choices(grad_rows.index_select(0, inverse), ctx.k)
         if grad_weights is not None and ctx.needs_input_grad[1]:
             grad_weights_pairs = grad_weights.index_select(0, inverse).view(-1, ctx.k).to(ctx.weights_dtype)
         return grad_hidden, grad_weights_pairs, None, None, None
@@ -251,7 +252,7 @@ class Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, token_of_row: torch.Tensor, inverse: torch.Tensor, k: int):
         ctx.save_for_backward(token_of_row)
-        return rows.index_select(0, inverse).view(-1, k, rows.shape[-1]).sum(dim=1)
+        return sum_choices(rows.index_select(0, inverse), k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -259,30 +260,36 @@ class Combine(torch.autograd.Function):
         return grad.index_select(0, token_of_row), None, None, None
 
 
+def sum_choices(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows in pair order (a token's k consecutive) summed per token. Top-2 as one add: a CPU's
+    reduction over a middle dimension of 2 takes 3-4 times as long (the same for k = 8)."""
+    by_token = rows.view(-1, k, rows.shape[-1])
+    return by_token[:, 0] + by_token[:, 1] if k == 2 else by_token.sum(dim=1)
+
+
 class SwiGLU(torch.autograd.Function):
     """`silu(gate) * up` over the fused gate/up rows, times each row's routing weight where given,
-    keeping only those rows (and the weights) for backward: SiLU's output is recomputed there (one
-    sigmoid) instead of kept, c I bytes less per routed row, and the weights' gradient comes from
-    the same recomputation. Each half is made contiguous first: an elementwise op over a strided
+    keeping only the two halves (and the weights) for backward: SiLU's output is recomputed there
+    (one sigmoid) instead of kept, c I bytes less per routed row, and the weights' gradient comes
+    from the same recomputation. Each half is kept contiguous: an elementwise op over a strided
     half of a row runs several times slower on a CPU."""
 
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(gate_up, row_weights)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = nn.functional.silu(gate.contiguous()).mul_(up)
+        gate, up = (half.contiguous() for half in gate_up.chunk(2, dim=-1))
+        ctx.save_for_backward(gate, up, row_weights)
+        out = nn.functional.silu(gate).mul_(up)
         return out if row_weights is None else out.mul_(row_weights[:, None])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        gate_up, row_weights = ctx.saved_tensors
-        gate, up = (half.contiguous() for half in gate_up.chunk(2, dim=-1))
+        gate, up, row_weights = ctx.saved_tensors
         silu = nn.functional.silu(gate)
-        grad_weights = (grad * silu).mul_(up).sum(dim=-1) if ctx.needs_input_grad[1] else None
-        if row_weights is not None:
-            grad = grad * row_weights[:, None]
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)  # d silu(g) / dg, in fp32 inside
-        return torch.cat([grad_gate, silu.mul_(grad)], dim=-1), grad_weights
+        grad_weights = torch.linalg.vecdot(grad * silu, up) if ctx.needs_input_grad[1] else None
+        grad = grad * row_weights[:, None] if row_weights is not None else grad.clone()  # written in below
+        grad_up = silu.mul_(grad)
+        grad_gate = torch.ops.aten.silu_backward(grad.mul_(up), gate)  # d silu(g) / dg, in fp32 inside
+        return torch.cat([grad_gate, grad_up], dim=-1), grad_weights
 
 
 def gated(experts: nn.Module, gate_up: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,10 @@ preset to the byte):
   projection, so the expert's output is not kept; under expert parallelism it is (c h), as the
   weight stays on the rank that dispatched the row;
 - under LoRA on the stacks, per stack (`lora_delta_bytes`): applied to the rows through its
-  factors, each routed row's rank-r product (c r) and a contiguous copy of its B factor
-  (c E r out), and over a 16-bit base the cast of its A (c E r in); or, where that is fewer
-  multiply-adds (`distft.model.experts.merges_delta`: experts narrower than about 6 r, never at a
-  real model's width), the merged stack (c E out in). (transformers' own grouped_mm keeps a
+  factors, each routed row's rank-r product (c r); or, where that is fewer multiply-adds
+  (`distft.model.experts.merges_delta`: experts narrower than about 6 r, never at a real model's
+  width), the merged stack (c E out in); either way a contiguous copy of its B factor (c E r out)
+  and, over a 16-bit base, the cast of its A (c E r in). (transformers' own grouped_mm keeps a
   merged copy of every expert's weights, c E 3 I h per layer: the size of the experts themselves,
   1.2 GB a layer on Qwen3-30B-A3B.)
 - the expert row offsets of the grouped matmul (4 E).
@@ -84,14 +84,14 @@ def moe_block_bytes(spec: ModelSpec, training: Training, par: Parallelism, token
 
 def lora_delta_bytes(training: Training, rows: int, experts: int, out: int, inp: int) -> int:
     """What one stack's LoRA delta keeps for backward (`distft.model.experts.grouped_projection`):
-    merged, the merged stack (E out in); through the rows, their rank-r product and a contiguous
-    copy of B (E out r). Factors in another dtype than the compute's are kept cast: B and A merged,
-    A through the rows (B's copy is the cast)."""
+    either way a contiguous copy of B (E out r: peft's is a permuted view), and A cast where the
+    factors' dtype is not the compute's (E r in); then merged, the merged stack (E out in); through
+    the rows, their rank-r product."""
     c, r = training.precision.activation, training.lora_rank
-    cast = training.adapter_bytes != c
+    factors = c * experts * r * (out + (inp if training.adapter_bytes != c else 0))
     if merges_delta(rows, experts, out, inp, r):
-        return c * experts * out * inp + (c * experts * r * (out + inp) if cast else 0)
-    return rows * c * r + c * experts * r * out + (c * experts * r * inp if cast else 0)
+        return factors + c * experts * out * inp
+    return factors + rows * c * r
 
 
 def all_to_all_buffer_bytes(spec: ModelSpec, training: Training, par: Parallelism) -> int:
