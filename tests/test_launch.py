@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import torch
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from distft import launch
@@ -66,15 +67,27 @@ def test_cuda_ranks_are_execd_through_distft_launch(monkeypatch):
     ]  # fmt: skip
 
 
-def _launch_probes(out: str) -> tuple[int, int, dict[str, str]]:
-    code = launch.main(["--nproc-per-node=2", "--standalone", "-m", "tests.rank_probe", out], fork=True)
+def _launch_probes(out: str, nproc: int, one_thread_first: bool) -> tuple[int, int, dict[str, str]]:
+    """The agent's process on 2 threads computes something large enough to go parallel (as the
+    checks before a launch may), after `one_thread_before_forking` or not, then forks the probes."""
+    os.environ.pop("OMP_NUM_THREADS", None)  # as a user's shell has it (the tests set it to 1)
+    torch.set_num_threads(2)
+    if one_thread_first:
+        launch.one_thread_before_forking()
+    torch.randperm(1_000_000, generator=torch.Generator().manual_seed(0))
+    code = launch.main(
+        [f"--nproc-per-node={nproc}", "--standalone", "-m", "tests.rank_probe", out], fork=True
+    )
     return code, os.getpid(), dict(os.environ)
 
 
 def test_forked_ranks_keep_off_the_agents_store(tmp_path):
     """Ranks forked from the agent, each with a store of its group's own: the agent's store thread
-    serving a rank while the next is forked can hand that next rank a lock held forever."""
-    code, agent, env_after = in_forked_process(_launch_probes, str(tmp_path))
+    serving a rank while the next is forked can hand that next rank a lock held forever. Each runs
+    on torchrun's one thread (OMP_NUM_THREADS), which it sets itself: OpenMP read it when the agent's
+    process started, and the pool of threads that process started is not in the fork (a rank going
+    parallel with it would hang)."""
+    code, agent, env_after = in_forked_process(_launch_probes, str(tmp_path), 2, False, timeout=120)
     assert code == 0
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
     assert [r["RANK"] for r in ranks] == ["0", "1"]
@@ -82,4 +95,14 @@ def test_forked_ranks_keep_off_the_agents_store(tmp_path):
         assert r["parent"] == agent  # forked, not exec'd
         assert r["TORCHELASTIC_USE_AGENT_STORE"] == "False"
         assert (r[FORKED_ENV], r["TOKENIZERS_PARALLELISM"]) == ("1", "false")
+        assert r["threads"] == 1
     assert FORKED_ENV not in env_after and launch.UNSHARED_STORE not in env_after  # undone after
+
+
+def test_a_process_that_will_fork_computes_on_one_thread(tmp_path):
+    """`one_thread_before_forking`, as `distft train` calls it before its checks: the launching
+    process then never starts an OpenMP pool, so a lone rank (torchrun sets no OMP_NUM_THREADS
+    for it) gets the launching process's 2 threads back and goes parallel without hanging."""
+    code, _, _ = in_forked_process(_launch_probes, str(tmp_path), 1, True, timeout=120)
+    assert code == 0
+    assert json.loads((tmp_path / "rank-0.json").read_text())["threads"] == 2

@@ -48,6 +48,7 @@ import warnings
 from collections.abc import Iterator
 
 import psutil
+import torch
 
 from distft import signals
 from distft.config import ParallelConfig
@@ -56,10 +57,26 @@ from distft.exits import FORKED_ENV
 UNSHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # the ranks' store is rank 0's, not the agent's
 
 
+_rank_threads = 0  # the launching process's threads before `one_thread_before_forking`: the ranks'
+
+
+def one_thread_before_forking() -> None:
+    """This process computes on one thread from now on: a command that will fork its ranks calls it
+    before its checks (which read, tokenise and shuffle the rows; it never trains). libgomp, torch's
+    OpenMP on Linux, is not fork-safe: a pool of threads started here would be copied into every
+    forked rank without its threads, and the rank's first operation to go parallel would wait for
+    them forever (a 2-rank run with `data.cache=false` on 100,000 rows hung so, in the `randperm`
+    that splits them). The ranks set their own count (`run_module`)."""
+    global _rank_threads
+    _rank_threads = _rank_threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
 def launch_ranks(p: ParallelConfig, argv: list[str], fork: bool) -> int:
     """`distft ARGV` once per rank; the exit code of the whole run. `fork`: CPU runs (see above)."""
     args = [*torchrun_args(p), "-m", "distft.cli", *argv]
     if fork:
+        one_thread_before_forking()  # already, where the caller computed before (`distft train`)
         return main(args, fork=True)
     launcher = subprocess.Popen([sys.executable, "-m", "distft.launch", *args])
     # SIGINT/SIGTERM go on to the launcher (its agent to the ranks), which decides the exit code.
@@ -124,6 +141,11 @@ def run_module(module: str, argv: list[str]) -> None:
     """One forked rank: `python -m MODULE ARGV`, with MODULE's imports already done. It returns on
     success: the agent waits for each rank's return value, which a `SystemExit(0)` would skip."""
     sys.argv = [module, *argv]
+    # An exec'd rank's threads: torchrun's OMP_NUM_THREADS (1 where several ranks share a node),
+    # which OpenMP reads only as a process starts, else the machine's default.
+    torch.set_num_threads(
+        int(os.environ.get("OMP_NUM_THREADS") or 0) or _rank_threads or torch.get_num_threads()
+    )
     # The module ran its imports in the agent (`distft` itself runs `distft.cli`, which imported the
     # command's module: `COMMANDS`); running it again as __main__ is the point, and runpy's warning
     # that it is already imported is noise.

@@ -1,6 +1,8 @@
 """Every record carries model FLOPs per token and MFU, and the predicted step time beside the
 measured one; the first, the start-up time; the header says why MFU is null."""
 
+import subprocess
+import sys
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -68,3 +70,24 @@ def test_the_prediction_is_rescaled_to_each_steps_flops():
     assert line == "step time: predicted 1.5 s (distft plan), measured 2 s (median of steps 2-4)"
     cpu = step_time_line({"step_time": None, "step_time_note": "no bf16 peak for cpu"}, [0.2], [None])
     assert cpu == "step time: predicted n/a (no bf16 peak for cpu), measured 0.2 s (step 1)"
+
+
+def test_start_up_counts_from_the_command_process_start():
+    """The clock of a run's `startup_s` starts with the `distft` process, not after its imports:
+    the command stamps its process's start time (which the ranks it launches inherit), so that
+    start-up includes the imports, as the plain loop's does. Here a second's sleep before the
+    import must be counted."""
+    probe = (
+        "import os, time\n"
+        "time.sleep(1.0)\n"
+        "import psutil\n"
+        "from distft import cli\n"
+        "from distft.train.metrics import START_ENV, startup_seconds\n"
+        "os.environ.pop(START_ENV, None)\n"
+        "cli.run(cli.parse(cli.build_parser(), ['train', '--model', 'micro', '--print-config']))\n"
+        "print('stamp', float(os.environ[START_ENV]) == psutil.Process().create_time(), startup_seconds())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    _, same, seconds = proc.stdout.splitlines()[-1].split()
+    assert same == "True" and float(seconds) > 1.0

@@ -14,7 +14,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from distft import plan, signals
@@ -24,13 +23,13 @@ from distft.distributed import launched_by_torchrun, pick_device
 from distft.health import print_network_warnings
 from distft.io.lock import run_lock
 from distft.io.preflight import check_writable
-from distft.launch import launch_ranks
+from distft.launch import launch_ranks, one_thread_before_forking
 from distft.parallel import STRATEGIES, check_config, ignored_settings
 from distft.parallel.derive import notes_for_ranks, read_rank_notes
 from distft.parallel.pipeline.calibrate import calibrate
 from distft.train.hooks import from_environment as hooks_from_environment
 from distft.train.loop import train
-from distft.train.metrics import START_ENV
+from distft.train.metrics import stamp_command_start
 from distft.train.optim import warmup_warning
 from distft.train.preflight import preflight
 from distft.train.prepare import resolve_local_paths
@@ -55,7 +54,7 @@ def config_from_args(args: argparse.Namespace, settings: Config | None = None) -
 
 
 def cmd_train(args: argparse.Namespace, settings: Config | None = None) -> int:
-    os.environ.setdefault(START_ENV, str(time.time()))  # start-up time is measured from here: imports done
+    stamp_command_start()  # a run's start-up counts from this process's start, its imports included
     cfg = config_from_args(args, settings)
     if launched_by_torchrun():  # a rank: the command that launched it checked everything
         return trained(cfg)
@@ -75,12 +74,15 @@ def cmd_train(args: argparse.Namespace, settings: Config | None = None) -> int:
     # others may share its filesystem).
     lock = run_lock(Path(cfg.output.dir)) if cfg.parallel.node_rank == 0 else contextlib.nullcontext()
     with lock:
+        distributed = STRATEGIES[cfg.parallel.strategy].distributed
+        on_cuda = pick_device(cfg.train.device).type == "cuda"
+        if distributed and not on_cuda:  # CPU ranks are forked from this process (`distft.launch`)
+            one_thread_before_forking()
         labels = preflight(cfg, resuming=args.resume is not None)
         cfg.prediction = plan.try_predict(cfg, labels)  # beside the measured figures in ranks.json
         _check_fits(cfg, args.force)
-        if not STRATEGIES[cfg.parallel.strategy].distributed:
+        if not distributed:
             return trained(cfg)
-        on_cuda = pick_device(cfg.train.device).type == "cuda"
         parallel = cfg.parallel
         print_network_warnings(
             "nccl" if on_cuda else "gloo", parallel.nproc, parallel.nnodes, parallel.rdzv_endpoint

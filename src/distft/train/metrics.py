@@ -64,7 +64,14 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
-START_ENV = "DISTFT_START_TIME"  # stamped by the CLI on entry; torchrun's ranks inherit it
+START_ENV = "DISTFT_START_TIME"  # the command's start, stamped by the CLI; the ranks it launches inherit it
+
+
+def stamp_command_start() -> None:
+    """Record when this command started, for every rank it launches: when its process started, so
+    that a run's start-up includes the command's imports, as the plain loop's does (`distft bench
+    --gpu` compares the two). A rank launched by a command keeps that command's stamp."""
+    os.environ.setdefault(START_ENV, str(psutil.Process().create_time()))
 
 
 def startup_seconds() -> float:
