@@ -16,6 +16,8 @@ Two ways to start a rank:
   Forking a process with threads is safe only while no other thread holds a lock the child
   will need. The agent's threads are its store's server and the rendezvous keep-alive; the
   ranks get a store of their own (below), so those threads have nothing to do with them.
+  OpenMP's pool is kept out of it: the launching process computes on one thread, each rank on
+  torchrun's count (`one_thread_before_forking`).
 
 When ranks fail for good (after `--max-restarts` restarts), torchrun itself raises
 `ChildFailedError`, printing a Python traceback of the agent under the ranks' own messages; here
