@@ -67,10 +67,15 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def wants_cuda(requested: str = "auto") -> bool:
+    """Whether `train.device=requested` computes on a GPU: asked for, or `auto` where CUDA is."""
+    return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+
+
 def pick_device(requested: str = "auto", local_rank: int = 0) -> torch.device:
     """The device this process computes on: GPU `local_rank` where CUDA is (or is asked for), else
     the CPU, where malloc is then told to keep what a step frees (`distft.host_memory`)."""
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+    if wants_cuda(requested):
         if not torch.cuda.is_available():
             raise RuntimeError("train.device=cuda but CUDA is not available on this machine.")
         return torch.device("cuda", local_rank)
