@@ -18,9 +18,10 @@ so that a slow spell of a shared machine falls on each one alike. Two figures ea
   output head over a 151,936-token vocabulary, which no experts implementation changes;
 - the experts alone: each layer's experts module (with its LoRA wrappers) forward and backward on
   exactly the rows, routing and weights the step's forward gave it, and a fixed gradient from
-  above; the rows and the routing weights carry gradient, as in the step. This is what the implementation changes, and what the target compares. They take
-  milliseconds where the step takes a second, so each round times them `experts_repeats` times,
-  the implementations taking turns at every repeat.
+  above; the rows and the routing weights carry gradient, as in the step. This is what the
+  implementation changes, and what the target compares. They take milliseconds where the step
+  takes a second, so each round times them `experts_repeats` times, the implementations taking
+  turns at every repeat.
 
 Python's garbage collector runs before each timed call and is paused during it
 (`collector_paused`), as `timeit` does: a collection of this process's objects (0.2 s, unless the

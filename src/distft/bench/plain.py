@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
@@ -48,6 +47,7 @@ from distft.model import peft_quietly
 from distft.model.build import EXPERT_PARAMETERS, lora_targets
 from distft.model.families import FAMILIES
 from distft.model.presets import DTYPES, PRESETS
+from distft.train.metrics import startup_seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -173,7 +173,7 @@ def run(a: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(a.model, DTYPES[a.dtype], device, a.seed, a.lora_rank)
     flops = ModelFlops.from_model(model)
-    startup = time.time() - psutil.Process().create_time()
+    startup = startup_seconds()  # distft's clock: from this process's start, imports included
     steps = train_plain(
         model, examples, pad_id, device, a.warmup + a.steps, a.global_batch, a.micro_batch, a.seed, a.lr
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 from distft import plan, signals
 from distft.commands.train import train_settings
 from distft.config import Config, to_toml
-from distft.distributed import launched_by_torchrun, pick_device, wants_cuda
+from distft.distributed import launched_by_torchrun, wants_cuda
 from distft.health import print_network_warnings
 from distft.io.lock import run_lock
 from distft.io.preflight import check_writable
@@ -74,15 +74,14 @@ def cmd_train(args: argparse.Namespace, settings: Config | None = None) -> int:
     # others may share its filesystem).
     lock = run_lock(Path(cfg.output.dir)) if cfg.parallel.node_rank == 0 else contextlib.nullcontext()
     with lock:
-        distributed = STRATEGIES[cfg.parallel.strategy].distributed
-        if distributed and not wants_cuda(cfg.train.device):  # CPU ranks are forked from this process
+        distributed, on_cuda = STRATEGIES[cfg.parallel.strategy].distributed, wants_cuda(cfg.train.device)
+        if distributed and not on_cuda:  # CPU ranks are forked from this process
             one_thread_before_forking()
         labels = preflight(cfg, resuming=args.resume is not None)  # CUDA asked for and missing: refused
         cfg.prediction = plan.try_predict(cfg, labels)  # beside the measured figures in ranks.json
         _check_fits(cfg, args.force)
         if not distributed:
             return trained(cfg)
-        on_cuda = pick_device(cfg.train.device).type == "cuda"
         parallel = cfg.parallel
         print_network_warnings(
             "nccl" if on_cuda else "gloo", parallel.nproc, parallel.nnodes, parallel.rdzv_endpoint
