@@ -78,12 +78,14 @@ def grouped_projection(
     if factors is None:
         return grouped_linear(rows, weight, offsets)
     b, a, scaling = factors
+    # peft's B is a permuted view: the grouped kernel wants it contiguous, and the batched matmul
+    # and its backward would otherwise copy it per expert
+    b = b.contiguous()
     if merges_delta(rows.shape[0], *weight.shape, a.shape[1]):
-        # peft's B is a permuted view: contiguous first, else the batched matmul and its backward copy per expert
-        merged = torch.baddbmm(weight, b.to(weight.dtype).contiguous(), a.to(weight.dtype), alpha=scaling)
+        merged = torch.baddbmm(weight, b.to(weight.dtype), a.to(weight.dtype), alpha=scaling)
         return grouped_linear(rows, merged, offsets)
     rank = grouped_linear if a.shape[1] * a.element_size() % 16 == 0 else _loop_linear
-    delta = rank(rank(rows, a, offsets), b.contiguous(), offsets)  # B as the grouped kernel wants it
+    delta = rank(rank(rows, a, offsets), b, offsets)
     return grouped_linear(rows, weight, offsets) + scaling * delta
 
 
