@@ -67,14 +67,25 @@ def assert_tp_bytes(run, micro_batches: int) -> None:
 def assert_planned_bytes(run) -> None:
     """The planner's bytes per step (the run's prediction, made before launch from the config) are
     the bytes each rank counted, kind by kind (FSDP's without the experts under EP; the router's
-    statistics in the loss's all-reduce). The all-to-alls are planned as their mean: a rank's
-    combine sends the rows its experts took, which the routing decides; their sum is exact."""
+    statistics in the loss's all-reduce), and where fsdp+ep's expert groups are smaller than the
+    world, dimension by dimension too. The all-to-alls are planned as their mean: a rank's combine
+    sends the rows its experts took, which the routing decides; their sum is exact."""
     ranks = [rank["comm_bytes_per_step"] for rank in json.loads((run / "ranks.json").read_text())]
     for comm in ranks:
         other = {k: v for k, v in comm["predicted"].items() if k != "all_to_all"}
         assert other == {k: v for k, v in comm["counted"].items() if k != "all_to_all"}, (run.name, comm)
     planned = sum(comm["predicted"].get("all_to_all", 0) for comm in ranks)
     assert planned == sum(comm["counted"].get("all_to_all", 0) for comm in ranks), run.name
+    for record in (r for r in metrics(run) if "comm_bytes_expected_by_dim" in r):
+        routed = record["comm_bytes_by_dim"]["ep"].pop("all_to_all")
+        assert record["comm_bytes_expected_by_dim"]["ep"].pop("all_to_all") > 0 < routed
+        assert record["comm_bytes_by_dim"] == record["comm_bytes_expected_by_dim"], run.name
+
+
+def expert_groups(run) -> dict[str, list[list[int]]]:
+    """Each rank's groups along fsdp+ep's expert mesh ("replicate", "ep"), from ranks.json."""
+    ranks = json.loads((run / "ranks.json").read_text())
+    return {dim: [rank["mesh"][dim] for rank in ranks] for dim in ("replicate", "ep")}
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +96,9 @@ def reference(tmp_path_factory):
 
 
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
-    """ddp, fsdp (FSDP2 shards each layer's expert stacks along the experts), fsdp+ep (each rank 4
-    experts whole, tokens sent by all-to-all; the bytes the analytic count), tp (each rank every
+    """ddp, fsdp (FSDP2 shards each layer's expert stacks along the experts), fsdp+ep (4 ranks in 2
+    expert groups of 2: each rank 4 experts whole, tokens sent by all-to-all inside its group; and
+    2 ranks of one group, recomputing each layer; the bytes the analytic count), tp (each rank every
     expert's half of the intermediate dimension, adapters cut with it), fsdp+tp (2 x 2: FSDP2
     shards each TP rank's halves along the experts) and fsdp+pp (2 stages x 2 replicas; the
     routers' sums sent across the stage boundary, where the planner counts them), with zero1,
@@ -106,7 +118,7 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
     for variant, covered in MOE_VARIANTS.items():
         assert extends(STRATEGIES[variant], STRATEGIES[covered]), (variant, covered)
-    four = {"fsdp+pp": "parallel.pp=2", "fsdp+tp": "parallel.tp=2"}
+    four = {"fsdp+pp": "parallel.pp=2", "fsdp+tp": "parallel.tp=2", "fsdp+ep": "parallel.ep=2"}
     others = ("pp", "cp", "fsdp+cp", "tp-sp")  # in the full finetuning and DPO tests below
     for strategy in (s for s in MOE_STRATEGIES if s not in others and s not in MOE_VARIANTS):
         run = tmp_path / strategy
@@ -116,8 +128,12 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
         assert_planned_bytes(run)
         if strategy == "tp":  # the planner's count of the experts' all-reduces, against a hand count
             assert_tp_bytes(run, micro_batches=4)
-    assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=2)
-    # Full activation checkpointing: the recompute runs the forward's all-to-alls again.
+    assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=1)
+    assert expert_groups(tmp_path / "fsdp+ep") == {
+        "replicate": [[0, 2], [1, 3]] * 2,
+        "ep": [[0, 1]] * 2 + [[2, 3]] * 2,
+    }
+    # One expert group of 2, recomputing each layer: the recompute runs the forward's all-to-alls again.
     recomputed = tmp_path / "fsdp+ep-checkpointed"
     layout = ["--strategy", "fsdp+ep", "--nproc", "2", "model.activation_checkpointing=full"]
     distft("train", *MOE, *layout, "--out", str(recomputed))
@@ -205,8 +221,9 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     FSDP) agree with one process at every step in loss, gradient norm, the auxiliary losses and
     the tokens each expert took, and in the evaluation loss after; checkpoints resume across
     expert-parallel degrees, into fsdp+tp+pp (full finetuning under TP x PP, every expert's half
-    sharded by FSDP2) and into tp-sp's sequence-parallel form. The auxiliary losses move the
-    gradient, not the loss recorded."""
+    sharded by FSDP2), into tp-sp's sequence-parallel form, and from tp-sp into fsdp+ep's two
+    expert groups of 2 (the experts' gradients all-reduced across the groups, the bytes planned
+    by mesh dimension). The auxiliary losses move the gradient, not the loss recorded."""
     full = [
         *MOE,
         "--method",
@@ -254,10 +271,12 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     # (2 stages of 2 TP ranks, each expert's half cut from the whole and sharded by FSDP2) and by
     # tp-sp with sequence parallelism (each rank routing its shard, the router's gradient summed
     # over the shards), tp-sp's (its projections' slices as DTensors, every expert's half written
-    # whole) by fsdp+ep; each trains steps 2 and 3 as one process does, moving the bytes the planner
-    # predicted for it, and fsdp+tp+pp writes its checkpoints (its shards gathered whole) on the way.
+    # whole) by fsdp+ep on 4 ranks in 2 expert groups; each trains steps 2 and 3 as one process does,
+    # moving the bytes the planner predicted for it, and fsdp+tp+pp writes its checkpoints (its
+    # shards gathered whole) on the way.
     layouts = {
         "fsdp+tp+pp": ["--nproc", "4", "parallel.tp=2", "parallel.pp=2"],
+        "fsdp+ep": ["--nproc", "4", "parallel.ep=2"],
         "tp-sp": ["--nproc", "2", "parallel.sequence_parallel=true", "model.activation_checkpointing=none"],
     }
     for source, strategy in (("fsdp+ep", "fsdp+tp+pp"), ("fsdp+ep", "tp-sp"), ("tp-sp", "fsdp+ep")):
@@ -271,6 +290,9 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
         ranks = json.loads((out / "ranks.json").read_text())  # the resumed run's, from its step 2
         assert ranks[0]["predicted_by"].startswith(STRATEGIES[strategy].label + " on")
         assert_planned_bytes(out)
+    across_groups = metrics(tmp_path / "resumed-tp-sp-fsdp+ep")[1]["comm_bytes_by_dim"]["replicate"]
+    # every layer's 4 experts of a rank, both stacks (gate/up 48 x 32, down 32 x 24), in fp32
+    assert across_groups == {"all_reduce": 4 * 4 * (48 * 32 + 32 * 24) * 4}
 
 
 def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys):
@@ -315,8 +337,34 @@ def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys)
             "use a process count that divides 8",
         ),
         (["--strategy", "fsdp+ep", "--nproc", "2", "--model", "micro"], "and micro has none"),
+        (
+            ["--strategy", "fsdp+ep", "--nproc", "6", "parallel.ep=3", "train.global_batch_size=6"],
+            "each of the 3 ranks of an expert group an equal share of qwen3-moe-micro's 8 experts: use a parallel.ep",
+        ),
+        (
+            ["--strategy", "fsdp+ep", "--nproc", "4", "parallel.ep=3"],
+            "parallel.ep=3 must divide the 4 processes",
+        ),
+        (
+            ["--strategy", "fsdp+ep", "--nproc", "2", "parallel.ep=1"],
+            "use --strategy fsdp, or parallel.ep of 2",
+        ),
+        (
+            ["--strategy", "fsdp", "--nproc", "2", "parallel.ep=2"],
+            "parallel.ep sets the expert groups of --strategy fsdp+ep",
+        ),
     ],
-    ids=["qlora", "gate-without-up", "dropout", "ep-uneven", "ep-dense"],
+    ids=[
+        "qlora",
+        "gate-without-up",
+        "dropout",
+        "ep-uneven",
+        "ep-dense",
+        "ep-group-uneven",
+        "ep-groups",
+        "ep-1",
+        "ep-not-ep",
+    ],
 )
 def test_what_cannot_run_an_moe_is_refused_before_launch(flags, says, tmp_path, capsys):
     assert main(["train", *MOE, *flags, "--out", str(tmp_path / "x")]) == 2

@@ -284,6 +284,7 @@ RANGES: dict[str, Range] = {
     "parallel.pp": COUNT,
     "parallel.cp": NON_NEGATIVE,  # 0: the world size / dp
     "parallel.shard": NON_NEGATIVE,  # 0: --nproc
+    "parallel.ep": NON_NEGATIVE,  # 0: every process
     "output.checkpoint_every": NON_NEGATIVE,  # 0: never
     "output.keep_last": COUNT,
 }

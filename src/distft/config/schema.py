@@ -285,6 +285,9 @@ class ParallelConfig:
     """cp, fsdp+cp: allgather (every row's K, V gathered per layer) or ring (passed rank to rank)."""
     shard: int = 0
     """hsdp: consecutive ranks sharding each parameter (one node), replicated across the others; 0: --nproc."""
+    ep: int = 0
+    """fsdp+ep: consecutive ranks splitting the experts between them (one node), each such group
+    holding every expert once, replicated across the groups; 0: every process."""
 
 
 @dataclass

@@ -313,6 +313,12 @@ def _check_layout(cfg: Config, strategy: type[Strategy]) -> None:
             f"{' or '.join(n for n, c in STRATEGIES.items() if c.shard_groups)}; --strategy "
             f"{strategy.name} does not take it. Drop it, or use that strategy."
         )
+    if par.ep and not strategy.needs_moe:
+        raise ConfigError(
+            f"parallel.ep sets the expert groups of --strategy "
+            f"{' or '.join(n for n, c in STRATEGIES.items() if c.needs_moe)}; --strategy {strategy.name} "
+            "does not take it. Drop it, or use that strategy."
+        )
     if par.max_restarts and not strategy.distributed:
         raise ConfigError(
             f"--max-restarts is handled by torchrun's elastic agent, which --strategy {par.strategy} "

@@ -1,14 +1,22 @@
-"""FSDP x expert parallelism (`fsdp+ep`): each rank holds 1/N of the experts, whole, and every token
+"""FSDP x expert parallelism (`fsdp+ep`): each rank holds 1/EP of the experts, whole, and every token
 travels to its experts' ranks and back by all-to-all; the rest of the model is sharded by FSDP.
 
 `distft train --model qwen3-moe-micro --strategy fsdp+ep --nproc 2`: N ranks, each reading its own
 rows (data parallel over all N), each holding experts [r E/N, (r+1) E/N) of every MoE layer.
 
+Expert groups (`parallel.ep`, EP; 0, the default: N). The ranks form a 2D mesh ("replicate", "ep"):
+EP consecutive ranks (a node) split the experts between them, and the N / EP such groups each hold
+every expert once, replicas of each other. A token travels only inside its rank's group, so the
+all-to-alls stay on the node's links; the price is E / EP experts per rank instead of E / N, and
+an all-reduce of the experts' gradients across the replicas once per step (full finetuning; under
+LoRA the stacks are frozen). With 4 ranks and EP = 2, {0, 1} and {2, 3} each hold experts 0-3 on
+their first rank and 4-7 on their second, and {0, 2}, {1, 3} are replicas.
+
 What each rank holds. The expert stacks (`mlp.experts.gate_up_proj`, `down_proj`: nearly all of an
-MoE's weights) as DTensors sharded along the expert dimension, E/N experts whole, never gathered;
-FSDP2 leaves them alone (`ignored_params`) and shards everything else (attention, router, norms,
-embeddings, LoRA's adapters) over the same N ranks, as under `fsdp`. Full finetuning keeps the
-optimizer state of the local experts only.
+MoE's weights) as DTensors sharded along the expert dimension (and replicated across the groups),
+E/EP experts whole, never gathered; FSDP2 leaves them alone (`ignored_params`) and shards
+everything else (attention, router, norms, embeddings, LoRA's adapters) over all N ranks, as under
+`fsdp`. Full finetuning keeps the optimizer state of the local experts only.
 
 Each MoE layer's forward, per micro-batch of T tokens routed to k experts each (`dispatch`):
 1. sort the T x k (token, expert) assignments by expert and count them per expert;
@@ -26,13 +34,16 @@ only after step 2 (a host sync per layer).
 
 Bytes per micro-batch and MoE layer: 2 T k hidden x dtype bytes forward (dispatch and combine),
 the same again in backward (and again in a forward recomputed by activation checkpointing), plus
-E x 8 bytes of counts per forward. Beside them, FSDP's all-gathers and reduce-scatters of the rest.
+E x 8 bytes of counts per forward. Beside them, FSDP's all-gathers and reduce-scatters of the rest,
+and with replicas, once per step, the all-reduce of the local experts' gradients (E/EP experts'
+bytes, over the N / EP replicas).
 
 Gradient scale. Each rank scales its loss by N, which FSDP's averaging divides out (`Strategy.
-averaged_over`). An expert's weight gradient is not averaged: its rank received every rank's
-tokens for it, so the gradient is already the global batch's, N times over; it is divided by N
-after the backward. An expert's LoRA factors are FSDP's like every adapter: each rank's gradient
-holds only its own experts' slices, and FSDP's reduce-scatter sums the slices into the whole.
+averaged_over`). An expert's weight gradient is not averaged: its rank received every token of its
+group for it, so the gradient is the group's share of the global batch, N times over; summed
+across the replicas (the whole batch) and divided by N after the backward. An expert's LoRA
+factors are FSDP's like every adapter: each rank's gradient holds only its own experts' slices,
+and FSDP's reduce-scatter over all N sums the slices (every group's) into the whole.
 
 Paper: Lepikhin et al., "GShard" (2006.16668), section 2.2; Fedus et al., "Switch Transformers"
 (2101.03961). torchtitan builds the same from the same pieces (its `ExpertParallel`).
@@ -49,7 +60,7 @@ import torch.distributed._functional_collectives as funcol
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PretrainedConfig
 
 from distft.config import Config
@@ -57,6 +68,7 @@ from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.experts import STACKS, Factors, grouped_mlp, read_adapters, swiglu
 from distft.parallel.fsdp import FSDP, shard_units
+from distft.parallel.grads import all_reduce_flat
 
 Stack = tuple[torch.Tensor, Factors | None]  # a local expert stack and its LoRA factors
 
@@ -69,43 +81,84 @@ class FSDPExpertParallel(FSDP):
     qlora_refusal: ClassVar[str] = "its experts are fused parameter stacks that NF4 does not quantize"
     supports_compile: ClassVar[bool] = False  # the all-to-all sizes read on the host: a graph break per layer
     label = "FSDP x EP"
-    holds = "1/N of the experts, whole; 1/N of every other param, grad, optimizer state"
-    moves = "all-to-all of each MoE layer's routed tokens (there and back); FSDP's all-gather / reduce-scatter of the rest"
+    holds = "1/EP of the experts, whole (EP = `parallel.ep`, every rank by default); 1/N of every other param, grad, optimizer state"
+    moves = "all-to-all of each MoE layer's routed tokens (there and back) inside its EP group; FSDP's all-gather / reduce-scatter of the rest"
     page = "moe.md#expert-parallelism-fsdpep"
     collectives = "the all-to-alls of routed tokens and FSDP's all-gathers / reduce-scatters (fsdp+ep)"
 
     @classmethod
+    def expert_degree(cls, cfg: Config) -> int:
+        """Ranks splitting the experts between them (EP): `parallel.ep`, by default every rank."""
+        return cfg.parallel.ep or cfg.world_size
+
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
+        super().validate_config(cfg)
+        ep, world = cls.expert_degree(cfg), cfg.world_size
+        if world % ep:
+            raise ConfigError(
+                f"parallel.ep={ep} must divide the {world} processes (--nproc x --nnodes) into equal expert "
+                f"groups; e.g. parallel.ep={cfg.parallel.nproc}, one group per node."
+            )
+        if ep == 1 and world > 1:
+            raise ConfigError(
+                "--strategy fsdp+ep with parallel.ep=1 keeps every expert on every rank, which is --strategy "
+                "fsdp without FSDP's shards of the experts: use --strategy fsdp, or parallel.ep of 2 or more."
+            )
+
+    @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
         super().validate_model(cfg, model_config)
-        experts, world = getattr(model_config, "num_experts", 0), cfg.world_size
+        experts, ep = getattr(model_config, "num_experts", 0), cls.expert_degree(cfg)
         if not experts:
             raise ConfigError(
                 f"--strategy fsdp+ep shards a mixture of experts' experts, and {cfg.model.name} has none: "
                 "use --strategy fsdp."
             )
-        if experts % world:
+        if experts % ep:
+            whole = ep == cfg.world_size
+            ranks, count = (
+                ("processes", "a process count") if whole else ("ranks of an expert group", "a parallel.ep")
+            )
             raise ConfigError(
-                f"--strategy fsdp+ep gives each of the {world} processes an equal share of {cfg.model.name}'s "
-                f"{experts} experts: use a process count that divides {experts}."
+                f"--strategy fsdp+ep gives each of the {ep} {ranks} an equal share of {cfg.model.name}'s "
+                f"{experts} experts: use {count} that divides {experts}."
             )
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
+        device, world, ep = self.env.device.type, self.env.world_size, self.expert_degree(self.cfg)
+        self.mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+        # Row-major: an expert group is EP consecutive ranks (a node), as HSDP's shard groups are.
+        self.expert_mesh = (
+            self.mesh
+            if ep == world
+            else init_device_mesh(device, (world // ep, ep), mesh_dim_names=("replicate", "ep"))
+        )
         layers = list(causal_lm(model.lm).model.layers)
         self.expert_weights: list[nn.Parameter] = []
         for layer in layers:
-            self.expert_weights += shard_experts(layer.mlp.experts, self.mesh)
+            self.expert_weights += shard_experts(layer.mlp.experts, self.expert_mesh)
         units = layers if self.cfg.parallel.fsdp_wrap == "layer" else []
         return shard_units(
             model, units, self.mesh, self.cfg, self.reshard_after_forward, ignored=set(self.expert_weights)
         )
 
     def after_backward(self, model: nn.Module) -> None:
-        # Every rank's tokens reached this rank's experts, each scaled by N (`averaged_over`).
-        for weight in self.expert_weights:
-            if weight.grad is not None:
-                weight.grad.div_(self.averaged_over)
+        # Every token of the group reached this rank's experts, each scaled by N (`averaged_over`);
+        # the replicas' groups read the rest of the batch.
+        grads = [weight.grad.to_local() for weight in self.expert_weights if weight.grad is not None]
+        if self.expert_mesh.ndim > 1:
+            all_reduce_flat(grads, group=self.expert_mesh.get_group("replicate"))
+        for grad in grads:
+            grad.div_(self.averaged_over)
+
+    def mesh_groups(self) -> dict[str, list[int]]:
+        groups = super().mesh_groups()
+        if self.expert_mesh is not self.mesh:
+            names = self.expert_mesh.mesh_dim_names or ()
+            groups |= {n: dist.get_process_group_ranks(self.expert_mesh.get_group(n)) for n in names}
+        return groups
 
 
 def experts_base(experts: nn.Module) -> nn.Module:
@@ -116,22 +169,25 @@ def experts_base(experts: nn.Module) -> nn.Module:
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Keep this rank's experts of each stack (a DTensor sharded along the experts) and route the
-    module's forward through the all-to-all (`expert_parallel_forward`); the new parameters."""
-    base, rank, world = experts_base(experts), mesh.get_local_rank(), mesh.size()
-    local = base.num_experts // world
+    """Keep this rank's experts of each stack (a DTensor sharded along the experts over the mesh's
+    last dimension, the expert group, and replicated over any before it) and route the module's
+    forward through the all-to-all (`expert_parallel_forward`); the new parameters."""
+    group_dim = mesh.ndim - 1
+    base, rank, ep = experts_base(experts), mesh.get_local_rank(group_dim), mesh.size(group_dim)
+    local = base.num_experts // ep
+    placements = [Replicate()] * group_dim + [Shard(0)]
     sharded = []
     for name in STACKS:
         full = getattr(base, name)
         shard = full.detach()[rank * local : (rank + 1) * local].clone()
         weight = nn.Parameter(
-            DTensor.from_local(shard, mesh, [Shard(0)], run_check=False), full.requires_grad
+            DTensor.from_local(shard, mesh, placements, run_check=False), full.requires_grad
         )
         setattr(base, name, weight)
         sharded.append(weight)
     # The module's own forward, replaced on this instance: (hidden, top_k_index, top_k_weights) in,
     # the experts' weighted sum out, as the MoE block calls it.
-    experts.forward = functools.partial(expert_parallel_forward, experts, group=mesh.get_group())
+    experts.forward = functools.partial(expert_parallel_forward, experts, group=mesh.get_group(group_dim))
     return sharded
 
 

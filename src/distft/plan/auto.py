@@ -227,6 +227,8 @@ def parallelism_of(cfg: Config, schedule: str) -> Parallelism:
         schedule=schedule,
         dp_shard=cls.shard_degree(cfg) if cls.shard_groups else 0,
     )
+    if cls.needs_moe:  # fsdp+ep: its expert groups (`parallel.ep`)
+        par = replace(par, ep=cls.expert_degree(cfg))
     if cls.tensor_parallel == "megatron":
         par = replace(par, sp=p.sequence_parallel)
     if "cp" in cls.dims:

@@ -61,5 +61,10 @@ def expected_step_bytes(
         collectives = step_collectives(spec, training, par, topology, strategy.pp_rank)
     except (ConfigError, ValueError):  # a layout the planner does not model
         return None
-    by_dim = bytes_by_dim(collectives) if STRATEGIES[cfg.parallel.strategy].shard_groups else None
+    # Where groups of several sizes run (HSDP's shard groups, fsdp+ep's expert groups): by dimension too.
+    by_dim = (
+        bytes_by_dim(collectives)
+        if STRATEGIES[cfg.parallel.strategy].shard_groups or 1 < par.ep < par.dp
+        else None
+    )
     return bytes_by_kind(collectives), by_dim

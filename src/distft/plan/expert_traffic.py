@@ -28,8 +28,8 @@ SUM_BYTES = 4  # an fp32 per router sum
 def ep_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
 ) -> list[Collective]:
-    """Expert parallelism's all-to-alls of one optimizer step, one rank: the counts in each forward,
-    the routed rows there and back in each forward and backward."""
+    """Expert parallelism's all-to-alls of one optimizer step, one rank, inside its expert group:
+    the counts in each forward, the routed rows there and back in each forward and backward."""
     forwards = 2 if training.checkpointed else 1  # a checkpointed layer dispatches again
     passes = forwards + 1
     shapes = training.shapes(par.microbatches)
@@ -41,6 +41,21 @@ def ep_collectives(
         Collective("routed tokens", "all_to_all", routed, calls * 2 * passes, par.ep, link, False),
         Collective("expert counts", "all_to_all", counts, calls * forwards, par.ep, link, False),
     ]
+
+
+def expert_replica_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: list[int]
+) -> list[Collective]:
+    """Expert groups smaller than the data-parallel ranks (`parallel.ep`): once per step, the
+    gradients of this rank's experts (E / ep of each stack of its layers) all-reduced across the
+    dp / ep groups that hold the same experts; none where the stacks are frozen (LoRA)."""
+    replicas = par.dp // par.ep
+    if replicas < 2 or training.method != "full":
+        return []
+    held = set(layers)
+    local = sum(t.numel // par.ep for t in spec.tensors() if t.kind == "experts" and t.layer in held)
+    nbytes = local * training.precision.grad
+    return [Collective("expert gradients", "all_reduce", nbytes, 1, replicas, link, False)]
 
 
 def tp_expert_terms(

@@ -156,7 +156,7 @@ class Parallelism:
     pp_split: str | tuple[int, ...] = "balanced"  # parallel.pp_split: balanced, even, or layers per stage
     cp: int = 1  # context-parallel degree: ranks sharing each sequence (1/cp of its positions each)
     cp_method: str = "allgather"  # parallel.cp_method: K/V gathered (allgather) or passed round (ring)
-    ep: int = 1  # expert-parallel degree (fsdp+ep: every data-parallel rank holds 1/ep of the experts)
+    ep: int = 1  # expert-parallel degree (fsdp+ep: each of ep consecutive data-parallel ranks holds 1/ep of the experts)
     ddp: DDPSettings = DDPSettings()
     # fsdp+pp: (stage, all-gathers per step) of this rank's stages, as its schedule's UNSHARD actions
     # say (a running pipeline's); empty: `fsdp_pipeline_gathers`, one each.
