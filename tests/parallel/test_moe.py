@@ -18,7 +18,7 @@ from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
 from distft.plan import evaluate, make_request
-from distft.plan.collective import bytes_by_kind
+from distft.plan.collective import bytes_by_dim, bytes_by_kind
 from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, extends, metrics
 
 # Adam's eps above the rounding of a gradient element (~2e-9 here): at the default 1e-8, an element
@@ -298,7 +298,8 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
 def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys):
     """`distft plan` on Qwen3-30B-A3B: every expert in memory, a token's 8 in FLOPs; full finetuning
     on 8 H100s, where FSDP gathers each layer's 128 experts every micro-batch and does not fit,
-    takes the tree to FSDP x EP; QLoRA, whose NF4 base leaves the fused stacks out, is refused."""
+    takes the tree to FSDP x EP, on two nodes with an expert group per node; QLoRA, whose NF4 base
+    leaves the fused stacks out, is refused."""
     assert (
         main(["plan", "--model", "Qwen/Qwen3-30B-A3B", "--gpu", "h100", "--gpus", "8", "--method", "full"])
         == 0
@@ -323,6 +324,15 @@ def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys)
     assert bytes_by_kind(even.collectives)["all_to_all"] == 2048 * 8 * 2048 * 2 * 2 * 2 * 48 + 128 * 8 * 48
     assert bytes_by_kind(uneven.collectives) == bytes_by_kind(even.collectives)
     assert uneven.activations > even.activations and uneven.step_s > even.step_s
+    # Two nodes of 8: expert groups of a node's 8 GPUs keep the all-to-alls off the slower link
+    # between nodes, for an all-reduce of every rank's 16 experts' gradients (bf16) across the 2.
+    assert main(["plan", *flags.split(), "--nodes", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "FSDP x EP (ep=8, replicas=2) keeps 16 experts whole per GPU" in out and " parallel.ep=8 " in out
+    request = make_request(build_parser().parse_args(["plan", *flags.split(), "--nodes", "2"]))
+    groups = bytes_by_dim(evaluate(request)["fsdp+ep"].collectives)
+    assert groups["replicate"] == {"all_reduce": 128 * 3 * 768 * 2048 * 48 // 8 * 2}
+    assert groups["ep"]["all_to_all"] == bytes_by_kind(even.collectives)["all_to_all"]
     assert [name for name, family in FAMILIES.items() if family.moe] == ["qwen3_moe"]  # each one tested here
 
 

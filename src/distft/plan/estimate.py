@@ -114,6 +114,8 @@ class Estimate:
         lay = self.parallelism
         if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas
             return f"{LABELS[self.strategy]} (shard={lay.shard_degree}, replicas={lay.replicas})"
+        if 1 < lay.ep < lay.dp:  # fsdp+ep: expert groups x replicas
+            return f"{LABELS[self.strategy]} (ep={lay.ep}, replicas={lay.dp // lay.ep})"
         degrees = [f"{d}={getattr(lay, d)}" for d in ("dp", "tp", "pp", "cp") if getattr(lay, d) > 1]
         return f"{LABELS[self.strategy]}" + (
             f" ({', '.join(degrees)})" if degrees and RUNTIME[self.strategy].mesh_degrees else ""
@@ -165,17 +167,19 @@ class Estimate:
 
 
 def parallelism_for(
-    req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1
+    req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 0
 ) -> Parallelism:
     """How `strategy` splits the work at these degrees, as the runtime builds it (its class says
-    what it shards and how it splits a layer; HSDP shards inside a node)."""
+    what it shards and how it splits a layer; HSDP shards inside a node; fsdp+ep's expert groups
+    are `ep` ranks, 0: every data-parallel rank)."""
     cls = RUNTIME[strategy]
     m = req.grad_accum
     if pp > 1:
         m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, world_size=dp * tp * pp * cp)
     shard_group = req.gpus_per_node if cls.shard_groups else 0
-    return Parallelism.of(cls, dims, microbatches=m, schedule=req.pp_schedule, dp_shard=shard_group)
+    par = Parallelism.of(cls, dims, microbatches=m, schedule=req.pp_schedule, dp_shard=shard_group)
+    return replace(par, ep=ep) if ep and cls.needs_moe else par
 
 
 def why_not(req: Request, par: Parallelism) -> str:
@@ -289,8 +293,10 @@ def candidate_parallelisms(req: Request, strategy: str) -> list[Parallelism]:
     """Every factorisation of the GPUs `strategy` is tried with: a strategy on one mesh dimension
     takes every GPU on it; on several, TP and CP stay inside a node, the pipeline is outermost
     (across nodes when there are several) and 2+ data-parallel ranks sit between (1+ beside CP,
-    whose ranks FSDP shards over too)."""
+    whose ranks FSDP shards over too); fsdp+ep's expert groups of 2+ ranks dividing the GPUs."""
     dims, n = RUNTIME[strategy].dims, req.world
+    if RUNTIME[strategy].needs_moe:  # fsdp+ep: expert groups of every size, all the GPUs by default
+        return [parallelism_for(req, strategy, dp=n, ep=ep) for ep in [n, *_divisors(n)[:-1]]]
     if len(dims) < 2:
         return [parallelism_for(req, strategy, **{d: n for d in dims})]
     return [

@@ -4,7 +4,7 @@ Only strategies in the runtime's registry get one (`estimate.runnable`). The com
 setting the estimate assumed, because `distft train`'s defaults (fp32, micro-batch 4, 768 tokens)
 are not the plan's: the model dtype, the micro-batch and the global batch it implies, the sequence
 length, activation checkpointing, the attention kernel, the LoRA rank, the mesh degrees of the 2-D
-strategies, HSDP's shard degree, the pipeline's schedule and micro-batches, and the steps the plan
+strategies, HSDP's shard degree, fsdp+ep's expert groups, the pipeline's schedule and micro-batches, and the steps the plan
 timed (`--steps`, or `--tokens` x `--epochs` over the layout's tokens per step). Then what the
 estimate did not need but a run does: the learning rate for this base and method
 (`distft.parallel.derive.default_lr`) and `--data`: the bundled sample for the small CPU presets,
@@ -54,6 +54,8 @@ def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dic
             out["parallel.cp"] = str(par.cp)
     if RUNTIME[par.name].shard_groups:
         out["parallel.shard"] = str(par.shard_degree)
+    if RUNTIME[par.name].needs_moe and par.ep < par.dp:
+        out["parallel.ep"] = str(par.ep)
     if par.pp > 1:
         out["parallel.schedule"] = par.schedule
         out["parallel.microbatches"] = str(par.microbatches)
