@@ -68,7 +68,6 @@ from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.experts import STACKS, Factors, grouped_mlp, read_adapters, swiglu
 from distft.parallel.fsdp import FSDP, shard_units
-from distft.parallel.grads import all_reduce_flat
 
 Stack = tuple[torch.Tensor, Factors | None]  # a local expert stack and its LoRA factors
 
@@ -146,10 +145,13 @@ class FSDPExpertParallel(FSDP):
 
     def after_backward(self, model: nn.Module) -> None:
         # Every token of the group reached this rank's experts, each scaled by N (`averaged_over`);
-        # the replicas' groups read the rest of the batch.
+        # the replicas' groups read the rest of the batch. One all-reduce per stack, in place and
+        # all in flight at once: a flat copy would hold every local expert's gradient a second time.
         grads = [weight.grad.to_local() for weight in self.expert_weights if weight.grad is not None]
         if self.expert_mesh.ndim > 1:
-            all_reduce_flat(grads, group=self.expert_mesh.get_group("replicate"))
+            group = self.expert_mesh.get_group("replicate")
+            for pending in [dist.all_reduce(grad, group=group, async_op=True) for grad in grads]:
+                pending.wait()
         for grad in grads:
             grad.div_(self.averaged_over)
 

@@ -47,15 +47,16 @@ def expert_replica_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: list[int]
 ) -> list[Collective]:
     """Expert groups smaller than the data-parallel ranks (`parallel.ep`): once per step, the
-    gradients of this rank's experts (E / ep of each stack of its layers) all-reduced across the
-    dp / ep groups that hold the same experts; none where the stacks are frozen (LoRA)."""
+    gradients of this rank's experts (E / ep of each stack of its layers, one all-reduce a stack)
+    summed across the dp / ep groups that hold the same experts; none where the stacks are frozen
+    (LoRA)."""
     replicas = par.dp // par.ep
     if replicas < 2 or training.method != "full":
         return []
     held = set(layers)
-    local = sum(t.numel // par.ep for t in spec.tensors() if t.kind == "experts" and t.layer in held)
-    nbytes = local * training.precision.grad
-    return [Collective("expert gradients", "all_reduce", nbytes, 1, replicas, link, False)]
+    stacks = [t for t in spec.tensors() if t.kind == "experts" and t.layer in held]
+    nbytes = sum(t.numel // par.ep for t in stacks) * training.precision.grad
+    return [Collective("expert gradients", "all_reduce", nbytes, len(stacks), replicas, link, False)]
 
 
 def tp_expert_terms(

@@ -4,14 +4,14 @@ Only strategies in the runtime's registry get one (`estimate.runnable`). The com
 setting the estimate assumed, because `distft train`'s defaults (fp32, micro-batch 4, 768 tokens)
 are not the plan's: the model dtype, the micro-batch and the global batch it implies, the sequence
 length, activation checkpointing, the attention kernel, the LoRA rank, the mesh degrees of the 2-D
-strategies, HSDP's shard degree, fsdp+ep's expert groups, the pipeline's schedule and micro-batches, and the steps the plan
-timed (`--steps`, or `--tokens` x `--epochs` over the layout's tokens per step). Then what the
-estimate did not need but a run does: the learning rate for this base and method
-(`distft.parallel.derive.default_lr`) and `--data`: the bundled sample for the small CPU presets,
-a placeholder to replace for a real model (a preset mirroring a released model is named by its hub
-id, whose pretrained weights are what one finetunes). `run_overrides`
-returns them as the `section.key=value` overrides `distft.config.load_config` reads, so a test can
-parse the line back into a config and compare.
+strategies, HSDP's shard degree, fsdp+ep's expert groups, the pipeline's schedule and
+micro-batches, and the steps the plan timed (`--steps`, or `--tokens` x `--epochs` over the layout's
+tokens per step). Then what the estimate did not need but a run does: the learning rate for this
+base and method (`distft.parallel.derive.default_lr`) and `--data`: the bundled sample for the
+small CPU presets, a placeholder to replace for a real model (a preset mirroring a released model
+is named by its hub id, whose pretrained weights are what one finetunes). `run_overrides` returns
+them as the `section.key=value` overrides `distft.config.load_config` reads, so a test can parse
+the line back into a config and compare.
 """
 
 from __future__ import annotations
