@@ -18,14 +18,14 @@ E/EP experts whole, never gathered; FSDP2 leaves them alone (`ignored_params`) a
 everything else (attention, router, norms, embeddings, LoRA's adapters) over all N ranks, as under
 `fsdp`. Full finetuning keeps the optimizer state of the local experts only.
 
-Each MoE layer's forward, per micro-batch of T tokens routed to k experts each (`dispatch`):
+Each MoE layer's forward, per micro-batch of T tokens routed to k experts each (`expert_parallel_forward`):
 1. sort the T x k (token, expert) assignments by expert and count them per expert;
 2. all-to-all of the counts (E integers): each rank learns how many rows it will receive from
    every rank for each of its experts;
 3. all-to-all of the rows (dispatch, T k x hidden): each goes to the rank holding its expert;
-4. each local expert's SwiGLU MLP over its rows (its LoRA factors applied to the rows, never
-   merged into its weights): one grouped matmul per projection and factor over the local stack
-   (`model.experts_implementation`);
+4. each local expert's SwiGLU MLP over its rows (its LoRA factors applied to the rows, or merged
+   where that is fewer multiply-adds: `grouped_projection`): one grouped matmul per projection and
+   factor over the local stack (`model.experts_implementation`);
 5. all-to-all back (combine, the same sizes reversed), then each token sums its k outputs
    weighted by the router's probabilities.
 Backward runs the two row all-to-alls in reverse. Routing is dropless: every assignment is
@@ -66,7 +66,7 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.model.experts import STACKS, Factors, grouped_mlp, read_adapters, swiglu
+from distft.model.experts import STACKS, Combine, Dispatch, Factors, grouped_mlp, read_adapters, swiglu
 from distft.parallel.fsdp import FSDP, shard_units
 
 Stack = tuple[torch.Tensor, Factors | None]  # a local expert stack and its LoRA factors
@@ -222,6 +222,8 @@ def expert_parallel_forward(
 
     assignments = top_k_index.reshape(-1)  # (tokens x k,): token t's experts at t k ... t k + k - 1
     order = torch.argsort(assignments, stable=True)  # grouped by expert, so by destination rank
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    token_of_row = order // k
     counts = torch.bincount(assignments, minlength=num_experts)
     received_counts = torch.empty_like(counts)  # [source rank, local expert]
     dist.all_to_all_single(received_counts, counts, group=group)
@@ -229,26 +231,46 @@ def expert_parallel_forward(
     received_counts_host = received_counts.view(world, local)
     receive = received_counts_host.sum(dim=1).tolist()
 
-    rows = funcol.all_to_all_single_autograd(hidden[order // k], receive, send, group)
+    # Every move of rows is a gather, forward and backward (`Dispatch`, `Permute`, `Combine`):
+    # autograd's own backward of a gather is a scatter-add (atomics on CUDA).
+    rows, row_weights = Dispatch.apply(hidden, top_k_weights, token_of_row, order, inverse)
+    rows = funcol.all_to_all_single_autograd(rows, receive, send, group)
     rows = funcol.wait_tensor(rows) if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
     # Rows arrive by source rank, each source's by expert: regroup them by local expert.
     expert_of_row = torch.arange(local, device=hidden.device).repeat(world)
     expert_of_row = expert_of_row.repeat_interleave(received_counts_host.reshape(-1))
     by_expert = torch.argsort(expert_of_row, stable=True)
+    arrived = torch.argsort(by_expert)  # the inverse permutation: back in the order the rows came
     outputs = expert_mlps(
-        rows[by_expert],
+        Permute.apply(rows, by_expert, arrived),
         received_counts_host.sum(dim=0).tolist(),
         local_expert_weights(experts, first, local),
         base.act_fn,
         grouped=base.config._experts_implementation in ("grouped_mm", "grouped_lora"),
     )
-    outputs = outputs[torch.argsort(by_expert)]  # back in the order the rows came
-    returned = funcol.all_to_all_single_autograd(outputs, send, receive, group)
+    returned = funcol.all_to_all_single_autograd(
+        Permute.apply(outputs, arrived, by_expert), send, receive, group
+    )
     returned = (
         funcol.wait_tensor(returned) if isinstance(returned, funcol.AsyncCollectiveTensor) else returned
     )
-    weighted = returned * top_k_weights.reshape(-1)[order, None].to(returned.dtype)
-    return torch.zeros_like(hidden).index_add(0, order // k, weighted.to(hidden.dtype))
+    # The routing weights stay on this rank: each returned row weighted here, a token's k summed.
+    return Combine.apply(returned * row_weights[:, None], token_of_row, inverse, k).to(hidden.dtype)
+
+
+class Permute(torch.autograd.Function):
+    """Rows reordered (`rows[index]`, `index` a permutation), backward by the inverse permutation's
+    gather (`back`) rather than autograd's scatter-add."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (back,) = ctx.saved_tensors
+        return grad.index_select(0, back), None, None
 
 
 def expert_mlps(
