@@ -18,7 +18,8 @@ E/EP experts whole, never gathered; FSDP2 leaves them alone (`ignored_params`) a
 everything else (attention, router, norms, embeddings, LoRA's adapters) over all N ranks, as under
 `fsdp`. Full finetuning keeps the optimizer state of the local experts only.
 
-Each MoE layer's forward, per micro-batch of T tokens routed to k experts each (`expert_parallel_forward`):
+Each MoE layer's forward (`expert_parallel_forward`), per micro-batch of T tokens routed to k
+experts each:
 1. sort the T x k (token, expert) assignments by expert and count them per expert;
 2. all-to-all of the counts (E integers): each rank learns how many rows it will receive from
    every rank for each of its experts;
