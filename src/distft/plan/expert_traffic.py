@@ -10,13 +10,14 @@ all-reduce.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from distft.model.experts import STACKS
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
-from distft.plan.collective import Collective
+from distft.plan.collective import Collective, Topology
 from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS, frozen_embedding, megatron_crossings
 from distft.plan.hardware import Link
-from distft.plan.inputs import Parallelism, Training, compute_bytes
+from distft.plan.inputs import Parallelism, Training, compute_bytes, rank_layers
 from distft.plan.memory import layer_seq_len
 from distft.plan.model_spec import ModelSpec
 from distft.plan.preference_traffic import kl_shapes
@@ -26,10 +27,25 @@ SUM_BYTES = 4  # an fp32 per router sum
 
 
 def ep_collectives(
+    spec: ModelSpec, training: Training, par: Parallelism, topo: Topology, rank: int, group_dim: str
+) -> list[Collective]:
+    """Expert parallelism's collectives of one optimizer step on pipeline rank `rank`, each named by
+    its mesh dimension: the all-to-alls inside its expert group (`group_dim` where the group is every
+    data-parallel rank, else "ep"), and across the groups the experts' gradients ("replicate")."""
+    layers = rank_layers(spec, training, par, rank)
+    routed = routing_collectives(spec, training, par, topo.link(par.ep, par.tp), len(layers))
+    across = expert_replica_collectives(
+        spec, training, par, topo.link(par.dp // par.ep, par.ep * par.tp), layers
+    )
+    group = "ep" if par.ep < par.dp else group_dim
+    return [replace(c, dim=group) for c in routed] + [replace(c, dim="replicate") for c in across]
+
+
+def routing_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: int
 ) -> list[Collective]:
-    """Expert parallelism's all-to-alls of one optimizer step, one rank, inside its expert group:
-    the counts in each forward, the routed rows there and back in each forward and backward."""
+    """The all-to-alls of one optimizer step, one rank, inside its expert group: the counts in each
+    forward, the routed rows there and back in each forward and backward."""
     forwards = 2 if training.checkpointed else 1  # a checkpointed layer dispatches again
     passes = forwards + 1
     shapes = training.shapes(par.microbatches)

@@ -289,15 +289,13 @@ def step_collectives(
     """Every collective of one optimizer step on the ranks of pipeline rank `rank` (every rank
     without a pipeline: their bytes are equal), each named by its mesh dimension. Groups: TP
     innermost, then DP (HSDP: shard groups of neighbouring ranks, replicas `shard` groups apart),
-    then PP."""
-    held_layers = rank_layers(spec, training, par, rank)
-    layers = len(held_layers)
+    then PP; a group of every rank is the default one, which a run's counter names "world"."""
+    layers = len(rank_layers(spec, training, par, rank))
     out: list[Collective] = []
 
     def add(dim: str, collectives: list[Collective]) -> None:
         out.extend(replace(c, dim=dim) for c in collectives)
 
-    # A dimension over every rank runs on the default group, which a run's counter names "world".
     dp_dim = "shard" if par.dp_shard else "world" if par.shard_degree == par.world else "dp"
     if par.shard_degree > 1:  # data parallel, or FSDP over the context-parallel ranks too
         link = topo.link(par.shard_degree, par.tp)
@@ -311,11 +309,7 @@ def step_collectives(
         add("pp", pp_collectives(spec, training, par, topo.link(par.pp, par.tp * par.dp), rank))
     if par.cp > 1:
         add("cp", cp_collectives(spec, training, par, topo.link(par.cp, 1)))
-    if par.ep > 1:  # fsdp+ep: inside its expert groups (all data-parallel ranks by default), across replicas
-        routed = experts.ep_collectives(spec, training, par, topo.link(par.ep, par.tp), layers)
-        add("ep" if par.ep < par.dp else dp_dim, routed)
-        link = topo.link(par.dp // par.ep, par.ep * par.tp)
-        add("replicate", experts.expert_replica_collectives(spec, training, par, link, held_layers))
+    out += experts.ep_collectives(spec, training, par, topo, rank, dp_dim) if par.ep > 1 else []  # fsdp+ep
     sequence_split = par.tp > 1 and par.tensor_parallel == "megatron" and par.sp
     # An MoE's router sums (`distft.model.router`) join a preference objective's in one all-reduce.
     statistics = training.pair_statistics + (3 + spec.num_layers * spec.num_experts if spec.moe else 0)
