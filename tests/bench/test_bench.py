@@ -8,6 +8,7 @@ import math
 import pytest
 
 from distft.bench.harness import loss_agreement
+from distft.bench.report import comm_section, routed_match
 from distft.cli import main
 from distft.io.files import MANIFEST, damage
 from tests.bench.fabricated import timeline_1f1b
@@ -200,3 +201,18 @@ def test_report_only_recomputes_projections_without_running(bench, tmp_path):
     eight = results["projections"][1]["strategies"]["ddp"]
     assert "cannot feed 8 replicas" in eight["note"]  # a global batch of 4: said, not projected
     assert "### projected: 8xh100-nvlink" in (copy / "report.md").read_text()
+
+
+def test_all_to_all_bytes_match_summed_over_the_ranks():
+    """fsdp+ep's all-to-alls are planned as the ranks' mean (a rank sends the rows its experts took,
+    the routing's choice): the report matches them summed over the ranks, and says when that is off."""
+    ranks = [
+        {"comm_bytes_per_step": {"counted": {"all_to_all": sent}, "predicted": {"all_to_all": 100}}}
+        for sent in (120, 80)
+    ]
+    summary = {"results": [{"strategy": "fsdp+ep", "comm_bytes": {"all_to_all": 120},
+                            "comm_bytes_expected": {"all_to_all": 100}, "ranks": ranks}]}  # fmt: skip
+    row = next(line for line in comm_section(summary) if line.startswith("| fsdp+ep"))
+    assert row.endswith("| yes, summed over the ranks (a rank's share is the routing's) |")
+    ranks[1]["comm_bytes_per_step"]["counted"]["all_to_all"] = 81
+    assert routed_match(ranks).startswith("off by +1 B, summed over the ranks")
