@@ -2,7 +2,7 @@
 # Regenerate the committed CPU reports under docs/reports/cpu/ (see docs/reports/README.md).
 # Each command writes its full output under runs/reports/NAME; the report, the raw figures and the
 # plots are then copied here. The load before and after each run goes to stdout: put it in RECORD.md.
-#   usage: docs/reports/regenerate-cpu.sh [ddp-misconfig] [fsdp-wrap] [strategies] [pp] [pp-tiny] [gpu-suite]
+#   usage: docs/reports/regenerate-cpu.sh [ddp-misconfig] [fsdp-wrap] [strategies] [moe] [pp] [pp-tiny] [gpu-suite]
 #   (default: all)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,7 +22,7 @@ run() {  # NAME FILES... -- distft bench ARGS...
   for f in "${files[@]}"; do cp runs/reports/"$name"/$f "$DEST/$name/"; done
 }
 
-set -- "${@:-ddp-misconfig fsdp-wrap strategies pp pp-tiny gpu-suite}"
+set -- "${@:-ddp-misconfig fsdp-wrap strategies moe pp pp-tiny gpu-suite}"
 for name in $*; do
   case $name in
     ddp-misconfig | fsdp-wrap)
@@ -32,6 +32,11 @@ for name in $*; do
       run strategies report.md results.json '*.png' -- \
         --strategies single,ddp,fsdp,zero2,tp,tp-sp,pp "${COMMON[@]}" --repeats 3 --steps 2 --warmup 1 \
         --global-batch 4 --micro-batch 1 --seq-len 256 --project 2xrtx4090-pcie,2xh100-nvlink \
+        data.max_rows=32 train.eval_batches=1 ;;
+    moe)  # the strategies that take a mixture of experts, qwen3-moe-micro's 8 experts (top-2)
+      run moe report.md results.json '*.png' -- \
+        --strategies single,ddp,fsdp,fsdp+ep,tp --model qwen3-moe-micro --nproc 2 --repeats 3 --steps 2 \
+        --warmup 1 --global-batch 4 --micro-batch 1 --seq-len 256 --project 2xh100-nvlink \
         data.max_rows=32 train.eval_batches=1 ;;
     pp)  # every schedule at m = 2 and 4, each with the balanced and the even cut of micro's 4 layers
       run pp report.md results.json '*.png' -- \
@@ -46,6 +51,6 @@ for name in $*; do
     gpu-suite)  # the one-GPU suite on the CPU: a check that it runs, not a speed figure
       run gpu-suite report.md results.json -- --gpu --model micro --seq-len 256 --steps 2 --warmup 1 \
         --global-batch 4 ;;
-    *) echo "unknown report $name (ddp-misconfig, fsdp-wrap, strategies, pp, pp-tiny, gpu-suite)"; exit 2 ;;
+    *) echo "unknown report $name (ddp-misconfig, fsdp-wrap, strategies, moe, pp, pp-tiny, gpu-suite)"; exit 2 ;;
   esac
 done
