@@ -6,12 +6,17 @@ step record, the step time: null on the CPU, which has no bf16 peak; one real 2-
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
+import distft.plan.auto as auto
 from distft.cli import build_parser, config_from_args, main
 from distft.parallel import STRATEGIES, check_config
+from distft.parallel.dims import ParallelDims
 from distft.plan import predict
+from distft.plan.explain import Recommendation
+from distft.plan.inputs import Parallelism
 from tests.helpers import distft, metrics
 
 SHORT = [
@@ -31,6 +36,19 @@ def test_auto_resolves_to_a_runnable_strategy_and_says_why(capsys):
     assert cfg.parallel.strategy == "ddp"
     assert "strategy auto: DDP on 2 processes (CPU: " in out and "memory is not the problem" in out
     assert cfg.derived["parallel.strategy"].startswith("ddp: the planner's choice")
+
+
+def test_auto_runs_the_expert_groups_it_planned(monkeypatch):
+    """Where the plan picks fsdp+ep in groups smaller than the world (a node's GPUs, on several
+    nodes), `--strategy auto` runs those groups, and the prediction is for them."""
+    groups = Parallelism.of(STRATEGIES["fsdp+ep"], ParallelDims(dp=4, tp=1, pp=1, world_size=4))
+    picked = Recommendation("fsdp+ep", "lora", "none", "planned", [], parallelism=replace(groups, ep=2))
+    monkeypatch.setattr(auto, "decide", lambda request: picked)
+    argv = ["train", "--strategy", "auto", "--nproc", "4", "--model", "qwen3-moe-micro"]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert (cfg.parallel.strategy, cfg.parallel.ep) == ("fsdp+ep", 2)
+    check_config(cfg)
+    assert auto.parallelism_of(cfg, "1f1b").ep == 2
 
 
 def test_prediction_is_the_layout_the_runtime_builds():
@@ -104,8 +122,6 @@ def test_every_rank_moves_the_bytes_the_planner_predicted(strategy, layout, tmp_
 
 
 def test_a_run_the_plan_says_cannot_fit_is_refused_before_launch_unless_forced(tmp_path, capsys, monkeypatch):
-    import distft.plan.auto as auto
-
     monkeypatch.setattr(auto, "device_memory", lambda cfg: (8 << 30, "CPU: 8 GiB each"))
     out = tmp_path / "run"
     argv = ["train", "--model", "qwen3-4b", "--out", str(out), *SHORT]
