@@ -59,9 +59,11 @@ def test_matches_single_process_with_bytes_per_dimension(tmp_path):
     assert first["comm_bytes_by_dim"] == first["comm_bytes_expected_by_dim"] == want
     assert first["comm_bytes"] == first["comm_bytes_expected"]
 
-    # DCP reshards the 2D (Replicate, Shard) DTensors: step 1's checkpoint resumes in one process.
+    # DCP reshards the 2D (Replicate, Shard) DTensors: step 1's checkpoint resumes in one process,
+    # the saved config's shard groups left behind (single does not take them), and says so.
     out = crashed_copy(out, tmp_path / "crashed", 1)
-    distft("train", "--resume", str(out), "--strategy", "single", "--nproc", "1", "parallel.shard=0")
+    proc = distft("train", "--resume", str(out), "--strategy", "single", "--nproc", "1")
+    assert "resumed under --strategy single: parallel.shard=2 reset to 0" in proc.stdout
     assert_same_training(out, reference)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from distft.config import Config, check_choice
+from distft.config import Config, ParallelConfig, check_choice
 from distft.config.choices import WITH_REFERENCE
 from distft.errors import ConfigError
 from distft.model.build import check_target_modules
@@ -118,6 +118,29 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "parallel.health_timeout_s": _PROCESS_GROUP,
     "parallel.health_slow_s": _PROCESS_GROUP,
 }
+
+
+# The layout settings only some strategies take (`_check_layout` refuses them under the others).
+LAYOUT_TAKERS: dict[str, Callable[[type[Strategy]], bool]] = {
+    **dict.fromkeys(("dp", "tp", "pp"), lambda c: c.mesh_degrees),
+    "cp": lambda c: c.mesh_degrees and "cp" in c.dims,
+    "shard": lambda c: c.shard_groups,
+    "ep": lambda c: c.needs_moe,
+}
+
+
+def layout_left_behind(cfg: Config, given: set[str]) -> list[str]:
+    """A run resumed under another strategy: its saved `parallel.*` layout settings that `cfg`'s
+    strategy does not take, back to their defaults in place (not those `given` here); a line each."""
+    strategy, defaults, lines = STRATEGIES.get(cfg.parallel.strategy), ParallelConfig(), []
+    for name, takes in LAYOUT_TAKERS.items() if strategy else ():
+        value, default = getattr(cfg.parallel, name), getattr(defaults, name)
+        if value != default and not takes(strategy) and f"parallel.{name}" not in given:
+            setattr(cfg.parallel, name, default)
+            lines.append(
+                f"resumed under --strategy {strategy.name}: parallel.{name}={value} reset to {default}"
+            )
+    return lines
 
 
 def ignored_settings(cfg: Config) -> list[str]:

@@ -25,6 +25,7 @@ from distft.io.lock import run_lock
 from distft.io.preflight import check_writable
 from distft.launch import launch_ranks, one_thread_before_forking
 from distft.parallel import STRATEGIES, check_config, ignored_settings
+from distft.parallel.checks import layout_left_behind
 from distft.parallel.derive import notes_for_ranks, read_rank_notes
 from distft.parallel.pipeline.calibrate import calibrate
 from distft.train.hooks import from_environment as hooks_from_environment
@@ -40,6 +41,11 @@ def config_from_args(args: argparse.Namespace, settings: Config | None = None) -
     already (`distft.cli` does, before it imports this module)."""
     cfg = train_settings(args) if settings is None else settings
     resolve_local_paths(cfg)
+    if getattr(args, "resume", None) and not getattr(args, "config", None):  # under another strategy?
+        given = {override.split("=", 1)[0].strip() for override in args.overrides}
+        reset = layout_left_behind(cfg, given)  # in every rank alike, said by the launching command
+        if reset and not launched_by_torchrun():
+            print("\n".join(reset), flush=True)
     if launched_by_torchrun():  # the launching command derived and predicted: its notes
         read_rank_notes(cfg)
     else:  # `--strategy auto` and the defaults that compose with the strategy (`parallel.derive`)
