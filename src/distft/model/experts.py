@@ -78,9 +78,7 @@ def grouped_projection(
     if factors is None:
         return grouped_linear(rows, weight, offsets)
     b, a, scaling = factors
-    # peft's B is a permuted view: the grouped kernel wants it contiguous, and the batched matmul
-    # and its backward would otherwise copy it per expert
-    b = b.contiguous()
+    b = b.contiguous()  # peft's is a permuted view: the kernels would copy it per expert, backward too
     if merges_delta(rows.shape[0], *weight.shape, a.shape[1]):
         merged = torch.baddbmm(weight, b.to(weight.dtype), a.to(weight.dtype), alpha=scaling)
         return grouped_linear(rows, merged, offsets)
@@ -135,14 +133,18 @@ def grouped_experts(
     """grouped_mm's sort by expert and grouped matmuls, the rows moved by gathers (`Dispatch`,
     `Combine`), each projection a `grouped_projection`, SiLU fused and each row's routing weight
     applied before the down projection (`gated`)."""
-    k = top_k_index.shape[-1]
-    sorted_experts, order = torch.sort(top_k_index.reshape(-1))  # each token's k rows, by expert
+    sorted_experts, order, inverse, token_of_row = sort_by_expert(top_k_index)
     offsets = torch.cumsum(expert_counts(sorted_experts, experts.num_experts), dim=0, dtype=torch.int32)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    token_of_row = order // k
     rows, row_weights = Dispatch.apply(hidden_states, top_k_weights, token_of_row, order, inverse)
     out = grouped_mlp(rows, offsets, stacks, lambda gate_up: gated(experts, gate_up, row_weights))
-    return Combine.apply(out, token_of_row, inverse, k).to(hidden_states.dtype)
+    return Combine.apply(out, token_of_row, inverse, top_k_index.shape[-1]).to(hidden_states.dtype)
+
+
+def sort_by_expert(top_k_index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The (token, choice) pairs by expert: each row's expert, their order, its inverse, each row's token."""
+    sorted_experts, order = torch.sort(top_k_index.reshape(-1))
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return sorted_experts, order, inverse, order // top_k_index.shape[-1]
 
 
 def grouped_mlp(

@@ -129,6 +129,10 @@ LAYOUT_TAKERS: dict[str, Callable[[type[Strategy]], bool]] = {
 }
 
 
+def _layout_takers(name: str) -> list[str]:
+    return [strategy for strategy, cls in STRATEGIES.items() if LAYOUT_TAKERS[name](cls)]
+
+
 def layout_left_behind(cfg: Config, given: set[str]) -> list[str]:
     """A run resumed under another strategy: its saved `parallel.*` layout settings that `cfg`'s
     strategy does not take, back to their defaults in place (not those `given` here); a line each."""
@@ -316,32 +320,26 @@ def _check_fp8(cfg: Config, strategy: type[Strategy]) -> None:
 
 
 def _check_layout(cfg: Config, strategy: type[Strategy]) -> None:
-    par = cfg.parallel
-    mesh = [name for name, c in STRATEGIES.items() if c.mesh_degrees]
-    if not strategy.mesh_degrees and (par.dp or par.tp != 1 or par.pp != 1):
+    par, takes = cfg.parallel, {name: taker(strategy) for name, taker in LAYOUT_TAKERS.items()}
+    if not takes["dp"] and (par.dp or par.tp != 1 or par.pp != 1):
+        mesh = _layout_takers("dp")
         raise ConfigError(
             f"parallel.dp, parallel.tp and parallel.pp set the mesh of a multi-dimensional strategy "
             f"({', '.join(mesh)}); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, "
             f"or use --strategy {' or '.join(mesh)}."
         )
-    context = [name for name, c in STRATEGIES.items() if c.mesh_degrees and "cp" in c.dims]
-    if par.cp and strategy.name not in context:
+    if par.cp and not takes["cp"]:
         raise ConfigError(
-            f"parallel.cp sets the context-parallel degree of --strategy {' or '.join(context)}; --strategy "
-            f"{strategy.name} does not take it (--strategy cp takes every process). Drop it, or use that strategy."
+            f"parallel.cp sets the context-parallel degree of --strategy {' or '.join(_layout_takers('cp'))}; "
+            f"--strategy {strategy.name} does not take it (--strategy cp takes every process). Drop it, or use "
+            "that strategy."
         )
-    if par.shard and not strategy.shard_groups:
-        raise ConfigError(
-            f"parallel.shard sets the shard groups of --strategy "
-            f"{' or '.join(n for n, c in STRATEGIES.items() if c.shard_groups)}; --strategy "
-            f"{strategy.name} does not take it. Drop it, or use that strategy."
-        )
-    if par.ep and not strategy.needs_moe:
-        raise ConfigError(
-            f"parallel.ep sets the expert groups of --strategy "
-            f"{' or '.join(n for n, c in STRATEGIES.items() if c.needs_moe)}; --strategy {strategy.name} "
-            "does not take it. Drop it, or use that strategy."
-        )
+    for name, what in (("shard", "shard groups"), ("ep", "expert groups")):
+        if getattr(par, name) and not takes[name]:
+            raise ConfigError(
+                f"parallel.{name} sets the {what} of --strategy {' or '.join(_layout_takers(name))}; "
+                f"--strategy {strategy.name} does not take it. Drop it, or use that strategy."
+            )
     if par.max_restarts and not strategy.distributed:
         raise ConfigError(
             f"--max-restarts is handled by torchrun's elastic agent, which --strategy {par.strategy} "

@@ -67,7 +67,16 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.model.experts import STACKS, Combine, Dispatch, Factors, grouped_mlp, read_adapters, swiglu
+from distft.model.experts import (
+    STACKS,
+    Combine,
+    Dispatch,
+    Factors,
+    grouped_mlp,
+    read_adapters,
+    sort_by_expert,
+    swiglu,
+)
 from distft.parallel.fsdp import FSDP, shard_units
 
 Stack = tuple[torch.Tensor, Factors | None]  # a local expert stack and its LoRA factors
@@ -221,11 +230,9 @@ def expert_parallel_forward(
     local = num_experts // world
     first = dist.get_rank(group) * local
 
-    assignments = top_k_index.reshape(-1)  # (tokens x k,): token t's experts at t k ... t k + k - 1
-    order = torch.argsort(assignments, stable=True)  # grouped by expert, so by destination rank
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    token_of_row = order // k
-    counts = torch.bincount(assignments, minlength=num_experts)
+    # token t's k pairs sorted by expert, so by destination rank
+    sorted_experts, order, inverse, token_of_row = sort_by_expert(top_k_index)
+    counts = torch.bincount(sorted_experts, minlength=num_experts)
     received_counts = torch.empty_like(counts)  # [source rank, local expert]
     dist.all_to_all_single(received_counts, counts, group=group)
     send = counts.view(world, local).sum(dim=1).tolist()  # the sizes: the host sync
@@ -235,8 +242,7 @@ def expert_parallel_forward(
     # Every move of rows is a gather, forward and backward (`Dispatch`, `Permute`, `Combine`):
     # autograd's own backward of a gather is a scatter-add (atomics on CUDA).
     rows, row_weights = Dispatch.apply(hidden, top_k_weights, token_of_row, order, inverse)
-    rows = funcol.all_to_all_single_autograd(rows, receive, send, group)
-    rows = funcol.wait_tensor(rows) if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
+    rows = exchange(rows, receive, send, group)
     # Rows arrive by source rank, each source's by expert: regroup them by local expert.
     expert_of_row = torch.arange(local, device=hidden.device).repeat(world)
     expert_of_row = expert_of_row.repeat_interleave(received_counts_host.reshape(-1))
@@ -249,14 +255,18 @@ def expert_parallel_forward(
         base.act_fn,
         grouped=base.config._experts_implementation in ("grouped_mm", "grouped_lora"),
     )
-    returned = funcol.all_to_all_single_autograd(
-        Permute.apply(outputs, arrived, by_expert), send, receive, group
-    )
-    returned = (
-        funcol.wait_tensor(returned) if isinstance(returned, funcol.AsyncCollectiveTensor) else returned
-    )
+    returned = exchange(Permute.apply(outputs, arrived, by_expert), send, receive, group)
     # The routing weights stay on this rank: each returned row weighted here, a token's k summed.
     return Combine.apply(returned * row_weights[:, None], token_of_row, inverse, k).to(hidden.dtype)
+
+
+def exchange(
+    rows: torch.Tensor, receive: list[int], send: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """All-to-all of rows: `send[r]` consecutive rows to rank r, `receive[r]` from it; backward
+    sends the gradients the other way."""
+    out = funcol.all_to_all_single_autograd(rows, receive, send, group)
+    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
 class Permute(torch.autograd.Function):

@@ -42,7 +42,7 @@ def config_from_args(args: argparse.Namespace, settings: Config | None = None) -
     cfg = train_settings(args) if settings is None else settings
     resolve_local_paths(cfg)
     if getattr(args, "resume", None) and not getattr(args, "config", None):  # under another strategy?
-        given = {override.split("=", 1)[0].strip() for override in args.overrides}
+        given = {override.partition("=")[0].strip() for override in args.overrides}
         reset = layout_left_behind(cfg, given)  # in every rank alike, said by the launching command
         if reset and not launched_by_torchrun():
             print("\n".join(reset), flush=True)
