@@ -19,6 +19,8 @@ from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
 from distft.plan import evaluate, make_request
 from distft.plan.collective import bytes_by_dim, bytes_by_kind
+from distft.plan.inputs import Parallelism
+from distft.plan.memory import state_bytes
 from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, extends, metrics
 
 # Adam's eps above the rounding of a gradient element (~2e-9 here): at the default 1e-8, an element
@@ -97,7 +99,8 @@ def reference(tmp_path_factory):
 
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
     """ddp, fsdp (FSDP2 shards each layer's expert stacks along the experts), fsdp+ep (4 ranks in 2
-    expert groups of 2: each rank 4 experts whole, tokens sent by all-to-all inside its group; and
+    expert groups of 2: each rank 4 experts, tokens sent by all-to-all inside its group, the frozen
+    stacks FSDP-sharded across the groups and gathered for each layer's experts; and
     2 ranks of one group, recomputing each layer; the bytes the analytic count), tp (each rank every
     expert's half of the intermediate dimension, adapters cut with it), fsdp+tp (2 x 2: FSDP2
     shards each TP rank's halves along the experts) and fsdp+pp (2 stages x 2 replicas; the
@@ -118,11 +121,12 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
     for variant, covered in MOE_VARIANTS.items():
         assert extends(STRATEGIES[variant], STRATEGIES[covered]), (variant, covered)
-    four = {"fsdp+pp": "parallel.pp=2", "fsdp+tp": "parallel.tp=2", "fsdp+ep": "parallel.ep=2"}
+    sharded = ["parallel.ep=2", "parallel.shard_experts=true"]
+    four = {"fsdp+pp": ["parallel.pp=2"], "fsdp+tp": ["parallel.tp=2"], "fsdp+ep": sharded}
     others = ("pp", "cp", "fsdp+cp", "tp-sp")  # in the full finetuning and DPO tests below
     for strategy in (s for s in MOE_STRATEGIES if s not in others and s not in MOE_VARIANTS):
         run = tmp_path / strategy
-        layout = ["--nproc", "4", four[strategy]] if strategy in four else ["--nproc", "2"]
+        layout = ["--nproc", "4", *four[strategy]] if strategy in four else ["--nproc", "2"]
         distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
         assert_same_training(run, reference)
         assert_planned_bytes(run)
@@ -222,8 +226,10 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     the tokens each expert took, and in the evaluation loss after; checkpoints resume across
     expert-parallel degrees, into fsdp+tp+pp (full finetuning under TP x PP, every expert's half
     sharded by FSDP2), into tp-sp's sequence-parallel form, and from tp-sp into fsdp+ep's two
-    expert groups of 2 (the experts' gradients all-reduced across the groups, the bytes planned
-    by mesh dimension). The auxiliary losses move the gradient, not the loss recorded."""
+    expert groups of 2, each group's stacks replicated (their gradients all-reduced across the
+    groups) or FSDP-sharded across them (gathered and reduce-scattered there), the bytes planned by
+    mesh dimension and what each rank holds to the byte; one process resumes the sharded run's own
+    checkpoint. The auxiliary losses move the gradient, not the loss recorded."""
     full = [
         *MOE,
         "--method",
@@ -271,17 +277,28 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     # (2 stages of 2 TP ranks, each expert's half cut from the whole and sharded by FSDP2) and by
     # tp-sp with sequence parallelism (each rank routing its shard, the router's gradient summed
     # over the shards), tp-sp's (its projections' slices as DTensors, every expert's half written
-    # whole) by fsdp+ep on 4 ranks in 2 expert groups; each trains steps 2 and 3 as one process does,
+    # whole) by fsdp+ep on 4 ranks in 2 expert groups, their experts replicated or sharded across
+    # the groups; each trains steps 2 and 3 as one process does,
     # moving the bytes the planner predicted for it, and fsdp+tp+pp writes its checkpoints (its
     # shards gathered whole) on the way.
+    groups = ["--strategy", "fsdp+ep", "--nproc", "4", "parallel.ep=2"]
     layouts = {
-        "fsdp+tp+pp": ["--nproc", "4", "parallel.tp=2", "parallel.pp=2"],
-        "fsdp+ep": ["--nproc", "4", "parallel.ep=2"],
-        "tp-sp": ["--nproc", "2", "parallel.sequence_parallel=true", "model.activation_checkpointing=none"],
+        "fsdp+tp+pp": ["--strategy", "fsdp+tp+pp", "--nproc", "4", "parallel.tp=2", "parallel.pp=2"],
+        "replicated": groups,
+        "sharded": [*groups, "parallel.shard_experts=true"],
+        "tp-sp": [
+            *("--strategy", "tp-sp", "--nproc", "2"),
+            *("parallel.sequence_parallel=true", "model.activation_checkpointing=none"),
+        ],
     }
-    for source, strategy in (("fsdp+ep", "fsdp+tp+pp"), ("fsdp+ep", "tp-sp"), ("tp-sp", "fsdp+ep")):
-        out = crashed_copy(tmp_path / source, tmp_path / f"resumed-{source}-{strategy}", 1)
-        layout = ["--strategy", strategy, *layouts.get(strategy, ["--nproc", "2"])]
+    for source, target in (
+        ("fsdp+ep", "fsdp+tp+pp"),
+        ("fsdp+ep", "tp-sp"),
+        ("tp-sp", "replicated"),
+        ("tp-sp", "sharded"),
+    ):
+        out = crashed_copy(tmp_path / source, tmp_path / f"resumed-{source}-{target}", 1)
+        layout, strategy = layouts[target], layouts[target][1]
         proc = distft("train", "--resume", str(out), *layout)
         assert "(step 1)" in proc.stdout
         for got, want in zip(metrics(out), metrics(single), strict=True):
@@ -290,9 +307,34 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
         ranks = json.loads((out / "ranks.json").read_text())  # the resumed run's, from its step 2
         assert ranks[0]["predicted_by"].startswith(STRATEGIES[strategy].label + " on")
         assert_planned_bytes(out)
-    across_groups = metrics(tmp_path / "resumed-tp-sp-fsdp+ep")[1]["comm_bytes_by_dim"]["replicate"]
-    # every layer's 4 experts of a rank, both stacks (gate/up 48 x 32, down 32 x 24), in fp32
-    assert across_groups == {"all_reduce": 4 * 4 * (48 * 32 + 32 * 24) * 4}
+    # Every layer's 4 experts of a rank, both stacks (gate/up 48 x 32, down 32 x 24), in fp32:
+    # replicas all-reduce their gradients; sharded, they are gathered forward and again backward,
+    # their gradients reduce-scattered.
+    stacks = 4 * 4 * (48 * 32 + 32 * 24) * 4
+    across_groups = {
+        "replicated": {"all_reduce": stacks},
+        "sharded": {"all_gather": 2 * stacks, "reduce_scatter": stacks},
+    }
+    plan = ["plan", "--model", "qwen3-moe-micro", "--method", "full", "--precision", "fp32", "--gpu", "h100"]
+    req = make_request(build_parser().parse_args(plan))
+    for target, moved in across_groups.items():
+        run = tmp_path / f"resumed-tp-sp-{target}"
+        assert metrics(run)[1]["comm_bytes_by_dim"]["replicate"] == moved
+        lay = Parallelism("fsdp+ep", dp=4, shard="full", ep=2, shard_experts=target == "sharded")
+        for r in json.loads((run / "ranks.json").read_text()):  # sharded: 2 of each rank's 4 experts
+            held = state_bytes(req.model, req.training, lay, dp_rank=r["rank"])
+            assert (held.params, held.grads, held.optimizer) == (
+                r["param_bytes"]["dense"],
+                r["grad_bytes"],
+                r["optimizer_bytes"],
+            ), (target, r["rank"])
+    sharded = tmp_path / "resumed-tp-sp-sharded"
+    # Its checkpoint of step 2 (FSDP2's strided shards of the experts) resumed by one process.
+    out = crashed_copy(sharded, tmp_path / "resumed-sharded-single", 2)
+    proc = distft("train", "--resume", str(out), "--strategy", "single", "--nproc", "1")
+    assert "parallel.shard_experts=true reset to false" in proc.stdout
+    for got, want in zip(metrics(out), metrics(single), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (out.name, got["step"])
 
 
 def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys):
@@ -333,6 +375,23 @@ def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys)
     groups = bytes_by_dim(evaluate(request)["fsdp+ep"].collectives)
     assert groups["replicate"] == {"all_reduce": 128 * 3 * 768 * 2048 * 48 // 8 * 2}
     assert groups["ep"]["all_to_all"] == bytes_by_kind(even.collectives)["all_to_all"]
+    # Micro-batches of 2: a whole copy of a group's experts in each no longer fits; FSDP2 sharding
+    # them across the 2 groups does (gathered forward and again backward, reduce-scattered, bf16).
+    assert main(["plan", *flags.split(), "--nodes", "2", "--micro-batch", "2"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "(ep=8, experts sharded over 2) keeps 16 experts per GPU, FSDP-sharded across the 2 expert groups"
+        in out
+    )
+    assert " parallel.ep=8 parallel.shard_experts=true " in out
+    request = make_request(
+        build_parser().parse_args(["plan", *flags.split(), "--nodes", "2", "--micro-batch", "2"])
+    )
+    sharded = bytes_by_dim(evaluate(request)["fsdp+ep"].collectives)["replicate"]
+    assert sharded == {
+        "all_gather": 2 * 128 * 3 * 768 * 2048 * 48 // 8 * 2,
+        "reduce_scatter": 128 * 3 * 768 * 2048 * 48 // 8 * 2,
+    }
     assert [name for name, family in FAMILIES.items() if family.moe] == ["qwen3_moe"]  # each one tested here
 
 
@@ -356,6 +415,14 @@ def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys)
             "parallel.ep=3 must divide the 4 processes",
         ),
         (
+            ["--strategy", "fsdp+ep", "--nproc", "2", "parallel.shard_experts=true"],
+            "with parallel.ep=2 (every process) there is one group",
+        ),
+        (
+            ["--strategy", "fsdp", "--nproc", "2", "parallel.shard_experts=true"],
+            "parallel.shard_experts sets the experts' layout of --strategy fsdp+ep",
+        ),
+        (
             ["--strategy", "fsdp+ep", "--nproc", "2", "parallel.ep=1"],
             "use --strategy fsdp, or parallel.ep of 2",
         ),
@@ -372,6 +439,8 @@ def test_the_planner_counts_every_expert_and_walks_to_expert_parallelism(capsys)
         "ep-dense",
         "ep-group-uneven",
         "ep-groups",
+        "shard-experts-one-group",
+        "shard-experts-not-ep",
         "ep-1",
         "ep-not-ep",
     ],

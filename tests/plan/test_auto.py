@@ -40,15 +40,18 @@ def test_auto_resolves_to_a_runnable_strategy_and_says_why(capsys):
 
 def test_auto_runs_the_expert_groups_it_planned(monkeypatch):
     """Where the plan picks fsdp+ep in groups smaller than the world (a node's GPUs, on several
-    nodes), `--strategy auto` runs those groups, and the prediction is for them."""
+    nodes), `--strategy auto` runs those groups, their experts replicated or sharded across them
+    as planned, and the prediction is for them."""
     groups = Parallelism.of(STRATEGIES["fsdp+ep"], ParallelDims(dp=4, tp=1, pp=1, world_size=4))
-    picked = Recommendation("fsdp+ep", "lora", "none", "planned", [], parallelism=replace(groups, ep=2))
-    monkeypatch.setattr(auto, "decide", lambda request: picked)
     argv = ["train", "--strategy", "auto", "--nproc", "4", "--model", "qwen3-moe-micro"]
-    cfg = config_from_args(build_parser().parse_args(argv))
-    assert (cfg.parallel.strategy, cfg.parallel.ep) == ("fsdp+ep", 2)
-    check_config(cfg)
-    assert auto.parallelism_of(cfg, "1f1b").ep == 2
+    for sharded in (False, True):
+        planned = replace(groups, ep=2, shard_experts=sharded)
+        picked = Recommendation("fsdp+ep", "lora", "none", "planned", [], parallelism=planned)
+        monkeypatch.setattr(auto, "decide", lambda request, picked=picked: picked)
+        cfg = config_from_args(build_parser().parse_args(argv))
+        assert (cfg.parallel.strategy, cfg.parallel.ep, cfg.parallel.shard_experts) == ("fsdp+ep", 2, sharded)
+        check_config(cfg)
+        assert auto.parallelism_of(cfg, "1f1b") == replace(planned, microbatches=1)
 
 
 def test_prediction_is_the_layout_the_runtime_builds():

@@ -288,6 +288,10 @@ class ParallelConfig:
     ep: int = 0
     """fsdp+ep: consecutive ranks splitting the experts between them (one node), each such group
     holding every expert once, replicated across the groups; 0: every process."""
+    shard_experts: bool = False
+    """fsdp+ep with expert groups (parallel.ep below the processes): FSDP-shard each group's expert
+    stacks across the groups (gathered every micro-batch: less memory, more traffic between them)
+    instead of keeping whole copies, whose gradients are all-reduced once per step."""
 
 
 @dataclass

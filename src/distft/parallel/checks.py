@@ -125,8 +125,9 @@ LAYOUT_TAKERS: dict[str, Callable[[type[Strategy]], bool]] = {
     **dict.fromkeys(("dp", "tp", "pp"), lambda c: c.mesh_degrees),
     "cp": lambda c: c.mesh_degrees and "cp" in c.dims,
     "shard": lambda c: c.shard_groups,
-    "ep": lambda c: c.needs_moe,
+    **dict.fromkeys(("ep", "shard_experts"), lambda c: c.needs_moe),
 }
+GROUP_SETTINGS = {"shard": "shard groups", "ep": "expert groups", "shard_experts": "experts' layout"}
 
 
 def _layout_takers(name: str) -> list[str]:
@@ -141,6 +142,7 @@ def layout_left_behind(cfg: Config, given: set[str]) -> list[str]:
         value, default = getattr(cfg.parallel, name), getattr(defaults, name)
         if value != default and not takes(strategy) and f"parallel.{name}" not in given:
             setattr(cfg.parallel, name, default)
+            value, default = (str(v).lower() if isinstance(v, bool) else v for v in (value, default))
             lines.append(
                 f"resumed under --strategy {strategy.name}: parallel.{name}={value} reset to {default}"
             )
@@ -334,7 +336,7 @@ def _check_layout(cfg: Config, strategy: type[Strategy]) -> None:
             f"--strategy {strategy.name} does not take it (--strategy cp takes every process). Drop it, or use "
             "that strategy."
         )
-    for name, what in (("shard", "shard groups"), ("ep", "expert groups")):
+    for name, what in GROUP_SETTINGS.items():
         if getattr(par, name) and not takes[name]:
             raise ConfigError(
                 f"parallel.{name} sets the {what} of --strategy {' or '.join(_layout_takers(name))}; "

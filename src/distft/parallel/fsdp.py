@@ -78,6 +78,20 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_fo
     return shard_units(model, layers, mesh, cfg, reshard_after_forward)
 
 
+def fsdp_settings(root: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_forward: bool) -> dict:
+    """`fully_shard`'s arguments for every unit of `root` over `mesh`: the run's dtypes, offload and
+    resharding."""
+    # fp32 trainable weights of a bf16 full finetune: the master weights (`train.master_weights`).
+    masters = cfg.train.method == "full" and cfg.model.dtype == "bfloat16"
+    masters = masters and any(w.dtype == torch.float32 for w in root.parameters() if w.requires_grad)
+    return {
+        "mesh": mesh,
+        "mp_policy": mixed_precision(cfg, masters),
+        "offload_policy": CPUOffloadPolicy() if cfg.parallel.fsdp_cpu_offload else OffloadPolicy(),
+        "reshard_after_forward": reshard_after_forward,
+    }
+
+
 def shard_units(
     root: nn.Module,
     layers: list[nn.Module],
@@ -90,16 +104,7 @@ def shard_units(
     lm_head), over `mesh`; the pipelines call it once per stage, `root` being the stage. `ignored`:
     parameters another dimension holds (`fsdp+ep`'s experts), left as they are."""
     p = cfg.parallel
-    # fp32 trainable weights of a bf16 full finetune: the master weights (`train.master_weights`).
-    masters = cfg.train.method == "full" and cfg.model.dtype == "bfloat16"
-    masters = masters and any(w.dtype == torch.float32 for w in root.parameters() if w.requires_grad)
-    shard = {
-        "mesh": mesh,
-        "mp_policy": mixed_precision(cfg, masters),
-        "offload_policy": CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy(),
-        "reshard_after_forward": reshard_after_forward,
-        "ignored_params": ignored,
-    }
+    shard = fsdp_settings(root, mesh, cfg, reshard_after_forward) | {"ignored_params": ignored}
     for layer in layers:
         fully_shard(layer, **shard)
     fully_shard(root, **shard)

@@ -12,11 +12,20 @@ an all-reduce of the experts' gradients across the replicas once per step (full 
 LoRA the stacks are frozen). With 4 ranks and EP = 2, {0, 1} and {2, 3} each hold experts 0-3 on
 their first rank and 4-7 on their second, and {0, 2}, {1, 3} are replicas.
 
+Or the groups shard what they would replicate (`parallel.shard_experts`, torchtitan's
+`dp_shard_mod_ep`): FSDP2 over the "replicate" dimension cuts each rank's stacks along the experts
+again, 1/(N/EP) of them on each of the N/EP ranks holding the same experts (`shard_across_groups`).
+Each layer's are gathered as the layer starts (prefetched, under attention's compute) and again in
+backward, and their gradients reduce-scattered across the groups: 1/N of the experts' weights,
+gradients and optimizer state per rank, for those gathers on the link between the groups every
+micro-batch, where replicas all-reduce once per step.
+
 What each rank holds. The expert stacks (`mlp.experts.gate_up_proj`, `down_proj`: nearly all of an
 MoE's weights) as DTensors sharded along the expert dimension (and replicated across the groups),
-E/EP experts whole, never gathered; FSDP2 leaves them alone (`ignored_params`) and shards
-everything else (attention, router, norms, embeddings, LoRA's adapters) over all N ranks, as under
-`fsdp`. Full finetuning keeps the optimizer state of the local experts only.
+E/EP experts whole, gathered at most across the groups; the FSDP2 of the rest leaves them alone
+(`ignored_params`) and shards everything else (attention, router, norms, embeddings, LoRA's
+adapters) over all N ranks, as under `fsdp`. Full finetuning keeps the optimizer state of the
+local experts only.
 
 Each MoE layer's forward (`expert_parallel_forward`), per micro-batch of T tokens routed to k
 experts each:
@@ -37,12 +46,14 @@ Bytes per micro-batch and MoE layer: 2 T k hidden x dtype bytes forward (dispatc
 the same again in backward (and again in a forward recomputed by activation checkpointing), plus
 E x 8 bytes of counts per forward. Beside them, FSDP's all-gathers and reduce-scatters of the rest,
 and with replicas, once per step, the all-reduce of the local experts' gradients (E/EP experts'
-bytes, over the N / EP replicas).
+bytes, over the N / EP replicas), or with the experts sharded across the groups, per micro-batch
+two all-gathers of those bytes and a reduce-scatter of their gradients.
 
 Gradient scale. Each rank scales its loss by N, which FSDP's averaging divides out (`Strategy.
 averaged_over`). An expert's weight gradient is not averaged: its rank received every token of its
 group for it, so the gradient is the group's share of the global batch, N times over; summed
-across the replicas (the whole batch) and divided by N after the backward. An expert's LoRA
+across the replicas (the whole batch) and divided by N after the backward (or by FSDP2's
+reduce-scatter across the groups, its divisor set to N). An expert's LoRA
 factors are FSDP's like every adapter: each rank's gradient holds only its own experts' slices,
 and FSDP's reduce-scatter over all N sums the slices (every group's) into the whole.
 
@@ -53,33 +64,24 @@ Paper: Lepikhin et al., "GShard" (2006.16668), section 2.2; Fedus et al., "Switc
 from __future__ import annotations
 
 import functools
+import types
 from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.model.experts import (
-    STACKS,
-    Combine,
-    Dispatch,
-    Factors,
-    grouped_mlp,
-    read_adapters,
-    sort_by_expert,
-    swiglu,
-)
-from distft.parallel.fsdp import FSDP, shard_units
-
-Stack = tuple[torch.Tensor, Factors | None]  # a local expert stack and its LoRA factors
+from distft.model.experts import STACKS
+from distft.parallel.expert_dispatch import expert_parallel_forward, experts_base, local_experts
+from distft.parallel.fsdp import FSDP, fsdp_settings, shard_units
+from distft.tensors import quiet_redistribute
 
 
 class FSDPExpertParallel(FSDP):
@@ -90,8 +92,8 @@ class FSDPExpertParallel(FSDP):
     qlora_refusal: ClassVar[str] = "its experts are fused parameter stacks that NF4 does not quantize"
     supports_compile: ClassVar[bool] = False  # the all-to-all sizes read on the host: a graph break per layer
     label = "FSDP x EP"
-    holds = "1/EP of the experts, whole (EP = `parallel.ep`, every rank by default); 1/N of every other param, grad, optimizer state"
-    moves = "all-to-all of each MoE layer's routed tokens (there and back) inside its EP group; FSDP's all-gather / reduce-scatter of the rest"
+    holds = "1/EP of the experts, whole (EP = `parallel.ep`, every rank by default), or 1/N of them with `parallel.shard_experts`; 1/N of every other param, grad, optimizer state"
+    moves = "all-to-all of each MoE layer's routed tokens (there and back) inside its EP group; FSDP's all-gather / reduce-scatter of the rest (and of the experts across the groups when sharded)"
     page = "moe.md#expert-parallelism-fsdpep"
     collectives = "the all-to-alls of routed tokens and FSDP's all-gathers / reduce-scatters (fsdp+ep)"
 
@@ -113,6 +115,12 @@ class FSDPExpertParallel(FSDP):
             raise ConfigError(
                 "--strategy fsdp+ep with parallel.ep=1 keeps every expert on every rank, which is --strategy "
                 "fsdp without FSDP's shards of the experts: use --strategy fsdp, or parallel.ep of 2 or more."
+            )
+        if cfg.parallel.shard_experts and ep == world:
+            raise ConfigError(
+                f"parallel.shard_experts shards the experts across fsdp+ep's expert groups, and with "
+                f"parallel.ep={ep} (every process) there is one group: set parallel.ep to a divisor of {world} "
+                "below it (e.g. the GPUs of a node), or drop parallel.shard_experts."
             )
 
     @classmethod
@@ -148,10 +156,21 @@ class FSDPExpertParallel(FSDP):
         self.expert_weights: list[nn.Parameter] = []
         for layer in layers:
             self.expert_weights += shard_experts(layer.mlp.experts, self.expert_mesh)
+        if self.cfg.parallel.shard_experts:  # FSDP's from here: reduce-scattered across the groups
+            settings = fsdp_settings(model, self.expert_mesh, self.cfg, self.reshard_after_forward)
+            for layer in layers:
+                shard_across_groups(experts_base(layer.mlp.experts), settings, self.averaged_over)
+            self.expert_weights = []
         units = layers if self.cfg.parallel.fsdp_wrap == "layer" else []
-        return shard_units(
+        model = shard_units(
             model, units, self.mesh, self.cfg, self.reshard_after_forward, ignored=set(self.expert_weights)
         )
+        if self.cfg.parallel.shard_experts:  # a layer's experts gathered as it starts, under attention
+            ahead = self.cfg.parallel.fsdp_prefetch
+            for i, layer in enumerate(units):
+                experts = experts_base(layer.mlp.experts)
+                layer.set_modules_to_forward_prefetch([experts, *units[i + 1 : i + 1 + ahead]])
+        return model
 
     def after_backward(self, model: nn.Module) -> None:
         # Every token of the group reached this rank's experts, each scaled by N (`averaged_over`);
@@ -165,19 +184,16 @@ class FSDPExpertParallel(FSDP):
         for grad in grads:
             grad.div_(self.averaged_over)
 
+    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        with quiet_redistribute():  # export only: gathering shards of two dimensions logs per dimension
+            return super().trainable_state_dict(model)
+
     def mesh_groups(self) -> dict[str, list[int]]:
         groups = super().mesh_groups()
         if self.expert_mesh is not self.mesh:
             names = self.expert_mesh.mesh_dim_names or ()
             groups |= {n: dist.get_process_group_ranks(self.expert_mesh.get_group(n)) for n in names}
         return groups
-
-
-def experts_base(experts: nn.Module) -> nn.Module:
-    """transformers' experts module under peft's parameter wrappers (one per LoRA'd stack)."""
-    while isinstance(experts, ParamWrapper):
-        experts = experts.base_layer
-    return experts
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
@@ -198,118 +214,19 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:
         setattr(base, name, weight)
         sharded.append(weight)
     # The module's own forward, replaced on this instance: (hidden, top_k_index, top_k_weights) in,
-    # the experts' weighted sum out, as the MoE block calls it.
+    # the experts' weighted sum out, as the MoE block calls it. The stacks are read in a method of
+    # their own module, which FSDP gathers them for where they are sharded across the groups.
     experts.forward = functools.partial(expert_parallel_forward, experts, group=mesh.get_group(group_dim))
+    base.local_experts = types.MethodType(local_experts, base)
     return sharded
 
 
-def local_expert_weights(experts: nn.Module, first: int, count: int) -> dict[str, Stack]:
-    """This rank's experts' stacks, (count, out, in) each, with their active LoRA adapter's factors
-    (peft's for the whole stack, `read_adapters`, sliced to the local experts; applied to the rows
-    or merged by `grouped_projection`'s rule)."""
-    read = read_adapters(experts)
-    if read is None:  # distft trains one adapter, merged only by an export
-        raise RuntimeError("fsdp+ep computes one unmerged LoRA adapter on the expert stacks")
-    base, factors = read
-    local = slice(first, first + count)
-    sliced = {name: (b[local], a[local], scaling) for name, (b, a, scaling) in factors.items()}
-    return {name: (getattr(base, name).to_local(), sliced.get(name)) for name in STACKS}
-
-
-def expert_parallel_forward(
-    experts: nn.Module,
-    hidden: torch.Tensor,  # (tokens, hidden)
-    top_k_index: torch.Tensor,  # (tokens, k): each token's experts
-    top_k_weights: torch.Tensor,  # (tokens, k): their renormalised router probabilities
-    group: dist.ProcessGroup,
-) -> torch.Tensor:
-    """Dispatch each token to its experts' ranks, run the local experts, combine: the
-    experts module's output, (tokens, hidden), as transformers' own forward computes it."""
-    base, world = experts_base(experts), dist.get_world_size(group)
-    num_experts, k = base.num_experts, top_k_index.shape[1]
-    local = num_experts // world
-    first = dist.get_rank(group) * local
-
-    # token t's k pairs sorted by expert, so by destination rank
-    sorted_experts, order, inverse, token_of_row = sort_by_expert(top_k_index)
-    counts = torch.bincount(sorted_experts, minlength=num_experts)
-    received_counts = torch.empty_like(counts)  # [source rank, local expert]
-    dist.all_to_all_single(received_counts, counts, group=group)
-    send = counts.view(world, local).sum(dim=1).tolist()  # the sizes: the host sync
-    received_counts_host = received_counts.view(world, local)
-    receive = received_counts_host.sum(dim=1).tolist()
-
-    # Every move of rows is a gather, forward and backward (`Dispatch`, `Permute`, `Combine`):
-    # autograd's own backward of a gather is a scatter-add (atomics on CUDA).
-    rows, row_weights = Dispatch.apply(hidden, top_k_weights, token_of_row, order, inverse)
-    rows = exchange(rows, receive, send, group)
-    # Rows arrive by source rank, each source's by expert: regroup them by local expert.
-    expert_of_row = torch.arange(local, device=hidden.device).repeat(world)
-    expert_of_row = expert_of_row.repeat_interleave(received_counts_host.reshape(-1))
-    by_expert = torch.argsort(expert_of_row, stable=True)
-    arrived = torch.argsort(by_expert)  # the inverse permutation: back in the order the rows came
-    outputs = expert_mlps(
-        Permute.apply(rows, by_expert, arrived),
-        received_counts_host.sum(dim=0).tolist(),
-        local_expert_weights(experts, first, local),
-        base.act_fn,
-        grouped=base.config._experts_implementation in ("grouped_mm", "grouped_lora"),
-    )
-    returned = exchange(Permute.apply(outputs, arrived, by_expert), send, receive, group)
-    # The routing weights stay on this rank: each returned row weighted here, a token's k summed.
-    return Combine.apply(returned * row_weights[:, None], token_of_row, inverse, k).to(hidden.dtype)
-
-
-def exchange(
-    rows: torch.Tensor, receive: list[int], send: list[int], group: dist.ProcessGroup
-) -> torch.Tensor:
-    """All-to-all of rows: `send[r]` consecutive rows to rank r, `receive[r]` from it; backward
-    sends the gradients the other way."""
-    out = funcol.all_to_all_single_autograd(rows, receive, send, group)
-    return funcol.wait_tensor(out) if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-
-class Permute(torch.autograd.Function):
-    """Rows reordered (`rows[index]`, `index` a permutation), backward by the inverse permutation's
-    gather (`back`) rather than autograd's scatter-add."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(back)
-        return rows.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (back,) = ctx.saved_tensors
-        return grad.index_select(0, back), None, None
-
-
-def expert_mlps(
-    rows: torch.Tensor,
-    per_expert: list[int],
-    stacks: dict[str, Stack],
-    act_fn: nn.Module,
-    grouped: bool = True,
-) -> torch.Tensor:
-    """Each local expert's SwiGLU MLP over its consecutive rows (`per_expert` of them): one grouped
-    matmul per projection over the local stack, its adapter applied to the rows or merged
-    (`distft.model.experts.grouped_mlp`), the activation fused (`swiglu`), where
-    `model.experts_implementation` is grouped, else a loop over the local experts, as
-    transformers' eager path computes one."""
-    if grouped:
-        offsets = torch.tensor(per_expert, device=rows.device).cumsum(0, dtype=torch.int32)
-        return grouped_mlp(rows, offsets, stacks, lambda gate_up: swiglu(act_fn, gate_up))
-
-    def linear(x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        weight, factors = stacks[name]
-        out = nn.functional.linear(x, weight[e])
-        if factors is None:
-            return out
-        b, a, scaling = factors
-        return out + scaling * nn.functional.linear(nn.functional.linear(x, a[e]), b[e])
-
-    outputs = []
-    for e, part in enumerate(rows.split(per_expert)):
-        gate, up = linear(part, "gate_up_proj", e).chunk(2, dim=-1)
-        outputs.append(linear(act_fn(gate) * up, "down_proj", e))
-    return torch.cat(outputs)
+def shard_across_groups(base: nn.Module, settings: dict, divide_by: int) -> None:
+    """FSDP2 over the expert mesh's "replicate" dimension (`parallel.shard_experts`): each expert
+    group's stacks cut along the experts again, 1/R of the rank's on each of the R replicas, gathered
+    for `local_experts` (forward, and again in backward), their gradients reduce-scattered across
+    the replicas and divided by N (the loss's scale, `averaged_over`) rather than FSDP's R."""
+    fully_shard(base, **settings, dp_mesh_dims=DataParallelMeshDims(shard="replicate"))
+    base.set_gradient_divide_factor(divide_by)
+    base.set_force_sum_reduction_for_comms(True)  # divided apart: gloo has no pre-multiplied sum
+    register_fsdp_forward_method(base, "local_experts")

@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from distft.errors import ConfigError
 from distft.parallel.base import Strategy, optimizer_state_owner, unwrap
-from distft.parallel.fsdp_ep import experts_base
+from distft.parallel.expert_dispatch import experts_base
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,10 @@ def resolve_auto(cfg: Config) -> str:
     if lay is not None and STRATEGIES[rec.strategy].shard_groups:
         cfg.parallel.shard = lay.shard_degree
     if lay is not None and STRATEGIES[rec.strategy].needs_moe and lay.ep < lay.dp:
-        cfg.parallel.ep = lay.ep  # fsdp+ep's expert groups, as planned
+        cfg.parallel.ep, cfg.parallel.shard_experts = (
+            lay.ep,
+            lay.shard_experts,
+        )  # its expert groups, as planned
     cfg.derived = {
         **cfg.derived,
         "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
@@ -230,7 +233,7 @@ def parallelism_of(cfg: Config, schedule: str) -> Parallelism:
         dp_shard=cls.shard_degree(cfg) if cls.shard_groups else 0,
     )
     if cls.needs_moe:  # fsdp+ep: its expert groups (`parallel.ep`)
-        par = replace(par, ep=cls.expert_degree(cfg))
+        par = replace(par, ep=cls.expert_degree(cfg), shard_experts=p.shard_experts)
     if cls.tensor_parallel == "megatron":
         par = replace(par, sp=p.sequence_parallel)
     if "cp" in cls.dims:

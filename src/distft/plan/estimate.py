@@ -22,10 +22,11 @@ from distft.measure.flops import StepTime
 from distft.parallel import STRATEGIES as RUNTIME
 from distft.parallel.dims import ParallelDims
 from distft.plan.activations import activation_bytes
+from distft.plan.buffers import comm_buffer_bytes
 from distft.plan.collective import Collective, Topology
 from distft.plan.hardware import GPU, GiB, Link
 from distft.plan.inputs import Parallelism, Training
-from distft.plan.memory import comm_buffer_bytes, state_bytes
+from distft.plan.memory import state_bytes
 from distft.plan.model_spec import ModelSpec
 from distft.plan.timing import ASSUMED_MFU, RunLength, no_time_reason, step_time
 from distft.plan.traffic import step_collectives
@@ -114,8 +115,10 @@ class Estimate:
         lay = self.parallelism
         if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas
             return f"{LABELS[self.strategy]} (shard={lay.shard_degree}, replicas={lay.replicas})"
-        if 1 < lay.ep < lay.dp:  # fsdp+ep: expert groups x replicas
-            return f"{LABELS[self.strategy]} (ep={lay.ep}, replicas={lay.dp // lay.ep})"
+        if 1 < lay.ep < lay.dp:  # fsdp+ep: expert groups x replicas, or their experts sharded across them
+            groups = lay.dp // lay.ep
+            held = f"experts sharded over {groups}" if lay.shard_experts else f"replicas={groups}"
+            return f"{LABELS[self.strategy]} (ep={lay.ep}, {held})"
         degrees = [f"{d}={getattr(lay, d)}" for d in ("dp", "tp", "pp", "cp") if getattr(lay, d) > 1]
         return f"{LABELS[self.strategy]}" + (
             f" ({', '.join(degrees)})" if degrees and RUNTIME[self.strategy].mesh_degrees else ""
@@ -167,11 +170,19 @@ class Estimate:
 
 
 def parallelism_for(
-    req: Request, strategy: str, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 0
+    req: Request,
+    strategy: str,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 0,
+    shard_experts: bool = False,
 ) -> Parallelism:
     """How `strategy` splits the work at these degrees, as the runtime builds it (its class says
     what it shards and how it splits a layer; HSDP shards inside a node; fsdp+ep's expert groups
-    are `ep` ranks, 0: every data-parallel rank)."""
+    are `ep` ranks, 0: every data-parallel rank, their stacks FSDP-sharded across the groups or
+    not)."""
     cls = RUNTIME[strategy]
     m = req.grad_accum
     if pp > 1:
@@ -179,7 +190,7 @@ def parallelism_for(
     dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, world_size=dp * tp * pp * cp)
     shard_group = req.gpus_per_node if cls.shard_groups else 0
     par = Parallelism.of(cls, dims, microbatches=m, schedule=req.pp_schedule, dp_shard=shard_group)
-    return replace(par, ep=ep) if ep and cls.needs_moe else par
+    return replace(par, ep=ep, shard_experts=shard_experts) if ep and cls.needs_moe else par
 
 
 def why_not(req: Request, par: Parallelism) -> str:
@@ -293,10 +304,12 @@ def candidate_parallelisms(req: Request, strategy: str) -> list[Parallelism]:
     """Every factorisation of the GPUs `strategy` is tried with: a strategy on one mesh dimension
     takes every GPU on it; on several, TP and CP stay inside a node, the pipeline is outermost
     (across nodes when there are several) and 2+ data-parallel ranks sit between (1+ beside CP,
-    whose ranks FSDP shards over too); fsdp+ep's expert groups of 2+ ranks dividing the GPUs."""
+    whose ranks FSDP shards over too); fsdp+ep's expert groups of 2+ ranks dividing the GPUs, those
+    below all of them with their stacks replicated across the groups or sharded."""
     dims, n = RUNTIME[strategy].dims, req.world
     if RUNTIME[strategy].needs_moe:  # fsdp+ep: expert groups of every size, all the GPUs by default
-        return [parallelism_for(req, strategy, dp=n, ep=ep) for ep in [n, *_divisors(n)[:-1]]]
+        groups = [(n, False)] + [(ep, shard) for ep in _divisors(n)[:-1] for shard in (False, True)]
+        return [parallelism_for(req, strategy, dp=n, ep=ep, shard_experts=s) for ep, s in groups]
     if len(dims) < 2:
         return [parallelism_for(req, strategy, **{d: n for d in dims})]
     return [

@@ -15,7 +15,12 @@ from dataclasses import replace
 from distft.model.experts import STACKS
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
 from distft.plan.collective import Collective, Topology
-from distft.plan.counts import RECOMPUTED_ROW_PROJECTIONS, frozen_embedding, megatron_crossings
+from distft.plan.counts import (
+    RECOMPUTED_ROW_PROJECTIONS,
+    frozen_embedding,
+    fsdp_gathers_per_microbatch,
+    megatron_crossings,
+)
 from distft.plan.hardware import Link
 from distft.plan.inputs import Parallelism, Training, compute_bytes, rank_layers
 from distft.plan.memory import layer_seq_len
@@ -62,17 +67,43 @@ def routing_collectives(
 def expert_replica_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: list[int]
 ) -> list[Collective]:
-    """Expert groups smaller than the data-parallel ranks (`parallel.ep`): once per step, the
-    gradients of this rank's experts (E / ep of each stack of its layers, one all-reduce a stack)
-    summed across the dp / ep groups that hold the same experts; none where the stacks are frozen
-    (LoRA)."""
+    """Expert groups smaller than the data-parallel ranks (`parallel.ep`), across the dp / ep groups
+    that hold the same experts (this rank's E / ep of each stack of its layers):
+    - replicated: once per step, the gradients summed, one all-reduce a stack; none where the
+      stacks are frozen (LoRA);
+    - sharded (`parallel.shard_experts`, FSDP2 over the groups, each layer's stacks one unit): per
+      micro-batch their all-gather (again in backward for ZeRO-3) and their gradients'
+      reduce-scatter, dim 0 padded to a multiple of the groups."""
     replicas = par.dp // par.ep
-    if replicas < 2 or training.method != "full":
-        return []
     held = set(layers)
     stacks = [t for t in spec.tensors() if t.kind == "experts" and t.layer in held]
-    nbytes = sum(t.numel // par.ep for t in stacks) * training.precision.grad
-    return [Collective("expert gradients", "all_reduce", nbytes, len(stacks), replicas, link, False)]
+    trains, m = training.method == "full", par.microbatches
+    if replicas < 2 or not (trains or par.shard_experts):
+        return []
+    if not par.shard_experts:
+        nbytes = sum(t.numel // par.ep for t in stacks) * training.precision.grad
+        return [Collective("expert gradients", "all_reduce", nbytes, len(stacks), replicas, link, False)]
+    # As FSDP2 moves the rest (`collective.held_bytes`): fp32 master weights gathered in bf16.
+    padded = sum(
+        math.ceil(t.shape[0] // par.ep / replicas) * replicas * t.numel // t.shape[0] for t in stacks
+    )
+    masters, p = training.fp32_masters and trains, training.precision
+    gathered = padded * (training.fsdp_param_bytes or p.param)
+    reduced = padded * (
+        training.fsdp_reduce_bytes
+        or (not masters and training.fsdp_param_bytes)
+        or (4 if masters else p.grad)
+    )
+    units, gathers = (
+        len({t.layer for t in stacks}),
+        fsdp_gathers_per_microbatch(par.reshard_after_forward) * m,
+    )
+    out = [Collective("experts", "all_gather", gathered * gathers, units * gathers, replicas, link, True)]
+    if trains:
+        out.append(
+            Collective("expert gradients", "reduce_scatter", reduced * m, units * m, replicas, link, True)
+        )
+    return out
 
 
 def tp_expert_terms(

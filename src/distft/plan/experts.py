@@ -51,9 +51,16 @@ from distft.plan.model_spec import ModelSpec, TensorSpec
 
 
 def expert_parallel(t: TensorSpec, par: Parallelism) -> bool:
-    """An expert stack that expert parallelism splits: 1/ep of the experts on each rank, whole,
-    outside FSDP (never gathered, its gradients complete where they are: `parallel/fsdp_ep.py`)."""
+    """An expert stack that expert parallelism splits: 1/ep of the experts on each rank, outside
+    the FSDP of the rest (`parallel/fsdp_ep.py`): whole, or FSDP-sharded across the groups alone
+    (`expert_shards`)."""
     return par.ep > 1 and t.kind == "experts"
+
+
+def expert_shards(par: Parallelism) -> int:
+    """Ranks each of a rank's expert stacks is FSDP-sharded across: the dp / ep expert groups
+    where `parallel.shard_experts` shards them, else 1 (whole on each rank)."""
+    return par.dp // par.ep if par.ep > 1 and par.shard_experts else 1
 
 
 def received_share(training: Training, par: Parallelism) -> float:

@@ -172,10 +172,16 @@ def experts_answer(req: Request, fsdp: Estimate, ep: Estimate) -> tuple[str, boo
     gathered = experts * req.training.precision.param
     routed = next((c for c in ep.collectives if c.kind == "all_to_all"), None)
     pick = ep.fits and (not fsdp.fits or (ep.tokens_per_s or 0) > (fsdp.tokens_per_s or 0))
+    lay = ep.parallelism
+    held = f"{spec.num_experts // lay.ep} experts " + (
+        f"per GPU, FSDP-sharded across the {lay.dp // lay.ep} expert groups,"
+        if lay.shard_experts
+        else "whole per GPU"
+    )
     moves = (
         f"FSDP gathers each layer's {spec.num_experts} experts ({gb(gathered)}) every micro-batch for the "
-        f"{spec.num_experts_per_tok} each token uses; {ep.label} keeps {spec.num_experts // ep.parallelism.ep} "
-        f"experts whole per GPU and sends the routed tokens ({gb(routed.logical_bytes if routed else 0)} of "
+        f"{spec.num_experts_per_tok} each token uses; {ep.label} keeps {held} "
+        f"and sends the routed tokens ({gb(routed.logical_bytes if routed else 0)} of "
         f"all-to-all per GPU per step, {format_seconds(routed.seconds if routed else 0)}, not overlapped)"
     )
     if not ep.fits:

@@ -157,6 +157,7 @@ class Parallelism:
     cp: int = 1  # context-parallel degree: ranks sharing each sequence (1/cp of its positions each)
     cp_method: str = "allgather"  # parallel.cp_method: K/V gathered (allgather) or passed round (ring)
     ep: int = 1  # expert-parallel degree (fsdp+ep: each of ep consecutive data-parallel ranks holds 1/ep of the experts)
+    shard_experts: bool = False  # fsdp+ep: the expert groups' stacks FSDP-sharded across the dp / ep groups
     ddp: DDPSettings = DDPSettings()
     # fsdp+pp: (stage, all-gathers per step) of this rank's stages, as its schedule's UNSHARD actions
     # say (a running pipeline's); empty: `fsdp_pipeline_gathers`, one each.

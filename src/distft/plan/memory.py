@@ -18,7 +18,7 @@ Five components, in bytes per rank:
    transient working set (one layer's recompute under activation checkpointing, or the logits).
 5. Communication buffers: FSDP's gathered (unsharded) parameters and unsharded gradients
    before their reduce-scatter, TP/SP and pipeline send/receive buffers, the dequantized QLoRA
-   weight (`comm_buffer_bytes`). ZeRO-1 adds none: its broadcast buckets are the weights
+   weight (`buffers.comm_buffer_bytes`). ZeRO-1 adds none: its broadcast buckets are the weights
    themselves (`parameters_as_bucket_view`), DDP's all-reduce buckets the gradients.
 
 How layouts divide the first three (`state_bytes`; `Layout` says which applies):
@@ -36,8 +36,10 @@ How layouts divide the first three (`state_bytes`; `Layout` says which applies):
 - PP: a rank holds the layers of its stages (the runtime's `Layout.layers_of`); the rank of the
   first stage the embeddings, that of the last stage the final norm and lm_head (a tied lm_head
   is a copy of the embedding there).
-- FSDP x EP: 1/N of each expert stack, whole experts, with their gradients and optimizer state
-  (`experts.expert_parallel`); FSDP2's shards of the rest, and one layer's all-to-all buffers.
+- FSDP x EP: 1/EP of each expert stack, whole experts, with their gradients and optimizer state
+  (`experts.expert_parallel`), or 1/N of it where FSDP2 shards the stacks across the N/EP expert
+  groups (`parallel.shard_experts`: one layer's gathered at a time); FSDP2's shards of the rest,
+  and one layer's all-to-all buffers.
 The activation model is in `activations.py`.
 """
 
@@ -47,7 +49,7 @@ import math
 from dataclasses import dataclass, replace
 
 from distft.model.nf4 import NF4Spec, nf4_bytes
-from distft.plan.experts import all_to_all_buffer_bytes, expert_parallel
+from distft.plan.experts import expert_parallel, expert_shards
 from distft.plan.inputs import (
     Parallelism,
     Training,
@@ -216,15 +218,18 @@ def state_bytes(
         numel = math.prod(shape)
         rest = numel // shape[0] if shape[0] else 0
         gbytes, moment, master = trained_element_bytes(t, training)
-        fsdp = sharded and not expert_parallel(t, par)
-        out.params += _param_bytes(t, training, shape, n if fsdp else 1)
+        # dp_rank % n: the rank's place in its shard group (HSDP's replicas hold the same chunks);
+        # fsdp+ep's sharded experts: its expert group's place among the groups.
+        experts = expert_parallel(t, par)
+        shards, place = (expert_shards(par), dp_rank // par.ep) if experts else (n, dp_rank % n)
+        fsdp = sharded and (shards > 1 or not experts)
+        out.params += _param_bytes(t, training, shape, shards if fsdp else 1)
         if not trainable:
             continue
         if fsdp:
-            out.grads += math.ceil(shape[0] / n) * rest * gbytes
-            # dp_rank % n: the rank's place in its shard group (HSDP's replicas hold the same chunks).
+            out.grads += math.ceil(shape[0] / shards) * rest * gbytes
             out.optimizer += optimizer_state_bytes(
-                chunk_rows(shape[0], n, dp_rank % n) * rest, moment, master, training
+                chunk_rows(shape[0], shards, place) * rest, moment, master, training
             )
         elif par.shard == "optimizer":  # ZeRO-1: whole gradients, the state of this rank's tensors
             out.grads += numel * gbytes
@@ -272,75 +277,6 @@ def trainable_params(spec: ModelSpec, training: Training) -> int:
 # ---------------------------------------------------------------------------------------------
 # Communication and other transient buffers
 # ---------------------------------------------------------------------------------------------
-
-
-def _unsharded(
-    held: list[tuple[TensorSpec, bool]],
-    training: Training,
-    tp: int,
-    trainable_only: bool = False,
-    grad: bool = False,
-) -> int:
-    """Bytes of `held` gathered whole (this TP rank's slice): weights, or gradients of the trainable."""
-    total = 0.0
-    for t, trains in held:
-        if trainable_only and not trains:
-            continue
-        numel = math.prod(local_shape(t, tp, 0))
-        total += numel * (trained_element_bytes(t, training)[0] if grad else param_element_bytes(t, training))
-    return int(total)
-
-
-def _fsdp_buffers(
-    held: list[tuple[TensorSpec, bool]], training: Training, par: Parallelism
-) -> dict[str, int]:
-    """FSDP2: gathered parameters (root unit, this layer and the prefetched ones; ZeRO-2 and the
-    pipelines every layer) and the unsharded gradients before their reduce-scatter (a pipeline's
-    stage accumulates every layer's until the step's end: torch's stage defers the reduction)."""
-    by_layer: dict[int | None, list[tuple[TensorSpec, bool]]] = {}
-    for t, trains in held:
-        by_layer.setdefault(t.layer, []).append((t, trains))
-    root = by_layer.pop(None, [])
-    units = list(by_layer.values())
-    biggest = max((_unsharded(u, training, par.tp) for u in units), default=0)
-    biggest_grad = max((_unsharded(u, training, par.tp, True, True) for u in units), default=0)
-    # FSDP2 keeps the root unit (embeddings, final norm, lm_head) gathered from forward to backward.
-    gathered = _unsharded(root, training, par.tp)
-    if par.reshard_after_forward:
-        gathered += (1 + par.fsdp_prefetch) * biggest  # this layer and the prefetched ones
-    else:
-        gathered += sum(_unsharded(u, training, par.tp) for u in units)  # ZeRO-2: every layer until backward
-    grads = (
-        sum(_unsharded(u, training, par.tp, True, True) for u in units) if par.pp > 1 else 2 * biggest_grad
-    )
-    return {
-        "gathered parameters": gathered,
-        "unsharded gradients": grads + _unsharded(root, training, par.tp, True, True),
-    }
-
-
-def comm_buffer_bytes(
-    spec: ModelSpec, training: Training, par: Parallelism, stage: int = 0
-) -> dict[str, int]:
-    """Transient buffers at the peak of a step, by what they hold (bytes, one rank)."""
-    c, tp = training.precision.activation, par.tp
-    held = stage_tensors(spec, training, par, stage)
-    out: dict[str, int] = {}
-    if par.shard == "full" and par.shard_degree > 1:
-        fsdp = [(t, trains) for t, trains in held if not expert_parallel(t, par)]
-        out.update(_fsdp_buffers(fsdp, training, par))
-    if par.ep > 1:
-        out["all-to-all buffers"] = all_to_all_buffer_bytes(spec, training, par)
-    if tp > 1:
-        out["TP collective buffers"] = (
-            2 * c * training.micro_batch * layer_seq_len(training, par) * spec.hidden_size
-        )
-    if par.pp > 1:
-        out["pipeline send/recv"] = 2 * c * training.micro_batch * training.seq_len * spec.hidden_size
-    if training.method == "qlora":
-        linear = [math.prod(local_shape(t, tp, 0)) for t, _ in held if t.kind == "linear"]
-        out["dequantized NF4 weight"] = c * max(linear, default=0)
-    return out
 
 
 def layer_seq_len(training: Training, par: Parallelism, seq_len: int | None = None) -> int:

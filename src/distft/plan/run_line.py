@@ -56,6 +56,8 @@ def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dic
         out["parallel.shard"] = str(par.shard_degree)
     if RUNTIME[par.name].needs_moe and par.ep < par.dp:
         out["parallel.ep"] = str(par.ep)
+        if par.shard_experts:
+            out["parallel.shard_experts"] = "true"
     if par.pp > 1:
         out["parallel.schedule"] = par.schedule
         out["parallel.microbatches"] = str(par.microbatches)
