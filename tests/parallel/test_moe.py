@@ -328,6 +328,13 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
                 r["grad_bytes"],
                 r["optimizer_bytes"],
             ), (target, r["rank"])
+    # bf16 weights over fp32 masters, replicated: the experts compute in bf16 as FSDP's gathered
+    # copies do (the all-to-alls' rows bf16 both ways), the replicas all-reduce fp32 gradients.
+    masters = tmp_path / "masters"
+    bf16 = ["model.dtype=bfloat16", "train.master_weights=fp32", "train.max_steps=1"]
+    distft("train", *full, *bf16, *groups, "--out", str(masters))
+    assert_planned_bytes(masters)
+    assert metrics(masters)[0]["comm_bytes_by_dim"]["replicate"] == {"all_reduce": stacks}
     sharded = tmp_path / "resumed-tp-sp-sharded"
     # Its checkpoint of step 2 (FSDP2's strided shards of the experts) resumed by one process.
     out = crashed_copy(sharded, tmp_path / "resumed-sharded-single", 2)

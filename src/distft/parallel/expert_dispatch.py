@@ -46,8 +46,9 @@ def local_experts(
     base: nn.Module, rows: torch.Tensor, per_expert: list[int], factors: dict[str, Factors], grouped: bool
 ) -> torch.Tensor:
     """This rank's experts' MLPs over their rows (`expert_mlps`), the module's stacks read here: a
-    method of the experts module, so that FSDP gathers them first where they are sharded."""
-    stacks = {name: (getattr(base, name).to_local(), factors.get(name)) for name in STACKS}
+    method of the experts module, so that FSDP gathers them first where they are sharded. Stacks
+    kept whole as fp32 master weights compute in the rows' dtype, as FSDP's gathered copies do."""
+    stacks = {name: (getattr(base, name).to_local().to(rows.dtype), factors.get(name)) for name in STACKS}
     return expert_mlps(rows, per_expert, stacks, base.act_fn, grouped)
 
 

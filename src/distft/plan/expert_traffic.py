@@ -80,14 +80,14 @@ def expert_replica_collectives(
     trains, m = training.method == "full", par.microbatches
     if replicas < 2 or not (trains or par.shard_experts):
         return []
-    if not par.shard_experts:
-        nbytes = sum(t.numel // par.ep for t in stacks) * training.precision.grad
+    masters, p = training.fp32_masters and trains, training.precision
+    if not par.shard_experts:  # the gradients of fp32 master weights are fp32
+        nbytes = sum(t.numel // par.ep for t in stacks) * (4 if masters else p.grad)
         return [Collective("expert gradients", "all_reduce", nbytes, len(stacks), replicas, link, False)]
     # As FSDP2 moves the rest (`collective.held_bytes`): fp32 master weights gathered in bf16.
     padded = sum(
         math.ceil(t.shape[0] // par.ep / replicas) * replicas * t.numel // t.shape[0] for t in stacks
     )
-    masters, p = training.fp32_masters and trains, training.precision
     gathered = padded * (training.fsdp_param_bytes or p.param)
     reduced = padded * (
         training.fsdp_reduce_bytes
