@@ -198,11 +198,8 @@ def resolve_auto(cfg: Config) -> str:
         cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = lay.dp, lay.tp, lay.pp
     if lay is not None and STRATEGIES[rec.strategy].shard_groups:
         cfg.parallel.shard = lay.shard_degree
-    if lay is not None and STRATEGIES[rec.strategy].needs_moe and lay.ep < lay.dp:
-        cfg.parallel.ep, cfg.parallel.shard_experts = (
-            lay.ep,
-            lay.shard_experts,
-        )  # its expert groups, as planned
+    if lay is not None and STRATEGIES[rec.strategy].needs_moe and lay.ep < lay.dp:  # its expert groups
+        cfg.parallel.ep, cfg.parallel.shard_experts = lay.ep, lay.shard_experts
     cfg.derived = {
         **cfg.derived,
         "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
