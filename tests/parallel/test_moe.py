@@ -305,7 +305,9 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (out.name, got["step"])
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (out.name, got["step"])
         ranks = json.loads((out / "ranks.json").read_text())  # the resumed run's, from its step 2
-        assert ranks[0]["predicted_by"].startswith(STRATEGIES[strategy].label + " on")
+        groups_said = {"replicated": " (ep=2, replicas=2)", "sharded": " (ep=2, experts sharded over 2)"}
+        said = STRATEGIES[strategy].label + groups_said.get(target, "")
+        assert ranks[0]["predicted_by"].startswith(said), ranks[0]["predicted_by"]
         assert_planned_bytes(out)
     # Every layer's 4 experts of a rank, both stacks (gate/up 48 x 32, down 32 x 24), in fp32:
     # replicas all-reduce their gradients; sharded, they are gathered forward and again backward,

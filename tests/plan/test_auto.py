@@ -58,7 +58,7 @@ def test_prediction_is_the_layout_the_runtime_builds():
     argv = ["train", "--model", "micro", "--strategy", "fsdp+pp", "--nproc", "4"]
     cfg = config_from_args(build_parser().parse_args(argv))
     p = predict(cfg)
-    assert p["layout"] == "FSDP x PP on 4 processes"
+    assert p["layout"] == "FSDP x PP (dp=2, pp=2) on 4 processes"
     assert p["peak_mem_bytes"] == sum(p["by_component"].values()) > 0
     assert p["comm_bytes"]["send"] > 0  # the pipeline's activations cross stages
     # On the CPU there is no bf16 peak: no step time, and why.
@@ -73,7 +73,10 @@ def test_dry_run_checks_and_estimates_and_writes_nothing(tmp_path, capsys):
     assert "dry run: every check before launch passed; nothing trained, nothing written" in text
     assert "derived (not set): parallel.shard=2" in text
     assert "global batch 8 = micro-batch 2 x accumulation 1 x data-parallel ranks 4" in text
-    assert "plan for HSDP on 4 processes (CPU: " in text and "per process at the fullest" in text
+    assert (
+        "plan for HSDP (shard=2, replicas=2) on 4 processes (CPU: " in text
+        and "per process at the fullest" in text
+    )
     assert not out.exists()
     # A check that fails still fails the dry run, with its one paragraph.
     assert main([*argv, *SHORT, "parallel.shard=4"]) == 2

@@ -35,7 +35,7 @@ from distft.parallel.dims import ParallelDims
 from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS
 from distft.plan.collective import bytes_by_kind
 from distft.plan.decide import decide
-from distft.plan.estimate import LABELS, Request, estimate
+from distft.plan.estimate import Request, estimate
 from distft.plan.hardware import (
     GPU,
     format_bytes,
@@ -263,7 +263,7 @@ def predict(cfg: Config, label_tokens: float | None = None) -> dict:
         for rank in range(layout.pp)
     ]
     return {
-        "layout": f"{LABELS[est.strategy]} on {plural(cfg.world_size, 'process')}",
+        "layout": f"{est.label} on {plural(cfg.world_size, 'process')}",  # with its mesh, groups
         "device": where,
         "peak_mem_bytes": int(est.total),
         "by_component": {
