@@ -99,10 +99,13 @@ def shard_units(
     cfg: Config,
     reshard_after_forward: bool,
     ignored: set[nn.Parameter] | None = None,
+    inner: list[nn.Module] | None = None,
 ) -> nn.Module:
     """`fully_shard` each of `layers`, then `root` (what is left: embeddings, final norm, the (tied)
     lm_head), over `mesh`; the pipelines call it once per stage, `root` being the stage. `ignored`:
-    parameters another dimension holds (`fsdp+ep`'s experts), left as they are."""
+    parameters another dimension holds (`fsdp+ep`'s experts), left as they are; `inner`: a unit
+    already sharded inside each layer (`fsdp+ep`'s experts across its groups), gathered as its layer
+    starts."""
     p = cfg.parallel
     shard = fsdp_settings(root, mesh, cfg, reshard_after_forward) | {"ignored_params": ignored}
     for layer in layers:
@@ -110,9 +113,10 @@ def shard_units(
     fully_shard(root, **shard)
 
     # Issue the all-gathers of the next layers early, so they overlap this layer's compute.
-    if p.fsdp_prefetch and layers:
+    if (p.fsdp_prefetch or inner) and layers:
         for i, layer in enumerate(layers):
-            layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 1 + p.fsdp_prefetch])
+            own = [inner[i]] if inner else []
+            layer.set_modules_to_forward_prefetch([*own, *layers[i + 1 : i + 1 + p.fsdp_prefetch]])
             layer.set_modules_to_backward_prefetch(layers[max(0, i - p.fsdp_prefetch) : i][::-1])
     return root
 

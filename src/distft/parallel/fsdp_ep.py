@@ -153,24 +153,24 @@ class FSDPExpertParallel(FSDP):
             else init_device_mesh(device, (world // ep, ep), mesh_dim_names=("replicate", "ep"))
         )
         layers = list(causal_lm(model.lm).model.layers)
-        self.expert_weights: list[nn.Parameter] = []
-        for layer in layers:
-            self.expert_weights += shard_experts(layer.mlp.experts, self.expert_mesh)
-        if self.cfg.parallel.shard_experts:  # FSDP's from here: reduce-scattered across the groups
+        stacks = [w for layer in layers for w in shard_experts(layer.mlp.experts, self.expert_mesh)]
+        experts = [experts_base(layer.mlp.experts) for layer in layers]
+        if self.cfg.parallel.shard_experts:  # FSDP2's from here, across the groups
             settings = fsdp_settings(model, self.expert_mesh, self.cfg, self.reshard_after_forward)
-            for layer in layers:
-                shard_across_groups(experts_base(layer.mlp.experts), settings, self.averaged_over)
-            self.expert_weights = []
+            for module in experts:
+                shard_across_groups(module, settings, self.averaged_over)
+        # The stacks FSDP2 does not manage, their gradients completed by hand (`after_backward`).
+        self.expert_weights = [] if self.cfg.parallel.shard_experts else stacks
         units = layers if self.cfg.parallel.fsdp_wrap == "layer" else []
-        model = shard_units(
-            model, units, self.mesh, self.cfg, self.reshard_after_forward, ignored=set(self.expert_weights)
+        return shard_units(
+            model,
+            units,
+            self.mesh,
+            self.cfg,
+            self.reshard_after_forward,
+            ignored=set(self.expert_weights),
+            inner=experts if self.cfg.parallel.shard_experts else None,  # gathered under attention
         )
-        if self.cfg.parallel.shard_experts:  # a layer's experts gathered as it starts, under attention
-            ahead = self.cfg.parallel.fsdp_prefetch
-            for i, layer in enumerate(units):
-                experts = experts_base(layer.mlp.experts)
-                layer.set_modules_to_forward_prefetch([experts, *units[i + 1 : i + 1 + ahead]])
-        return model
 
     def after_backward(self, model: nn.Module) -> None:
         # Every token of the group reached this rank's experts, each scaled by N (`averaged_over`);

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from distft.model.nf4 import nf4_gathered_bytes
-from distft.plan.experts import expert_parallel
+from distft.plan.experts import expert_parallel, expert_shards
 from distft.plan.hardware import Link, comm_time, wire_bytes
 from distft.plan.inputs import Parallelism, Training
 from distft.plan.memory import (
@@ -67,20 +67,23 @@ def held_bytes(
     rank: int = 0,
     stage: int | None = None,
     layers_only: bool = False,  # the decoder layers' tensors alone (not the root's)
+    experts: bool = False,  # fsdp+ep's expert stacks alone, FSDP-sharded across its groups
 ) -> float:
     """Logical bytes of pipeline rank `rank`'s TP/PP slice of the model (or of its stage `stage`),
     FSDP2's dim-0 padding included: `gradients` (trainable, in the gradient dtype; FSDP2's reduce
     dtype), `trained` (trainable weights as stored: ZeRO-1's broadcast) or `gathered` (every weight
     as FSDP2 all-gathers it: in its param dtype, bf16 copies of fp32 master weights
-    (`parallel.fsdp.mixed_precision`); an NF4 weight's inner tensors)."""
-    total, n = 0.0, par.shard_degree
+    (`parallel.fsdp.mixed_precision`); an NF4 weight's inner tensors). Expert parallelism's stacks
+    are apart: never gathered by the FSDP of the rest, and with `experts`, this rank's alone as FSDP2
+    shards them across the expert groups (`parallel.shard_experts`)."""
+    total, n = 0.0, expert_shards(par) if experts else par.shard_degree
     sharded = par.shard == "full"
     masters = training.fp32_masters and training.method == "full"
     for t, trains in stage_tensors(spec, training, par, rank, stage):
         skip = (what != "gathered" and not trains) or (layers_only and t.layer is None)
-        if skip or expert_parallel(t, par):  # EP's experts: never gathered, nothing to reduce
+        if skip or expert_parallel(t, par) != experts:
             continue
-        shape = local_shape(t, par.tp, 0)
+        shape = local_shape(t, par.tp, 0, par.ep)
         numel = math.prod(shape)
         if what == "gathered" and training.method == "qlora" and t.kind == "linear":
             total += nf4_gathered_bytes(numel, training.quant, training.precision.param, n)

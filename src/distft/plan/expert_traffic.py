@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from distft.model.experts import STACKS
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
-from distft.plan.collective import Collective, Topology
+from distft.plan.collective import Collective, Topology, held_bytes
 from distft.plan.counts import (
     RECOMPUTED_ROW_PROJECTIONS,
     frozen_embedding,
@@ -23,7 +23,7 @@ from distft.plan.counts import (
 )
 from distft.plan.hardware import Link
 from distft.plan.inputs import Parallelism, Training, compute_bytes, rank_layers
-from distft.plan.memory import layer_seq_len
+from distft.plan.memory import layer_seq_len, trained_element_bytes
 from distft.plan.model_spec import ModelSpec
 from distft.plan.preference_traffic import kl_shapes
 
@@ -40,7 +40,7 @@ def ep_collectives(
     layers = rank_layers(spec, training, par, rank)
     routed = routing_collectives(spec, training, par, topo.link(par.ep, par.tp), len(layers))
     across = expert_replica_collectives(
-        spec, training, par, topo.link(par.dp // par.ep, par.ep * par.tp), layers
+        spec, training, par, topo.link(par.dp // par.ep, par.ep * par.tp), rank
     )
     group = "ep" if par.ep < par.dp else group_dim
     return [replace(c, dim=group) for c in routed] + [replace(c, dim="replicate") for c in across]
@@ -65,44 +65,32 @@ def routing_collectives(
 
 
 def expert_replica_collectives(
-    spec: ModelSpec, training: Training, par: Parallelism, link: Link, layers: list[int]
+    spec: ModelSpec, training: Training, par: Parallelism, link: Link, rank: int
 ) -> list[Collective]:
     """Expert groups smaller than the data-parallel ranks (`parallel.ep`), across the dp / ep groups
-    that hold the same experts (this rank's E / ep of each stack of its layers):
+    that hold the same experts (this rank's E / ep of each stack):
     - replicated: once per step, the gradients summed, one all-reduce a stack; none where the
       stacks are frozen (LoRA);
     - sharded (`parallel.shard_experts`, FSDP2 over the groups, each layer's stacks one unit): per
       micro-batch their all-gather (again in backward for ZeRO-3) and their gradients'
-      reduce-scatter, dim 0 padded to a multiple of the groups."""
-    replicas = par.dp // par.ep
-    held = set(layers)
-    stacks = [t for t in spec.tensors() if t.kind == "experts" and t.layer in held]
-    trains, m = training.method == "full", par.microbatches
+      reduce-scatter, as FSDP2 moves the rest (`collective.held_bytes`)."""
+    replicas, trains, m = par.dp // par.ep, training.method == "full", par.microbatches
     if replicas < 2 or not (trains or par.shard_experts):
         return []
-    masters, p = training.fp32_masters and trains, training.precision
-    if not par.shard_experts:  # the gradients of fp32 master weights are fp32
-        nbytes = sum(t.numel // par.ep for t in stacks) * (4 if masters else p.grad)
+    held = set(rank_layers(spec, training, par, rank))
+    stacks = [t for t in spec.tensors() if t.kind == "experts" and t.layer in held]
+    if not par.shard_experts:
+        nbytes = sum(t.numel // par.ep * trained_element_bytes(t, training)[0] for t in stacks)
         return [Collective("expert gradients", "all_reduce", nbytes, len(stacks), replicas, link, False)]
-    # As FSDP2 moves the rest (`collective.held_bytes`): fp32 master weights gathered in bf16.
-    padded = sum(
-        math.ceil(t.shape[0] // par.ep / replicas) * replicas * t.numel // t.shape[0] for t in stacks
-    )
-    gathered = padded * (training.fsdp_param_bytes or p.param)
-    reduced = padded * (
-        training.fsdp_reduce_bytes
-        or (not masters and training.fsdp_param_bytes)
-        or (4 if masters else p.grad)
-    )
     units, gathers = (
         len({t.layer for t in stacks}),
         fsdp_gathers_per_microbatch(par.reshard_after_forward) * m,
     )
-    out = [Collective("experts", "all_gather", gathered * gathers, units * gathers, replicas, link, True)]
+    gathered = held_bytes(spec, training, par, "gathered", rank, experts=True) * gathers
+    out = [Collective("experts", "all_gather", gathered, units * gathers, replicas, link, True)]
     if trains:
-        out.append(
-            Collective("expert gradients", "reduce_scatter", reduced * m, units * m, replicas, link, True)
-        )
+        reduced = held_bytes(spec, training, par, "gradients", rank, experts=True) * m
+        out.append(Collective("expert gradients", "reduce_scatter", reduced, units * m, replicas, link, True))
     return out
 
 
