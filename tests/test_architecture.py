@@ -29,6 +29,7 @@ LAYERS = {
     "distft.model": 2,
     "distft.data": 2,
     "distft.distributed": 2,
+    "distft.layout": 2,  # a run's layout, described once: mesh dimensions, strategy specs, their rules (no torch)
     "distft.io": 3,
     "distft.health": 3,  # pre-flight checks: the environment, a roll call, all-reduce timings
     "distft.launch": 3,  # torchrun: ranks exec'd (CUDA) or forked from the caller (CPU)

@@ -4,9 +4,8 @@ command's module is imported when it runs (`distft.cli.COMMANDS`). Each case run
 point, `python -X importtime -m distft.cli ARGS`, and reads the modules it imported from
 importtime's lines. No timing is asserted here (docs/bench.md, "Command start-up", measures it).
 
-The light tables the help texts list (strategies, the planner's precisions, schedules and links,
-bench's studies) are copies of tables in modules that import torch: each is held equal to its
-source below."""
+The tables the help texts list (strategies, the planner's precisions, schedules and links,
+bench's studies) live in torch-free modules that the runtime and the planner read too."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ import pytest
 import distft
 from distft import cli
 from distft.commands import bench as bench_flags
-from distft.commands import plan as plan_flags
-from distft.commands import train as train_flags
 
 HEAVY = ("torch", "transformers", "peft", "datasets")
 
@@ -122,27 +119,32 @@ def test_the_command_table_names_every_command_and_its_function():
     assert cli.config_from_args is config_from_args  # `from distft.cli import config_from_args` still works
 
 
-def test_the_strategy_names_train_lists_are_the_registry():
+def test_the_tables_the_help_lists_are_their_sources_not_copies():
+    """The strategies, precisions, schedules, links and studies the flags offer are read from
+    torch-free modules the runtime, the planner and bench read too: one table each."""
+    from distft.bench import study
+    from distft.config.choices import PIPELINE_SCHEDULES, PLANNED_SCHEDULES
+    from distft.config.precision import PRECISIONS
+    from distft.layout import SPECS
+    from distft.measure.gpus import INTERCONNECTS, LINKS
     from distft.parallel import STRATEGIES
+    from distft.parallel.pipeline import SCHEDULES
+    from distft.plan import hardware, inputs
 
-    assert tuple(STRATEGIES) == train_flags.STRATEGY_NAMES, "add the strategy to commands/train.py"
-    qlora = tuple(name for name, cls in STRATEGIES.items() if cls.supports_qlora)
-    assert qlora == train_flags.QLORA_STRATEGIES
+    commands = next(a for a in cli.build_parser()._actions if a.dest == "command").choices
 
+    def choices(command: str, flag: str) -> list | None:
+        return next(a.choices for a in commands[command]._actions if flag in a.option_strings)
 
-def test_the_plan_tables_plan_lists_are_the_planner():
-    from distft.plan.hardware import INTERCONNECTS
-    from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS
+    def help_of(command: str, flag: str) -> str:
+        return next(a.help for a in commands[command]._actions if flag in a.option_strings)
 
-    assert tuple(PRECISIONS) == plan_flags.PRECISIONS
-    assert plan_flags.PLANNED_SCHEDULES == PLANNED_SCHEDULES
-    assert plan_flags.INTERCONNECTS == INTERCONNECTS
-
-
-def test_the_studies_bench_lists_are_the_studies():
-    from distft.bench.study import STUDIES
-
-    assert tuple(sorted(STUDIES)) == bench_flags.STUDIES
+    assert list(STRATEGIES) == list(SPECS)
+    assert all(name in help_of("train", "--strategy") for name in SPECS)
+    assert inputs.PRECISIONS is PRECISIONS and list(choices("plan", "--precision")) == list(PRECISIONS)
+    assert hardware.LINKS is LINKS and choices("plan", "--interconnect") == INTERCONNECTS
+    assert choices("plan", "--pp-schedule") == PLANNED_SCHEDULES and set(PIPELINE_SCHEDULES) == set(SCHEDULES)
+    assert study.STUDIES is bench_flags.STUDIES and list(choices("bench", "--study")) == list(study.STUDIES)
 
 
 def test_a_command_is_imported_with_the_collector_paused_and_its_imports_frozen():

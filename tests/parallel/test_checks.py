@@ -7,9 +7,9 @@ import pytest
 
 from distft.config import Config, ParallelConfig, load_config
 from distft.errors import ConfigError
+from distft.layout.rules import READ_BY
 from distft.model import model_config
 from distft.parallel import STRATEGIES, check_model, ignored_settings
-from distft.parallel.checks import READ_BY
 from distft.parallel.ddp import DDP
 from distft.parallel.fsdp import FSDP
 from distft.parallel.fsdp_pp import FSDPPipelineParallel

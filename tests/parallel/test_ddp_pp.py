@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from distft.cli import main
 from distft.config import load_config
+from distft.layout import ParallelDims
 from distft.parallel import STRATEGIES
-from distft.parallel.dims import ParallelDims
 from tests.helpers import PARITY, assert_same_training, distft, metrics
 
 TWO_D = [*PARITY, "train.max_steps=2", "data.max_length=256", "data.max_rows=16"]
@@ -59,7 +59,7 @@ def test_matches_single_process(tmp_path):
 
 
 def test_mesh_layout():
-    dims = ParallelDims(dp=2, tp=1, pp=2, world_size=4)
+    dims = ParallelDims(dp_replicate=2, pp=2)
     # pp outermost: pipelines {0, 2} and {1, 3}; data-parallel groups {0, 1} and {2, 3}.
     assert [(c["pp"], c["dp"]) for c in map(dims.coordinates, range(4))] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     overrides = ["parallel.strategy=ddp+pp", "parallel.nproc=8", "parallel.pp=2", "train.micro_batch_size=1"]

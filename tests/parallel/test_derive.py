@@ -9,6 +9,7 @@ import pytest
 from distft.cli import build_parser, config_from_args
 from distft.config import load_config
 from distft.errors import ConfigError
+from distft.layout import SPECS
 from distft.model import model_config
 from distft.parallel import STRATEGIES, check_config, check_model
 from distft.parallel.derive import PRETRAINED_FULL_LR, PRETRAINED_LORA_LR, RANDOM_PRESET_LR
@@ -43,7 +44,7 @@ def test_every_strategy_runs_with_strategy_and_nproc_alone(capsys):
     for model in ("micro", "tiny", "qwen3-moe-micro"):
         architecture = model_config(model, False)
         for name, sizes in SIZES.items():
-            if STRATEGIES[name].needs_moe != (model == "qwen3-moe-micro"):  # the MoE: its own strategy
+            if SPECS[name].expert_groups != (model == "qwen3-moe-micro"):  # the MoE: its own strategy
                 continue
             for n in sizes:
                 cfg = parse("--model", model, "--strategy", name, "--nproc", str(n))

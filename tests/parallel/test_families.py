@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from distft.layout import SPECS
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
@@ -84,7 +85,7 @@ PAIRS = [
     for s in STRATEGIES
     if s != "single"
     and s not in VARIANTS
-    and not STRATEGIES[s].needs_moe  # fsdp+ep: tests/parallel/test_moe.py
+    and not SPECS[s].expert_groups  # fsdp+ep: tests/parallel/test_moe.py
 ]
 # (preset, method, strategy): each family's trained head or biases, and its NF4 base, where a
 # strategy shards them its own way.
@@ -110,7 +111,7 @@ def test_every_family_and_strategy_has_parity_coverage():
     for variant, covered in VARIANTS.items():
         assert extends(STRATEGIES[variant], STRATEGIES[covered]), (variant, covered)
     for name in others:
-        dense = {s for s in NPROC if not STRATEGIES[s].needs_moe}  # fsdp+ep: tests/parallel/test_moe.py
+        dense = {s for s in NPROC if not SPECS[s].expert_groups}  # fsdp+ep: tests/parallel/test_moe.py
         assert {s for m, s in PAIRS if m == name} == dense - set(VARIANTS), name
         assert "full" in {method for m, method, _ in METHOD_PAIRS if m == name}, name
 

@@ -11,7 +11,7 @@ import pytest
 from distft.cli import main
 from distft.config import load_config
 from distft.errors import ConfigError
-from distft.parallel.dims import ParallelDims
+from distft.layout import SPECS, ParallelDims
 from tests.helpers import PARITY, assert_same_training, distft, metrics
 
 TWO_D = [*PARITY, "train.max_steps=2"]
@@ -35,20 +35,18 @@ def test_matches_single_process(tmp_path):
 
 
 def test_parallel_dims():
-    dims = ParallelDims(dp=2, tp=2, pp=1, world_size=4)
+    dims = ParallelDims(dp_shard=2, tp=2)
     # tp is the inner dimension: TP groups are neighbouring ranks.
-    assert [dims.coordinates(r) for r in range(4)] == [
-        {"pp": 0, "dp": 0, "cp": 0, "tp": 0},
-        {"pp": 0, "dp": 0, "cp": 0, "tp": 1},
-        {"pp": 0, "dp": 1, "cp": 0, "tp": 0},
-        {"pp": 0, "dp": 1, "cp": 0, "tp": 1},
-    ]
+    assert [(c["dp"], c["tp"]) for c in map(dims.coordinates, range(4))] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    wrong = load_config(
+        None, ["parallel.strategy=fsdp+tp", "parallel.nproc=4", "parallel.dp=2", "parallel.tp=3"]
+    )
     with pytest.raises(ConfigError, match="2 x 3 x 1 = 6, but the run has 4 processes"):
-        ParallelDims(dp=2, tp=3, pp=1, world_size=4)
+        ParallelDims.of(SPECS["fsdp+tp"], wrong)
     auto = load_config(
         None, ["parallel.strategy=fsdp+tp", "parallel.nproc=8", "parallel.tp=2", "train.micro_batch_size=1"]
     )
-    assert ParallelDims.from_config(auto).dp == 4  # dp=0: what tp leaves
+    assert ParallelDims.of(SPECS["fsdp+tp"], auto).dp == 4  # dp=0: what tp leaves
 
 
 @pytest.mark.parametrize(

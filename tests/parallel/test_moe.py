@@ -6,6 +6,7 @@ run an MoE is refused before launch, in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from distft.cli import build_parser, main
+from distft.layout import SPECS
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
@@ -27,7 +29,7 @@ from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, d
 # whose first gradient is itself ~1e-8 moves by lr g / (|g| + eps), and another summation order (tp
 # sums each expert's features in halves) turns 1.4e-8 against 1.6e-8 into 3% of a step.
 MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_rows=16", "optim.eps=1e-6"]
-MOE_STRATEGIES = [name for name, cls in STRATEGIES.items() if cls.supports_moe and name != "single"]
+MOE_STRATEGIES = [name for name, spec in SPECS.items() if spec.runs("moe") and name != "single"]
 # As in test_families.py: a variant's code for the experts is the named strategy's (ZeRO-1
 # partitions DDP's optimizer state, ZeRO-2 and HSDP keep FSDP's units gathered or replicated,
 # ddp+pp is fsdp+pp's stages with DDP around them, fsdp+tp+pp splits fsdp+pp's stages as fsdp+tp
@@ -306,7 +308,7 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (out.name, got["step"])
         ranks = json.loads((out / "ranks.json").read_text())  # the resumed run's, from its step 2
         groups_said = {"replicated": " (ep=2, replicas=2)", "sharded": " (ep=2, experts sharded over 2)"}
-        said = STRATEGIES[strategy].label + groups_said.get(target, "")
+        said = SPECS[strategy].label + groups_said.get(target, "")
         assert ranks[0]["predicted_by"].startswith(said), ranks[0]["predicted_by"]
         assert_planned_bytes(out)
     # Every layer's 4 experts of a rank, both stacks (gate/up 48 x 32, down 32 x 24), in fp32:
@@ -462,10 +464,11 @@ def test_what_cannot_run_an_moe_is_refused_before_launch(flags, says, tmp_path, 
 
 
 def test_a_strategy_not_taught_an_moe_is_refused_and_planned_as_such(monkeypatch, tmp_path, capsys):
-    """Every strategy runs an MoE today; one that does not say `supports_moe` (a new one, until it
+    """Every strategy runs an MoE today; one whose spec does not run "moe" (a new one, until it
     is taught) is refused before launch in one line naming those that do, and the planner lists
     it as not applicable, saying why."""
-    monkeypatch.setattr(STRATEGIES["tp"], "supports_moe", False)
+    untaught = dataclasses.replace(SPECS["tp"], capabilities={**SPECS["tp"].capabilities, "moe": "not yet"})
+    monkeypatch.setitem(SPECS, "tp", untaught)
     assert main(["train", *MOE, "--strategy", "tp", "--nproc", "2", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "which --strategy tp has not been taught to split" in err[0], err

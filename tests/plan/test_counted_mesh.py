@@ -22,6 +22,7 @@ import torch.distributed as dist
 from distft.config import load_config
 from distft.distributed import DistEnv
 from distft.errors import ConfigError
+from distft.layout import SPECS
 from distft.measure.comm import CommCounter
 from distft.model import LossLM, apply_method, load_base_model
 from distft.parallel import STRATEGIES, check_config
@@ -41,6 +42,9 @@ MESHES = {
     "fsdp+tp+pp": ["parallel.tp=2", "parallel.pp=2"],
     "fsdp+cp": ["parallel.cp=2", "parallel.cp_method=ring"],  # the ring here, the all-gather elsewhere
 }
+# Every strategy on a mesh of several dimensions, or a pipeline, is counted here (fsdp+ep's
+# expert groups in tests/parallel/test_moe.py): a new one cannot be left out silently.
+assert set(MESHES) | {"fsdp+ep"} == {n for n, s in SPECS.items() if len(s.dims) > 1 or s.pipelined}
 BF16 = ["model.dtype=bfloat16"]
 METHODS = {
     "lora": ("lora", []),
@@ -118,8 +122,8 @@ def test_every_mesh_strategy_method_and_precision_moves_the_predicted_bytes(capf
     runnable = 0
     for r in rows:
         where = (r["strategy"], r["method"], r["rank"])
-        cls = STRATEGIES[r["strategy"]]
-        can = {"qlora": cls.supports_qlora, "masters": cls.fp32_masters}.get(r["method"], True)
+        spec = SPECS[r["strategy"]]
+        can = {"qlora": spec.runs("qlora"), "masters": spec.runs("fp32_masters")}.get(r["method"], True)
         runnable += can
         if not can:  # refused before launch, as its class says
             assert "refused" in r, where

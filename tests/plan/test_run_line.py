@@ -16,11 +16,11 @@ from dataclasses import replace
 import pytest
 
 from distft.cli import build_parser, config_from_args
+from distft.layout import SPECS, ParallelDims
 from distft.parallel import STRATEGIES, check_config
 from distft.parallel.derive import PRETRAINED_FULL_LR, PRETRAINED_LORA_LR, RANDOM_PRESET_LR
 from distft.plan import evaluate, make_request, run_command
 from distft.plan.decide import decide
-from distft.plan.estimate import MODELLED
 from distft.plan.report import to_dict
 from distft.plan.run_line import DATA_PLACEHOLDER
 
@@ -39,12 +39,10 @@ def parse_run(command: str):
 def test_runnable_strategies_come_from_the_registry():
     req = request("--model qwen3-4b --method lora --gpus 8 --gpu h100")
     estimates = evaluate(req)
-    assert set(STRATEGIES) <= set(MODELLED)  # every strategy distft runs is modelled
+    # Every strategy distft runs is modelled, and every layout the planner models, distft runs.
+    assert list(estimates) == list(STRATEGIES)
     for name, e in estimates.items():
-        assert e.runnable == (name in STRATEGIES), name
-        assert e.in_distft == ("yes" if name in STRATEGIES else "no")
-    # Every layout the planner models, distft runs: the plan recommends nothing it cannot run.
-    assert set(MODELLED) <= set(STRATEGIES)
+        assert e.runnable and e.in_distft == "yes", name
     assert {"zero1", "hsdp", "pp", "fsdp+tp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp"} <= {
         n for n, e in estimates.items() if e.runnable
     }
@@ -54,7 +52,7 @@ def test_qlora_runs_only_where_the_registry_says():
     req = request("--model qwen3-4b --method qlora --gpus 4 --gpu rtx4090")
     estimates = evaluate(req)
     for name, e in estimates.items():
-        supported = name in STRATEGIES and STRATEGIES[name].supports_qlora
+        supported = SPECS[name].runs("qlora")
         assert e.runnable == supported, name
 
 
@@ -90,10 +88,10 @@ def test_every_run_line_carries_the_estimates_assumptions(command):
         assert cfg.lora.rank == t.lora_rank
         cls = STRATEGIES[name]
         assert cls.data_parallel_size(cfg) == lay.dp, name
-        if cls.mesh_degrees:
-            assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)
-        if cls.shard_groups:  # HSDP: the shard groups the plan counted, one node each
-            assert cls.shard_degree(cfg) == lay.shard_degree == req.gpus_per_node
+        dims = ParallelDims.of(cls.spec, cfg)  # the runtime's degrees are the plan's, groups too
+        assert dims == lay.dims(), name
+        if cls.spec.shard_groups:  # HSDP: the shard groups the plan counted, one node each
+            assert dims.dp_shard == lay.shard_degree == req.gpus_per_node
         if lay.pp > 1:  # the runtime's own pipeline for this config is the one the plan counted
             assert cls.pipeline_layout(cfg) == lay.pipeline(t.micro_batch)
         # What a run needs beyond the estimate: the pretrained weights, their learning rate, data.

@@ -32,7 +32,7 @@ from distft.bench.predict import parse_profile, plan_memory, project
 from distft.bench.reference import time_plain_loop
 from distft.errors import ConfigError
 from distft.io.files import atomic_write_text
-from distft.parallel import STRATEGIES
+from distft.layout import SPECS
 from distft.parallel.pipeline import SCHEDULES
 from distft.train.metrics import START_ENV
 
@@ -261,9 +261,9 @@ def add_predictions(summary: dict, settings: BenchSettings) -> None:
 
 
 def run_bench(settings: BenchSettings, out: Path) -> dict:
-    unknown = [s for s in settings.strategies if s not in STRATEGIES]
+    unknown = [s for s in settings.strategies if s not in SPECS]
     if unknown:
-        raise ConfigError(f"Unknown strategies {', '.join(unknown)}; available: {', '.join(STRATEGIES)}.")
+        raise ConfigError(f"Unknown strategies {', '.join(unknown)}; available: {', '.join(SPECS)}.")
     for profile in settings.project:
         parse_profile(profile)  # fail before running anything
     bad = [s for s in settings.pp_schedules if s not in SCHEDULES]

@@ -29,12 +29,14 @@ import re
 from dataclasses import dataclass, replace
 
 from distft.config import load_config
+from distft.config.choices import PLANNED_SCHEDULES
 from distft.errors import ConfigError
-from distft.parallel import STRATEGIES
+from distft.layout import SPECS
+from distft.measure.gpus import GPUS, INTERCONNECTS, GiB
 from distft.plan.auto import training_of
 from distft.plan.estimate import Estimate, Request, estimate, parallelism_for
-from distft.plan.hardware import GPUS, INTERCONNECTS, GiB, comm_time, find_gpu, generic_gpu, intra_node_link
-from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS
+from distft.plan.hardware import comm_time, find_gpu, generic_gpu, intra_node_link
+from distft.plan.inputs import PRECISIONS
 from distft.plan.model_spec import resolve_model
 
 
@@ -99,7 +101,7 @@ def _request(
 def _estimate(req: Request, settings, strategy: str, n: int):
     """The plan's estimate of `strategy` on n ranks with the bench's global batch: n ranks on its
     one mesh dimension (a multi-dimensional strategy is measured, not projected)."""
-    dims = STRATEGIES[strategy].dims
+    dims = SPECS[strategy].axes
     if len(dims) > 1:
         raise ConfigError(f"{strategy} spans {len(dims)} mesh dimensions; projections model one")
     degrees = {d: n for d in dims}
@@ -146,7 +148,7 @@ def project(settings, results: list[dict], profile: Profile) -> dict:
     rows = {}
     for r in results:
         name = r["strategy"]
-        n = profile.gpus if name in STRATEGIES and STRATEGIES[name].dims else 1
+        n = profile.gpus if name in SPECS and SPECS[name].distributed else 1
         try:
             e = _estimate(req, settings, name, n)
         except ConfigError as err:

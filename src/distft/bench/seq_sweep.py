@@ -39,9 +39,10 @@ from distft.config.choices import CHECKPOINTING
 from distft.data import IGNORE
 from distft.errors import ConfigError
 from distft.io.files import atomic_write_text
+from distft.layout import SPECS
 from distft.model.build import architecture
 from distft.model.positions import max_positions
-from distft.parallel import STRATEGIES, check_config, check_model
+from distft.parallel import check_config, check_model
 
 # The chat prompt, a bundled meeting's summary (46-74 tokens) and the 32 transcript tokens a cut
 # prompt keeps at least take ~150 tokens; from 256 up most of every row is transcript.
@@ -123,9 +124,9 @@ def model_positions(model: str, overrides: list[str]) -> int:
 def resolve(settings: SeqSweepSettings, cuda: bool) -> list[str]:
     """Check every option and every strategy x lever before anything runs (one-line ConfigErrors);
     fill in `seq_max`; drop `offload` on the CPU. Returns the notes the report carries."""
-    unknown = [s for s in settings.strategies if s not in STRATEGIES]
+    unknown = [s for s in settings.strategies if s not in SPECS]
     if unknown:
-        raise ConfigError(f"Unknown strategies {', '.join(unknown)}; available: {', '.join(STRATEGIES)}.")
+        raise ConfigError(f"Unknown strategies {', '.join(unknown)}; available: {', '.join(SPECS)}.")
     for lever in settings.levers:
         parse_lever(lever)
     if settings.seq_start < MIN_SEQ_LEN:

@@ -18,27 +18,8 @@ from pathlib import Path
 
 from distft.bench.harness import BenchSettings, StrategyResult, environment, loss_agreement, run_strategy
 from distft.bench.spread import compare, spread
+from distft.commands.bench import STUDIES
 from distft.errors import ConfigError
-
-# label -> (strategy, switches); the first multi-process configuration is the correct one.
-STUDIES: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
-    "ddp-misconfig": {
-        "single": ("single", ()),
-        "ddp (correct)": ("ddp", ()),
-        "find_unused_parameters": ("ddp", ("parallel.ddp_find_unused_parameters=true",)),
-        "broadcast_buffers": ("ddp", ("parallel.ddp_broadcast_buffers=true",)),
-        "no no_sync": ("ddp", ("parallel.ddp_no_sync=false",)),
-        "bucket 0.001 MB": ("ddp", ("parallel.ddp_bucket_mb=0.001",)),
-    },
-    "fsdp-wrap": {
-        "single": ("single", ()),
-        "fsdp, per layer (correct)": ("fsdp", ()),
-        "fsdp, whole model": ("fsdp", ("parallel.fsdp_wrap=model",)),
-        "fsdp, no prefetch": ("fsdp", ("parallel.fsdp_prefetch=0",)),
-        "zero2, per layer": ("zero2", ()),
-        "zero2, whole model": ("zero2", ("parallel.fsdp_wrap=model",)),
-    },
-}
 
 
 def steady_figures(run_dir: Path, warmup: int) -> dict:

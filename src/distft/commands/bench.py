@@ -10,8 +10,26 @@ PP_SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv"
 DEFAULT_OUT = "runs/bench"
 DEFAULT_SPLITS = "balanced,even"  # --pp-splits (`bench.pp_sweep`)
 DEFAULT_LEVERS = "none,full,offload"  # --seq-levers (`bench.seq_sweep`)
-# `bench.study.STUDIES`' names (that module imports torch); tests/test_cli_startup.py holds them equal.
-STUDIES = ("ddp-misconfig", "fsdp-wrap")
+# bench's named experiments (`distft bench --study NAME`, run by `distft.bench.study`): each
+# configuration's label -> (strategy, switches); the first multi-process one is the correct one.
+STUDIES: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
+    "ddp-misconfig": {
+        "single": ("single", ()),
+        "ddp (correct)": ("ddp", ()),
+        "find_unused_parameters": ("ddp", ("parallel.ddp_find_unused_parameters=true",)),
+        "broadcast_buffers": ("ddp", ("parallel.ddp_broadcast_buffers=true",)),
+        "no no_sync": ("ddp", ("parallel.ddp_no_sync=false",)),
+        "bucket 0.001 MB": ("ddp", ("parallel.ddp_bucket_mb=0.001",)),
+    },
+    "fsdp-wrap": {
+        "single": ("single", ()),
+        "fsdp, per layer (correct)": ("fsdp", ()),
+        "fsdp, whole model": ("fsdp", ("parallel.fsdp_wrap=model",)),
+        "fsdp, no prefetch": ("fsdp", ("parallel.fsdp_prefetch=0",)),
+        "zero2, per layer": ("zero2", ()),
+        "zero2, whole model": ("zero2", ("parallel.fsdp_wrap=model",)),
+    },
+}
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +68,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--study",
-        choices=STUDIES,
+        choices=list(STUDIES),
         help="run a correct configuration beside its misconfigurations (ddp-misconfig, fsdp-wrap) instead of "
         "--strategies; writes DIR/study.md and DIR/study_NAME.png",
     )

@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from distft.config.choices import ATTENTION_CHOICES, CHECKPOINTING, ROPE_SCALINGS
-from distft.measure.gpus import GPUS
-
-# Light copies of the planner's tables (`distft.plan` imports torch), each held equal to its source
-# by tests/test_cli_startup.py: `plan.inputs.PRECISIONS`' names, `plan.inputs.PLANNED_SCHEDULES`, and
-# `plan.hardware.INTERCONNECTS` (the generic names, then every `LINKS` key but the CPU-GPU ones).
-PRECISIONS = ("mixed", "bf16", "bf16-pure", "fp32")
-PLANNED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-INTERCONNECTS = ("pcie", "nvlink", "infiniband", "pcie4", "pcie5", "nvlink3", "nvlink4", "nvlink5", "nvlink-bridge",
-                 "nvlink-bridge-nvl", "infinity-fabric", "ib-hdr", "ib-ndr")  # fmt: skip
+from distft.config.choices import ATTENTION_CHOICES, CHECKPOINTING, PLANNED_SCHEDULES, ROPE_SCALINGS
+from distft.config.precision import PRECISIONS
+from distft.measure.gpus import GPUS, INTERCONNECTS
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +44,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         choices=list(ATTENTION_CHOICES),
         help="attention kernel (model.attn_implementation)",
     )
-    p.add_argument("--precision", default="mixed", choices=PRECISIONS, help="bytes per weight/grad/state")
+    p.add_argument(
+        "--precision", default="mixed", choices=list(PRECISIONS), help="bytes per weight/grad/state"
+    )
     p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (all attention and MLP projections)")
     p.add_argument(
         "--lora-variant",

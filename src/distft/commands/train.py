@@ -12,12 +12,7 @@ from pathlib import Path
 from distft.config import Config, load_config
 from distft.config.choices import OBJECTIVES
 from distft.errors import ConfigError
-
-# The registry's names, in its order (`distft.parallel.STRATEGIES`, which imports torch), and those
-# whose class sets `supports_qlora`; tests/test_cli_startup.py holds both equal to the registry.
-STRATEGY_NAMES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp-sp", "cp", "pp", "fsdp+tp",
-                  "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "fsdp+cp", "fsdp+ep")  # fmt: skip
-QLORA_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp", "cp", "fsdp+pp", "fsdp+cp")
+from distft.layout import SPECS, takers
 
 TRAIN_FLAGS = {  # flag -> config field it sets
     "model": "model.name",
@@ -57,7 +52,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--method",
         choices=["lora", "qlora", "full"],
         help="LoRA adapters on a frozen base, the same on a 4-bit NF4 base "
-        f"({', '.join(QLORA_STRATEGIES)}), or full finetuning",
+        f"({', '.join(takers('qlora'))}), or full finetuning",
     )
     p.add_argument(
         "--objective",
@@ -74,7 +69,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--strategy",
         metavar="NAME",
-        help=f"how the model is split across processes: {', '.join(STRATEGY_NAMES)} (docs/ has a page for each), "
+        help=f"how the model is split across processes: {', '.join(SPECS)} (docs/ has a page for each), "
         "or auto: the planner's choice for --nproc and this machine's memory (docs/plan.md)",
     )
     _add_launch_flags(p)

@@ -29,6 +29,7 @@ CHECKPOINTING = ("none", "full", "selective", "offload")  # model.activation_che
 CHECKPOINTING_ALIASES = {"true": "full", "false": "none"}  # what the setting was when it was a switch
 ROPE_SCALINGS = ("none", "yarn", "linear", "dynamic")  # `distft.model.positions`
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")  # `parallel.pipeline.layout`
+PLANNED_SCHEDULES = PIPELINE_SCHEDULES[:3]  # those whose in-flight activations the planner models
 CP_METHODS = ("allgather", "ring")  # parallel.cp_method; `distft.parallel.context`
 MEASURE_COMM = ("auto", "every", "first", "off")  # `distft.measure.step`
 TRUNCATIONS = ("head", "tail", "middle")

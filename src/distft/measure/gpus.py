@@ -1,4 +1,6 @@
-"""The GPU table: memory and peak dense bf16 throughput per GPU, and matching a device to a row.
+"""The GPU table: memory and peak dense bf16 throughput per GPU, and matching a device to a row;
+the link table: the bandwidth of each interconnect (`LINKS`, whose assumptions `distft.plan.hardware`
+states).
 
 The planner (`distft.plan.hardware`) sizes runs and times steps with it; training divides its
 achieved FLOP/s by the peak here to report MFU (`distft.measure.flops`). `bf16_tflops` is the
@@ -113,3 +115,64 @@ def gpu_for_device_name(device_name: str) -> GPU | None:
     return next(
         (GPUS[key] for part, key in _DEVICE_NAMES if re.search(rf"\b{re.escape(part)}\b", name)), None
     )
+
+
+GB = 1000**3
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    label: str
+    bandwidth: float  # bytes/s per direction (vendor figure)
+    efficiency: float  # fraction of `bandwidth` a ring collective reaches (assumption)
+    latency_s: float  # per ring step (assumption)
+    inter_node: bool = False
+    mesh: int = 0  # direct links per GPU of a fully connected mesh, sharing `bandwidth` (0: a switch)
+    pairs: bool = False  # a bridge joining two cards: more GPUs per node talk over the host link
+    host: bool = False  # a CPU-GPU link only: no collective runs over it
+
+    VENDOR_FIELDS = ("bandwidth",)
+    ASSUMED_FIELDS = ("efficiency", "latency_s")
+
+    @property
+    def effective(self) -> float:
+        return self.bandwidth * self.efficiency
+
+    def effective_for(self, n: int) -> float:
+        """Bytes/s a collective over `n` ranks reaches: on a mesh, n - 1 of the `mesh` links."""
+        share = min(max(n - 1, 1), self.mesh) / self.mesh if self.mesh else 1.0
+        return self.effective * share
+
+
+LINKS: dict[str, Link] = {
+    # PCIe x16: 16 GT/s x 16 lanes (gen4) ~ 32 GB/s per direction; gen5 doubles it. Consumer cards
+    # without peer-to-peer go through host memory, hence the lower efficiency assumed.
+    "pcie4": Link("pcie4", "PCIe 4.0 x16", 32 * GB, 0.7, 15e-6),
+    "pcie5": Link("pcie5", "PCIe 5.0 x16", 64 * GB, 0.7, 15e-6),
+    # NVLink: A100 (NVLink 3) 600 GB/s, H100/H200/GH200 (NVLink 4) 900 GB/s, both directions summed.
+    "nvlink3": Link("nvlink3", "NVLink 3 (A100)", 300 * GB, 0.8, 5e-6),
+    "nvlink4": Link("nvlink4", "NVLink 4 (H100/H200/GH200)", 450 * GB, 0.8, 5e-6),
+    # NVLink 5 (B200): 1.8 TB/s per GPU, both directions summed (HGX B200 datasheet).
+    "nvlink5": Link("nvlink5", "NVLink 5 (B200)", 900 * GB, 0.8, 5e-6),
+    # RTX 3090 NVLink bridge: 112.5 GB/s, both directions; H100 NVL's: 600 GB/s (H100 datasheet).
+    # Each joins two cards.
+    "nvlink-bridge": Link("nvlink-bridge", "NVLink bridge (RTX 3090)", 56.25 * GB, 0.8, 5e-6, pairs=True),
+    "nvlink-bridge-nvl": Link(
+        "nvlink-bridge-nvl", "NVLink bridge (H100 NVL pairs)", 300 * GB, 0.8, 5e-6, pairs=True
+    ),
+    # AMD Infinity Fabric (MI300X datasheet): 7 links per GPU of 128 GB/s each, both directions
+    # (896 GB/s), one to each other GPU of the 8-GPU platform; RCCL's rings use n - 1 of them for
+    # n ranks. Efficiency assumed as PCIe's (no better-grounded figure here).
+    "infinity-fabric": Link(
+        "infinity-fabric", "AMD Infinity Fabric (MI300X, RCCL)", 448 * GB, 0.7, 5e-6, mesh=7
+    ),
+    # GH200's NVLink-C2C: 900 GB/s CPU-GPU, both directions (GH200 datasheet); not a GPU-GPU link.
+    "nvlink-c2c": Link("nvlink-c2c", "NVLink-C2C (GH200, CPU-GPU)", 450 * GB, 0.8, 5e-6, host=True),
+    # InfiniBand HDR 200 Gb/s and NDR 400 Gb/s per port, one port (NIC) per GPU assumed.
+    "ib-hdr": Link("ib-hdr", "InfiniBand HDR 200 Gb/s", 25 * GB, 0.8, 10e-6, True),
+    "ib-ndr": Link("ib-ndr", "InfiniBand NDR 400 Gb/s", 50 * GB, 0.8, 10e-6, True),
+}
+
+
+INTERCONNECTS = ("pcie", "nvlink", "infiniband", *(k for k, link in LINKS.items() if not link.host))

@@ -192,14 +192,6 @@ def dequantize_base(layers: nn.ModuleList, spec: NF4Spec) -> None:
         linear.__class__ = nn.Linear
 
 
-# Why tp, tp-sp and fsdp+tp refuse --method qlora (shown to the user before launch).
-TP_REFUSAL = (
-    "tensor parallelism splits o_proj and down_proj along their input dimension (dim 1, row-parallel), "
-    "and an NF4 weight splits only along dim 0, where its blocks and scale groups stay whole "
-    "(torchao raises NotImplementedError for aten.split(NF4Tensor, dim=1))"
-)
-
-
 QUANTIZATION_FILE = "quantization.json"  # beside a QLoRA adapter: how to rebuild its base
 
 

@@ -29,6 +29,7 @@ from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.distributed import DistEnv
+from distft.layout import SPECS, ParallelDims, StrategySpec
 from distft.model.nf4 import NF4Spec, check_quantizable
 from distft.parallel.grads import clip_grad_norm_
 
@@ -37,87 +38,17 @@ Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, labels: each (micr
 
 class Strategy:
     name: ClassVar[str]
-    # -- what the strategy is: its one description, read by the planner (`distft.plan`), bench, the
-    # checks before launch and the README's strategy table (`registry.strategy_table`) ------------
-    label: ClassVar[str]  # how reports name it ("FSDP / ZeRO-3")
-    holds: ClassVar[str]  # what each rank holds
-    moves: ClassVar[str]  # the collectives of one optimizer step
-    page: ClassVar[str] = ""  # its page under docs/ (with an #anchor where it shares one)
-    # The mesh dimensions it splits the ranks over, of "dp" (distinct data), "tp" (each layer's
-    # weights) and "pp" (consecutive layers); () runs in one process. More than one: the user sets
-    # the degrees (parallel.dp / tp / pp, `ParallelDims`); one: it takes every rank.
-    dims: ClassVar[tuple[str, ...]] = ("dp",)
-    shards: ClassVar[str] = "none"  # what data parallelism shards: none | optimizer (ZeRO-1) | full (FSDP2)
-    # FSDP2 frees a layer's gathered weights after its forward and gathers them again in backward
-    # (ZeRO-3); False keeps them (ZeRO-2, and a pipeline's stages for the whole step).
-    reshard_after_forward: ClassVar[bool] = True
-    tensor_parallel: ClassVar[str] = ""  # how tp splits a layer: dtensor (parallelize_module) | megatron
-    wraps: ClassVar[str] = ""  # the torch wrapper whose parallel.* settings it reads: ddp | fully_shard
-    mesh_degrees: ClassVar[bool] = False  # derived: takes parallel.dp / tp / pp (more than one dim)
-    pipelined: ClassVar[bool] = False  # derived: runs a pipeline schedule (parallel.schedule, ...)
+    # What the strategy is (its dimensions, what it shards, what it runs and why not): its
+    # `distft.layout.StrategySpec`, `SPECS[name]`, set for each class that names itself. The class
+    # holds only how it runs.
+    spec: ClassVar[StrategySpec]
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls.mesh_degrees = len(cls.dims) > 1
-        cls.pipelined = "pp" in cls.dims
+        if "name" in cls.__dict__:
+            cls.spec = SPECS[cls.name]
 
-    distributed: ClassVar[bool] = True  # needs a process group (launched through torchrun)
     pp_rank: int = 0  # this rank's place in its pipeline (a pipeline sets it; 0 without one)
-    fixed_sequence_length: ClassVar[bool] = False  # pad every batch to data.max_length (pipelines)
-    # The model's forward takes `label_positions` (`LossLM`): the loss head gathers the labelled
-    # positions without a host sync. Pipelines and tp-sp compute their loss on their own pieces.
-    takes_label_positions: ClassVar[bool] = True
-    # --method qlora (NF4 base weights, `distft.model.nf4`) runs only where a strategy opts in; the
-    # reason is shown to users of the others.
-    supports_qlora: ClassVar[bool] = False
-    qlora_refusal: ClassVar[str] = "this strategy has not been taught to place NF4 base weights"
-    # lora.variant=dora adds a trained magnitude per output feature, scaled by the norm of each whole
-    # row of W + BA; a strategy that splits projections over ranks says why it cannot (`checks.py`).
-    supports_dora: ClassVar[bool] = True
-    dora_refusal: ClassVar[str] = ""
-    # lora.modules_to_save and model.added_tokens under LoRA: peft's wrappers train a module copy
-    # (or an embedding's rows) beside the adapters, which each strategy must hold, shard and
-    # reduce like its own weights (`distft.model.tokens`); only those that opt in run them.
-    supports_modules_to_save: ClassVar[bool] = False
-    modules_to_save_refusal: ClassVar[str] = "has not been taught to hold peft's trained module copies"
-    # model.fp8 (`distft.model.fp8`): torchao's Float8Linear, whose Linear computes whole on each
-    # GPU (FSDP2 gathers it first); checked only under the strategies that say so.
-    supports_fp8: ClassVar[bool] = False
-    supports_moe: ClassVar[bool] = False  # a mixture-of-experts family (`Family.moe`) runs under it
-    needs_moe: ClassVar[bool] = False  # runs a mixture of experts only (fsdp+ep: it shards the experts)
-    # optim.name values this strategy builds and checkpoints (adamw-8bit: bitsandbytes' plain tensors only).
-    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")
-    # train.master_weights=fp32 with full finetuning of a bf16 model: weights and optimizer state held
-    # in fp32, computed in bf16 (bf16 autocast on single / ddp / zero1; FSDP2's param dtype).
-    fp32_masters: ClassVar[bool] = False
-    shard_groups: ClassVar[bool] = False  # takes parallel.shard (hsdp: ranks sharding each parameter)
-    # Takes the whole model on this rank's device (single, DDP): the base is built there directly,
-    # in its dtype. The others receive it on the CPU and place or shard it themselves.
-    builds_on_device: ClassVar[bool] = False
-    # Takes decoder layers compiled with torch.compile (`distft.model.compile`); TP's DTensor plans
-    # and tp-sp's hand-written layers rewrite them, so those strategies do not.
-    supports_compile: ClassVar[bool] = False
-    # What forward_backward communicates, for error messages ("timed out in ...").
-    collectives: ClassVar[str] = "collectives"
-
-    @classmethod
-    def step_scalars(
-        cls, dp: int, sequence_split: bool = False, pair_statistics: int = 0, kl_sum: bool = False
-    ) -> tuple[int, ...]:
-        """Bytes of each scalar a step all-reduces beside its tensors: the loss sum (fp32, 4 B)
-        where ranks hold different rows or positions (data-parallel replicas, a pipeline's last
-        stage, a sequence split), with `pair_statistics` fp32 sums beside it (a preference objective's
-        `distft.model.preference.STATS`, an MoE's router sums) and KTO's KL sum before them (`kl_sum`, fp32), and the squared gradient norm (float64, 8 B) where a
-        gradient is sharded (FSDP, TP) or split across stages (`grads.clip_grad_norm_`). The
-        planner and the runtime's expected bytes both count them here."""
-        reduced = dp > 1 or cls.pipelined or sequence_split or "cp" in cls.dims
-        loss = (
-            ((4,) + ((4 * pair_statistics,) if pair_statistics else ()) + ((4,) if kl_sum else ()))
-            if reduced
-            else ()
-        )
-        norm = (8,) if cls.shards == "full" or "tp" in cls.dims or cls.pipelined else ()
-        return loss + norm
 
     # -- before launch: pure functions of the config -----------------------------------------
     @classmethod
@@ -142,8 +73,9 @@ class Strategy:
 
     @classmethod
     def data_parallel_size(cls, cfg: Config) -> int:
-        """How many ranks read distinct data (the global batch is split this many ways)."""
-        return cfg.world_size
+        """How many ranks read distinct data (the global batch is split this many ways): the
+        data-parallel dimensions of its layout (`ParallelDims.dp`)."""
+        return ParallelDims.of(cls.spec, cfg).dp
 
     # -- in each process ---------------------------------------------------------------------
     def __init__(self, cfg: Config, env: DistEnv):
@@ -154,8 +86,9 @@ class Strategy:
         # Set by the loop's set-up before `parallelize`: the mean labelled positions per training
         # row (None: not measured). A pipeline cuts its stages by the cost of lm_head on them.
         self.label_tokens: float | None = None
-        self.dp_size = self.data_parallel_size(cfg)
-        self.dp_rank = env.rank if self.dp_size > 1 else 0
+        self.dims = ParallelDims.of(self.spec, cfg)  # the degrees of its mesh (`distft.layout`)
+        self.dp_size = self.dims.dp
+        self.dp_rank = self.dims.coordinates(env.rank)["dp"]
         # Ranks whose gradients the wrapper averages (DDP, FSDP: the replicas): each scales its loss up by as many.
         self.averaged_over = self.dp_size
 

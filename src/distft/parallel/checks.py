@@ -1,28 +1,28 @@
-"""Checks before launch that need the strategy registry, and the batch shape they derive.
+"""Checks before launch that need the strategy classes, and the batch shape they derive.
 
-`distft.config` checks each field on its own; here a config is checked against the strategy it
-names (is it one, can it run QLoRA, does it take mesh degrees, does the global batch split into
-whole micro-batches on every data-parallel rank) and, once the architecture is known, against the
-model (`check_model`: heads and MLP divisible by the TP degree, layers enough for the pipeline
-stages, NF4 blocks that shard). The CLI runs both before any process is launched; `train` runs
-them again in every rank, where they are cheap and pure: nothing here changes the config.
+`distft.config` checks each field on its own and `distft.layout.rules` a config against the
+strategy's spec; here a config is checked against the strategy's own `validate_config` (the
+settings only it reads) and the global batch must split into whole micro-batches on every
+data-parallel rank; once the architecture is known, `check_model` checks the model (heads and MLP
+divisible by the TP degree, layers enough for the pipeline stages, NF4 blocks that shard, a family
+distft trains). The CLI runs both before any process is launched; `train` runs them again in
+every rank, where they are cheap and pure: nothing here changes the config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from distft.config import Config, ParallelConfig, check_choice
-from distft.config.choices import WITH_REFERENCE
+from distft.config import Config, check_choice
 from distft.errors import ConfigError
+from distft.layout import SPECS
+from distft.layout.rules import check_moe, check_rules
 from distft.model.build import check_target_modules
 from distft.model.families import check_sequence_length, family_of
 from distft.model.positions import check_positions
 from distft.model.tokens import check_modules_to_save
-from distft.parallel.base import Strategy
 from distft.parallel.registry import STRATEGIES
 
 
@@ -37,16 +37,9 @@ class BatchShape:
 
 def check_config(cfg: Config) -> BatchShape:
     """ConfigError for a strategy that cannot run this config; else how the batch is cut."""
-    check_choice(cfg.parallel.strategy, sorted(STRATEGIES), "parallel.strategy")
-    strategy = STRATEGIES[cfg.parallel.strategy]
-    _check_method(cfg, strategy)
-    _check_training(cfg, strategy)
-    _check_beside_adapters(cfg, strategy)
-    _check_objective(cfg, strategy)
-    _check_layout(cfg, strategy)
-    _check_compile(cfg, strategy)
-    _check_fp8(cfg, strategy)
-    strategy.validate_config(cfg)
+    check_choice(cfg.parallel.strategy, sorted(SPECS), "parallel.strategy")
+    check_rules(cfg, SPECS[cfg.parallel.strategy])
+    STRATEGIES[cfg.parallel.strategy].validate_config(cfg)
     return batch_shape(cfg)
 
 
@@ -54,119 +47,12 @@ def check_model(cfg: Config, model_config: PretrainedConfig) -> None:
     """ConfigError when the architecture cannot be split the way the strategy splits it, or lacks
     a layer `lora.target_modules` names, or is of a family distft does not train."""
     if family_of(model_config, cfg.model.name).moe:
-        _check_moe(cfg, STRATEGIES[cfg.parallel.strategy])
+        check_moe(cfg, SPECS[cfg.parallel.strategy])
     check_sequence_length(model_config, cfg.model.name, cfg.data.max_length)
     check_positions(model_config, cfg.model.name, cfg.data.max_length)
     check_target_modules(cfg, model_config)
     check_modules_to_save(cfg, model_config)
     STRATEGIES[cfg.parallel.strategy].validate_model(cfg, model_config)
-
-
-def _check_moe(cfg: Config, strategy: type[Strategy]) -> None:
-    """A mixture of experts (`Family.moe`): a strategy taught to hold its expert stacks, and a
-    base whose experts the method can hold."""
-    model = cfg.model.name
-    if not strategy.supports_moe:
-        raise ConfigError(
-            f"{model} is a mixture of experts, which --strategy {strategy.name} has not been taught to "
-            f"split: it runs with {_takers('supports_moe')}."
-        )
-    if cfg.train.method == "qlora":
-        raise ConfigError(
-            f"--method qlora cannot run {model}: its NF4 base quantizes Linear layers, and the experts "
-            "(nearly all of the weights) are fused parameter stacks. Use --method lora."
-        )
-    if cfg.model.fp8 != "off":
-        raise ConfigError(
-            f"model.fp8={cfg.model.fp8} cannot run {model}: float8 converts Linear layers, and the experts "
-            "are fused parameter stacks that would stay bf16. Set model.fp8=off."
-        )
-
-
-# Settings that only some strategies read, and which: set away from its default under another
-# strategy, a setting does nothing, and `ignored_settings` says so before launch (a warning: the
-# run is still valid). parallel.dp/tp/pp, shard and max_restarts are refused instead (`_check_layout`).
-def _strategies(reads: Callable[[type[Strategy]], bool]) -> tuple[str, ...]:
-    return tuple(name for name, cls in STRATEGIES.items() if reads(cls))
-
-
-_DDP = _strategies(lambda c: c.wraps == "ddp")  # torch's DistributedDataParallel
-_FSDP = _strategies(lambda c: c.wraps == "fully_shard")  # `fsdp.shard_units`
-_PIPELINES = _strategies(lambda c: c.pipelined)  # a pipeline schedule (`pipeline.layout`)
-_PROCESS_GROUP = _strategies(lambda c: c.distributed)
-READ_BY: dict[str, tuple[str, ...]] = {
-    "parallel.ddp_bucket_mb": _DDP,
-    "parallel.ddp_find_unused_parameters": _DDP,
-    "parallel.ddp_broadcast_buffers": _DDP,
-    "parallel.ddp_no_sync": _DDP,
-    "parallel.ddp_gradient_as_bucket_view": _DDP,
-    "parallel.ddp_static_graph": _DDP,
-    "parallel.fsdp_param_dtype": _FSDP,
-    "parallel.fsdp_reduce_dtype": _FSDP,
-    "parallel.fsdp_output_dtype": _FSDP,
-    "parallel.fsdp_cpu_offload": _FSDP,
-    "parallel.fsdp_prefetch": _FSDP,
-    "parallel.fsdp_wrap": _FSDP,
-    "parallel.sequence_parallel": _strategies(lambda c: c.tensor_parallel == "megatron"),
-    "parallel.cp_method": _strategies(lambda c: "cp" in c.dims),
-    "parallel.schedule": _PIPELINES,
-    "parallel.microbatches": _PIPELINES,
-    "parallel.stages_per_rank": _PIPELINES,
-    "parallel.pp_split": _PIPELINES,
-    "parallel.timeout_s": _PROCESS_GROUP,
-    "parallel.health_check": _PROCESS_GROUP,
-    "parallel.health_timeout_s": _PROCESS_GROUP,
-    "parallel.health_slow_s": _PROCESS_GROUP,
-}
-
-
-# The layout settings only some strategies take (`_check_layout` refuses them under the others).
-LAYOUT_TAKERS: dict[str, Callable[[type[Strategy]], bool]] = {
-    **dict.fromkeys(("dp", "tp", "pp"), lambda c: c.mesh_degrees),
-    "cp": lambda c: c.mesh_degrees and "cp" in c.dims,
-    "shard": lambda c: c.shard_groups,
-    **dict.fromkeys(("ep", "shard_experts"), lambda c: c.needs_moe),
-}
-GROUP_SETTINGS = {"shard": "shard groups", "ep": "expert groups", "shard_experts": "experts' layout"}
-
-
-def _layout_takers(name: str) -> list[str]:
-    return [strategy for strategy, cls in STRATEGIES.items() if LAYOUT_TAKERS[name](cls)]
-
-
-def layout_left_behind(cfg: Config, given: set[str]) -> list[str]:
-    """A run resumed under another strategy: its saved `parallel.*` layout settings that `cfg`'s
-    strategy does not take, back to their defaults in place (not those `given` here); a line each."""
-    strategy, defaults, lines = STRATEGIES.get(cfg.parallel.strategy), ParallelConfig(), []
-    for name, takes in LAYOUT_TAKERS.items() if strategy else ():
-        value, default = getattr(cfg.parallel, name), getattr(defaults, name)
-        if value != default and not takes(strategy) and f"parallel.{name}" not in given:
-            setattr(cfg.parallel, name, default)
-            value, default = (str(v).lower() if isinstance(v, bool) else v for v in (value, default))
-            lines.append(
-                f"resumed under --strategy {strategy.name}: parallel.{name}={value} reset to {default}"
-            )
-    return lines
-
-
-def ignored_settings(cfg: Config) -> list[str]:
-    """One line per setting `cfg` moves from its default that its strategy does not read (`READ_BY`):
-    the CLI prints them as warnings before launch."""
-    strategy, defaults, lines = cfg.parallel.strategy, Config(), []
-    for where, readers in READ_BY.items():
-        section, key = where.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if strategy in readers or value == getattr(getattr(defaults, section), key):
-            continue
-        others = [name for name in STRATEGIES if name not in readers]
-        who = (
-            f"every strategy but {', '.join(others)} reads it"
-            if len(others) < len(readers)
-            else f"only {', '.join(readers)} {'read' if len(readers) > 1 else 'reads'} it"
-        )
-        shown = str(value).lower() if isinstance(value, bool) else value
-        lines.append(f"{where}={shown} does nothing under --strategy {strategy}: {who}.")
-    return lines
 
 
 def batch_shape(cfg: Config) -> BatchShape:
@@ -180,171 +66,3 @@ def batch_shape(cfg: Config) -> BatchShape:
             "so every rank runs the same number of whole micro-batches."
         )
     return BatchShape(micro, dp, cfg.train.global_batch_size // per_step)
-
-
-def _check_method(cfg: Config, strategy: type[Strategy]) -> None:
-    if cfg.train.method == "qlora" and not strategy.supports_qlora:
-        raise ConfigError(
-            f"--method qlora cannot run with --strategy {strategy.name}: {strategy.qlora_refusal}. "
-            f"QLoRA runs with {', '.join(s for s, c in STRATEGIES.items() if c.supports_qlora)}; "
-            f"or keep --strategy {strategy.name} with --method lora."
-        )
-
-
-def _takers(capability: str) -> str:
-    return ", ".join(s for s, c in STRATEGIES.items() if getattr(c, capability))
-
-
-def _check_training(cfg: Config, strategy: type[Strategy]) -> None:
-    """The LoRA variant, the optimizer and the master weights against what the strategy can hold."""
-    name = strategy.name
-    if cfg.lora.variant == "dora" and cfg.train.method == "qlora":
-        raise ConfigError(
-            "lora.variant=dora cannot run with --method qlora: DoRA normalises each row of the base "
-            "weight, and peft cannot dequantize distft's NF4 weights for it. Use --method lora with "
-            "lora.variant=dora, or --method qlora with lora.variant=lora or rslora."
-        )
-    if cfg.lora.variant == "dora" and not strategy.supports_dora:
-        raise ConfigError(
-            f"lora.variant=dora cannot run with --strategy {name}: {strategy.dora_refusal}. DoRA runs "
-            f"with {_takers('supports_dora')}; or keep --strategy {name} with lora.variant=lora or rslora."
-        )
-    if cfg.optim.name not in strategy.optimizers:
-        takers = ", ".join(s for s, c in STRATEGIES.items() if cfg.optim.name in c.optimizers)
-        raise ConfigError(
-            f"optim.name={cfg.optim.name} cannot run with --strategy {name}, which builds "
-            f"{' or '.join(strategy.optimizers)} (bitsandbytes' 8-bit state is plain tensors: no sharded "
-            f"or partitioned parameters). It runs with {takers}; or use optim.name=adamw here."
-        )
-    if cfg.train.master_weights == "fp32" and cfg.train.method == "full" and not strategy.fp32_masters:
-        raise ConfigError(
-            f"train.master_weights=fp32 cannot run with --strategy {name}: it computes with the weights "
-            f"it holds, so fp32 masters would mean fp32 compute. fp32 masters run with "
-            f"{_takers('fp32_masters')}; or set train.master_weights=model (bf16 weights and state)."
-        )
-
-
-def _check_beside_adapters(cfg: Config, strategy: type[Strategy]) -> None:
-    """lora.modules_to_save, and model.added_tokens under LoRA (their rows train beside the
-    adapters, `distft.model.tokens`), where the strategy can hold what peft trains there."""
-    if cfg.train.method == "full":
-        return
-    setting = "lora.modules_to_save" if cfg.lora.modules_to_save else "model.added_tokens"
-    if (cfg.lora.modules_to_save or cfg.model.added_tokens) and not strategy.supports_modules_to_save:
-        raise ConfigError(
-            f"{setting} cannot run with --method {cfg.train.method} under --strategy {strategy.name}, which "
-            f"{strategy.modules_to_save_refusal}; it runs with {_takers('supports_modules_to_save')}."
-        )
-    if cfg.lora.modules_to_save and cfg.model.dtype == "bfloat16" and strategy.shards != "none":
-        takers = _strategies(lambda c: c.supports_modules_to_save and c.shards == "none")
-        raise ConfigError(
-            f"lora.modules_to_save with model.dtype=bfloat16 cannot run under --strategy {strategy.name}: "
-            "peft's module copies train in bfloat16 beside float32 adapters, and its sharded optimizer "
-            f"or parameter groups hold one dtype; it runs with {', '.join(takers)}, or in float32."
-        )
-
-
-def _check_objective(cfg: Config, strategy: type[Strategy]) -> None:
-    """A preference objective (train.objective) runs under every strategy; it needs a reference
-    (DPO, KTO: the base under the adapters, or scored first)."""
-    objective = cfg.train.objective
-    if objective == "sft":
-        return
-    if objective in WITH_REFERENCE and cfg.train.method == "full" and not cfg.dpo.precompute_reference:
-        raise ConfigError(
-            f"train.objective={objective} with --method full trains the base, the reference under LoRA: set "
-            "dpo.precompute_reference=true (scored once before the first step), or use --method lora."
-        )
-    if objective in WITH_REFERENCE and strategy.pipelined and not cfg.dpo.precompute_reference:
-        raise ConfigError(
-            f"train.objective={objective} under --strategy {strategy.name}: no pipeline stage can run the "
-            "base under disabled adapters inside the schedule; set dpo.precompute_reference=true."
-        )
-    if objective in WITH_REFERENCE and cfg.lora.init_adapter and not cfg.dpo.precompute_reference:
-        raise ConfigError(
-            f"train.objective={objective} from lora.init_adapter takes the base with that adapter as its "
-            "reference, which disabling the adapters does not give: set dpo.precompute_reference=true."
-        )
-
-
-def master_weights(cfg: Config) -> str:
-    """fp32 when a full finetune of a bf16 model keeps fp32 master weights (train.master_weights;
-    auto: where the strategy can), else model: the weights train in the dtype they are stored in."""
-    wanted = cfg.train.master_weights
-    strategy = STRATEGIES.get(cfg.parallel.strategy)  # None: --strategy auto, not yet chosen
-    fp32 = wanted == "fp32" or (wanted == "auto" and strategy is not None and strategy.fp32_masters)
-    return "fp32" if fp32 and cfg.train.method == "full" and cfg.model.dtype == "bfloat16" else "model"
-
-
-def _check_compile(cfg: Config, strategy: type[Strategy]) -> None:
-    if cfg.model.compile == "true" and not strategy.supports_compile:
-        raise ConfigError(
-            f"model.compile=true cannot run with --strategy {strategy.name}: it rewrites the decoder "
-            "layers itself (DTensor plans, hand-written tensor-parallel layers or pipeline stages), "
-            "which torch.compile'd blocks do not survive. Compiled blocks run with "
-            f"{', '.join(s for s, c in STRATEGIES.items() if c.supports_compile)}; or set "
-            "model.compile=auto (it stays eager here)."
-        )
-
-
-FP8_METHODS = {"base": "lora", "all": "full"}  # model.fp8 value -> the method it runs with
-FP8_WRONG_METHOD = {  # (model.fp8, --method) -> why not, and what to use instead
-    ("base", "full"): ("a full finetune has no frozen base", "model.fp8=all"),
-    ("base", "qlora"): ("QLoRA's frozen base is 4-bit NF4, not bf16", "--method lora"),
-    ("all", "lora"): ("LoRA's base is frozen", "model.fp8=base"),
-    ("all", "qlora"): ("QLoRA's frozen base is 4-bit NF4, not bf16", "--method full"),
-}
-
-
-def _check_fp8(cfg: Config, strategy: type[Strategy]) -> None:
-    """model.fp8 (`distft.model.fp8`): its method, a bf16 model, a strategy that computes each
-    Linear whole. The GPU is checked where it is known (`distft.model.fp8.check_fp8_hardware`)."""
-    fp8, method = cfg.model.fp8, cfg.train.method
-    if fp8 == "off":
-        return
-    if method != FP8_METHODS[fp8]:
-        why, instead = FP8_WRONG_METHOD[fp8, method]
-        raise ConfigError(
-            f"model.fp8={fp8} runs with --method {FP8_METHODS[fp8]}, not {method} ({why}): use {instead}, "
-            "or model.fp8=off."
-        )
-    if cfg.model.dtype != "bfloat16":
-        raise ConfigError(
-            f"model.fp8={fp8} casts bfloat16 weights and activations to float8: set model.dtype=bfloat16 "
-            f"(it is {cfg.model.dtype}), or model.fp8=off."
-        )
-    if not strategy.supports_fp8:
-        raise ConfigError(
-            f"model.fp8={fp8} cannot run with --strategy {strategy.name}: float8 Linear layers are taught to "
-            f"run whole or FSDP-gathered ({_takers('supports_fp8')}), not split by tensor or context "
-            "parallelism, staged in a pipeline or under another wrapper. Use one of those, or model.fp8=off."
-        )
-
-
-def _check_layout(cfg: Config, strategy: type[Strategy]) -> None:
-    par, takes = cfg.parallel, {name: taker(strategy) for name, taker in LAYOUT_TAKERS.items()}
-    if not takes["dp"] and (par.dp or par.tp != 1 or par.pp != 1):
-        mesh = _layout_takers("dp")
-        raise ConfigError(
-            f"parallel.dp, parallel.tp and parallel.pp set the mesh of a multi-dimensional strategy "
-            f"({', '.join(mesh)}); --strategy {strategy.name} takes its layout from --nproc alone. Drop them, "
-            f"or use --strategy {' or '.join(mesh)}."
-        )
-    if par.cp and not takes["cp"]:
-        raise ConfigError(
-            f"parallel.cp sets the context-parallel degree of --strategy {' or '.join(_layout_takers('cp'))}; "
-            f"--strategy {strategy.name} does not take it (--strategy cp takes every process). Drop it, or use "
-            "that strategy."
-        )
-    for name, what in GROUP_SETTINGS.items():
-        if getattr(par, name) and not takes[name]:
-            raise ConfigError(
-                f"parallel.{name} sets the {what} of --strategy {' or '.join(_layout_takers(name))}; "
-                f"--strategy {strategy.name} does not take it. Drop it, or use that strategy."
-            )
-    if par.max_restarts and not strategy.distributed:
-        raise ConfigError(
-            f"--max-restarts is handled by torchrun's elastic agent, which --strategy {par.strategy} "
-            "does not use (it runs in this process). Pick a multi-process strategy (e.g. --strategy ddp "
-            "--nproc 1), or rerun with --resume DIR after a failure."
-        )

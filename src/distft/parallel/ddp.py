@@ -34,7 +34,6 @@ Paper: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Paralle
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -47,20 +46,6 @@ from distft.parallel.base import Strategy, unwrap
 
 class DDP(Strategy):
     name = "ddp"
-    supports_fp8: ClassVar[bool] = True
-    supports_moe: ClassVar[bool] = True  # zero1 too
-    label = "DDP"
-    holds = "a full replica"
-    moves = "one all-reduce of the trainable gradients"
-    page = "ddp.md"
-    wraps = "ddp"
-    supports_qlora: ClassVar[bool] = True
-    supports_modules_to_save: ClassVar[bool] = True
-    builds_on_device: ClassVar[bool] = True
-    supports_compile: ClassVar[bool] = True
-    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")
-    fp32_masters: ClassVar[bool] = True
-    collectives = "the all-reduce of gradients (ddp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

@@ -1,6 +1,6 @@
 """2D parallelism (`ddp+pp`): data parallelism across replicas of a pipeline.
 
-The ranks form a ("pp", "dp") `DeviceMesh` (`distft.parallel.dims.ParallelDims`, pp outermost):
+The ranks form a ("pp", "dp") `DeviceMesh` (`distft.layout.ParallelDims`, pp outermost):
 with dp = pp = 2, ranks {0, 2} are pipeline replica 0 and {1, 3} replica 1; {0, 1} and {2, 3}
 are the data-parallel groups of pipeline ranks 0 and 1. Each replica is exactly the `pp`
 strategy (`PipelineParallel`: the same stages, schedules, loss and timeline) over its column of
@@ -40,13 +40,6 @@ from distft.parallel.pipeline.replicas import MeshPipeline
 
 class DDPPipelineParallel(MeshPipeline):
     name = "ddp+pp"
-    label = "DDP x PP"
-    holds = (
-        "its pipeline rank's stage(s), as `pp`, whole; a (pp, dp) mesh, each replica reads 1/dp of the batch"
-    )
-    moves = "`pp`'s send/recv and grad-norm all-reduce inside each pipeline; one all-reduce of the stage's trainable gradients over dp"
-    page = "2d.md#ddppp-data-parallelism-across-pipeline-replicas"
-    without_pp = "ddp"
 
     def after_backward(self, model: nn.Module) -> None:
         super().after_backward(model)  # a tied embedding's two copies, inside the pipeline

@@ -38,6 +38,7 @@ from distft.config import Config
 from distft.config.choices import WITH_REFERENCE
 from distft.errors import ConfigError
 from distft.io.lineage import read_lineage
+from distft.layout import SPECS
 from distft.model import is_preset
 from distft.parallel.checks import check_config
 from distft.parallel.registry import STRATEGIES
@@ -126,8 +127,8 @@ def complete_defaults(cfg: Config) -> dict[str, str]:
 
 
 def _pipelined(cfg: Config) -> bool:
-    strategy = STRATEGIES.get(cfg.parallel.strategy)
-    return strategy is not None and strategy.pipelined
+    spec = SPECS.get(cfg.parallel.strategy)
+    return spec is not None and spec.pipelined
 
 
 def derived_line(cfg: Config) -> str | None:
@@ -156,14 +157,14 @@ def _passes(cfg: Config) -> bool:
 def _layouts(cfg: Config) -> Iterator[Config]:
     """Copies of `cfg` with each mesh the unset degrees allow, smallest degrees first."""
     par, world = cfg.parallel, cfg.world_size
-    strategy = STRATEGIES[par.strategy]
-    if strategy.shard_groups and "parallel.shard" not in cfg.explicit and par.nnodes == 1:
+    spec = SPECS[par.strategy]
+    if spec.shard_groups and "parallel.shard" not in cfg.explicit and par.nnodes == 1:
         for shard in sorted((d for d in range(2, world) if world % d == 0), reverse=True):
             trial = copy.deepcopy(cfg)
             trial.parallel.shard = shard
             yield trial
         return
-    if not strategy.mesh_degrees:
+    if not spec.sized:
         yield copy.deepcopy(cfg)
         return
     tps = [par.tp] if "parallel.tp" in cfg.explicit else [d for d in range(1, world + 1) if world % d == 0]
@@ -179,14 +180,14 @@ def _layouts(cfg: Config) -> Iterator[Config]:
 def _layout_notes(cfg: Config) -> dict[str, str]:
     par, notes = cfg.parallel, {}
     world = cfg.world_size
-    if STRATEGIES[par.strategy].shard_groups and par.shard and "parallel.shard" not in cfg.explicit:
+    if SPECS[par.strategy].shard_groups and par.shard and "parallel.shard" not in cfg.explicit:
         notes["parallel.shard"] = (
             f"{par.shard}: {world} processes on one node as {world // par.shard} replicas of "
             f"{par.shard} shards (hsdp needs 2+ of each)"
         )
     for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline")):
         value = getattr(par, dim)
-        if STRATEGIES[par.strategy].mesh_degrees and value > 1 and f"parallel.{dim}" not in cfg.explicit:
+        if SPECS[par.strategy].sized and value > 1 and f"parallel.{dim}" not in cfg.explicit:
             notes[f"parallel.{dim}"] = f"{value}: the smallest {what} degree --strategy {par.strategy} takes"
     return notes
 
@@ -238,7 +239,7 @@ def _fit_pipeline(cfg: Config) -> dict[str, str] | None:
         dp = strategy.data_parallel_size(cfg)
     except ConfigError:
         return None
-    ranks = cfg.world_size // dp // (par.tp if strategy.mesh_degrees else 1)
+    ranks = cfg.world_size // dp // (par.tp if strategy.spec.sized else 1)
     unset = {"parallel.microbatches", "train.micro_batch_size"}.isdisjoint(explicit)
     if unset and train.global_batch_size % dp == 0:
         batch = train.global_batch_size // dp  # one replica's share

@@ -35,8 +35,6 @@ Models" (1910.02054); Zhao et al., "PyTorch FSDP" (2304.11277).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -123,20 +121,6 @@ def shard_units(
 
 class FSDP(Strategy):
     name = "fsdp"
-    supports_fp8: ClassVar[bool] = True  # zero2 too; not yet hsdp or fsdp+cp
-    supports_moe: ClassVar[bool] = True  # zero2, hsdp and fsdp+cp too
-    label = "FSDP / ZeRO-3"
-    holds = "1/N of params, grads, optimizer state"
-    moves = "all-gather params (forward and backward), reduce-scatter grads"
-    page = "fsdp.md"
-    shards = "full"
-    wraps = "fully_shard"
-    reshard_after_forward: ClassVar[bool] = True  # ZeRO-3
-    supports_qlora: ClassVar[bool] = True
-    supports_modules_to_save: ClassVar[bool] = True
-    supports_compile: ClassVar[bool] = True  # each layer compiled before fully_shard wraps it
-    fp32_masters: ClassVar[bool] = True  # fp32 shards, gathered in bf16 (`mixed_precision`)
-    collectives = "the all-gathers of parameters / reduce-scatters of gradients (fsdp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
@@ -158,17 +142,13 @@ class FSDP(Strategy):
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
-        return apply_fsdp(model, mesh, self.cfg, self.reshard_after_forward)
+        return apply_fsdp(model, mesh, self.cfg, self.spec.reshard_after_forward)
 
 
 class ZeRO2(FSDP):
     """ZeRO-2: gradients and optimizer state sharded; parameters stay gathered from forward to backward."""
 
     name = "zero2"
-    label = "ZeRO-2 (FSDP2)"
-    holds = "1/N of grads and optimizer state"
-    moves = "all-gather params (forward), reduce-scatter grads"
-    reshard_after_forward: ClassVar[bool] = False
 
     def release_gathered(self, model: nn.Module) -> None:
         for module in model.modules():

@@ -24,8 +24,6 @@ must add up, so each rank scales its loss by dp x cp (`averaged_over`), not dp, 
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,25 +32,16 @@ from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.layout import ParallelDims
 from distft.model import causal_lm
 from distft.parallel.context.model import ContextParallelLM
 from distft.parallel.context.strategy import StateUnderTheWrapper, check_attention
-from distft.parallel.dims import MeshStrategy, ParallelDims
+from distft.parallel.dims import build_mesh
 from distft.parallel.fsdp import FSDP, shard_units
 
 
-class FSDPContextParallel(StateUnderTheWrapper, MeshStrategy, FSDP):
+class FSDPContextParallel(StateUnderTheWrapper, FSDP):
     name = "fsdp+cp"
-    supports_fp8: ClassVar[bool] = False
-    supports_moe: ClassVar[bool] = True  # FSDP2 shards the expert stacks; the routers' sums all-reduced
-    label = "FSDP x CP"
-    holds = "1/(dp cp) of params, grads, optimizer state; 1/cp of every sequence's activations"
-    moves = "FSDP's all-gather / reduce-scatter over every rank; K and V all-gathered over cp per layer"
-    page = "long-context.md#fsdpcp-weights-sharded-too"
-    dims = ("dp", "cp")
-    supports_compile: ClassVar[bool] = False  # the CP attention is installed per forward
-    takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
-    collectives = "the all-gathers / reduce-scatters of parameters and gradients, of K and V (fsdp+cp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
@@ -63,7 +52,7 @@ class FSDPContextParallel(StateUnderTheWrapper, MeshStrategy, FSDP):
                 f"--strategy fsdp+cp takes parallel.dp and parallel.cp; parallel.tp={p.tp} and "
                 f"parallel.pp={p.pp} must stay 1."
             )
-        if ParallelDims.of(cls.dims, cfg).cp < 2:
+        if ParallelDims.of(cls.spec, cfg).cp < 2:
             raise ConfigError(
                 "--strategy fsdp+cp with parallel.cp=1 splits no sequence: that is --strategy fsdp. Set "
                 "parallel.cp to 2 or more (it must divide --nproc x --nnodes)."
@@ -80,7 +69,7 @@ class FSDPContextParallel(StateUnderTheWrapper, MeshStrategy, FSDP):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        self.mesh = self.dims.build_mesh(self.env.device.type)  # ("dp", "cp")
+        self.mesh = build_mesh(self.dims, self.env.device.type)  # ("dp", "cp")
         context = ContextParallelLM(model, self.mesh.get_group("cp"), self.cfg.parallel.cp_method)
         everyone = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp_cp",))
         layers = list(causal_lm(model.lm).model.layers) if self.cfg.parallel.fsdp_wrap == "layer" else []

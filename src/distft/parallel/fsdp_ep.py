@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -86,16 +85,6 @@ from distft.tensors import quiet_redistribute
 
 class FSDPExpertParallel(FSDP):
     name = "fsdp+ep"
-    needs_moe: ClassVar[bool] = True
-    supports_fp8: ClassVar[bool] = False
-    supports_qlora: ClassVar[bool] = False
-    qlora_refusal: ClassVar[str] = "its experts are fused parameter stacks that NF4 does not quantize"
-    supports_compile: ClassVar[bool] = False  # the all-to-all sizes read on the host: a graph break per layer
-    label = "FSDP x EP"
-    holds = "1/EP of the experts, whole (EP = `parallel.ep`, every rank by default), or 1/N of them with `parallel.shard_experts`; 1/N of every other param, grad, optimizer state"
-    moves = "all-to-all of each MoE layer's routed tokens (there and back) inside its EP group; FSDP's all-gather / reduce-scatter of the rest (and of the experts across the groups when sharded)"
-    page = "moe.md#expert-parallelism-fsdpep"
-    collectives = "the all-to-alls of routed tokens and FSDP's all-gathers / reduce-scatters (fsdp+ep)"
 
     @classmethod
     def expert_degree(cls, cfg: Config) -> int:
@@ -156,7 +145,7 @@ class FSDPExpertParallel(FSDP):
         stacks = [w for layer in layers for w in shard_experts(layer.mlp.experts, self.expert_mesh)]
         experts = [experts_base(layer.mlp.experts) for layer in layers]
         if self.cfg.parallel.shard_experts:  # FSDP2's from here, across the groups
-            settings = fsdp_settings(model, self.expert_mesh, self.cfg, self.reshard_after_forward)
+            settings = fsdp_settings(model, self.expert_mesh, self.cfg, self.spec.reshard_after_forward)
             for module in experts:
                 shard_across_groups(module, settings, self.averaged_over)
         # The stacks FSDP2 does not manage, their gradients completed by hand (`after_backward`).
@@ -167,7 +156,7 @@ class FSDPExpertParallel(FSDP):
             units,
             self.mesh,
             self.cfg,
-            self.reshard_after_forward,
+            self.spec.reshard_after_forward,
             ignored=set(self.expert_weights),
             inner=experts if self.cfg.parallel.shard_experts else None,  # gathered under attention
         )

@@ -1,6 +1,6 @@
 """2D parallelism (`fsdp+pp`): FSDP2 shards each pipeline stage across the replicas of a pipeline.
 
-The ranks form a ("pp", "dp") `DeviceMesh` (`distft.parallel.dims.ParallelDims`, pp outermost),
+The ranks form a ("pp", "dp") `DeviceMesh` (`distft.layout.ParallelDims`, pp outermost),
 as under `ddp+pp` (`pipeline/replicas.py`): with dp = pp = 2, ranks {0, 2} are pipeline 0 and
 {1, 3} pipeline 1; {0, 1} shard stage 0 and {2, 3} stage 1. Built in torchtitan's order: cut the
 model into stages, then `fully_shard` each stage's decoder layers and the stage itself (its
@@ -37,8 +37,6 @@ Papers: GPipe (1811.06965), PipeDream 1F1B (1806.03377); ZeRO (1910.02054), PyTo
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -54,16 +52,6 @@ from distft.parallel.pipeline.stages import StageModule
 
 class FSDPPipelineParallel(MeshPipeline):
     name = "fsdp+pp"
-    label = "FSDP x PP"
-    holds = "1/dp of its pipeline rank's stage(s) (FSDP2), gathered whole during a step; a (pp, dp) mesh"
-    moves = "`pp`'s send/recv inside each pipeline; over dp, one all-gather of each stage unit and one reduce-scatter of its gradients per step (torch's stage defers FSDP to the step's ends)"
-    page = "2d.md#fsdppp-fsdp-across-pipeline-replicas"
-    shards = "full"
-    reshard_after_forward = False
-    wraps = "fully_shard"
-    without_pp = "fsdp"
-    supports_qlora: ClassVar[bool] = True
-    collectives = "the pipeline's send/recv (pp) or FSDP's all-gathers / reduce-scatters (dp)"
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:

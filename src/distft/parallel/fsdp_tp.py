@@ -1,6 +1,6 @@
 """2D parallelism (`fsdp+tp`): FSDP across one mesh dimension, tensor parallelism inside the other.
 
-The ranks form a (dp, tp) `DeviceMesh` (`distft.parallel.dims.ParallelDims`, tp the inner,
+The ranks form a (dp, tp) `DeviceMesh` (`distft.layout.ParallelDims`, tp the inner,
 neighbouring ranks). Each TP group of `tp` ranks is one model replica split by tensor parallelism
 and reads one data-parallel shard of the global batch; FSDP shards each rank's TP slice across the
 `dp` ranks that hold the same slice. Built as torchtitan does: TP first (the plan and LoRA
@@ -42,8 +42,6 @@ torchtitan (2410.06511) for the 2D composition.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -53,13 +51,12 @@ from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.layout import ParallelDims
 from distft.model import causal_lm
-from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Strategy
-from distft.parallel.dims import MeshStrategy, ParallelDims
+from distft.parallel.dims import build_mesh
 from distft.parallel.fsdp import FSDP, apply_fsdp
 from distft.parallel.tensor_parallel import (
-    DORA_TP_REFUSAL,
     check_tp_degree,
     head_norms,
     layer_plan,
@@ -69,26 +66,13 @@ from distft.parallel.tp_experts import ExpertShards, split_layers, tagged
 from distft.tensors import local, quiet_redistribute
 
 
-class FSDPTensorParallel(ExpertShards, MeshStrategy, Strategy):
+class FSDPTensorParallel(ExpertShards, Strategy):
     name = "fsdp+tp"
-    label = "FSDP x TP"
-    holds = "1/(dp tp) of each projection, 1/dp of the rest; a (dp, tp) mesh"
-    moves = "FSDP's all-gather / reduce-scatter over dp, TP's activation all-reduces over tp"
-    page = "2d.md"
-    dims = ("dp", "tp")
-    shards = "full"
-    tensor_parallel = "dtensor"
-    wraps = "fully_shard"
-    qlora_refusal: ClassVar[str] = TP_REFUSAL
-    supports_dora: ClassVar[bool] = False
-    supports_modules_to_save: ClassVar[bool] = True
-    dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
-    supports_moe: ClassVar[bool] = True  # TP splits each expert's features, FSDP shards the slices
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
         FSDP.validate_config(cfg)  # the fsdp_* settings apply to the dp dimension
-        dims = ParallelDims.from_config(cfg)
+        dims = ParallelDims.of(cls.spec, cfg)
         if dims.pp != 1:
             raise ConfigError(
                 "parallel.pp is reserved for pipeline strategies (ddp+pp, fsdp+pp, fsdp+tp+pp for 3D); --strategy fsdp+tp "
@@ -102,11 +86,11 @@ class FSDPTensorParallel(ExpertShards, MeshStrategy, Strategy):
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
-        check_tp_degree(cfg, model_config, ParallelDims.from_config(cfg).tp, knob="parallel.tp=")
+        check_tp_degree(cfg, model_config, ParallelDims.of(cls.spec, cfg).tp, knob="parallel.tp=")
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        self.mesh = self.dims.build_mesh(self.env.device.type)
+        self.mesh = build_mesh(self.dims, self.env.device.type)
         layers = list(causal_lm(model.lm).model.layers)
         for layer in layers:  # 1. TP inside each layer, on the inner dimension
             parallelize_module(layer, self.mesh["tp"], layer_plan(layer))

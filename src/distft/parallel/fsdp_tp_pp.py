@@ -1,6 +1,6 @@
 """3D parallelism (`fsdp+tp+pp`): tensor parallelism inside each stage, FSDP across, pipeline outermost.
 
-The ranks form a ("pp", "dp", "tp") `DeviceMesh` (`distft.parallel.dims.ParallelDims`), row-major
+The ranks form a ("pp", "dp", "tp") `DeviceMesh` (`distft.layout.ParallelDims`), row-major
 with tp fastest: with dp = tp = pp = 2 (8 ranks), rank = 4 pp + 2 dp + tp; {0, 1} is a TP group,
 {0, 2} an FSDP group, {0, 4} a pipeline. Built in torchtitan's order: cut the model into stages
 (`pipeline/`), split each stage's decoder layers over mesh["tp"] with the TP plan of
@@ -40,8 +40,6 @@ torchtitan (2410.06511).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,12 +47,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from transformers import PretrainedConfig
 
 from distft.config import Config
-from distft.model.nf4 import TP_REFUSAL
-from distft.parallel.dims import ParallelDims
+from distft.layout import ParallelDims
 from distft.parallel.fsdp_pp import FSDPPipelineParallel
 from distft.parallel.pipeline.stages import StageModule
 from distft.parallel.tensor_parallel import (
-    DORA_TP_REFUSAL,
     check_tp_degree,
     head_norms,
     layer_plan,
@@ -66,28 +62,11 @@ from distft.tensors import local, quiet_redistribute
 
 class FSDPTensorPipelineParallel(ExpertShards, FSDPPipelineParallel):
     name = "fsdp+tp+pp"
-    label = "FSDP x TP x PP"
-    holds = "of its stage(s), 1/(dp tp) of each projection, 1/dp of the rest; a (pp, dp, tp) mesh"
-    moves = "TP's activation all-reduces inside each stage (tp), FSDP's per-step all-gather / reduce-scatter (dp), the pipeline's send/recv (pp)"
-    page = "3d.md"
-    dims = ("pp", "dp", "tp")
-    tensor_parallel = "dtensor"
-    without_pp = "fsdp+tp"
-    without_dp: ClassVar[str | None] = None  # dp = 1: TP x PP, a real 3D mesh with one FSDP rank
-    supports_qlora: ClassVar[bool] = False
-    supports_moe: ClassVar[bool] = True  # TP splits each expert's features, FSDP shards the slices
-    supports_compile: ClassVar[bool] = False  # TP's DTensor plans rewrite the blocks
-    qlora_refusal: ClassVar[str] = TP_REFUSAL
-    supports_dora: ClassVar[bool] = False
-    dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
-    collectives = (
-        "TP's all-reduces (tp), FSDP's all-gathers / reduce-scatters (dp) or the pipeline's send/recv (pp)"
-    )
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
         super().validate_model(cfg, model_config)  # enough layers for the stages
-        check_tp_degree(cfg, model_config, ParallelDims.from_config(cfg).tp, knob="parallel.tp=")
+        check_tp_degree(cfg, model_config, ParallelDims.of(cls.spec, cfg).tp, knob="parallel.tp=")
 
     def split_stage(self, module: StageModule) -> None:
         for layer in module.layers.values():  # TP inside each layer, on the innermost dimension

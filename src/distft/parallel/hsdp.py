@@ -36,7 +36,6 @@ Papers: Zhao et al., "PyTorch FSDP" (2304.11277), section 3.2.2 (hybrid sharding
 from __future__ import annotations
 
 import contextlib
-from typing import ClassVar
 
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,16 +47,6 @@ from distft.parallel.fsdp import FSDP, apply_fsdp
 
 class HSDP(FSDP):
     name = "hsdp"
-    supports_fp8: ClassVar[bool] = False
-    supports_moe: ClassVar[bool] = True  # FSDP2's shards of the expert stacks, inside each shard group
-    label = "HSDP"
-    holds = "1/S of params, grads, optimizer state (S = `parallel.shard`, a node); replicas across nodes"
-    moves = "FSDP's all-gather / reduce-scatter inside each node; one all-reduce of the gradient shards across nodes per step"
-    page = "hsdp.md"
-    shard_groups: ClassVar[bool] = True
-    collectives = (
-        "the all-gathers / reduce-scatters inside a shard group and the all-reduce across replicas (hsdp)"
-    )
 
     @classmethod
     def shard_degree(cls, cfg: Config) -> int:

@@ -1,11 +1,14 @@
-"""The strategy registry: `STRATEGIES`, name -> class, the one place any code looks a strategy up.
+"""The strategy registry: `STRATEGIES`, name -> class, where the runtime looks up how a strategy
+runs. What each one is (its dimensions, capabilities, what it holds and moves) is its spec,
+`distft.layout.SPECS`, which the CLI, the checks before launch, the planner and bench read
+without importing torch; a test holds the two tables to the same names in the same order.
 
-A new strategy is one file in this package (a `Strategy` subclass with a `name`) and one line here;
-the CLI's choices, the checks before launch, the planner's "runs in distft" column and bench all
-read this table."""
+A new strategy is its spec, one file in this package (a `Strategy` subclass with a `name`) and
+one line here."""
 
 from __future__ import annotations
 
+from distft.layout import SPECS
 from distft.parallel.base import Strategy
 from distft.parallel.context import ContextParallel
 from distft.parallel.ddp import DDP
@@ -44,13 +47,4 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FSDPExpertParallel,
     )
 }
-
-
-def strategy_table() -> str:
-    """The README's table of strategies, one row per registry entry, from each class's own
-    description (`holds`, `moves`, `page`): a test keeps the README equal to it."""
-    rows = ["| strategy | what each rank holds | collectives per step | docs |", "|---|---|---|---|"]
-    for name, cls in STRATEGIES.items():
-        page = f"[docs/{cls.page.split('#')[0]}](docs/{cls.page})" if cls.page else ""
-        rows.append(f"| `{name}` | {cls.holds} | {cls.moves} | {page} |".replace(" |  |", " | |"))
-    return "\n".join(rows)
+assert list(STRATEGIES) == list(SPECS), "a strategy's class and its spec: both, in the same order"

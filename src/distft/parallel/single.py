@@ -7,8 +7,6 @@ gradients before one optimizer step.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.parallel.base import Strategy
@@ -16,19 +14,6 @@ from distft.parallel.base import Strategy
 
 class Single(Strategy):
     name = "single"
-    supports_fp8: ClassVar[bool] = True
-    supports_moe: ClassVar[bool] = True
-    label = "one GPU"
-    holds = "everything"
-    moves = "none"
-    dims = ()
-    distributed: ClassVar[bool] = False
-    supports_qlora: ClassVar[bool] = True
-    supports_modules_to_save: ClassVar[bool] = True
-    builds_on_device: ClassVar[bool] = True
-    supports_compile: ClassVar[bool] = True
-    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")
-    fp32_masters: ClassVar[bool] = True
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
@@ -37,7 +22,3 @@ class Single(Strategy):
                 f"--strategy single runs one process, but --nproc x --nnodes is {cfg.world_size}. "
                 "Pick a multi-process strategy (ddp, fsdp, ...) or drop --nproc."
             )
-
-    @classmethod
-    def data_parallel_size(cls, cfg: Config) -> int:
-        return 1

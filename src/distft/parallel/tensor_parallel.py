@@ -50,7 +50,6 @@ Paper: Shoeybi et al., "Megatron-LM" (1909.08053).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -68,7 +67,6 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.families import PROJECTIONS
-from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Strategy
 from distft.parallel.tp_experts import ExpertShards, expert_split, split_layers, tagged
 
@@ -160,32 +158,8 @@ def layer_plan(layer: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
-# Why the tensor-parallel strategies refuse lora.variant=dora (shown to the user before launch).
-DORA_TP_REFUSAL = (
-    "DoRA scales each output feature by the norm of its whole row of W + BA, and tensor parallelism "
-    "splits o_proj and down_proj along that row (row-parallel), so each rank would see a partial norm; "
-    "DTensor plans also shard only peft's lora_A/lora_B, not DoRA's magnitude vector"
-)
-
-
 class TensorParallel(ExpertShards, Strategy):
     name = "tp"
-    label = "TP"
-    holds = "1/N of every projection (heads, MLP features); the rest replicated"
-    moves = "all-reduce activations inside every layer (`parallelize_module`)"
-    page = "tp.md"
-    dims = ("tp",)
-    supports_modules_to_save: ClassVar[bool] = True  # embedding and lm_head stay whole on every rank
-    tensor_parallel = "dtensor"
-    qlora_refusal: ClassVar[str] = TP_REFUSAL
-    supports_dora: ClassVar[bool] = False
-    dora_refusal: ClassVar[str] = DORA_TP_REFUSAL
-    collectives = "the all-reduces of activations (tp)"
-    supports_moe: ClassVar[bool] = True  # each expert split along its intermediate dimension (`tp_experts`)
-
-    @classmethod
-    def data_parallel_size(cls, cfg: Config) -> int:
-        return 1  # every rank works on the same batch
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:

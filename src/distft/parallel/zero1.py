@@ -33,8 +33,6 @@ Paper: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion 
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -45,14 +43,6 @@ from distft.parallel.ddp import DDP
 
 class ZeRO1(DDP):
     name = "zero1"
-    supports_fp8: ClassVar[bool] = False
-    label = "ZeRO-1"
-    holds = "a full replica, 1/N of AdamW's state (whole tensors)"
-    moves = "DDP's all-reduce of the gradients; one broadcast per rank of its updated weights"
-    page = "zero1.md"
-    shards = "optimizer"
-    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "sgd")  # each rank's partition: a torch optimizer
-    collectives = "the all-reduce of gradients / broadcasts of updated weights (zero1)"
 
     def build_optimizer(
         self,

@@ -20,10 +20,11 @@ from dataclasses import asdict, replace
 import psutil
 import torch
 
-from distft.config import Config, lora_target_names
-from distft.config.choices import WITH_REFERENCE
+from distft.config import Config, apply_override, lora_target_names
+from distft.config.choices import PLANNED_SCHEDULES, WITH_REFERENCE
 from distft.data.pairs import rows_per_item
 from distft.errors import ConfigError
+from distft.layout import SPECS, ParallelDims
 from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
 from distft.model import DTYPES
@@ -31,7 +32,6 @@ from distft.model.nf4 import NF4Spec
 from distft.model.preference import STATS
 from distft.parallel import STRATEGIES, check_config, master_weights
 from distft.parallel.derive import derive_defaults, derived_line
-from distft.parallel.dims import ParallelDims
 from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS
 from distft.plan.collective import bytes_by_kind
 from distft.plan.decide import decide
@@ -44,7 +44,7 @@ from distft.plan.hardware import (
     inter_node_link,
     intra_node_link,
 )
-from distft.plan.inputs import PLANNED_SCHEDULES, PRECISIONS, DDPSettings, Parallelism, Precision, Training
+from distft.plan.inputs import PRECISIONS, DDPSettings, Parallelism, Precision, Training
 from distft.plan.model_spec import resolve_model
 from distft.plan.traffic import step_collectives
 from distft.text import plural
@@ -118,8 +118,8 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
 
 def fsdp_dtype_bytes(cfg: Config) -> dict[str, int]:
     """FSDP2's dtype overrides (parallel.fsdp_*_dtype) as `Training` takes them, where FSDP runs."""
-    cls, p = STRATEGIES.get(cfg.parallel.strategy), cfg.parallel
-    if cls is None or cls.wraps != "fully_shard":
+    spec, p = SPECS.get(cfg.parallel.strategy), cfg.parallel
+    if spec is None or spec.wraps != "fully_shard":
         return {}
     dtypes = {"param": p.fsdp_param_dtype, "reduce": p.fsdp_reduce_dtype, "output": p.fsdp_output_dtype}
     return {f"fsdp_{k}_bytes": DTYPES[v].itemsize for k, v in dtypes.items() if v}
@@ -194,12 +194,10 @@ def resolve_auto(cfg: Config) -> str:
     cfg.train.method, cfg.model.activation_checkpointing = rec.method, rec.activation_checkpointing
     cfg.parallel.strategy = rec.strategy
     lay = rec.parallelism
-    if lay is not None and STRATEGIES[rec.strategy].mesh_degrees:
-        cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = lay.dp, lay.tp, lay.pp
-    if lay is not None and STRATEGIES[rec.strategy].shard_groups:
-        cfg.parallel.shard = lay.shard_degree
-    if lay is not None and STRATEGIES[rec.strategy].needs_moe and lay.ep < lay.dp:  # its expert groups
-        cfg.parallel.ep, cfg.parallel.shard_experts = lay.ep, lay.shard_experts
+    if lay is not None:  # the planned mesh, shard groups, expert groups and the experts' layout
+        for key, value in lay.dims().to_overrides(SPECS[rec.strategy]).items():
+            apply_override(cfg, f"{key}={value}")
+        cfg.parallel.shard_experts = cfg.parallel.shard_experts or lay.shard_experts
     cfg.derived = {
         **cfg.derived,
         "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
@@ -223,22 +221,20 @@ def parallelism_of(cfg: Config, schedule: str) -> Parallelism:
     `schedule`, the one the planner models)."""
     cls, shape, p = STRATEGIES[cfg.parallel.strategy], check_config(cfg), cfg.parallel
     par = Parallelism.of(
-        cls,
-        ParallelDims.of(cls.dims, cfg),
+        cls.spec,
+        ParallelDims.of(cls.spec, cfg),
         microbatches=shape.accumulation_steps,
         schedule=schedule,
-        dp_shard=cls.shard_degree(cfg) if cls.shard_groups else 0,
+        shard_experts=p.shard_experts,
     )
-    if cls.needs_moe:  # fsdp+ep: its expert groups (`parallel.ep`)
-        par = replace(par, ep=cls.expert_degree(cfg), shard_experts=p.shard_experts)
-    if cls.tensor_parallel == "megatron":
+    if cls.spec.tensor_parallel == "megatron":
         par = replace(par, sp=p.sequence_parallel)
-    if "cp" in cls.dims:
+    if "cp" in cls.spec.dims:
         par = replace(par, cp_method=p.cp_method)
-    if cls.wraps == "ddp":
+    if cls.spec.wraps == "ddp":
         switches = (p.ddp_no_sync, p.ddp_find_unused_parameters, p.ddp_broadcast_buffers, p.ddp_static_graph)
         par = replace(par, ddp=DDPSettings(*switches))
-    if cls.pipelined:
+    if cls.spec.pipelined:
         lay = cls.pipeline_layout(cfg)
         split = cfg.parallel.pp_split
         par = replace(

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from distft.parallel import STRATEGIES
+from distft.layout import SPECS
 from distft.plan.estimate import Estimate, Request, best, estimate, evaluate, parallelism_for
 from distft.plan.explain import (
     KEEPS,
@@ -183,7 +183,7 @@ def _shard(walk: _Walk) -> Recommendation:
     fsdp_state = fsdp.total - fsdp.activations
     without = "" if fsdp.fits else f"; without activations it would need {gb(fsdp_state)}"
     walk.ask("3. Does the model need sharding?", f"Yes: {fit_text(fsdp, req)}{without}.")
-    ep = next(e for name, e in walk.est.items() if STRATEGIES[name].needs_moe)  # fsdp+ep
+    ep = next(e for name, e in walk.est.items() if SPECS[name].expert_groups)  # fsdp+ep
     if ep.applicable:  # a mixture of experts: shard the experts whole instead of gathering them
         answer, pick = experts_answer(req, fsdp, ep)
         walk.ask("3a. Do the experts need sharding?", answer)
@@ -216,7 +216,7 @@ def _shard(walk: _Walk) -> Recommendation:
 
 
 def _pipelines(walk: _Walk) -> list[Estimate]:  # the most dimensions first
-    return [walk.est[s] for s, c in reversed(STRATEGIES.items()) if c.pipelined and walk.est[s].applicable]
+    return [walk.est[s] for s, c in reversed(SPECS.items()) if c.pipelined and walk.est[s].applicable]
 
 
 def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:

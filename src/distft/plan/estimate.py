@@ -10,17 +10,16 @@ or FSDP x PP, FSDP x TP x PP) try every factorisation of the GPUs, TP inside a n
 pipeline across nodes, and keep the one that fits with the shortest estimated step.
 
 Every layout the planner models, distft runs: whether it runs with the requested method is read
-from the runtime's registry, `distft.parallel.STRATEGIES` (`runnable`); only those get a `run:`
-command (`run_line.py`).
+from the strategy's spec, `distft.layout.SPECS` (`runnable`); only those get a `run:` command
+(`run_line.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from distft.layout import SPECS, ParallelDims
 from distft.measure.flops import StepTime
-from distft.parallel import STRATEGIES as RUNTIME
-from distft.parallel.dims import ParallelDims
 from distft.plan.activations import activation_bytes
 from distft.plan.buffers import comm_buffer_bytes
 from distft.plan.collective import Collective, Topology
@@ -31,16 +30,11 @@ from distft.plan.model_spec import ModelSpec
 from distft.plan.timing import ASSUMED_MFU, RunLength, no_time_reason, step_time
 from distft.plan.traffic import step_collectives
 
-# Every layout the planner models is a strategy distft runs, in the registry's order, named as its
-# class names itself (`Strategy.label`).
-MODELLED = tuple(RUNTIME)
-LABELS = {name: cls.label for name, cls in RUNTIME.items()}
-
 
 def runnable(strategy: str, method: str = "lora") -> bool:
-    """distft can train `strategy` with `method`: it is in the runtime's registry (and runs QLoRA)."""
-    cls = RUNTIME.get(strategy)
-    return cls is not None and (method != "qlora" or cls.supports_qlora)
+    """distft can train `strategy` with `method`: it is one of its strategies (and runs QLoRA)."""
+    spec = SPECS.get(strategy)
+    return spec is not None and (method != "qlora" or spec.runs("qlora"))
 
 
 @dataclass(frozen=True)
@@ -114,14 +108,14 @@ class Estimate:
     def label(self) -> str:
         lay = self.parallelism
         if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas
-            return f"{LABELS[self.strategy]} (shard={lay.shard_degree}, replicas={lay.replicas})"
+            return f"{SPECS[self.strategy].label} (shard={lay.shard_degree}, replicas={lay.replicas})"
         if 1 < lay.ep < lay.dp:  # fsdp+ep: expert groups x replicas, or their experts sharded across them
             groups = lay.dp // lay.ep
             held = f"experts sharded over {groups}" if lay.shard_experts else f"replicas={groups}"
-            return f"{LABELS[self.strategy]} (ep={lay.ep}, {held})"
+            return f"{SPECS[self.strategy].label} (ep={lay.ep}, {held})"
         degrees = [f"{d}={getattr(lay, d)}" for d in ("dp", "tp", "pp", "cp") if getattr(lay, d) > 1]
-        return f"{LABELS[self.strategy]}" + (
-            f" ({', '.join(degrees)})" if degrees and RUNTIME[self.strategy].mesh_degrees else ""
+        return f"{SPECS[self.strategy].label}" + (
+            f" ({', '.join(degrees)})" if degrees and SPECS[self.strategy].sized else ""
         )
 
     @property
@@ -183,14 +177,13 @@ def parallelism_for(
     what it shards and how it splits a layer; HSDP shards inside a node; fsdp+ep's expert groups
     are `ep` ranks, 0: every data-parallel rank, their stacks FSDP-sharded across the groups or
     not)."""
-    cls = RUNTIME[strategy]
+    spec = SPECS[strategy]
     m = req.grad_accum
     if pp > 1:
         m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
-    dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp, world_size=dp * tp * pp * cp)
-    shard_group = req.gpus_per_node if cls.shard_groups else 0
-    par = Parallelism.of(cls, dims, microbatches=m, schedule=req.pp_schedule, dp_shard=shard_group)
-    return replace(par, ep=ep, shard_experts=shard_experts) if ep and cls.needs_moe else par
+    shard = min(req.gpus_per_node, dp)  # HSDP's shard group: a node
+    dims = ParallelDims.split(spec, dp, tp=tp, pp=pp, cp=cp, shard=shard, ep=ep)
+    return Parallelism.of(spec, dims, microbatches=m, schedule=req.pp_schedule, shard_experts=shard_experts)
 
 
 def why_not(req: Request, par: Parallelism) -> str:
@@ -201,12 +194,15 @@ def why_not(req: Request, par: Parallelism) -> str:
         return moe
     if par.world > req.world:
         return f"needs {par.world} GPUs"
-    if par.world < 2 and RUNTIME[par.name].distributed:
+    if par.world < 2 and SPECS[par.name].distributed:
         return "needs 2+ GPUs"
     if tp > 1:
-        mlp = spec.moe_intermediate_size if spec.moe else spec.intermediate_size
-        if spec.num_heads % tp or spec.num_kv_heads % tp or mlp % tp:
-            return f"TP degree {tp} must divide {spec.num_heads} query heads, {spec.num_kv_heads} KV heads and MLP {mlp}"
+        # As the runtime checks (`parallel.tensor_parallel.check_tp_degree`): the dense MLP's width
+        # always, and each expert's where there are experts.
+        mlps = (spec.intermediate_size, *((spec.moe_intermediate_size,) if spec.moe else ()))
+        if spec.num_heads % tp or spec.num_kv_heads % tp or any(mlp % tp for mlp in mlps):
+            widths = " and ".join(str(m) for m in mlps)
+            return f"TP degree {tp} must divide {spec.num_heads} query heads, {spec.num_kv_heads} KV heads and MLP {widths}"
         if req.training.method == "qlora":
             return "QLoRA's NF4 weights are not split by distft's TP"
     if par.pp > spec.num_layers:
@@ -218,10 +214,10 @@ def why_not(req: Request, par: Parallelism) -> str:
 
 def _why_not_experts(req: Request, par: Parallelism) -> str:
     """Empty if the layout can hold this model's MLPs, dense or a mixture of experts."""
-    spec, cls = req.model, RUNTIME[par.name]
+    spec, layout = req.model, SPECS[par.name]
     if not spec.moe:
-        return "needs a mixture of experts" if cls.needs_moe else ""
-    if not cls.supports_moe:
+        return "needs a mixture of experts" if layout.expert_groups else ""
+    if not layout.runs("moe"):
         return "does not split a mixture of experts yet"
     if req.training.method == "qlora":
         return "QLoRA's NF4 base does not hold the experts' fused stacks"
@@ -306,8 +302,8 @@ def candidate_parallelisms(req: Request, strategy: str) -> list[Parallelism]:
     (across nodes when there are several) and 2+ data-parallel ranks sit between (1+ beside CP,
     whose ranks FSDP shards over too); fsdp+ep's expert groups of 2+ ranks dividing the GPUs, those
     below all of them with their stacks replicated across the groups or sharded."""
-    dims, n = RUNTIME[strategy].dims, req.world
-    if RUNTIME[strategy].needs_moe:  # fsdp+ep: expert groups of every size, all the GPUs by default
+    dims, n = SPECS[strategy].axes, req.world
+    if SPECS[strategy].expert_groups:  # fsdp+ep: expert groups of every size, all the GPUs by default
         groups = [(n, False)] + [(ep, shard) for ep in _divisors(n)[:-1] for shard in (False, True)]
         return [parallelism_for(req, strategy, dp=n, ep=ep, shard_experts=s) for ep, s in groups]
     if len(dims) < 2:
@@ -324,7 +320,7 @@ def candidate_parallelisms(req: Request, strategy: str) -> list[Parallelism]:
 def evaluate(req: Request) -> dict[str, Estimate]:
     """One estimate per modelled strategy; 2-D layouts keep their best factorisation."""
     out: dict[str, Estimate] = {}
-    for strategy in MODELLED:
+    for strategy in SPECS:
         layouts = candidate_parallelisms(req, strategy)
         if not layouts:
             out[strategy] = Estimate(
@@ -332,7 +328,7 @@ def evaluate(req: Request) -> dict[str, Estimate]:
                 Parallelism(strategy),
                 applicable=False,
                 runnable=runnable(strategy, req.training.method),
-                note=f"needs {2 ** len(RUNTIME[strategy].dims) if 'cp' not in RUNTIME[strategy].dims else 2}+ GPUs",
+                note=f"needs {2 ** len(SPECS[strategy].axes) if 'cp' not in SPECS[strategy].axes else 2}+ GPUs",
             )
             continue
         est = best([estimate(req, lay, strategy) for lay in layouts])

@@ -19,7 +19,8 @@ from torch import nn
 
 from distft.config import Config
 from distft.errors import ConfigError
-from distft.parallel import STRATEGIES, Batch, Strategy
+from distft.layout import SPECS
+from distft.parallel import Batch, Strategy
 from distft.plan.auto import on_cuda, parallelism_of, training_of
 from distft.plan.collective import Topology, bytes_by_dim, bytes_by_kind
 from distft.plan.hardware import Link
@@ -64,7 +65,7 @@ def expected_step_bytes(
     # Where groups of several sizes run (HSDP's shard groups, fsdp+ep's expert groups): by dimension too.
     by_dim = (
         bytes_by_dim(collectives)
-        if STRATEGIES[cfg.parallel.strategy].shard_groups or 1 < par.ep < par.dp
+        if SPECS[cfg.parallel.strategy].shard_groups or 1 < par.ep < par.dp
         else None
     )
     return bytes_by_kind(collectives), by_dim

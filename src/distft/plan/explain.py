@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from distft.plan.estimate import LABELS, Estimate, Request, estimate, parallelism_for
+from distft.layout import SPECS
+from distft.plan.estimate import Estimate, Request, estimate, parallelism_for
 from distft.plan.hardware import format_bytes, format_seconds
 from distft.plan.inputs import Parallelism
 
@@ -31,7 +32,13 @@ class Recommendation:
 
     @property
     def label(self) -> str:
-        return LABELS.get(self.strategy, "none") if self.strategy else "nothing fits"
+        return (
+            SPECS[self.strategy].label
+            if self.strategy in SPECS
+            else "none"
+            if self.strategy
+            else "nothing fits"
+        )
 
 
 def gb(n: float) -> str:

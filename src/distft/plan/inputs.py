@@ -1,6 +1,7 @@
 """What the planner is asked about besides the model: precision, what trains, and how ranks split it.
 
-- `Precision` / `PRECISIONS`: bytes per weight, gradient, master copy, AdamW moment, activation;
+- `Precision` / `PRECISIONS` (`distft.config.precision`): bytes per weight, gradient, master copy,
+  AdamW moment, activation;
 - `Training`: the method, batch shape, LoRA settings and NF4 storage (the runtime's `NF4Spec`);
 - `Parallelism`: the degrees (dp, tp, pp), what data parallelism shards, which TP implementation,
   and the pipeline schedule and cut. Its `pipeline()` is the runtime's own
@@ -14,45 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from distft.config.precision import PRECISIONS, Precision
+from distft.layout import SPECS, ParallelDims, StrategySpec
 from distft.model.nf4 import NF4Spec
-from distft.parallel.base import Strategy
-from distft.parallel.dims import ParallelDims
 from distft.parallel.pipeline import SCHEDULES
 from distft.parallel.pipeline import Layout as PipelineLayout
 from distft.parallel.pipeline.cost import DEFAULT_LABEL_TOKENS, CostModel
 from distft.plan.model_spec import DEFAULT_LORA_TARGETS, ModelSpec
-
-# The schedules whose in-flight activations the planner models (all of them run in distft).
-PLANNED_SCHEDULES = tuple(s for s in ("gpipe", "1f1b", "interleaved-1f1b") if s in SCHEDULES)
-
-
-@dataclass(frozen=True)
-class Precision:
-    name: str
-    param: int  # bytes per element of the weights the model computes with
-    grad: int  # bytes per gradient element
-    master: int  # fp32 master copy of trainable weights kept for the optimizer (0: none)
-    state: int  # bytes per element of each of AdamW's two moments
-    activation: int  # bytes per element of saved activations (the compute dtype)
-    description: str
-    dtype: str = "bfloat16"  # the model.dtype distft runs it with (see `run_line.py`)
-
-    @property
-    def trained_bytes(self) -> int:
-        """Bytes per trained parameter: weight + gradient + master + two moments."""
-        return self.param + self.grad + self.master + 2 * self.state
-
-
-PRECISIONS: dict[str, Precision] = {
-    "mixed": Precision(
-        "mixed", 2, 2, 4, 4, 2, "bf16 weights and gradients, fp32 master weights and AdamW moments"
-    ),
-    "bf16": Precision("bf16", 2, 2, 0, 4, 2, "bf16 weights and gradients, fp32 AdamW moments, no master"),
-    "bf16-pure": Precision(
-        "bf16-pure", 2, 2, 0, 2, 2, "all bf16 (distft with model.dtype=bfloat16: AdamW moments in bf16)"
-    ),
-    "fp32": Precision("fp32", 4, 4, 0, 4, 4, "all fp32 (distft's CPU default)", "float32"),
-}
 
 
 @dataclass(frozen=True)
@@ -164,22 +133,29 @@ class Parallelism:
     stage_gathers: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def of(cls, strategy: type[Strategy], dims: ParallelDims, **schedule) -> Parallelism:
-        """How `strategy` (its class: what it shards, how it splits a layer) splits the work at
-        `dims`, the degrees the runtime builds its mesh from; `schedule`: micro-batches, pipeline
-        schedule and cut, and HSDP's shard group (`dp_shard`)."""
+    def of(cls, spec: StrategySpec, dims: ParallelDims, **schedule) -> Parallelism:
+        """How `spec`'s strategy (what it shards, how it splits a layer) splits the work at `dims`,
+        the degrees the runtime builds its mesh from (HSDP's shard group, fsdp+ep's expert group
+        among them); `schedule`: micro-batches, pipeline schedule and cut, the experts' layout."""
         return cls(
-            strategy.name,
+            spec.name,
             dp=dims.dp,
             tp=dims.tp,
             pp=dims.pp,
             cp=dims.cp,
-            shard=strategy.shards,
-            reshard_after_forward=strategy.reshard_after_forward,
-            tensor_parallel=strategy.tensor_parallel or "megatron",
-            sp=strategy.tensor_parallel == "megatron",
-            ep=dims.dp if strategy.needs_moe else 1,  # the strategy made for an MoE shards its experts
+            shard=spec.shards,
+            dp_shard=dims.dp_shard if spec.shard_groups else 0,
+            reshard_after_forward=spec.reshard_after_forward,
+            tensor_parallel=spec.tensor_parallel or "megatron",
+            sp=spec.tensor_parallel == "megatron",
+            ep=dims.ep,
             **schedule,
+        )
+
+    def dims(self) -> ParallelDims:
+        """The degrees of the layout these figures are for, as the runtime's mesh takes them."""
+        return ParallelDims.split(
+            SPECS[self.name], self.dp, tp=self.tp, pp=self.pp, cp=self.cp, shard=self.dp_shard, ep=self.ep
         )
 
     @property

@@ -16,8 +16,8 @@ the line back into a config and compare.
 
 from __future__ import annotations
 
+from distft.layout import SPECS
 from distft.model import PRESETS
-from distft.parallel import STRATEGIES as RUNTIME
 from distft.parallel.derive import default_lr
 from distft.plan.estimate import Request, runnable
 from distft.plan.inputs import Parallelism
@@ -46,18 +46,11 @@ def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dic
     elif (
         t.precision.dtype == "bfloat16"
     ):  # fp32 masters (counted as such, or as mixed precision's) where they run
-        masters = (t.fp32_masters or t.precision.master) and RUNTIME[par.name].fp32_masters
+        masters = (t.fp32_masters or t.precision.master) and SPECS[par.name].runs("fp32_masters")
         out["train.master_weights"] = "fp32" if masters else "model"
-    if RUNTIME[par.name].mesh_degrees:
-        out.update({"parallel.dp": str(par.dp), "parallel.tp": str(par.tp), "parallel.pp": str(par.pp)})
-        if "cp" in RUNTIME[par.name].dims:
-            out["parallel.cp"] = str(par.cp)
-    if RUNTIME[par.name].shard_groups:
-        out["parallel.shard"] = str(par.shard_degree)
-    if RUNTIME[par.name].needs_moe and par.ep < par.dp:
-        out["parallel.ep"] = str(par.ep)
-        if par.shard_experts:
-            out["parallel.shard_experts"] = "true"
+    out |= par.dims().to_overrides(SPECS[par.name])  # the mesh, shard groups, expert groups
+    if par.shard_experts:
+        out["parallel.shard_experts"] = "true"
     if par.pp > 1:
         out["parallel.schedule"] = par.schedule
         out["parallel.microbatches"] = str(par.microbatches)

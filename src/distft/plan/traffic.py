@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from distft.parallel import STRATEGIES
+from distft.layout import SPECS
 from distft.parallel.context.model import layers_without_kv_gradient, padded_length
 from distft.plan import expert_traffic as experts
 from distft.plan.collective import Collective, Topology, held_bytes, step_positions
@@ -314,7 +314,7 @@ def step_collectives(
     # An MoE's router sums (`distft.model.router`) join a preference objective's in one all-reduce.
     statistics = training.pair_statistics + (3 + spec.num_layers * spec.num_experts if spec.moe else 0)
     scalars = (
-        STRATEGIES[par.name].step_scalars(par.dp, sequence_split, statistics, kl_sum=training.kl_forwards > 0)
+        SPECS[par.name].step_scalars(par.dp, sequence_split, statistics, kl_sum=training.kl_forwards > 0)
         if par.world > 1
         else ()
     )

@@ -24,8 +24,9 @@ from distft.health import print_network_warnings
 from distft.io.lock import run_lock
 from distft.io.preflight import check_writable
 from distft.launch import launch_ranks, one_thread_before_forking
-from distft.parallel import STRATEGIES, check_config, ignored_settings
-from distft.parallel.checks import layout_left_behind
+from distft.layout import SPECS
+from distft.layout.rules import layout_left_behind
+from distft.parallel import check_config, ignored_settings
 from distft.parallel.derive import notes_for_ranks, read_rank_notes
 from distft.parallel.pipeline.calibrate import calibrate
 from distft.train.hooks import from_environment as hooks_from_environment
@@ -80,7 +81,7 @@ def cmd_train(args: argparse.Namespace, settings: Config | None = None) -> int:
     # others may share its filesystem).
     lock = run_lock(Path(cfg.output.dir)) if cfg.parallel.node_rank == 0 else contextlib.nullcontext()
     with lock:
-        distributed, on_cuda = STRATEGIES[cfg.parallel.strategy].distributed, wants_cuda(cfg.train.device)
+        distributed, on_cuda = SPECS[cfg.parallel.strategy].distributed, wants_cuda(cfg.train.device)
         if distributed and not on_cuda:  # CPU ranks are forked from this process
             one_thread_before_forking()
         labels = preflight(cfg, resuming=args.resume is not None)  # CUDA asked for and missing: refused

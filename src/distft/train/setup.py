@@ -122,7 +122,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     `health_hooks`: fault points inside the health check (tests only)."""
     shape = check_config(cfg)  # pure; the CLI ran it before launch, a Python caller may not have
     strategy_cls = STRATEGIES[cfg.parallel.strategy]
-    env = init_distributed(cfg.train.device, cfg.parallel.timeout_s, need_group=strategy_cls.distributed)
+    env = init_distributed(cfg.train.device, cfg.parallel.timeout_s, need_group=strategy_cls.spec.distributed)
     check_optimizer(cfg, env.device)
     check_fp8_hardware(cfg.model.fp8, env.device)  # this rank's GPU: sm89+ (the CLI checked before launch)
     # Every rank answers and all-reduces once before anything slow is built (docs/multi-node.md).
@@ -148,7 +148,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
 
     # Built where it will train, in its dtype, when the strategy takes a whole model on its device.
     attention = resolve_attention(cfg.model.attn_implementation, env.device, DTYPES[cfg.model.dtype])
-    base = load_base_model(cfg.model, env.device if strategy.builds_on_device else None, attention)
+    base = load_base_model(cfg.model, env.device if strategy.spec.builds_on_device else None, attention)
     check_model(cfg, base.config)
     architecture = run_architecture(cfg, base.config)
     masters = master_weights(cfg) == "fp32"
@@ -202,7 +202,7 @@ def compiled_blocks(
 ) -> CompileStats | None:
     """Each decoder layer compiled, before the strategy wraps them (`distft.model.compile`), what
     inductor builds kept under `model.compile_cache` for the next run; None where the run stays eager."""
-    if not compile_wanted(cfg.model.compile, device, strategy.supports_compile):
+    if not compile_wanted(cfg.model.compile, device, strategy.spec.runs("compile")):
         return None
     auto = cache_root() / "compile"  # distft's own cache dir, beside the token cache
     use_compile_cache(compile_cache_dir(cfg.model.compile_cache, auto, device))

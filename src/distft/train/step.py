@@ -54,20 +54,22 @@ def rank_batches(
     # One shape every step (pipelines): a sequence of max_length, or a packed row of all the
     # micro-batch's sequences (a pair's two).
     rows = size * rows_per_item(cfg.train.objective)
-    pad_to = cfg.data.max_length * (rows if packed else 1) if strategy.fixed_sequence_length else None
+    pad_to = cfg.data.max_length * (rows if packed else 1) if strategy.spec.fixed_sequence_length else None
     # Compiled code (the blocks, or FlexAttention on CUDA): packed rows in length buckets, so its
     # guards on the length hold (`distft.model.compile`).
     device = strategy.env.device
-    compiled = compile_wanted(cfg.model.compile, device, strategy.supports_compile) or device.type == "cuda"
+    compiled = (
+        compile_wanted(cfg.model.compile, device, strategy.spec.runs("compile")) or device.type == "cuda"
+    )
     multiple = SEQUENCE_BUCKET if compiled else 1
     batches = []
     weight = orpo_token_weight(examples, cfg)
-    if strategy.fixed_sequence_length:  # whole micro-batches, a short batch's filled with blank pairs
+    if strategy.spec.fixed_sequence_length:  # whole micro-batches, a short batch's filled with blank pairs
         examples = blank_items(examples, cfg.train.global_batch_size)
     for mb in rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size):
         rows, reference = micro_batch_part(mb, part)  # a pair: its two rows
         batch = micro_batch(rows, pad_id, packed, pad_to, multiple)
-        if strategy.takes_label_positions:
+        if strategy.spec.takes_label_positions:
             batch["label_positions"] = label_positions(batch["labels"])
         if weight is not None:
             batch["token_weight"] = weight
@@ -127,7 +129,7 @@ def train_step(
     cfg, strategy, model = run.cfg, run.strategy, run.model
     n_tokens = normaliser(examples, cfg)
     batches = rank_batches(examples, strategy, cfg, run.pad_id)
-    what = f"{strategy.collectives} in step {step}'s forward/backward"
+    what = f"{strategy.spec.collectives} in step {step}'s forward/backward"
     with run.autocast, run.collective(what), compile_errors_unwrapped():
         with_kl(run, examples, batches)  # KTO's: scored before the forward that uses it
         loss_sum = strategy.forward_backward(model, batches, n_tokens)

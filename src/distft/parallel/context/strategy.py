@@ -16,8 +16,6 @@ by the global count of labelled positions, which every rank counts itself from t
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -44,25 +42,6 @@ class StateUnderTheWrapper:
 
 class ContextParallel(StateUnderTheWrapper, Strategy):
     name = "cp"
-    label = "Context parallel (CP)"
-    holds = "the whole model; 1/N of every sequence's activations"
-    moves = (
-        "K and V all-gathered per layer (dK, dV reduce-scattered back); gradients all-reduced once per step"
-    )
-    page = "long-context.md"  # under docs/, as every strategy's (`registry.strategy_table`)
-    dims = ("cp",)
-    supports_modules_to_save: ClassVar[bool] = True
-    supports_qlora: ClassVar[bool] = True  # nothing is sharded: each rank holds the whole NF4 base
-    supports_moe: ClassVar[bool] = True  # the routers' sums all-reduced over the ranks' tokens
-    builds_on_device: ClassVar[bool] = True  # the whole model on each rank, as DDP
-    supports_compile: ClassVar[bool] = False
-    optimizers: ClassVar[tuple[str, ...]] = ("adamw", "adamw-8bit", "sgd")  # replicated plain tensors
-    takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
-    collectives = "the all-gathers of K and V / reduce-scatters of dK and dV (cp)"
-
-    @classmethod
-    def data_parallel_size(cls, cfg: Config) -> int:
-        return 1  # every rank reads the same rows
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:

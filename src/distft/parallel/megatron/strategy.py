@@ -44,8 +44,6 @@ slices of their stack each, which no single placement describes, are written who
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -56,7 +54,6 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.model.nf4 import TP_REFUSAL
 from distft.parallel.base import Strategy, optimizer_state_owner, unwrap
 from distft.parallel.grads import all_reduce_flat
 from distft.parallel.megatron.collectives import all_gather_dim
@@ -69,27 +66,7 @@ from distft.tensors import local
 
 class TensorSequenceParallel(ExpertShards, Strategy):
     name = "tp-sp"
-    label = "TP + SP"
-    holds = "as `tp`, plus 1/N of the sequence between blocks"
-    moves = "all-gather / reduce-scatter activations along the sequence (hand-written Megatron)"
-    page = "tp-sp.md"
-    dims = ("tp",)
-    supports_modules_to_save: ClassVar[bool] = True  # replicated; partial under SP like the norms
-    tensor_parallel = "megatron"
-    qlora_refusal: ClassVar[str] = TP_REFUSAL
-    supports_dora: ClassVar[bool] = False
-    dora_refusal: ClassVar[str] = (
-        "its hand-written column/row layers carry the base, lora_A and lora_B only, not DoRA's magnitude "
-        "vector, and each rank would see a partial norm of a row-parallel weight"
-    )
-    collectives = "the all-gathers / reduce-scatters of activations (tp-sp)"
     mesh: DeviceMesh | None = None  # only checkpoints use one (DTensor views of the shards)
-    takes_label_positions: ClassVar[bool] = False  # each rank's loss covers its own positions
-    supports_moe: ClassVar[bool] = True  # routed on each rank's positions, experts split by features
-
-    @classmethod
-    def data_parallel_size(cls, cfg: Config) -> int:
-        return 1  # every rank works on the same batch
 
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:

@@ -1,6 +1,6 @@
 """Pipelines repeated across a mesh: what `ddp+pp`, `fsdp+pp` and `fsdp+tp+pp` share.
 
-The ranks form one `DeviceMesh` (`distft.parallel.dims.ParallelDims`), pp outermost: ("pp", "dp")
+The ranks form one `DeviceMesh` (`distft.layout.ParallelDims`), pp outermost: ("pp", "dp")
 or ("pp", "dp", "tp"). Every column of the mesh along pp, one per (dp, tp) coordinate, is one
 pipeline: the `pp` strategy (`PipelineParallel`: stages, schedules, loss, timeline, export) over
 those ranks, its sends and receives on mesh["pp"]. The ranks of one dp index read the same 1/dp
@@ -13,35 +13,28 @@ also splits each stage's layers over tp first.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch.distributed as dist
 from torch import nn
 
 from distft.config import Config
 from distft.errors import ConfigError
-from distft.parallel.dims import MeshStrategy, ParallelDims
+from distft.layout import ParallelDims
+from distft.parallel.dims import build_mesh
 from distft.parallel.pipeline.layout import Layout, layout
 from distft.parallel.pipeline.strategy import PipelineParallel
 
 
-class MeshPipeline(MeshStrategy, PipelineParallel):
-    dims = ("pp", "dp")  # fsdp+tp+pp adds "tp": parallel.tp 2+ (ddp+pp, fsdp+pp: 1)
-    # What the strategy is with one pipeline rank, and with one data-parallel replica (None: allowed).
-    without_pp: ClassVar[str]
-    without_dp: ClassVar[str | None] = "pp"
-    supports_moe: ClassVar[bool] = True  # the replicas of pp's stages (fsdp+tp+pp: split by `tp_experts`)
-
+class MeshPipeline(PipelineParallel):
     @classmethod
     def pipeline_layout(cls, cfg: Config) -> Layout:
-        dims = ParallelDims.from_config(cfg)
+        dims = ParallelDims.of(cls.spec, cfg)
         return layout(cfg, ranks=dims.pp, replicas=dims.dp)
 
     @classmethod
     def validate_config(cls, cfg: Config) -> None:
-        dims = ParallelDims.from_config(cfg)  # dp x tp x pp = world size, else a ConfigError
+        dims = ParallelDims.of(cls.spec, cfg)  # dp x tp x pp = world size, else a ConfigError
         name, world = cls.name, cfg.world_size
-        if "tp" not in cls.dims and dims.tp != 1:
+        if "tp" not in cls.spec.dims and dims.tp != 1:
             raise ConfigError(
                 f"--strategy {name} takes parallel.dp and parallel.pp; parallel.tp must be 1 (got {dims.tp})"
                 + (
@@ -50,7 +43,7 @@ class MeshPipeline(MeshStrategy, PipelineParallel):
                     else "."
                 )
             )
-        if "tp" in cls.dims and dims.tp < 2:
+        if "tp" in cls.spec.dims and dims.tp < 2:
             raise ConfigError(
                 f"--strategy {name} needs parallel.tp of 2 or more (it is {dims.tp}); with one TP rank it is "
                 f"--strategy fsdp+pp."
@@ -58,18 +51,18 @@ class MeshPipeline(MeshStrategy, PipelineParallel):
         if dims.pp < 2:
             raise ConfigError(
                 f"--strategy {name} needs parallel.pp of 2 or more (it is {dims.pp}); with one pipeline rank "
-                f"it is plain {cls.without_pp}: use --strategy {cls.without_pp}, or e.g. --nproc {world} "
+                f"it is plain {cls.spec.without_pp}: use --strategy {cls.spec.without_pp}, or e.g. --nproc {world} "
                 "parallel.pp=2."
             )
-        if cls.without_dp and dims.dp < 2:
+        if cls.spec.without_dp and dims.dp < 2:
             raise ConfigError(
-                f"--strategy {name} with parallel.dp=1 is a single pipeline: use --strategy {cls.without_dp} "
+                f"--strategy {name} with parallel.dp=1 is a single pipeline: use --strategy {cls.spec.without_dp} "
                 f"--nproc {world}, or raise --nproc to a multiple of parallel.pp={dims.pp}."
             )
         super().validate_config(cfg)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        self.mesh = self.dims.build_mesh(self.env.device.type)  # ("pp", "dp"[, "tp"])
+        self.mesh = build_mesh(self.dims, self.env.device.type)  # ("pp", "dp"[, "tp"])
         self.dp_group = self.mesh["dp"].get_group()
         view = super().parallelize(model)
         assert dist.get_process_group_ranks(self.pp_group) == self.pp_ranks

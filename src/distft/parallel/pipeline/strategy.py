@@ -27,8 +27,6 @@ docs/pp.md.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,19 +55,6 @@ from distft.tensors import local
 
 class PipelineParallel(Strategy):
     name = "pp"
-    label = "PP"
-    holds = "a stage (or V stages) of consecutive decoder layers, cut where the modelled cost is equal (`parallel.pp_split`); the embedding on the first, the head and loss on the last"
-    moves = "send/recv of one hidden-state tensor per micro-batch per stage boundary forward, its gradient backward; all-reduce of loss and grad norm"
-    page = "pp.md"
-    dims = ("pp",)
-    fixed_sequence_length: ClassVar[bool] = True  # stage shapes are inferred once, then frozen
-    takes_label_positions: ClassVar[bool] = False
-    supports_compile: ClassVar[bool] = True  # stages hold the compiled decoder layers as they are
-    supports_moe: ClassVar[bool] = True  # the routers' loss sums travel with the hidden states
-    modules_to_save_refusal: ClassVar[str] = (
-        "puts the embedding and lm_head on different stages, where peft's trained rows of a tied pair "
-        "would be one parameter that each stage updates with half its gradient"
-    )
     # What the loss is multiplied by before backward: FSDP's reduce-scatter averages over its dp
     # ranks where the pipeline wants the sum (fsdp+pp sets dp; ddp+pp sums itself).
     loss_scale: int = 1
@@ -109,10 +94,6 @@ class PipelineParallel(Strategy):
             )
         cls.cut_layout(cfg, model_config)  # a parallel.pp_split list that does not add up to the layers
         super().validate_model(cfg, model_config)  # NF4 blocks that shard (fsdp+pp's QLoRA)
-
-    @classmethod
-    def data_parallel_size(cls, cfg: Config) -> int:
-        return 1  # every rank sees the whole batch; stage 0 reads the ids, the last stage the labels
 
     # -- set-up --------------------------------------------------------------------------------
     def pipelines(self) -> list[list[int]]:
