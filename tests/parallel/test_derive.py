@@ -32,6 +32,7 @@ SIZES = {
     "fsdp+tp+pp": [4, 6, 8],
     "fsdp+cp": [2, 4],
     "fsdp+ep": [1, 2, 4, 8],  # on a mixture of experts (8 experts: a divisor of 8)
+    "hsdp+tp": [4, 8],  # tp=2 and 2 replicas of shard groups of 1, then of 2
 }
 
 

@@ -72,11 +72,11 @@ SETTINGS = [
 # Strategies whose family-dependent code is another's (a subclass, or a sibling over the same
 # base): ZeRO-1 partitions DDP's optimizer state, ZeRO-2 and HSDP are FSDP's units kept gathered
 # or replicated, ddp+pp is fsdp+pp's stages with DDP around them, fsdp+tp+pp is fsdp+pp's stages
-# under fsdp+tp's plan, fsdp+cp is cp's attention in FSDP's units. Their own mechanics are proven
+# under fsdp+tp's plan, fsdp+cp is cp's attention in FSDP's units, hsdp+tp is fsdp+tp on HSDP's mesh. Their own mechanics are proven
 # on Qwen3 in this folder; a family meets them through the strategy named here.
 VARIANTS = {
     **{"zero1": "ddp", "zero2": "fsdp", "hsdp": "fsdp"},
-    **{"ddp+pp": "fsdp+pp", "fsdp+tp+pp": "fsdp+pp", "fsdp+cp": "cp"},
+    **{"ddp+pp": "fsdp+pp", "fsdp+tp+pp": "fsdp+pp", "fsdp+cp": "cp", "hsdp+tp": "fsdp+tp"},
 }
 PAIRS = [
     (FAMILY_PRESETS[f], s)

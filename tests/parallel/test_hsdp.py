@@ -11,7 +11,11 @@ process's on the same global batches; its first step's bytes, counted per proces
 - replicate ({0, 2} and {1, 3}): each rank's gradient shard all-reduced once;
 - world: the loss (fp32) and the gradient norm's sum of squares (float64).
 Then its checkpoint of step 1 (2D DTensors) resumes in one process and ends like the reference.
+HSDP x TP (`hsdp+tp`, 8 ranks) runs against the same reference, its bytes per dimension as
+planned, and resumes as plain HSDP.
 """
+
+import json
 
 import pytest
 import torch
@@ -66,6 +70,26 @@ def test_matches_single_process_with_bytes_per_dimension(tmp_path):
     assert "resumed under --strategy single: parallel.shard=2 reset to 0" in proc.stdout
     assert_same_training(out, reference)
 
+    # HSDP x TP on 8 ranks (2 replicas of a shard group of 2 TP groups of 2) against the same
+    # reference: every byte on its dimension as planned, then its step-1 checkpoint (3D DTensors)
+    # resumed as plain HSDP on 4 ranks, the TP degree left behind.
+    out = tmp_path / "hsdp+tp"
+    proc = distft(
+        "train", "--strategy", "hsdp+tp", "--nproc", "8", "parallel.tp=2", f"parallel.shard={SHARD}", *PARITY,
+        *GLOBAL_BATCH, "--checkpoint-every", "1", "--out", str(out),
+    )  # fmt: skip
+    assert "flattened" not in proc.stderr  # the flattened "dp" kept beside the mesh, not sliced from it
+    assert_same_training(out, reference)
+    first, ranks = metrics(out)[0], json.loads((out / "ranks.json").read_text())
+    assert ranks[0]["predicted_by"].startswith("HSDP x TP (tp=2, shard=2, replicas=2) on 8 processes")
+    assert first["comm_bytes_by_dim"] == first["comm_bytes_expected_by_dim"]
+    assert set(first["comm_bytes_by_dim"]) == {"shard", "replicate", "tp", "dp", "world"}
+    assert ranks[5]["mesh"] == {"replicate": [1, 5], "shard": [5, 7], "tp": [4, 5], "dp": [1, 3, 5, 7]}
+    out = crashed_copy(out, tmp_path / "hsdp+tp crashed", 1)
+    proc = distft("train", "--resume", str(out), "--strategy", "hsdp", "--nproc", str(WORLD))
+    assert "resumed under --strategy hsdp: parallel.tp=2 reset to 1" in proc.stdout
+    assert_same_training(out, reference)
+
 
 @pytest.mark.parametrize(
     "argv,phrase",
@@ -74,6 +98,11 @@ def test_matches_single_process_with_bytes_per_dimension(tmp_path):
         (["--strategy", "hsdp", "--nproc", "4", "parallel.shard=3"], "must divide the 4 processes"),
         (["--strategy", "hsdp", "--nproc", "4", "parallel.shard=1"], "shards nothing"),
         (["--strategy", "fsdp", "--nproc", "4", "parallel.shard=2"], "does not take it"),
+        (
+            ["--strategy", "hsdp+tp", "--nproc", "4", "parallel.tp=2", "parallel.shard=2"],
+            "it is --strategy fsdp+tp",
+        ),
+        (["--strategy", "hsdp+tp", "--nproc", "4", "parallel.tp=1"], "is plain hsdp"),
     ],
 )
 def test_bad_shard_degree_is_refused_before_launch(argv, phrase, tmp_path, capsys):

@@ -36,6 +36,7 @@ MOE_STRATEGIES = [name for name, spec in SPECS.items() if spec.runs("moe") and n
 # splits the model: `ExpertShards`), proven on dense models in their own files; fsdp+tp+pp's
 # full finetuning of the experts resumes in `test_full_finetuning_...` below.
 MOE_VARIANTS = {"zero1": "ddp", "zero2": "fsdp", "hsdp": "fsdp", "ddp+pp": "fsdp+pp", "fsdp+tp+pp": "fsdp+tp"}
+MOE_VARIANTS["hsdp+tp"] = "fsdp+tp"  # fsdp+tp's split of the experts, on HSDP's mesh
 
 
 def assert_all_to_all_bytes(run, micro_batches: int, forwards: int = 1) -> None:
@@ -114,7 +115,7 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     stacks) into a model plain transformers loads with the same logits."""
     assert set(MOE_STRATEGIES) == {
         *("ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp", "tp-sp", "fsdp+tp"),
-        *("pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "cp", "fsdp+cp"),
+        *("pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "cp", "fsdp+cp", "hsdp+tp"),
     }
     weights = adapter(reference)
     experts = {k: v for k, v in weights.items() if ".mlp.experts." in k}

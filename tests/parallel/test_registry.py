@@ -25,7 +25,7 @@ def layout_overrides(name: str, nproc: int = 4) -> list[str]:
         out += ["parallel.pp=2"] if "pp" in spec.dims else []
         out += ["parallel.tp=2"] if "tp" in spec.dims else []
         out += ["parallel.dp=2"] if "cp" in spec.dims else []  # cp takes what dp leaves
-    out += ["parallel.shard=2"] if spec.shard_groups else []
+    out += [f"parallel.shard={1 if 'tp' in spec.dims else 2}"] if spec.shard_groups else []  # 2 replicas
     out += ["parallel.ep=2"] if spec.expert_groups else []
     return out
 
@@ -68,7 +68,7 @@ def test_the_checks_before_launch_refuse_exactly_what_a_spec_says_it_cannot_run(
 def test_settings_each_strategy_reads_follow_from_its_spec():
     assert set(READ_BY["parallel.schedule"]) == {"pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp"}
     assert set(READ_BY["parallel.ddp_no_sync"]) == {"ddp", "zero1"}
-    fsdp = {"fsdp", "zero2", "hsdp", "fsdp+tp", "fsdp+pp", "fsdp+tp+pp", "fsdp+cp", "fsdp+ep"}
+    fsdp = {"fsdp", "zero2", "hsdp", "fsdp+tp", "fsdp+pp", "fsdp+tp+pp", "fsdp+cp", "fsdp+ep", "hsdp+tp"}
     assert set(READ_BY["parallel.fsdp_prefetch"]) == fsdp
     assert READ_BY["parallel.sequence_parallel"] == ("tp-sp",)
     assert "single" not in READ_BY["parallel.timeout_s"]
@@ -86,7 +86,7 @@ def test_one_layout_for_every_strategy_read_from_its_config_and_written_back():
         if len(spec.dims) == 1:
             assert dims.degrees()[spec.dims[0]] == 4, name
         if spec.shard_groups:
-            assert (dims.dp_replicate, dims.dp_shard) == (2, 2), name
+            assert dims.dp_replicate == 2 and dims.dp_shard * dims.tp == 2, name
         if spec.expert_groups:
             assert (dims.dp_shard, dims.ep) == (4, 2), name
         back = [f"{k}={v}" for k, v in dims.to_overrides(spec).items()]

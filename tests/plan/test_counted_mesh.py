@@ -3,7 +3,7 @@ dimensions and the pipelines, on 4 gloo ranks (one launch).
 
 tests/plan/test_counted.py does this for the one-dimensional strategies on 2 ranks. Here every
 registered strategy that needs a mesh or a pipeline (pp, hsdp, fsdp+tp, ddp+pp, fsdp+pp,
-fsdp+tp+pp, fsdp+cp) runs one optimizer step in-process, as the loop runs it, under every method and
+fsdp+tp+pp, fsdp+cp, hsdp+tp) runs one optimizer step in-process, as the loop runs it, under every method and
 precision it accepts: LoRA, QLoRA, full finetuning in fp32, a bf16 model over fp32 master weights
 (under autocast, as `train.setup` runs it) and bf16 alone. Each rank's counted bytes, kind by kind,
 must equal the planner's prediction for its pipeline rank (`plan.auto.predict`, what ranks.json
@@ -41,6 +41,10 @@ MESHES = {
     "fsdp+pp": ["parallel.pp=2"],
     "fsdp+tp+pp": ["parallel.tp=2", "parallel.pp=2"],
     "fsdp+cp": ["parallel.cp=2", "parallel.cp_method=ring"],  # the ring here, the all-gather elsewhere
+    "hsdp+tp": [
+        "parallel.tp=2",
+        "parallel.shard=1",
+    ],  # 2 replicas of a TP group (tests/parallel/test_hsdp.py: 8 ranks)
 }
 # Every strategy on a mesh of several dimensions, or a pipeline, is counted here (fsdp+ep's
 # expert groups in tests/parallel/test_moe.py): a new one cannot be left out silently.

@@ -276,6 +276,7 @@ def test_json_has_every_strategy_and_component(capsys):
         "fsdp+tp+pp",
         "fsdp+cp",
         "fsdp+ep",
+        "hsdp+tp",
     ]
     components = {
         "parameters",

@@ -90,8 +90,8 @@ def test_every_run_line_carries_the_estimates_assumptions(command):
         assert cls.data_parallel_size(cfg) == lay.dp, name
         dims = ParallelDims.of(cls.spec, cfg)  # the runtime's degrees are the plan's, groups too
         assert dims == lay.dims(), name
-        if cls.spec.shard_groups:  # HSDP: the shard groups the plan counted, one node each
-            assert dims.dp_shard == lay.shard_degree == req.gpus_per_node
+        if cls.spec.shard_groups:  # HSDP (x TP): the shard groups the plan counted, a node's data ranks
+            assert dims.dp_shard == lay.shard_degree == req.gpus_per_node // lay.tp
         if lay.pp > 1:  # the runtime's own pipeline for this config is the one the plan counted
             assert cls.pipeline_layout(cfg) == lay.pipeline(t.micro_batch)
         # What a run needs beyond the estimate: the pretrained weights, their learning rate, data.

@@ -70,7 +70,7 @@ class ParallelDims:
     def of(cls, spec: StrategySpec, cfg: Config) -> ParallelDims:
         """The degrees `spec`'s strategy runs `cfg` with: the user's parallel.dp / tp / pp / cp where
         it takes several of them (`spec.sized`), every rank along its one dimension otherwise; the
-        data-parallel ranks split into shard groups by parallel.shard (HSDP: a node by default), and
+        data-parallel ranks split into shard groups by parallel.shard (HSDP: a node's by default), and
         expert groups of parallel.ep (fsdp+ep: every rank by default)."""
         world = cfg.world_size if spec.distributed else 1
         if spec.sized:
@@ -79,7 +79,8 @@ class ParallelDims:
             axes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1} | {a: world for a in spec.axes}
             dp, tp, pp, cp = axes["dp"], axes["tp"], axes["pp"], axes["cp"]
         p = cfg.parallel
-        return cls.split(spec, dp, tp=tp, pp=pp, cp=cp, shard=p.shard or min(p.nproc, dp), ep=p.ep)
+        node = max(1, min(p.nproc // (tp * cp), dp))  # the data-parallel ranks of a node
+        return cls.split(spec, dp, tp=tp, pp=pp, cp=cp, shard=p.shard or node, ep=p.ep)
 
     @classmethod
     def split(
@@ -92,9 +93,10 @@ class ParallelDims:
         replicate, sharding = (1, dp) if "dp_shard" in spec.dims else (dp, 1)
         if spec.shard_groups:
             if shard < 1 or dp % shard:
+                ranks = "processes (--nproc x --nnodes)" if tp * pp * cp == 1 else "data-parallel ranks"
                 raise ConfigError(
-                    f"parallel.shard={shard} must divide the {dp} data-parallel ranks into equal shard "
-                    "groups; e.g. parallel.shard=--nproc, one group per node."
+                    f"parallel.shard={shard} must divide the {dp} {ranks} into equal shard groups; e.g. "
+                    "parallel.shard=--nproc, one group per node."
                 )
             replicate, sharding = dp // shard, shard
         groups = (ep or sharding) if spec.expert_groups else 1

@@ -113,8 +113,8 @@ class StrategySpec:
 
     def step_scalars(
         self, dp: int, sequence_split: bool = False, pair_statistics: int = 0, kl_sum: bool = False
-    ) -> tuple[int, ...]:
-        """Bytes of each scalar a step all-reduces beside its tensors: the loss sum (fp32, 4 B)
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Bytes of each scalar a step all-reduces beside its tensors, (loss, norm): the loss sum (fp32, 4 B)
         where ranks hold different rows or positions (data-parallel replicas, a pipeline's last
         stage, a sequence split), with `pair_statistics` fp32 sums beside it (a preference
         objective's `distft.model.preference.STATS`, an MoE's router sums) and KTO's KL sum before
@@ -125,7 +125,7 @@ class StrategySpec:
         statistics = ((4 * pair_statistics,) if pair_statistics else ()) + ((4,) if kl_sum else ())
         loss = (4, *statistics) if reduced else ()
         norm = (8,) if self.shards == "full" or "tp" in self.dims or self.pipelined else ()
-        return loss + norm
+        return loss, norm
 
     def refusal(self, feature: str) -> str:
         """Why `feature` does not run under this strategy ("" where it does)."""

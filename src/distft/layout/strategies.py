@@ -168,6 +168,18 @@ _SPECS = (
         ),
         collectives="the all-to-alls of routed tokens and FSDP's all-gathers / reduce-scatters (fsdp+ep)",
     ),
+    StrategySpec(
+        "hsdp+tp", "HSDP x TP",
+        "1/(S tp) of each projection, 1/S of the rest (S = `parallel.shard` data-parallel ranks, a node's); "
+        "replicas across nodes; a (replicate, shard, tp) mesh",
+        "TP's activation all-reduces inside every layer (tp); FSDP's all-gather / reduce-scatter inside each "
+        "node (shard); one all-reduce of the gradient shards across nodes per step (replicate)",
+        page="hsdp.md#hsdp-x-tp-tensor-parallelism-inside-the-node", dims=("dp_replicate", "dp_shard", "tp"),
+        shards="full", tensor_parallel="dtensor", wraps="fully_shard",
+        capabilities=runs("modules_to_save", "moe", qlora=NF4_UNDER_TP, dora=DORA_UNDER_TP),
+        collectives="TP's all-reduces (tp), FSDP's all-gathers / reduce-scatters (shard) and the all-reduce "
+        "across replicas (replicate)",
+    ),
 )  # fmt: skip
 SPECS: dict[str, StrategySpec] = {spec.name: spec for spec in _SPECS}
 

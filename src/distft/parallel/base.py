@@ -31,6 +31,7 @@ from distft.config import Config
 from distft.distributed import DistEnv
 from distft.layout import SPECS, ParallelDims, StrategySpec
 from distft.model.nf4 import NF4Spec, check_quantizable
+from distft.parallel.dims import mesh_groups
 from distft.parallel.grads import clip_grad_norm_
 
 Batch = dict[str, torch.Tensor]  # input_ids, attention_mask, labels: each (micro_batch, seq)
@@ -240,11 +241,10 @@ class Strategy:
 
     def mesh_groups(self) -> dict[str, list[int]]:
         """The global ranks of this rank's group along each dimension of the mesh the strategy
-        built (`self.mesh`), as the process groups hold them: `ranks.json` shows which groups stay
-        inside a node. A one-dimensional strategy has no mesh."""
+        built (`self.mesh`), flattened ones too, as the process groups hold them: `ranks.json`
+        shows which groups stay inside a node. A one-dimensional strategy has no mesh."""
         mesh = getattr(self, "mesh", None)
-        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-        return {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in names}
+        return mesh_groups(mesh, getattr(self, "flattened", {})) if mesh is not None else {}
 
     def is_logging_rank(self) -> bool:
         return self.env.is_main

@@ -38,7 +38,7 @@ from distft.config import Config
 from distft.config.choices import WITH_REFERENCE
 from distft.errors import ConfigError
 from distft.io.lineage import read_lineage
-from distft.layout import SPECS
+from distft.layout import SPECS, ParallelDims
 from distft.model import is_preset
 from distft.parallel.checks import check_config
 from distft.parallel.registry import STRATEGIES
@@ -155,25 +155,27 @@ def _passes(cfg: Config) -> bool:
 
 
 def _layouts(cfg: Config) -> Iterator[Config]:
-    """Copies of `cfg` with each mesh the unset degrees allow, smallest degrees first."""
+    """Copies of `cfg` with each mesh the unset degrees allow, smallest degrees first, and within
+    each the shard groups of one node, largest first (HSDP's, HSDP x TP's)."""
     par, world = cfg.parallel, cfg.world_size
     spec = SPECS[par.strategy]
+    shards = [par.shard]
     if spec.shard_groups and "parallel.shard" not in cfg.explicit and par.nnodes == 1:
-        for shard in sorted((d for d in range(2, world) if world % d == 0), reverse=True):
-            trial = copy.deepcopy(cfg)
-            trial.parallel.shard = shard
-            yield trial
-        return
-    if not spec.sized:
-        yield copy.deepcopy(cfg)
-        return
-    tps = [par.tp] if "parallel.tp" in cfg.explicit else [d for d in range(1, world + 1) if world % d == 0]
-    pps = [par.pp] if "parallel.pp" in cfg.explicit else [d for d in range(1, world + 1) if world % d == 0]
-    for tp, pp in sorted(
-        ((t, p) for t in tps for p in pps if world % (t * p) == 0), key=lambda d: (d[0] * d[1], d)
-    ):
+        shards = sorted((d for d in range(1, world) if world % d == 0), reverse=True)
+    meshes = [(par.tp, par.pp)]
+    if spec.sized:
+        tps = (
+            [par.tp] if "parallel.tp" in cfg.explicit else [d for d in range(1, world + 1) if world % d == 0]
+        )
+        pps = (
+            [par.pp] if "parallel.pp" in cfg.explicit else [d for d in range(1, world + 1) if world % d == 0]
+        )
+        meshes = sorted(
+            ((t, p) for t in tps for p in pps if world % (t * p) == 0), key=lambda d: (d[0] * d[1], d)
+        )
+    for (tp, pp), shard in ((mesh, shard) for mesh in meshes for shard in shards):
         trial = copy.deepcopy(cfg)
-        trial.parallel.tp, trial.parallel.pp = tp, pp
+        trial.parallel.tp, trial.parallel.pp, trial.parallel.shard = tp, pp, shard
         yield trial
 
 
@@ -181,9 +183,10 @@ def _layout_notes(cfg: Config) -> dict[str, str]:
     par, notes = cfg.parallel, {}
     world = cfg.world_size
     if SPECS[par.strategy].shard_groups and par.shard and "parallel.shard" not in cfg.explicit:
+        dims = ParallelDims.of(SPECS[par.strategy], cfg)
         notes["parallel.shard"] = (
-            f"{par.shard}: {world} processes on one node as {world // par.shard} replicas of "
-            f"{par.shard} shards (hsdp needs 2+ of each)"
+            f"{par.shard}: {world} processes on one node as {dims.dp_replicate} replicas of "
+            f"{par.shard} shards ({par.strategy} needs 2+ replicas)"
         )
     for dim, what in (("tp", "tensor-parallel"), ("pp", "pipeline")):
         value = getattr(par, dim)

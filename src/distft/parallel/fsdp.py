@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -50,6 +50,7 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import DTYPES, causal_lm
 from distft.parallel.base import Strategy
+from distft.parallel.dims import build_mesh
 
 
 def mixed_precision(cfg: Config, masters: bool = False) -> MixedPrecisionPolicy:
@@ -141,7 +142,7 @@ class FSDP(Strategy):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
+        mesh, _ = build_mesh(self.spec, self.dims, self.env.device.type)  # ("dp",)
         return apply_fsdp(model, mesh, self.cfg, self.spec.reshard_after_forward)
 
 

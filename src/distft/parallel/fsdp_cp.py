@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from transformers import PretrainedConfig
 
 from distft.config import Config
@@ -69,12 +68,13 @@ class FSDPContextParallel(StateUnderTheWrapper, FSDP):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        self.mesh = build_mesh(self.dims, self.env.device.type)  # ("dp", "cp")
+        self.mesh, self.flattened = build_mesh(
+            self.spec, self.dims, self.env.device.type
+        )  # ("dp", "cp"), and "dp_cp"
         context = ContextParallelLM(model, self.mesh.get_group("cp"), self.cfg.parallel.cp_method)
-        everyone = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp_cp",))
         layers = list(causal_lm(model.lm).model.layers) if self.cfg.parallel.fsdp_wrap == "layer" else []
         # The CP wrapper is FSDP's root: its forward (not the `LossLM`'s) gathers what the layers leave.
-        shard_units(context, layers, everyone, self.cfg, reshard_after_forward=True)
+        shard_units(context, layers, self.flattened["dp_cp"], self.cfg, reshard_after_forward=True)
         return context
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:

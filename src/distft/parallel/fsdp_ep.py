@@ -69,15 +69,17 @@ import types
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import DataParallelMeshDims, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.layout import ParallelDims
 from distft.model import causal_lm
 from distft.model.experts import STACKS
+from distft.parallel.dims import build_mesh
 from distft.parallel.expert_dispatch import expert_parallel_forward, experts_base, local_experts
 from distft.parallel.fsdp import FSDP, fsdp_settings, shard_units
 from distft.tensors import quiet_redistribute
@@ -87,19 +89,9 @@ class FSDPExpertParallel(FSDP):
     name = "fsdp+ep"
 
     @classmethod
-    def expert_degree(cls, cfg: Config) -> int:
-        """Ranks splitting the experts between them (EP): `parallel.ep`, by default every rank."""
-        return cfg.parallel.ep or cfg.world_size
-
-    @classmethod
     def validate_config(cls, cfg: Config) -> None:
         super().validate_config(cfg)
-        ep, world = cls.expert_degree(cfg), cfg.world_size
-        if world % ep:
-            raise ConfigError(
-                f"parallel.ep={ep} must divide the {world} processes (--nproc x --nnodes) into equal expert "
-                f"groups; e.g. parallel.ep={cfg.parallel.nproc}, one group per node."
-            )
+        ep, world = ParallelDims.of(cls.spec, cfg).ep, cfg.world_size  # one that divides the processes
         if ep == 1 and world > 1:
             raise ConfigError(
                 "--strategy fsdp+ep with parallel.ep=1 keeps every expert on every rank, which is --strategy "
@@ -115,7 +107,7 @@ class FSDPExpertParallel(FSDP):
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
         super().validate_model(cfg, model_config)
-        experts, ep = getattr(model_config, "num_experts", 0), cls.expert_degree(cfg)
+        experts, ep = getattr(model_config, "num_experts", 0), ParallelDims.of(cls.spec, cfg).ep
         if not experts:
             raise ConfigError(
                 f"--strategy fsdp+ep shards a mixture of experts' experts, and {cfg.model.name} has none: "
@@ -133,14 +125,10 @@ class FSDPExpertParallel(FSDP):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        device, world, ep = self.env.device.type, self.env.world_size, self.expert_degree(self.cfg)
-        self.mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp",))
-        # Row-major: an expert group is EP consecutive ranks (a node), as HSDP's shard groups are.
-        self.expert_mesh = (
-            self.mesh
-            if ep == world
-            else init_device_mesh(device, (world // ep, ep), mesh_dim_names=("replicate", "ep"))
-        )
+        # ("dp",) when every rank is one expert group; else ("replicate", "ep"), an expert group being EP
+        # consecutive ranks (a node), as HSDP's shard groups are, and "dp" flattened over both.
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
+        self.expert_mesh = self.mesh
         layers = list(causal_lm(model.lm).model.layers)
         stacks = [w for layer in layers for w in shard_experts(layer.mlp.experts, self.expert_mesh)]
         experts = [experts_base(layer.mlp.experts) for layer in layers]
@@ -154,7 +142,7 @@ class FSDPExpertParallel(FSDP):
         return shard_units(
             model,
             units,
-            self.mesh,
+            self.flattened.get("dp", self.mesh),  # every rank
             self.cfg,
             self.spec.reshard_after_forward,
             ignored=set(self.expert_weights),
@@ -176,13 +164,6 @@ class FSDPExpertParallel(FSDP):
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         with quiet_redistribute():  # export only: gathering shards of two dimensions logs per dimension
             return super().trainable_state_dict(model)
-
-    def mesh_groups(self) -> dict[str, list[int]]:
-        groups = super().mesh_groups()
-        if self.expert_mesh is not self.mesh:
-            names = self.expert_mesh.mesh_dim_names or ()
-            groups |= {n: dist.get_process_group_ranks(self.expert_mesh.get_group(n)) for n in names}
-        return groups
 
 
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> list[nn.Parameter]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers import PretrainedConfig
@@ -75,13 +76,14 @@ class FSDPTensorParallel(ExpertShards, Strategy):
         dims = ParallelDims.of(cls.spec, cfg)
         if dims.pp != 1:
             raise ConfigError(
-                "parallel.pp is reserved for pipeline strategies (ddp+pp, fsdp+pp, fsdp+tp+pp for 3D); --strategy fsdp+tp "
-                "takes parallel.dp and parallel.tp only."
+                "parallel.pp is reserved for pipeline strategies (ddp+pp, fsdp+pp, fsdp+tp+pp for 3D); --strategy "
+                f"{cls.name} takes parallel.dp and parallel.tp only."
             )
         if dims.tp < 2:
+            plain = "hsdp" if cls.spec.shard_groups else "fsdp"
             raise ConfigError(
-                f"--strategy fsdp+tp needs parallel.tp of 2 or more (it is {dims.tp}); with one TP rank it "
-                f"is plain FSDP: use --strategy fsdp, or e.g. --nproc {cfg.parallel.nproc} parallel.tp=2."
+                f"--strategy {cls.name} needs parallel.tp of 2 or more (it is {dims.tp}); with one TP rank it "
+                f"is plain {plain}: use --strategy {plain}, or e.g. --nproc {cfg.parallel.nproc} parallel.tp=2."
             )
 
     @classmethod
@@ -90,12 +92,12 @@ class FSDPTensorParallel(ExpertShards, Strategy):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        self.mesh = build_mesh(self.dims, self.env.device.type)
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
         layers = list(causal_lm(model.lm).model.layers)
         for layer in layers:  # 1. TP inside each layer, on the inner dimension
             parallelize_module(layer, self.mesh["tp"], layer_plan(layer))
         splits, partial = split_layers(model, layers, self.mesh["tp"])  # an MoE's experts
-        apply_fsdp(model, self.mesh["dp"], self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
+        apply_fsdp(model, self.data_mesh(), self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
         # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
         self.expert_shards, self.expert_mesh = tagged(model, splits), self.mesh["tp"]
         self.partial_grads = partial_gradient_params(head_norms(layers))
@@ -121,5 +123,10 @@ class FSDPTensorParallel(ExpertShards, Strategy):
         if self.dims.dp == 1:
             return local_sum  # one data shard: every rank computed the whole loss
         local_sum = local_sum.clone()  # each TP group computed the loss of its data shard once
-        dist.all_reduce(local_sum, group=self.mesh["dp"].get_group())
+        data = self.flattened["dp"] if "dp" in self.flattened else self.mesh["dp"]  # HSDP x TP: flattened
+        dist.all_reduce(local_sum, group=data.get_group())
         return local_sum
+
+    def data_mesh(self) -> DeviceMesh:
+        """The data-parallel ranks FSDP2 shards over ("dp"; HSDP x TP: its 2D "replicate" x "shard")."""
+        return self.mesh["dp"]

@@ -38,10 +38,11 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.layout import ParallelDims
+from distft.parallel.dims import build_mesh
 from distft.parallel.fsdp import FSDP, apply_fsdp
 
 
@@ -49,19 +50,10 @@ class HSDP(FSDP):
     name = "hsdp"
 
     @classmethod
-    def shard_degree(cls, cfg: Config) -> int:
-        """Ranks sharding each parameter: `parallel.shard`, by default a node's processes."""
-        return cfg.parallel.shard or cfg.parallel.nproc
-
-    @classmethod
     def validate_config(cls, cfg: Config) -> None:
         super().validate_config(cfg)
-        shard, world = cls.shard_degree(cfg), cfg.world_size
-        if shard < 1 or world % shard:
-            raise ConfigError(
-                f"parallel.shard={cfg.parallel.shard} must divide the {world} processes (--nproc x --nnodes) "
-                "into equal shard groups; e.g. parallel.shard=--nproc, one group per node."
-            )
+        # parallel.shard (a node's processes by default) must divide them (`ParallelDims.split`).
+        shard, world = ParallelDims.of(cls.spec, cfg).dp_shard, cfg.world_size
         if shard == world:
             raise ConfigError(
                 f"--strategy hsdp with parallel.shard = {shard} = every process has a single replica: it is "
@@ -76,21 +68,15 @@ class HSDP(FSDP):
 
     @classmethod
     def nf4_shards(cls, cfg: Config) -> int:
-        return cls.shard_degree(cfg)
-
-    def __init__(self, cfg: Config, env) -> None:
-        super().__init__(cfg, env)
-        self.shard = self.shard_degree(cfg)
+        return ParallelDims.of(cls.spec, cfg).dp_shard
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
         # Row-major: the shard dimension is the inner one, so a shard group is consecutive ranks (a node).
-        self.mesh = init_device_mesh(
-            self.env.device.type,
-            (self.env.world_size // self.shard, self.shard),
-            mesh_dim_names=("replicate", "shard"),
-        )
-        return apply_fsdp(model, self.mesh, self.cfg, reshard_after_forward=True)
+        self.mesh, self.flattened = build_mesh(
+            self.spec, self.dims, self.env.device.type
+        )  # ("replicate", "shard"), and "dp"
+        return apply_fsdp(model, self.mesh["replicate", "shard"], self.cfg, reshard_after_forward=True)
 
     def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         # Reduce-scatter inside the node every micro-batch (gradients stay sharded); all-reduce

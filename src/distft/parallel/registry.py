@@ -20,6 +20,7 @@ from distft.parallel.fsdp_pp import FSDPPipelineParallel
 from distft.parallel.fsdp_tp import FSDPTensorParallel
 from distft.parallel.fsdp_tp_pp import FSDPTensorPipelineParallel
 from distft.parallel.hsdp import HSDP
+from distft.parallel.hsdp_tp import HSDPTensorParallel
 from distft.parallel.megatron import TensorSequenceParallel
 from distft.parallel.pipeline import PipelineParallel
 from distft.parallel.single import Single
@@ -45,6 +46,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FSDPTensorPipelineParallel,
         FSDPContextParallel,
         FSDPExpertParallel,
+        HSDPTensorParallel,
     )
 }
 assert list(STRATEGIES) == list(SPECS), "a strategy's class and its spec: both, in the same order"

@@ -54,7 +54,6 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -68,6 +67,7 @@ from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.model.families import PROJECTIONS
 from distft.parallel.base import Strategy
+from distft.parallel.dims import build_mesh
 from distft.parallel.tp_experts import ExpertShards, expert_split, split_layers, tagged
 
 # Which projections of a decoder layer are column- and row-parallel, from the families' one
@@ -167,7 +167,7 @@ class TensorParallel(ExpertShards, Strategy):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        self.mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)  # ("tp",)
         layers = causal_lm(model.lm).model.layers
         for layer in layers:
             parallelize_module(layer, self.mesh, layer_plan(layer))

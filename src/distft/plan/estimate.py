@@ -107,8 +107,9 @@ class Estimate:
     @property
     def label(self) -> str:
         lay = self.parallelism
-        if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas
-            return f"{SPECS[self.strategy].label} (shard={lay.shard_degree}, replicas={lay.replicas})"
+        if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas (x TP)
+            tp = f"tp={lay.tp}, " if lay.tp > 1 else ""
+            return f"{SPECS[self.strategy].label} ({tp}shard={lay.shard_degree}, replicas={lay.replicas})"
         if 1 < lay.ep < lay.dp:  # fsdp+ep: expert groups x replicas, or their experts sharded across them
             groups = lay.dp // lay.ep
             held = f"experts sharded over {groups}" if lay.shard_experts else f"replicas={groups}"
@@ -181,7 +182,7 @@ def parallelism_for(
     m = req.grad_accum
     if pp > 1:
         m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
-    shard = min(req.gpus_per_node, dp)  # HSDP's shard group: a node
+    shard = max(1, min(req.gpus_per_node // (tp * cp), dp))  # HSDP's shard group: a node's data ranks
     dims = ParallelDims.split(spec, dp, tp=tp, pp=pp, cp=cp, shard=shard, ep=ep)
     return Parallelism.of(spec, dims, microbatches=m, schedule=req.pp_schedule, shard_experts=shard_experts)
 

@@ -98,7 +98,7 @@ def tp_expert_terms(
     spec: ModelSpec, training: Training, par: Parallelism, layers: int, targets: set[str]
 ) -> tuple[float, int]:
     """(bytes, calls) per step that tensor parallelism of an MoE (`parallel/tp_experts.py`) adds to
-    the dense count of `traffic.tp_collectives`. Per MoE layer and micro-batch, the dense MLP's
+    the dense count of `tp_traffic.tp_collectives`. Per MoE layer and micro-batch, the dense MLP's
     all-reduces do not run (down_proj's forward and its recompute, gate's and up's backward, and
     their adapters'); the experts' do: their weighted output forward (T h; a recomputed layer does
     not repeat it, its hook sits past the checkpoint) and, backward, the gradients of their hidden

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from transformers import PretrainedConfig
 
@@ -55,6 +55,7 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
 from distft.parallel.base import Strategy, optimizer_state_owner, unwrap
+from distft.parallel.dims import build_mesh
 from distft.parallel.grads import all_reduce_flat
 from distft.parallel.megatron.collectives import all_gather_dim
 from distft.parallel.megatron.layers import shard_projections
@@ -152,7 +153,7 @@ class TensorSequenceParallel(ExpertShards, Strategy):
 
     def tp_mesh(self) -> DeviceMesh:
         """A 1-D mesh of the TP ranks (the default group)."""
-        return init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+        return build_mesh(self.spec, self.dims, self.env.device.type)[0]
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         state = {part: {k: local(v) for k, v in state[part].items()} for part in ("model", "optim")}
