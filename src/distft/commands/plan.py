@@ -9,6 +9,45 @@ from distft.config.choices import ATTENTION_CHOICES, CHECKPOINTING, PLANNED_SCHE
 from distft.config.precision import PRECISIONS
 from distft.measure.gpus import GPUS, INTERCONNECTS
 
+# The flags that say what a training config says, and the setting each one is (`distft train`'s
+# names): with --config or section.key=value overrides they are applied on top, as train's flags
+# are; alone, the planner's defaults (`PLAN_DEFAULTS`) fill those not given.
+PLAN_FLAGS = {
+    "model": "model.name",
+    "method": "train.method",
+    "gpus": "parallel.nproc",
+    "nodes": "parallel.nnodes",
+    "seq_len": "data.max_length",
+    "rope_scaling": "model.rope_scaling",
+    "rope_factor": "model.rope_factor",
+    "mlp_tiles": "model.mlp_tiles",
+    "micro_batch": "train.micro_batch_size",
+    "attention": "model.attn_implementation",
+    "lora_rank": "lora.rank",
+    "lora_variant": "lora.variant",
+    "master_weights": "train.master_weights",
+    "activation_checkpointing": "model.activation_checkpointing",
+    "pp_schedule": "parallel.schedule",
+}
+PLAN_DEFAULTS = {
+    "method": "lora",
+    "gpus": 1,
+    "nodes": 1,
+    "seq_len": 2048,
+    "rope_scaling": "none",
+    "rope_factor": 0.0,
+    "mlp_tiles": 0,
+    "micro_batch": 1,
+    "attention": "auto",
+    "lora_rank": 16,
+    "lora_variant": "lora",
+    "activation_checkpointing": "none",
+    "pp_schedule": "1f1b",
+    "precision": "mixed",
+    "grad_accum": 1,
+    "label_tokens": 256,
+}
+
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -17,18 +56,22 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         description="Estimate, for every parallel strategy, the bytes each GPU holds (parameters, gradients, "
         "optimizer state, activations, communication buffers), whether that fits, the bytes moved per "
         "step and their time on the interconnect, the time of a step and of the run; then walk the "
-        "decision tree to a recommendation.",
+        "decision tree to a recommendation. Ask with flags, or with a training config as `distft train` "
+        "takes it (--config FILE, section.key=value overrides: an objective, an optimizer, "
+        "lora.modules_to_save, added tokens, FSDP dtypes), the flags below applied on top; a config's own "
+        "strategy is estimated in its own layout, the figures `distft train --dry-run` predicts.",
     )
+    p.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="settings, as distft train takes them"
+    )
+    p.add_argument("--config", help="a training config (TOML), as distft train --config takes it")
     p.add_argument(
         "--model",
-        required=True,
         help="preset, hub id (Qwen/Qwen3-4B, meta-llama/Llama-3.1-8B, llama-3-70b ...), directory or config.json",
     )
-    p.add_argument(
-        "--method", default="lora", choices=["full", "lora", "qlora"], help="what trains (default lora)"
-    )
-    p.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--method", choices=["full", "lora", "qlora"], help="what trains (default lora)")
+    p.add_argument("--gpus", type=int, help="GPUs per node (default 1; with a config: its --nproc)")
+    p.add_argument("--nodes", type=int, help="nodes (default 1)")
     p.add_argument("--gpu", help=f"GPU profile: {', '.join(GPUS)}")
     p.add_argument("--gpu-mem", help="memory per GPU, e.g. 24GiB, 80GB (default: the profile's)")
     p.add_argument(
@@ -40,17 +83,17 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     _add_sequence_arguments(p)
     p.add_argument(
         "--attention",
-        default="auto",
         choices=list(ATTENTION_CHOICES),
         help="attention kernel (model.attn_implementation)",
     )
     p.add_argument(
-        "--precision", default="mixed", choices=list(PRECISIONS), help="bytes per weight/grad/state"
+        "--precision",
+        choices=list(PRECISIONS),
+        help="bytes per weight/grad/state (default mixed; with a config: its model.dtype's)",
     )
-    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (all attention and MLP projections)")
+    p.add_argument("--lora-rank", type=int, help="LoRA rank (all attention and MLP projections; default 16)")
     p.add_argument(
         "--lora-variant",
-        default="lora",
         choices=["lora", "dora", "rslora"],
         help="lora.variant: dora adds a trained magnitude per output feature (counted); rslora changes no memory",
     )
@@ -60,7 +103,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="full finetuning: fp32 counts distft's train.master_weights=fp32 (fp32 weights, gradients and "
         "moments, bf16 compute); default: as --precision says",
     )
-    p.add_argument("--pp-schedule", default="1f1b", choices=PLANNED_SCHEDULES)
+    p.add_argument("--pp-schedule", choices=PLANNED_SCHEDULES, help="default 1f1b")
     p.add_argument("--pp-microbatches", type=int, help="micro-batches per pipeline step (default 2 x stages)")
     p.add_argument(
         "--mfu",
@@ -79,20 +122,22 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "--overhead", default="1GiB", help="memory per GPU not available to tensors (default 1GiB)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    # The tables travel with the arguments: the planner (`distft.plan`, a layer that cannot import
+    # this one) reads which setting each flag is, and the defaults of the flags alone.
+    p.set_defaults(flag_settings=PLAN_FLAGS, flag_defaults=PLAN_DEFAULTS)
 
 
 def _add_sequence_arguments(p: argparse.ArgumentParser) -> None:
     """What a sequence is and what its activations keep: length, positions, batch, checkpointing."""
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048)")
     p.add_argument(
         "--rope-scaling",
-        default="none",
         choices=list(ROPE_SCALINGS),
         help="stretch the rotary embeddings past the model's positions (model.rope_scaling; yarn for Qwen3)",
     )
-    p.add_argument("--rope-factor", type=float, default=0.0, help="with --rope-scaling: the factor (> 1)")
+    p.add_argument("--rope-factor", type=float, help="with --rope-scaling: the factor (> 1)")
     p.add_argument(
-        "--mlp-tiles", type=int, default=0, help="the MLP in N checkpointed sequence slices (model.mlp_tiles)"
+        "--mlp-tiles", type=int, help="the MLP in N checkpointed sequence slices (model.mlp_tiles)"
     )
     p.add_argument(
         "--expert-imbalance",
@@ -101,16 +146,15 @@ def _add_sequence_arguments(p: argparse.ArgumentParser) -> None:
         help="a mixture of experts: the busiest expert-parallel rank's routed tokens over the even share "
         "(default 1.0, balanced; a run records its busiest expert's as expert_imbalance)",
     )
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward on a GPU (default 1)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--micro-batch", type=int, help="sequences per forward on a GPU (default 1)")
     p.add_argument(
-        "--label-tokens", type=int, default=256, help="loss positions per sequence (default 256: a summary)"
+        "--grad-accum", type=int, help="micro-batches per optimizer step (default 1; with a config: its own)"
     )
+    p.add_argument("--label-tokens", type=int, help="loss positions per sequence (default 256: a summary)")
     p.add_argument(
         "--activation-checkpointing",
         nargs="?",
         const="full",
-        default="none",
         choices=list(CHECKPOINTING),
         help="what a layer keeps for backward (model.activation_checkpointing): full when given alone; "
         "selective recomputes the MLP only, offload moves each layer's input to host memory",

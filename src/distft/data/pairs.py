@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from distft.config import DataConfig
+from distft.config import Config, DataConfig
 from distft.config.choices import PAIRED, WITH_REFERENCE
 from distft.data.cache import tokenized_splits
 from distft.data.chat import IGNORE, ChatFormatter, Example, split_summary
@@ -33,6 +33,8 @@ from distft.data.messages import Message
 from distft.data.mixture import data_name
 from distft.data.preference import PreferenceRow, UnpairedRow, unpaired
 from distft.data.rows import check_splits, load_rows
+from distft.data.template import check_chat_template
+from distft.data.tokenizer import load_tokenizer, with_added_tokens
 from distft.errors import DataError
 
 
@@ -287,3 +289,15 @@ def training_splits(
     train, valid = preference_splits(cfg, seed, tokenizer, dataset, objective)
     check_splits(len(train), len(valid), data_name(cfg))
     return train, valid, {"state": "memory", "path": None, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def run_splits(cfg: Config, model: str | None, progress: Any = None) -> tuple[Any, Any, dict]:
+    """A run's train and validation splits (`training_splits`), tokenised with its model's tokenizer
+    (`model`: a directory or hub id; None for a preset's bundled one) and added tokens, its chat
+    template checked: what `distft train` reads before launch, and what `distft plan --config`
+    measures the rows' labelled positions on."""
+    tokenizer = with_added_tokens(
+        load_tokenizer(model, cfg.model.revision, cfg.data.chat_template), cfg.model.added_tokens
+    )
+    check_chat_template(tokenizer, cfg.data)  # can the template close a turn, think?
+    return training_splits(cfg.data, cfg.train.objective, cfg.train.seed, tokenizer, progress=progress)

@@ -17,19 +17,35 @@ Imports run one way, top to bottom:
 - `auto`: the planner on a training config (`--strategy auto`, `--dry-run`, the prediction a run
   records beside what it measured);
 - `report`: the rich table and the JSON document;
-- here: `make_request` checks `distft plan`'s flags (`distft.commands.plan`), `cmd_plan` answers.
+- here: `make_request` checks `distft plan`'s flags (`distft.commands.plan`), or reads the training
+  config they name (`run_config`: --config and section.key=value, resolved as `distft train`
+  resolves it, the one path from a config to what the planner models, `auto.request_for`), and
+  `cmd_plan` answers.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import replace
 
+from distft.config import Config, load_config
 from distft.errors import ConfigError
 from distft.model.positions import check_positions, scale_rope
+from distft.parallel import check_config
 from distft.plan.activations import activation_bytes
-from distft.plan.auto import complete, dry_run, predict, resolve_auto, try_predict
+from distft.plan.auto import (
+    complete,
+    data_label_tokens,
+    dry_run,
+    parallelism_of,
+    predict,
+    request_for,
+    resolve_auto,
+    try_predict,
+)
 from distft.plan.decide import decide
-from distft.plan.estimate import Estimate, Request, evaluate, parallelism_for, runnable
+from distft.plan.estimate import Estimate, Request, estimate, evaluate, parallelism_for, runnable
 from distft.plan.explain import Recommendation
 from distft.plan.fits import check_fits
 from distft.plan.hardware import (
@@ -74,6 +90,7 @@ __all__ = [
     "resolve_auto",
     "resolve_model",
     "run_command",
+    "run_config",
     "run_overrides",
     "runnable",
     "state_bytes",
@@ -82,7 +99,7 @@ __all__ = [
 
 
 # How `check_positions` spells its fix here: the plan's own flags.
-PLAN_FLAGS = {
+POSITION_FIXES = {
     "length": "--seq-len {n}",
     "scaling": "--rope-scaling {kind} --rope-factor {factor:g}",
     "factor": "--rope-factor {factor:g}",
@@ -119,8 +136,60 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ConfigError(f"--epochs must be positive, got {args.epochs:g}.")
 
 
-def make_request(args: argparse.Namespace) -> Request:
-    """Validate the command line and build the request (every error is a ConfigError)."""
+def run_config(args: argparse.Namespace) -> Config | None:
+    """The training config the plan is asked about: --config, its section.key=value overrides and
+    the flags given on top (`commands.plan.PLAN_FLAGS`, in `args.flag_settings`), resolved and checked as `distft train` resolves them
+    (`--strategy auto`, the derived defaults); None when the plan is asked with flags alone."""
+    if args.config is None and not args.overrides:
+        return None
+    given = [
+        f"{key}={getattr(args, flag)}"
+        for flag, key in args.flag_settings.items()
+        if getattr(args, flag) is not None
+    ]
+    cfg = load_config(args.config, [*args.overrides, *given])
+    for line in complete(cfg):
+        print(line, file=sys.stderr)
+    check_config(cfg)
+    return cfg
+
+
+def config_request(args: argparse.Namespace, cfg: Config) -> Request:
+    """The request a training config asks (`auto.request_for`, what its run predicts): on this
+    machine's device, or on --gpu / --gpu-mem with --interconnect where given; the data's labelled
+    positions per row where it can be read here (else --label-tokens, or 256); --precision,
+    --label-tokens, --mfu and the run's length (--tokens, --epochs, --steps: the config's
+    train.max_steps by default) on top."""
+    shape = check_config(cfg)
+    labels = args.label_tokens or data_label_tokens(cfg)  # the data's, as its run measures them
+    req, _ = request_for(cfg, shape.micro_batch_size, shape.accumulation_steps, labels)
+    if args.gpu or args.gpu_mem:
+        memory = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+        gpu = find_gpu(args.gpu) if args.gpu else match_gpu(memory, args.interconnect) or generic_gpu(memory)
+        memory = memory or gpu.memory
+        intra = intra_node_link(gpu, args.interconnect, req.gpus_per_node)
+        overhead = parse_bytes(args.overhead)
+        req = replace(req, gpu=gpu, gpu_memory=memory, intra=intra, inter=inter_node_link(args.interconnect))
+        req = replace(req, overhead=overhead)
+    if args.precision:
+        req = replace(req, training=replace(req.training, precision=PRECISIONS[args.precision]))
+    tokens = parse_tokens(args.tokens) if args.tokens is not None else None
+    steps = args.steps or (None if tokens else cfg.train.max_steps)
+    return replace(
+        req, mfu=args.mfu, pp_microbatches=args.pp_microbatches, run=RunLength(tokens, args.epochs, steps)
+    )
+
+
+def make_request(args: argparse.Namespace, cfg: Config | None = None) -> Request:
+    """Validate the command line and build the request (every error is a ConfigError): from the
+    training config it names (`run_config`), else from the flags and the planner's defaults."""
+    if cfg is not None:
+        return config_request(args, cfg)
+    if args.model is None:
+        raise ConfigError("Say what to plan: --model (a preset, hub id or directory), or --config FILE.")
+    for flag, default in args.flag_defaults.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
     check_numbers(args)
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
     if args.gpu is None and args.gpu_mem is None:
@@ -151,7 +220,7 @@ def make_request(args: argparse.Namespace) -> Request:
             f"--rope-scaling {args.rope_scaling} needs --rope-factor > 1, got {args.rope_factor:g}."
         )
     rotary = scale_rope(dict(model.rotary), args.rope_scaling, args.rope_factor, model.name)
-    check_positions(rotary, model.name, args.seq_len, PLAN_FLAGS)
+    check_positions(rotary, model.name, args.seq_len, POSITION_FIXES)
     training = Training(
         method=args.method,
         precision=PRECISIONS[args.precision],
@@ -187,8 +256,12 @@ def make_request(args: argparse.Namespace) -> Request:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    req = make_request(args)
+    cfg = run_config(args)
+    req = make_request(args, cfg)
     estimates = evaluate(req)
+    if cfg is not None:  # the config's own strategy in its own layout: what its run predicts
+        layout = parallelism_of(cfg, req.pp_schedule)
+        estimates[cfg.parallel.strategy] = estimate(req, layout, cfg.parallel.strategy)
     rec = decide(req, estimates)
     (print_json if args.json else print_rich)(req, estimates, rec)
     return 0

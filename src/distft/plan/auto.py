@@ -22,12 +22,13 @@ import torch
 
 from distft.config import Config, apply_override, lora_target_names
 from distft.config.choices import PLANNED_SCHEDULES, WITH_REFERENCE
-from distft.data.pairs import rows_per_item
+from distft.data import mean_label_tokens
+from distft.data.pairs import rows_per_item, run_splits
 from distft.errors import ConfigError
 from distft.layout import SPECS, ParallelDims
 from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
-from distft.model import DTYPES
+from distft.model import DTYPES, is_preset
 from distft.model.nf4 import NF4Spec
 from distft.model.preference import STATS
 from distft.parallel import STRATEGIES, check_config, master_weights
@@ -123,6 +124,17 @@ def fsdp_dtype_bytes(cfg: Config) -> dict[str, int]:
         return {}
     dtypes = {"param": p.fsdp_param_dtype, "reduce": p.fsdp_reduce_dtype, "output": p.fsdp_output_dtype}
     return {f"fsdp_{k}_bytes": DTYPES[v].itemsize for k, v in dtypes.items() if v}
+
+
+def data_label_tokens(cfg: Config) -> float | None:
+    """The mean labelled positions of `cfg`'s training rows, as its run measures them before launch
+    (`train.prepare`); None where its data or tokenizer cannot be read here (a hub id offline):
+    the planner's default then."""
+    try:
+        train, _, _ = run_splits(cfg, None if is_preset(cfg.model.name) else cfg.model.name)
+    except ConfigError:
+        return None
+    return mean_label_tokens(train)
 
 
 def planned_schedule(cfg: Config) -> str:

@@ -9,14 +9,12 @@ from pathlib import Path
 
 from distft.config import Config
 from distft.data import (
-    check_chat_template,
     data_name,
-    load_tokenizer,
     mean_label_tokens,
     skipped_line,
 )
-from distft.data.pairs import training_splits
-from distft.data.tokenizer import template_path, with_added_tokens
+from distft.data.pairs import run_splits
+from distft.data.tokenizer import template_path
 from distft.model import is_preset
 from distft.text import plural
 
@@ -46,11 +44,6 @@ def prepare_data(cfg: Config) -> float | None:
     """Every row read and tokenised before launch, so a bad one is refused here; with `data.cache`
     into the token cache, which the ranks then only open (docs/data.md, "Data at scale"). Returns
     the training rows' mean labelled positions, which the run's prediction counts with."""
-    # The model's template, or data.chat_template (one that does not parse: refused here).
-    model = None if is_preset(cfg.model.name) else cfg.model.name
-    tokenizer = load_tokenizer(model, cfg.model.revision, cfg.data.chat_template)
-    tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # model.added_tokens
-    check_chat_template(tokenizer, cfg.data)  # can the template close a turn, think?
     start = time.perf_counter()
     next_line = start + 30
 
@@ -63,9 +56,8 @@ def prepare_data(cfg: Config) -> float | None:
                 flush=True,
             )
 
-    train, valid, info = training_splits(
-        cfg.data, cfg.train.objective, cfg.train.seed, tokenizer, progress=progress
-    )
+    # The model's tokenizer and template, or data.chat_template (one that does not parse: refused here).
+    train, valid, info = run_splits(cfg, None if is_preset(cfg.model.name) else cfg.model.name, progress)
     n = len(train) + len(valid)
     if info["state"] == "built":
         print(f"tokenised {n:,} examples into {info['path']} in {info['seconds']:.1f} s", flush=True)
