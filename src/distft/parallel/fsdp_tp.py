@@ -62,9 +62,10 @@ from distft.parallel.tensor_parallel import (
     head_norms,
     layer_plan,
     partial_gradient_params,
+    sum_partial_gradients,
 )
 from distft.parallel.tp_experts import ExpertShards, split_layers, tagged
-from distft.tensors import local, quiet_redistribute
+from distft.tensors import quiet_redistribute
 
 
 class FSDPTensorParallel(ExpertShards, Strategy):
@@ -107,9 +108,7 @@ class FSDPTensorParallel(ExpertShards, Strategy):
     def after_backward(self, model: nn.Module) -> None:
         # q_norm / k_norm (full finetuning) saw only this rank's heads: sum over the TP group.
         # FSDP has already averaged them over dp; each rank adds up its own dp shard.
-        for p in self.partial_grads:
-            if p.grad is not None:
-                dist.all_reduce(local(p.grad), group=self.mesh["tp"].get_group())
+        sum_partial_gradients(self.partial_grads, self.mesh["tp"].get_group())
 
     def grad_copies(self, g: DTensor) -> int:
         # A parameter TP replicates lives on the dp sub-mesh only; each TP rank holds a copy.

@@ -41,7 +41,6 @@ torchtitan (2410.06511).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers import PretrainedConfig
@@ -55,9 +54,10 @@ from distft.parallel.tensor_parallel import (
     head_norms,
     layer_plan,
     partial_gradient_params,
+    sum_partial_gradients,
 )
 from distft.parallel.tp_experts import ExpertShards, Split, split_layers, tagged
-from distft.tensors import local, quiet_redistribute
+from distft.tensors import quiet_redistribute
 
 
 class FSDPTensorPipelineParallel(ExpertShards, FSDPPipelineParallel):
@@ -88,9 +88,7 @@ class FSDPTensorPipelineParallel(ExpertShards, FSDPPipelineParallel):
     def after_backward(self, model: nn.Module) -> None:
         super().after_backward(model)  # a tied embedding's two copies
         # q_norm / k_norm (full finetuning) saw only this rank's heads: sum over the TP group.
-        for p in self.partial_grads:
-            if p.grad is not None:
-                dist.all_reduce(local(p.grad), group=self.mesh["tp"].get_group())
+        sum_partial_gradients(self.partial_grads, self.mesh["tp"].get_group())
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         # Every TP rank of a last stage computed the same loss: count one per TP group.

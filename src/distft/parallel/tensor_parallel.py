@@ -69,6 +69,7 @@ from distft.model.families import PROJECTIONS
 from distft.parallel.base import Strategy
 from distft.parallel.dims import build_mesh
 from distft.parallel.tp_experts import ExpertShards, expert_split, split_layers, tagged
+from distft.tensors import local
 
 # Which projections of a decoder layer are column- and row-parallel, from the families' one
 # description (tp, tp-sp, fsdp+tp and the planner read them). Column: weight split on out (dim 0);
@@ -108,6 +109,15 @@ def check_tp_degree(cfg: Config, model_config: PretrainedConfig, n: int, knob: s
             f"--strategy {strategy} splits each expert's MLP across {n} ranks, but {name}'s "
             f"moe_intermediate_size {experts} is not divisible by {n}."
         )
+
+
+def sum_partial_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """After backward: the gradients of `params` (`partial_gradient_params`), each TP rank's only
+    its heads' (its experts' features') part, summed over the TP group in place (under FSDP, the
+    rank's own shard of each)."""
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(local(p.grad), group=group)
 
 
 def partial_gradient_params(scope: Iterable[nn.Module]) -> list[nn.Parameter]:
@@ -178,10 +188,7 @@ class TensorParallel(ExpertShards, Strategy):
         return model
 
     def after_backward(self, model: nn.Module) -> None:
-        # Each rank saw only its heads (and its experts' features): sum the partial gradients.
-        for p in self.partial_grads:
-            if p.grad is not None:
-                dist.all_reduce(p.grad)
+        sum_partial_gradients(self.partial_grads)  # each rank saw only its heads (its experts' features)
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         return local_sum  # every rank computed the same, full loss

@@ -19,20 +19,17 @@ backward reaches the layers, and the end of that backward restores it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distft.model import summed_loss
 from distft.model.families import layer_types
 from distft.model.lm import check_right_padded, run_layers
 from distft.model.preference import sequence_logps
-from distft.model.router import catching
 from distft.parallel.context.attention import CONTEXT, ContextShard, register
 from distft.parallel.megatron.collectives import sequence_sums
+from distft.parallel.sequence_head import SequenceSplitHead
 from distft.tensors import document_ids
 
 
@@ -48,7 +45,7 @@ def layers_without_kv_gradient(frozen: bool, targets: set[str]) -> int:
     return int(frozen and not targets & {"k_proj", "v_proj"})
 
 
-class ContextParallelLM(nn.Module):
+class ContextParallelLM(SequenceSplitHead, nn.Module):
     """The `LossLM` (kept as `.module`, where `unwrap` finds it) run on 1/N of every row."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, method: str = "allgather"):
@@ -64,34 +61,6 @@ class ContextParallelLM(nn.Module):
         head, tail = self.rank, 2 * self.world - 1 - self.rank
         index = torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in (head, tail)])
         return length, index
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (batch, seq)
-        labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
-        attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens, right-padded
-        position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
-        **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`)
-    ) -> torch.Tensor:
-        with catching(self.module.router):  # an MoE's, for `with_router_term`
-            hidden, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
-        if self.module.preference is None:
-            loss = summed_loss(hidden, self.module.lm_head, mine)  # this rank's share
-            return self.with_router_term(loss, labels.ne(-100).sum(), input_ids, attention_mask)
-        logps, counts = self.sequence_logps(hidden, mine, documents, grad=True)
-
-        @torch.no_grad()
-        def base() -> torch.Tensor:  # the reference under disabled adapters, as `LossLM` runs it
-            with self.module.lm.disable_adapter():
-                return self.sequence_logps(
-                    *self.hidden_states(input_ids, labels, attention_mask, position_ids)
-                )[0]
-
-        # Every rank computes the head whole from the summed values; `reduce_loss` sums the shares.
-        router_term = functools.partial(
-            self.with_router_term, input_ids=input_ids, attention_mask=attention_mask
-        )
-        return self.module.preference_head(logps, counts, base, preference, 1 / self.world, router_term)
 
     def with_router_term(
         self,

@@ -40,7 +40,6 @@ document attends to another; the appended positions are documents of their own.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.distributed as dist
@@ -50,11 +49,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # every family's
 
 from distft.data import document_ids
-from distft.model import summed_loss
 from distft.model.checkpointing import HostOffload
 from distft.model.lm import check_right_padded
 from distft.model.preference import sequence_logps
-from distft.model.router import catching
 from distft.parallel.megatron.collectives import (
     copy_to_tp_region,
     gather_from_sp_region,
@@ -63,9 +60,10 @@ from distft.parallel.megatron.collectives import (
     sequence_sums,
 )
 from distft.parallel.megatron.layers import adapters_disabled
+from distft.parallel.sequence_head import SequenceSplitHead
 
 
-class MegatronLM(nn.Module):
+class MegatronLM(SequenceSplitHead, nn.Module):
     """The `LossLM` (kept as `.module`, where `unwrap` finds it) run as Megatron TP (+ SP).
 
     The HF submodules (embedding, norms, rotary, q_norm/k_norm, MLP activation) are called as they
@@ -102,33 +100,12 @@ class MegatronLM(nn.Module):
             return reduce_scatter_to_sp_region(x, self.group)
         return reduce_from_tp_region(x, self.group)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (batch, seq)
-        labels: torch.Tensor,  # (batch, seq), pre-shifted, -100 where no loss
-        attention_mask: torch.Tensor | None = None,  # (batch, seq), 1 for real tokens, right-padded
-        position_ids: torch.Tensor | None = None,  # (batch, seq), from 0 at each document (packed)
-        **preference: torch.Tensor,  # a preference objective's (`LossLM.forward`)
-    ) -> torch.Tensor:
-        with catching(self.module.router):  # an MoE's, for `with_router_term`
-            x, mine, documents = self.hidden_states(input_ids, labels, attention_mask, position_ids)
-        if self.module.preference is None:
-            loss = summed_loss(x, self.module.lm_head, mine)  # this rank's tokens' share of the loss
-            return self.with_router_term(loss, labels.ne(-100).sum(), input_ids, attention_mask)
-        logps, counts = self.sequence_logps(x, mine, documents, grad=True)
-        share = 1 / self.world if self.sequence_parallel else 1.0  # `reduce_loss` sums the ranks'
+    @property
+    def share(self) -> float:
+        return 1 / self.world if self.sequence_parallel else 1.0  # without SP every rank has it whole
 
-        @torch.no_grad()
-        def base() -> torch.Tensor:  # the reference under disabled adapters, as `LossLM` runs it
-            with adapters_disabled(self.module.lm):
-                return self.sequence_logps(
-                    *self.hidden_states(input_ids, labels, attention_mask, position_ids)
-                )[0]
-
-        router_term = functools.partial(
-            self.with_router_term, input_ids=input_ids, attention_mask=attention_mask
-        )
-        return self.module.preference_head(logps, counts, base, preference, share, router_term)
+    def adapters_off(self) -> contextlib.AbstractContextManager:
+        return adapters_disabled(self.module.lm)  # the shards carry no peft state to switch
 
     def with_router_term(
         self,
