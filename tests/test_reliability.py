@@ -636,8 +636,8 @@ def test_settings_the_strategy_ignores_are_warned_before_launch(tmp_path, monkey
     assert main(["train", "--model", "micro", *argv, "train.device=cuda", "--out", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
-        "distft train: warning: parallel.fsdp_wrap=model does nothing under --strategy ddp: only zero2, "
-        "fsdp, hsdp, fsdp+tp, fsdp+pp, fsdp+tp+pp, fsdp+cp, fsdp+ep read it.",
+        "distft train: warning: parallel.fsdp_wrap=model does nothing under --strategy ddp: every strategy "
+        "but single, ddp, zero1, tp, tp-sp, cp, pp, ddp+pp reads it.",
         "distft train: warning: parallel.schedule=gpipe does nothing under --strategy ddp: only pp, ddp+pp, "
         "fsdp+pp, fsdp+tp+pp read it.",
         "distft train: error: train.device=cuda, but this machine has no CUDA device; use train.device=cpu or auto.",

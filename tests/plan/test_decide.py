@@ -24,6 +24,7 @@ from distft.plan.inputs import PRECISIONS, Parallelism, Training
 from distft.plan.memory import chunk_rows, nf4_tensor_bytes, qlora_base_bytes, state_bytes
 from distft.plan.model_spec import resolve_model
 from distft.plan.report import largest_micro_batch
+from distft.plan.run_line import run_command
 
 
 def plan(command: str):
@@ -400,3 +401,19 @@ def test_plan_says_the_largest_micro_batch_that_fits(capsys):
     assert main(["plan", "--model", "qwen3-4b", "--gpu", "h100", "--gpus", "1", "--seq-len", "2048"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert f"largest micro-batch that fits: {largest} sequences of 2048 tokens" in out
+
+
+def test_fsdp_cp_where_activations_are_the_problem_and_nothing_else_holds_them():
+    """Qwen3-4B at 131k positions on four 24 GiB GPUs: FSDP's weights fit but not its activations;
+    context parallelism splits every sequence and is the fastest; FSDP x CP, as fast, shards the
+    weights too, and the tree picks it over CP, its `run:` line running that layout."""
+    req, est, rec = plan(
+        "--model Qwen/Qwen3-4B --gpu-mem 24GiB --interconnect nvlink --gpus 4 --seq-len 131072 "
+        "--rope-scaling yarn --rope-factor 4 --activation-checkpointing full"
+    )
+    assert not est["fsdp"].fits and not est["fsdp+tp"].fits and est["fsdp+cp"].fits and est["cp"].fits
+    assert est["fsdp+cp"].total < est["cp"].total  # the weights sharded too, at CP's speed
+    assert est["fsdp+cp"].tokens_per_s >= max(est[s].tokens_per_s for s in ("cp", "tp-sp"))
+    assert rec.strategy == "fsdp+cp" and "splits every sequence's positions" in rec.reason
+    line = run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.parallelism)
+    assert "--strategy fsdp+cp" in line and "parallel.cp=4" in line

@@ -10,9 +10,10 @@
    inside each node and FSDP x TP keeps TP on the node's fast links. Is the interconnect slow (PCIe,
    or FSDP's traffic longer than the compute it should hide behind)? TP+SP moves activations
    instead of weights. A mixture of experts: FSDP x EP keeps the experts whole and moves tokens.
-4. Is sequence length the problem? FSDP does not split activations: CP splits the positions (the
-   fastest when the whole weights fit), TP+SP does too, FSDP x TP splits attention's and the MLP's
-   over its TP ranks; activation checkpointing trades them for a third more compute.
+4. Is sequence length the problem? FSDP does not split activations: CP splits the positions (FSDP
+   x CP also shards the weights: in CP's place where as fast, or where neither TP split fits), TP+SP
+   does too, FSDP x TP splits attention's and the MLP's over its TP ranks; activation checkpointing
+   trades them for a third more compute.
 If nothing fits as asked, the tree says what would: checkpointing, LoRA/QLoRA, or more GPUs.
 """
 
@@ -26,6 +27,7 @@ from distft.plan.explain import (
     KEEPS,
     METHOD_NAMES,
     METHODS,
+    SPLITS_ACTIVATIONS,
     STRONGER,
     Recommendation,
     Step,
@@ -287,19 +289,17 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
             f"{req.intra.label}) {hides} ({rate(fsdp)}).",
         )
     if seq_problem:
-        how = {
-            "tp-sp": "splits them with sequence parallelism and shards the weights",
-            "fsdp+tp": "splits attention's heads and the MLP's columns over its TP ranks and shards the weights",
-            "cp": "splits every sequence's positions over the GPUs and moves only K and V",
-        }
-        order, cp = (fsdp_tp, tpsp) if not slow else (tpsp, fsdp_tp), est["cp"]
-        faster = cp.fits and (cp.tokens_per_s or 0) >= max((c.tokens_per_s or 0) for c in order if c.fits)
-        for cand in ((cp,) if faster else ()) + order:  # CP first where its weights fit and it is fastest
+        order, cp, fsdp_cp = (fsdp_tp, tpsp) if not slow else (tpsp, fsdp_tp), est["cp"], est["fsdp+cp"]
+        # CP first where its whole weights fit and it is fastest, FSDP x CP in its place where as fast
+        # in less memory (`best`); FSDP x CP next where neither TP split holds the activations.
+        top, contexts = max((c.tokens_per_s or 0 for c in order if c.fits), default=0), [cp, fsdp_cp]
+        first = [best([c for c in contexts if c.fits])] if cp.fits and (cp.tokens_per_s or 0) >= top else []
+        for cand in (*first, *order, fsdp_cp, cp):
             if cand.fits:
                 return rec(
                     cand.strategy,
                     f"FSDP alone does not fit because of activations ({gb(fsdp.activations)} per GPU at "
-                    f"{t.seq_len} tokens); {cand.label} {how[cand.strategy]}: {gb(cand.total)} per GPU.",
+                    f"{t.seq_len} tokens); {cand.label} {SPLITS_ACTIVATIONS[cand.strategy]}: {gb(cand.total)} per GPU.",
                     ckpt_note,
                 )
     for cand in (tpsp, fsdp_tp, *_pipelines(walk)):
