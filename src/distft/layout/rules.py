@@ -7,6 +7,10 @@ The CLI runs them before any process is launched (`distft.parallel.check_config`
 strategy's own `validate_config` and the batch's shape), the planner keeps only the candidates they
 let through, and `train` runs them again in every rank, where they are cheap: nothing here changes
 the config, but `layout_left_behind` (a resume under another strategy) resets what it names.
+
+The model's shape against a layout (`tp_split`, `stage_split`, `expert_split`: heads and MLP widths
+divisible by tp, a layer per pipeline stage, experts divisible by ep) is asked here too, by the
+runtime's model checks (`distft.parallel.check_model`) and the planner's candidate filter alike.
 """
 
 from __future__ import annotations
@@ -302,3 +306,27 @@ def _check_layout(cfg: Config, spec: StrategySpec) -> None:
             "does not use (it runs in this process). Pick a multi-process strategy (e.g. --strategy ddp "
             "--nproc 1), or rerun with --resume DIR after a failure."
         )
+
+
+# ---- the model's shape against the layout ---------------------------------------------------------
+
+
+def tp_split(tp: int, heads: int, kv_heads: int, mlps: dict[str, int]) -> str:
+    """Why `tp` ranks cannot split a model's attention heads and MLP widths (`mlps`: the dense
+    MLP's intermediate_size and, with experts, their moe_intermediate_size), "" where they can."""
+    if heads % tp or kv_heads % tp:
+        return f"{heads} query heads and {kv_heads} KV heads; the TP degree must divide both"
+    return next(
+        (f"{name} {width} is not divisible by {tp}" for name, width in mlps.items() if width % tp), ""
+    )
+
+
+def stage_split(stages: int, layers: int) -> str:
+    """What `stages` pipeline stages need that a model of `layers` decoder layers lacks, "" where
+    each stage can hold one."""
+    return f"{stages} stages of at least one decoder layer" if stages > layers else ""
+
+
+def expert_split(ep: int, experts: int) -> str:
+    """Why `ep` ranks cannot share `experts` experts equally, "" where they can."""
+    return f"the {experts} experts are not divisible by {ep}" if experts % ep else ""

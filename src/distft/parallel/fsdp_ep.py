@@ -77,6 +77,7 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.layout import ParallelDims
+from distft.layout.rules import expert_split
 from distft.model import causal_lm
 from distft.model.experts import STACKS
 from distft.parallel.dims import build_mesh
@@ -113,7 +114,7 @@ class FSDPExpertParallel(FSDP):
                 f"--strategy fsdp+ep shards a mixture of experts' experts, and {cfg.model.name} has none: "
                 "use --strategy fsdp."
             )
-        if experts % ep:
+        if expert_split(ep, experts):
             whole = ep == cfg.world_size
             ranks, count = (
                 ("processes", "a process count") if whole else ("ranks of an expert group", "a parallel.ep")

@@ -64,6 +64,7 @@ from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
+from distft.layout.rules import tp_split
 from distft.model import causal_lm
 from distft.model.families import PROJECTIONS
 from distft.parallel.base import Strategy
@@ -91,24 +92,17 @@ def check_tp_degree(cfg: Config, model_config: PretrainedConfig, n: int, knob: s
     """ConfigError unless `n` TP ranks can split the heads and the MLP; `knob` names the setting
     that picks `n` (`--nproc ` or `parallel.tp=`), for the suggestion."""
     heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
-    strategy, name = cfg.parallel.strategy, cfg.model.name
-    if heads % n or kv_heads % n:
+    mlps = {"intermediate_size": model_config.intermediate_size}
+    if experts := getattr(model_config, "moe_intermediate_size", 0):  # a mixture of experts (`tp_experts`)
+        mlps["moe_intermediate_size"] = experts
+    why, strategy, name = tp_split(n, heads, kv_heads, mlps), cfg.parallel.strategy, cfg.model.name
+    if why.endswith("must divide both"):
         fits = next(d for d in range(n, 0, -1) if heads % d == 0 and kv_heads % d == 0)
         raise ConfigError(
-            f"--strategy {strategy} splits attention heads across {n} ranks, but {name} has "
-            f"{heads} query heads and {kv_heads} KV heads; the TP degree must divide both (e.g. {knob}{fits})."
+            f"--strategy {strategy} splits attention heads across {n} ranks, but {name} has {why} (e.g. {knob}{fits})."
         )
-    if model_config.intermediate_size % n:
-        raise ConfigError(
-            f"--strategy {strategy} splits the MLP across {n} ranks, but {name}'s intermediate_size "
-            f"{model_config.intermediate_size} is not divisible by {n}."
-        )
-    experts = getattr(model_config, "moe_intermediate_size", 0)  # a mixture of experts (`tp_experts`)
-    if experts % n:
-        raise ConfigError(
-            f"--strategy {strategy} splits each expert's MLP across {n} ranks, but {name}'s "
-            f"moe_intermediate_size {experts} is not divisible by {n}."
-        )
+    if why:
+        raise ConfigError(f"--strategy {strategy} splits the MLP across {n} ranks, but {name}'s {why}.")
 
 
 def sum_partial_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None = None) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from distft.layout import SPECS, ParallelDims
+from distft.layout.rules import expert_split, stage_split, tp_split
 from distft.measure.flops import StepTime
 from distft.plan.activations import activation_bytes
 from distft.plan.buffers import comm_buffer_bytes
@@ -197,17 +198,14 @@ def why_not(req: Request, par: Parallelism) -> str:
         return f"needs {par.world} GPUs"
     if par.world < 2 and SPECS[par.name].distributed:
         return "needs 2+ GPUs"
-    if tp > 1:
-        # As the runtime checks (`parallel.tensor_parallel.check_tp_degree`): the dense MLP's width
-        # always, and each expert's where there are experts.
-        mlps = (spec.intermediate_size, *((spec.moe_intermediate_size,) if spec.moe else ()))
-        if spec.num_heads % tp or spec.num_kv_heads % tp or any(mlp % tp for mlp in mlps):
-            widths = " and ".join(str(m) for m in mlps)
-            return f"TP degree {tp} must divide {spec.num_heads} query heads, {spec.num_kv_heads} KV heads and MLP {widths}"
-        if req.training.method == "qlora":
-            return "QLoRA's NF4 weights are not split by distft's TP"
-    if par.pp > spec.num_layers:
-        return f"more stages than the {spec.num_layers} layers"
+    mlps = {"intermediate_size": spec.intermediate_size}
+    mlps |= {"moe_intermediate_size": spec.moe_intermediate_size} if spec.moe else {}
+    if tp > 1 and (why := tp_split(tp, spec.num_heads, spec.num_kv_heads, mlps)):  # the runtime's rules
+        return f"TP degree {tp}: {why}"
+    if why := stage_split(par.pp * (par.virtual_stages if par.pp > 1 else 1), spec.num_layers):
+        return f"needs {why}, the model has {spec.num_layers}"
+    if tp > 1 and req.training.method == "qlora" and not SPECS[par.name].runs("qlora"):
+        return "QLoRA's NF4 weights are not split by distft's TP"
     if par.dp_shard and par.replicas < 2:
         return "one node: its shard group is every GPU, i.e. plain FSDP (HSDP needs 2+ nodes)"
     return ""
@@ -222,8 +220,8 @@ def _why_not_experts(req: Request, par: Parallelism) -> str:
         return "does not split a mixture of experts yet"
     if req.training.method == "qlora":
         return "QLoRA's NF4 base does not hold the experts' fused stacks"
-    if par.ep > 1 and spec.num_experts % par.ep:
-        return f"EP degree {par.ep} must divide the {spec.num_experts} experts"
+    if par.ep > 1 and (why := expert_split(par.ep, spec.num_experts)):
+        return f"EP degree {par.ep}: {why}"
     return ""
 
 

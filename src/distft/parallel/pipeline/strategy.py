@@ -38,6 +38,7 @@ from distft.config import Config
 from distft.data import Example, micro_batch
 from distft.data.pairs import blank_preference, rows_per_item
 from distft.errors import ConfigError
+from distft.layout.rules import stage_split
 from distft.model.preference import labelled_sequences
 from distft.parallel.base import Batch, Strategy
 from distft.parallel.pipeline.cost import CostModel
@@ -85,12 +86,11 @@ class PipelineParallel(Strategy):
     @classmethod
     def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
         lay = cls.pipeline_layout(cfg)
-        layers = model_config.num_hidden_layers
-        if lay.num_stages > layers:
+        if why := stage_split(lay.num_stages, model_config.num_hidden_layers):
             raise ConfigError(
                 f"--strategy {cls.name} with {lay.ranks} pipeline ranks x {lay.stages_per_rank} stages per rank needs "
-                f"{lay.num_stages} stages of at least one decoder layer, but {cfg.model.name} has {layers}. "
-                "Use fewer processes or parallel.stages_per_rank."
+                f"{why}, but {cfg.model.name} has {model_config.num_hidden_layers}. Use fewer processes or "
+                "parallel.stages_per_rank."
             )
         cls.cut_layout(cfg, model_config)  # a parallel.pp_split list that does not add up to the layers
         super().validate_model(cfg, model_config)  # NF4 blocks that shard (fsdp+pp's QLoRA)
