@@ -146,7 +146,7 @@ DRY = ["train", "--model", "micro", "data.max_rows=8", "--dry-run"]
         (
             ["--strategy", "pp", "--nproc", "2", 'lora.modules_to_save=["embed_tokens"]'],
             "lora.modules_to_save cannot run with --method lora under --strategy pp, which puts the embedding",
-            "it runs with single, ddp, zero1, zero2, fsdp, hsdp, tp, tp-sp, cp, fsdp+tp, fsdp+cp, fsdp+ep.",
+            "it runs with single, ddp, zero1, zero2, fsdp, hsdp, tp, tp-sp, cp, fsdp+tp, fsdp+cp, fsdp+ep, hsdp+tp.",
         ),
         (
             ['lora.modules_to_save=["embed_token"]'],
