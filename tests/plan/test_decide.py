@@ -177,7 +177,7 @@ def test_bytes_per_parameter_of_full_finetuning():
     )
     assert big.total / GB == pytest.approx(840, rel=0.02)
     fsdp4 = state_bytes(
-        spec, Training(method="full", precision=PRECISIONS["bf16"]), Parallelism("fsdp", dp=4, shard="full")
+        spec, Training(method="full", precision=PRECISIONS["bf16"]), Parallelism("fsdp", dp=4)
     )
     assert fsdp4.total / GB == pytest.approx(
         39, rel=0.01

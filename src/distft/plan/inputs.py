@@ -107,17 +107,12 @@ class Parallelism:
 
     name: str
     dp: int = 1  # data-parallel degree: replicas (DDP), or shards (ZeRO, FSDP)
-    shard: str = "none"  # none | optimizer (ZeRO-1) | full (FSDP2: params, grads, optimizer)
     dp_shard: int = (
         0  # HSDP (parallel.shard): ranks sharding each parameter, dp / dp_shard replicas; 0: all dp
     )
-    reshard_after_forward: bool = True  # FSDP2: ZeRO-3 (True) or ZeRO-2 (False)
     fsdp_prefetch: int = 1  # layers gathered ahead (distft's parallel.fsdp_prefetch)
     tp: int = 1
     sp: bool = False
-    tensor_parallel: str = (
-        "megatron"  # megatron (tp-sp, hand-rolled) | dtensor (tp, fsdp+tp: parallelize_module)
-    )
     pp: int = 1
     schedule: str = "1f1b"  # parallel.schedule
     microbatches: int = 1  # micro-batches per optimizer step on each pipeline / replica
@@ -143,14 +138,27 @@ class Parallelism:
             tp=dims.tp,
             pp=dims.pp,
             cp=dims.cp,
-            shard=spec.shards,
             dp_shard=dims.dp_shard if spec.shard_groups else 0,
-            reshard_after_forward=spec.reshard_after_forward,
-            tensor_parallel=spec.tensor_parallel or "megatron",
             sp=spec.tensor_parallel == "megatron",
             ep=dims.ep,
             **schedule,
         )
+
+    # What the strategy is, read from its spec (`distft.layout.SPECS`), not restated here.
+    @property
+    def shard(self) -> str:
+        """What data parallelism shards: none | optimizer (ZeRO-1) | full (FSDP2)."""
+        return SPECS[self.name].shards
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2: ZeRO-3 (True) or ZeRO-2 and the pipelines (False)."""
+        return SPECS[self.name].reshard_after_forward
+
+    @property
+    def tensor_parallel(self) -> str:
+        """How TP splits a layer: dtensor (parallelize_module) | megatron (tp-sp's hand-written layers)."""
+        return SPECS[self.name].tensor_parallel or "megatron"
 
     def dims(self) -> ParallelDims:
         """The degrees of the layout these figures are for, as the runtime's mesh takes them."""

@@ -14,7 +14,7 @@ from distft.parallel.pipeline.cost import even_cut, imbalance
 from distft.plan.estimate import Estimate, Request, estimate, max_micro_batch
 from distft.plan.explain import Recommendation
 from distft.plan.hardware import format_bytes, format_seconds
-from distft.plan.inputs import cost_model, pipeline_layout
+from distft.plan.inputs import Parallelism, cost_model, pipeline_layout
 from distft.plan.longest import longest_sequences, positions_limit
 from distft.plan.memory import trainable_params
 from distft.plan.run_line import run_command
@@ -144,7 +144,7 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
             "label": rec.label,
             "method": rec.method,
             "activation_checkpointing": rec.activation_checkpointing,
-            "layout": asdict(rec.parallelism) if rec.parallelism else None,
+            "layout": layout_dict(rec.parallelism) if rec.parallelism else None,
             "reason": rec.reason,
             "steps": [asdict(s) for s in rec.steps],
             "alternatives": rec.alternatives,
@@ -155,6 +155,11 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
     }
 
 
+def layout_dict(par: Parallelism) -> dict:
+    """A layout as JSON: its degrees and schedule, and what its strategy's spec says it shards."""
+    return asdict(par) | {k: getattr(par, k) for k in ("shard", "reshard_after_forward", "tensor_parallel")}
+
+
 def _estimate_dict(e: Estimate) -> dict:
     return {
         "strategy": e.strategy,
@@ -163,7 +168,7 @@ def _estimate_dict(e: Estimate) -> dict:
         "note": e.note,
         "in_distft": e.in_distft,
         "runnable": e.runnable,
-        "layout": asdict(e.parallelism),
+        "layout": layout_dict(e.parallelism),
         "stage": e.stage,
         "bytes_per_gpu": {
             "parameters": e.params,
