@@ -56,7 +56,7 @@ class BenchSettings:
     repeats: int = 1  # runs per strategy (or study configuration), interleaved
 
     def train_args(self, strategy: str, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
-        nproc = 1 if strategy == "single" else self.nproc
+        nproc = self.nproc if SPECS[strategy].distributed else 1
         return [
             "train", "--strategy", strategy, "--nproc", str(nproc), "--model", self.model,
             "--max-steps", str(self.warmup + self.steps), "--out", str(out), "--overwrite",
@@ -175,7 +175,7 @@ def run_strategy(
         extra["mfu"] = statistics.median(r["mfu"] for r in measured)
     return StrategyResult(
         strategy=strategy,
-        world_size=1 if strategy == "single" else settings.nproc,
+        world_size=settings.nproc if SPECS[strategy].distributed else 1,
         wall_s=wall,
         step_time_s=_spread([r["step_time_s"] for r in measured]),
         tokens_per_s=_spread([r["tokens_per_s"] for r in measured]),

@@ -72,7 +72,7 @@ def run_command(
         "sample" if model in PRESETS else DATA_PLACEHOLDER
     )  # the bundled meetings suit the CPU presets only
     parts = ["distft train", f"--model {model}", f"--method {method}", f"--strategy {strategy}"]
-    if strategy != "single":
+    if SPECS[strategy].distributed:
         parts.append(f"--nproc {req.gpus_per_node}")
         if req.nodes > 1:
             parts.append(f"--nnodes {req.nodes}")
