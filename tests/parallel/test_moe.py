@@ -325,7 +325,7 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     for target, moved in across_groups.items():
         run = tmp_path / f"resumed-tp-sp-{target}"
         assert metrics(run)[1]["comm_bytes_by_dim"]["replicate"] == moved
-        lay = Parallelism("fsdp+ep", dp=4, ep=2, shard_experts=target == "sharded")
+        lay = Parallelism.at("fsdp+ep", dp=4, ep=2, shard_experts=target == "sharded")
         for r in json.loads((run / "ranks.json").read_text()):  # sharded: 2 of each rank's 4 experts
             held = state_bytes(req.model, req.training, lay, dp_rank=r["rank"])
             assert (held.params, held.grads, held.optimizer) == (

@@ -306,7 +306,7 @@ def test_the_planner_cuts_as_the_runtime_does():
         cfg = pp("model.name=tiny", f"parallel.schedule={schedule}", f"parallel.pp_split={split}",
                  "data.max_length=768", "train.global_batch_size=8", "parallel.microbatches=4")  # fmt: skip
         runtime, _ = STRATEGIES["pp"].cut_layout(cfg, config, label_tokens=61)
-        par = Parallelism("pp", pp=2, schedule=schedule, microbatches=4, pp_split=split)
+        par = Parallelism.at("pp", pp=2, schedule=schedule, microbatches=4, pp_split=split)
         assert pipeline_layout(spec, training, par).layers_per_stage == runtime.layers_per_stage
 
 

@@ -194,7 +194,7 @@ def test_pipeline_stage_in_flight(method, schedule, m):
     """Stage 0 and the last stage of a 2-stage pipeline, every in-flight micro-batch alive at once."""
     pp, b, s, labels = 2, 1, 64, 8
     model = build(method)
-    layout = Parallelism("pp", pp=pp, schedule=schedule, microbatches=m)
+    layout = Parallelism.at("pp", pp=pp, schedule=schedule, microbatches=m)
     t = training(method, b, s, labels)
     for stage in range(pp):
         layers = rank_layers(SPEC, t, layout, stage)  # the runtime's Layout.layers_of, cut alike
@@ -249,7 +249,7 @@ def test_pipeline_stages_of_the_real_strategy(tmp_path):
     first = train_set.examples[idx[0]]
     assert len(first.input_ids) == 192  # truncated to max_length: no padding reaches attention
     t = training("lora", 1, 192, count_label_tokens([first]), padded=False)
-    layout = Parallelism("pp", pp=2, schedule="gpipe", microbatches=2)
+    layout = Parallelism.at("pp", pp=2, schedule="gpipe", microbatches=2)
     ranks = json.loads((out / "ranks.json").read_text())
     for stage, rank in enumerate(ranks):  # gpipe, 2 ranks: stage s on rank s
         want = activation_bytes(SPEC, t, layout, stage)

@@ -12,7 +12,6 @@ import pytest
 
 import distft.plan.auto as auto
 from distft.cli import build_parser, config_from_args, main
-from distft.layout import SPECS, ParallelDims
 from distft.parallel import STRATEGIES, check_config
 from distft.plan import predict
 from distft.plan.explain import Recommendation
@@ -42,10 +41,10 @@ def test_auto_runs_the_expert_groups_it_planned(monkeypatch):
     """Where the plan picks fsdp+ep in groups smaller than the world (a node's GPUs, on several
     nodes), `--strategy auto` runs those groups, their experts replicated or sharded across them
     as planned, and the prediction is for them."""
-    groups = Parallelism.of(SPECS["fsdp+ep"], ParallelDims(dp_shard=4, ep=4))
+
     argv = ["train", "--strategy", "auto", "--nproc", "4", "--model", "qwen3-moe-micro"]
     for sharded in (False, True):
-        planned = replace(groups, ep=2, shard_experts=sharded)
+        planned = Parallelism.at("fsdp+ep", dp=4, ep=2, shard_experts=sharded)
         picked = Recommendation("fsdp+ep", "lora", "none", "planned", [], parallelism=planned)
         monkeypatch.setattr(auto, "decide", lambda request, picked=picked: picked)
         cfg = config_from_args(build_parser().parse_args(argv))

@@ -52,16 +52,16 @@ COMM_SEQ = 32  # the planner's sequence length is the run's when every row fills
 
 LAYOUTS = {
     "single": Parallelism("single"),
-    "ddp": Parallelism("ddp", dp=WORLD),
-    "zero1": Parallelism("zero1", dp=WORLD),
-    "fsdp": Parallelism("fsdp", dp=WORLD),
-    "zero2": Parallelism("zero2", dp=WORLD),
-    "tp": Parallelism("tp", tp=WORLD),
-    "tp-sp": Parallelism("tp-sp", tp=WORLD, sp=True),
-    "cp": Parallelism("cp", cp=WORLD),
+    "ddp": Parallelism.at("ddp", dp=WORLD),
+    "zero1": Parallelism.at("zero1", dp=WORLD),
+    "fsdp": Parallelism.at("fsdp", dp=WORLD),
+    "zero2": Parallelism.at("zero2", dp=WORLD),
+    "tp": Parallelism.at("tp", tp=WORLD),
+    "tp-sp": Parallelism.at("tp-sp", tp=WORLD, sp=True),
+    "cp": Parallelism.at("cp", cp=WORLD),
 }
 # The expert-parallel layout runs a mixture of experts only (`EXTRA`'s moe cases).
-EXPERT_LAYOUTS = {"fsdp+ep": Parallelism("fsdp+ep", dp=WORLD, ep=WORLD)}
+EXPERT_LAYOUTS = {"fsdp+ep": Parallelism.at("fsdp+ep", dp=WORLD, ep=WORLD)}
 # (batch, seq, labels per sequence, padding of the last row); tp-sp needs right-padded rows only
 # and its causal-only attention ignores the mask, so its padded case runs unpadded.
 ACTIVATION_CASES = [(1, 64, 2, 0), (2, 256, 2, 0), (2, 96, 1, 5)]  # few labels: layers dominate

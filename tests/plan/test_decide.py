@@ -177,7 +177,7 @@ def test_bytes_per_parameter_of_full_finetuning():
     )
     assert big.total / GB == pytest.approx(840, rel=0.02)
     fsdp4 = state_bytes(
-        spec, Training(method="full", precision=PRECISIONS["bf16"]), Parallelism("fsdp", dp=4)
+        spec, Training(method="full", precision=PRECISIONS["bf16"]), Parallelism.at("fsdp", dp=4)
     )
     assert fsdp4.total / GB == pytest.approx(
         39, rel=0.01
@@ -224,10 +224,10 @@ def test_qlora_storage_formula():
 def test_fsdp_chunks_and_pipeline_in_flight():
     assert [chunk_rows(5, 2, r) for r in range(2)] == [3, 2]  # torch.chunk: the last rank is short
     assert [chunk_rows(1, 2, r) for r in range(2)] == [1, 0]
-    lay = Parallelism("pp", pp=4, microbatches=8)
+    lay = Parallelism.at("pp", pp=4, microbatches=8)
     assert [inflight_microbatches(lay, s)[0] for s in range(4)] == [4, 3, 2, 1]  # 1F1B: min(m, p - s)
-    assert inflight_microbatches(Parallelism("pp", pp=4, microbatches=8, schedule="gpipe"), 3)[0] == 8
-    inter = Parallelism("pp", pp=4, microbatches=8, schedule="interleaved-1f1b")
+    assert inflight_microbatches(Parallelism.at("pp", pp=4, microbatches=8, schedule="gpipe"), 3)[0] == 8
+    inter = Parallelism.at("pp", pp=4, microbatches=8, schedule="interleaved-1f1b")
     assert inflight_microbatches(inter, 0) == (min(16, 1 * 4 + 2 * 3 + 1), 2)
 
 

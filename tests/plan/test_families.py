@@ -123,7 +123,7 @@ def test_fsdp_pads_each_bias_on_its_own():
     biases = [p.shape[0] for n, p in model.named_parameters() if n.endswith("_proj.bias")]
     assert set(biases) == {32, 16}  # rows 3 does not divide: each is padded on its own
     training = Training(method="full", precision=PRECISIONS["fp32"], seq_len=32)
-    par = Parallelism("fsdp", dp=3, microbatches=2)
+    par = Parallelism.at("fsdp", dp=3, microbatches=2)
     spec = resolve_model("qwen2-micro")
     planned = bytes_by_kind(dp_collectives(spec, training, par, LINK, spec.num_layers))
     assert planned == {"all_gather": 2 * 2 * padded, "reduce_scatter": 2 * padded}

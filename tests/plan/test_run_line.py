@@ -89,7 +89,7 @@ def test_every_run_line_carries_the_estimates_assumptions(command):
         cls = STRATEGIES[name]
         assert cls.data_parallel_size(cfg) == lay.dp, name
         dims = ParallelDims.of(cls.spec, cfg)  # the runtime's degrees are the plan's, groups too
-        assert dims == lay.dims(), name
+        assert dims == lay.dims, name
         if cls.spec.shard_groups:  # HSDP (x TP): the shard groups the plan counted, a node's data ranks
             assert dims.dp_shard == lay.shard_degree == req.gpus_per_node // lay.tp
         if lay.pp > 1:  # the runtime's own pipeline for this config is the one the plan counted

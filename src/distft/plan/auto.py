@@ -207,7 +207,7 @@ def resolve_auto(cfg: Config) -> str:
     cfg.parallel.strategy = rec.strategy
     lay = rec.parallelism
     if lay is not None:  # the planned mesh, shard groups, expert groups and the experts' layout
-        for key, value in lay.dims().to_overrides(SPECS[rec.strategy]).items():
+        for key, value in lay.dims.to_overrides(SPECS[rec.strategy]).items():
             apply_override(cfg, f"{key}={value}")
         cfg.parallel.shard_experts = cfg.parallel.shard_experts or lay.shard_experts
     cfg.derived = {

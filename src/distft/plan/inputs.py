@@ -103,24 +103,19 @@ class DDPSettings:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How the ranks split the work. world = dp x tp x pp x cp."""
+    """A layout as the planner estimates it: the strategy (`name`, its spec in `distft.layout.SPECS`),
+    the degrees of its mesh (`dims`, the runtime's own `ParallelDims`), and the schedule and
+    settings that change what a step moves. world = dp x tp x pp x cp."""
 
     name: str
-    dp: int = 1  # data-parallel degree: replicas (DDP), or shards (ZeRO, FSDP)
-    dp_shard: int = (
-        0  # HSDP (parallel.shard): ranks sharding each parameter, dp / dp_shard replicas; 0: all dp
-    )
+    dims: ParallelDims = field(default_factory=ParallelDims)
     fsdp_prefetch: int = 1  # layers gathered ahead (distft's parallel.fsdp_prefetch)
-    tp: int = 1
     sp: bool = False
-    pp: int = 1
     schedule: str = "1f1b"  # parallel.schedule
     microbatches: int = 1  # micro-batches per optimizer step on each pipeline / replica
     stages_per_rank: int = 0  # parallel.stages_per_rank; 0: the schedule's default (SCHEDULES)
     pp_split: str | tuple[int, ...] = "balanced"  # parallel.pp_split: balanced, even, or layers per stage
-    cp: int = 1  # context-parallel degree: ranks sharing each sequence (1/cp of its positions each)
     cp_method: str = "allgather"  # parallel.cp_method: K/V gathered (allgather) or passed round (ring)
-    ep: int = 1  # expert-parallel degree (fsdp+ep: each of ep consecutive data-parallel ranks holds 1/ep of the experts)
     shard_experts: bool = False  # fsdp+ep: the expert groups' stacks FSDP-sharded across the dp / ep groups
     ddp: DDPSettings = DDPSettings()
     # fsdp+pp: (stage, all-gathers per step) of this rank's stages, as its schedule's UNSHARD actions
@@ -129,20 +124,57 @@ class Parallelism:
 
     @classmethod
     def of(cls, spec: StrategySpec, dims: ParallelDims, **schedule) -> Parallelism:
-        """How `spec`'s strategy (what it shards, how it splits a layer) splits the work at `dims`,
-        the degrees the runtime builds its mesh from (HSDP's shard group, fsdp+ep's expert group
-        among them); `schedule`: micro-batches, pipeline schedule and cut, the experts' layout."""
-        return cls(
-            spec.name,
-            dp=dims.dp,
-            tp=dims.tp,
-            pp=dims.pp,
-            cp=dims.cp,
-            dp_shard=dims.dp_shard if spec.shard_groups else 0,
-            sp=spec.tensor_parallel == "megatron",
-            ep=dims.ep,
-            **schedule,
-        )
+        """`spec`'s strategy at `dims`, the degrees the runtime builds its mesh from (HSDP's shard
+        group, fsdp+ep's expert group among them); `schedule`: micro-batches, pipeline schedule and
+        cut, the experts' layout."""
+        return cls(spec.name, dims, **({"sp": spec.tensor_parallel == "megatron"} | schedule))
+
+    @classmethod
+    def at(
+        cls,
+        name: str,
+        dp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        shard: int = 0,
+        ep: int = 0,
+        **schedule,
+    ) -> Parallelism:
+        """Strategy `name` at these degrees (`ParallelDims.split`: shard groups of `shard`, expert
+        groups of `ep`)."""
+        spec = SPECS[name]
+        return cls.of(spec, ParallelDims.split(spec, dp, tp=tp, pp=pp, cp=cp, shard=shard, ep=ep), **schedule)
+
+    # The degrees, the layout's (`dims`).
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: replicas (DDP), or shards (ZeRO, FSDP), or both (HSDP)."""
+        return self.dims.dp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel degree: ranks sharing each sequence (1/cp of its positions each)."""
+        return self.dims.cp
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree (fsdp+ep: ep consecutive data-parallel ranks hold 1/ep of the experts each)."""
+        return self.dims.ep
+
+    @property
+    def dp_shard(self) -> int:
+        """HSDP's shard group (parallel.shard): ranks sharding each parameter; 0 where every
+        data-parallel rank shards it."""
+        return self.dims.dp_shard if SPECS[self.name].shard_groups else 0
 
     # What the strategy is, read from its spec (`distft.layout.SPECS`), not restated here.
     @property
@@ -159,12 +191,6 @@ class Parallelism:
     def tensor_parallel(self) -> str:
         """How TP splits a layer: dtensor (parallelize_module) | megatron (tp-sp's hand-written layers)."""
         return SPECS[self.name].tensor_parallel or "megatron"
-
-    def dims(self) -> ParallelDims:
-        """The degrees of the layout these figures are for, as the runtime's mesh takes them."""
-        return ParallelDims.split(
-            SPECS[self.name], self.dp, tp=self.tp, pp=self.pp, cp=self.cp, shard=self.dp_shard, ep=self.ep
-        )
 
     @property
     def world(self) -> int:

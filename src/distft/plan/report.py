@@ -156,8 +156,10 @@ def to_dict(req: Request, estimates: dict[str, Estimate], rec: Recommendation) -
 
 
 def layout_dict(par: Parallelism) -> dict:
-    """A layout as JSON: its degrees and schedule, and what its strategy's spec says it shards."""
-    return asdict(par) | {k: getattr(par, k) for k in ("shard", "reshard_after_forward", "tensor_parallel")}
+    """A layout as JSON: its mesh (and the degrees as the planner names them), its schedule, and
+    what its strategy's spec says it shards."""
+    spec = ("shard", "reshard_after_forward", "tensor_parallel")
+    return asdict(par) | {k: getattr(par, k) for k in ("dp", "dp_shard", "tp", "pp", "cp", "ep", *spec)}
 
 
 def _estimate_dict(e: Estimate) -> dict:

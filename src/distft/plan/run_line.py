@@ -48,7 +48,7 @@ def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dic
     ):  # fp32 masters (counted as such, or as mixed precision's) where they run
         masters = (t.fp32_masters or t.precision.master) and SPECS[par.name].runs("fp32_masters")
         out["train.master_weights"] = "fp32" if masters else "model"
-    out |= par.dims().to_overrides(SPECS[par.name])  # the mesh, shard groups, expert groups
+    out |= par.dims.to_overrides(SPECS[par.name])  # the mesh, shard groups, expert groups
     if par.shard_experts:
         out["parallel.shard_experts"] = "true"
     if par.pp > 1:
