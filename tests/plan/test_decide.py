@@ -15,16 +15,19 @@ import pytest
 from distft.cli import build_parser, main
 from distft.errors import ConfigError
 from distft.model.nf4 import NF4Spec
+from distft.parallel import check_config
 from distft.plan import evaluate, make_request
 from distft.plan.activations import inflight_microbatches
 from distft.plan.decide import decide
 from distft.plan.estimate import estimate, max_micro_batch
+from distft.plan.explain import inter_node_bytes
 from distft.plan.hardware import GB, LINKS, GiB, comm_time, parse_bytes, wire_bytes
 from distft.plan.inputs import PRECISIONS, Parallelism, Training
 from distft.plan.memory import chunk_rows, nf4_tensor_bytes, qlora_base_bytes, state_bytes
 from distft.plan.model_spec import resolve_model
 from distft.plan.report import largest_micro_batch
 from distft.plan.run_line import run_command
+from tests.plan.test_run_line import parse_run
 
 
 def plan(command: str):
@@ -417,3 +420,18 @@ def test_fsdp_cp_where_activations_are_the_problem_and_nothing_else_holds_them()
     assert rec.strategy == "fsdp+cp" and "splits every sequence's positions" in rec.reason
     line = run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.parallelism)
     assert "--strategy fsdp+cp" in line and "parallel.cp=4" in line
+
+
+def test_hsdp_tp_in_place_of_fsdp_tp_across_nodes():
+    """Llama 3 70B LoRA at 4k on 2 nodes of 8 H100s: FSDP x TP is the layout (TP on NVLink inside
+    each node); HSDP x TP holds it at about the same speed with FSDP's gathers kept inside each
+    node, and the tree picks it, with a `run:` line that passes the checks before launch."""
+    req, est, rec = plan("--model llama-3-70b --method lora --gpus 8 --nodes 2 --gpu h100 --seq-len 4096")
+    hybrid, flat = est["hsdp+tp"], est["fsdp+tp"]
+    assert rec.strategy == "hsdp+tp" and "FSDP x TP fits at about that speed" in rec.reason, rec.reason
+    assert hybrid.fits and flat.fits and hybrid.parallelism.tp == flat.parallelism.tp
+    assert hybrid.parallelism.dp_shard * hybrid.parallelism.tp == req.gpus_per_node  # a node per group
+    assert inter_node_bytes(hybrid, req) < inter_node_bytes(flat, req) / 4
+    line = run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.parallelism)
+    cfg = parse_run(line)
+    assert check_config(cfg).data_parallel_size == hybrid.parallelism.dp and "parallel.shard=" in line

@@ -33,9 +33,11 @@ from distft.plan.explain import (
     Step,
     experts_answer,
     fit_text,
+    fsdp_tp_reason,
     gb,
     gpus_needed,
     hsdp_reason,
+    hsdp_tp_reason,
     hsdp_why_not,
     interconnect_slow,
     link_name,
@@ -222,29 +224,25 @@ def _pipelines(walk: _Walk) -> list[Estimate]:  # the most dimensions first
 
 
 def _across_nodes(walk: _Walk, ckpt_note: list[str]) -> Recommendation:
-    """FSDP everywhere, HSDP (FSDP inside nodes), FSDP x TP (TP inside nodes), or a pipeline across
-    nodes: the best that fits. HSDP over FSDP whenever it fits at about FSDP's estimated speed: the
-    estimate lets FSDP's inter-node traffic hide behind compute, but that traffic is the one a
-    shared, ten times slower fabric delays, and HSDP sends a fraction of it across."""
+    """FSDP everywhere, HSDP (FSDP inside nodes), FSDP x TP (TP inside nodes), HSDP x TP, or a
+    pipeline across nodes: the best that fits. HSDP over FSDP (and HSDP x TP over FSDP x TP)
+    whenever it fits at about the other's estimated speed: the estimate lets FSDP's inter-node
+    traffic hide behind compute, but that traffic is the one a shared, ten times slower fabric
+    delays, and HSDP sends a fraction of it across."""
     req, est = walk.req, walk.est
-    fsdp, hsdp, fsdp_tp = est["fsdp"], est["hsdp"], est["fsdp+tp"]
+    fsdp, hsdp, fsdp_tp, hsdp_tp = est["fsdp"], est["hsdp"], est["fsdp+tp"], est["hsdp+tp"]
     pick = best([e for e in (fsdp, hsdp, fsdp_tp, *_pipelines(walk)) if e.applicable and e.fits])
     if pick is None or not pick.fits:
         return _nothing_fits(walk)
-    if pick is fsdp and hsdp.fits and (hsdp.tokens_per_s or 0) >= 0.9 * (fsdp.tokens_per_s or 0):
-        pick = hsdp  # (an HSDP that does not apply never fits)
+    # An HSDP layout in place of its FSDP one wherever it fits at about its speed (one that does
+    # not apply never fits): the same layout, the gathers kept off the slower fabric.
+    for flat, hybrid in ((fsdp, hsdp), (fsdp_tp, hsdp_tp)):
+        if pick is flat and hybrid.fits and (hybrid.tokens_per_s or 0) >= 0.9 * (flat.tokens_per_s or 0):
+            pick = hybrid
     if pick.strategy == "fsdp+tp":
-        than = (
-            f"FSDP alone does not fit ({gb(fsdp.total)})"
-            if not fsdp.fits
-            else f"FSDP alone fits too ({gb(fsdp.total)}, {rate(fsdp)}) but needs a global batch of at least "
-            f"{fsdp.min_global_batch} sequences, one per GPU, against {fsdp_tp.min_global_batch}"
-        )
-        reason = (
-            f"The job spans {req.nodes} nodes: keep TP inside each node on {req.intra.label} and shard "
-            f"with FSDP across nodes over {req.inter.label}: {fsdp_tp.label}, {gb(fsdp_tp.total)} per GPU, "
-            f"{rate(fsdp_tp)}. {than}."
-        )
+        reason = fsdp_tp_reason(fsdp_tp, fsdp, req)
+    elif pick.strategy == "hsdp+tp":
+        reason = hsdp_tp_reason(hsdp_tp, fsdp_tp, req)
     elif pick.strategy == "hsdp":
         reason = hsdp_reason(hsdp, fsdp, req)
     elif pick.strategy == "fsdp":

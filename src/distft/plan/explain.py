@@ -119,6 +119,33 @@ def hsdp_reason(hsdp: Estimate, fsdp: Estimate, req: Request) -> str:
     )
 
 
+def fsdp_tp_reason(fsdp_tp: Estimate, fsdp: Estimate, req: Request) -> str:
+    """Why FSDP x TP across nodes: TP on the node's links, FSDP across them, against FSDP alone."""
+    than = (
+        f"FSDP alone does not fit ({gb(fsdp.total)})"
+        if not fsdp.fits
+        else f"FSDP alone fits too ({gb(fsdp.total)}, {rate(fsdp)}) but needs a global batch of at least "
+        f"{fsdp.min_global_batch} sequences, one per GPU, against {fsdp_tp.min_global_batch}"
+    )
+    return (
+        f"The job spans {req.nodes} nodes: keep TP inside each node on {req.intra.label} and shard "
+        f"with FSDP across nodes over {req.inter.label}: {fsdp_tp.label}, {gb(fsdp_tp.total)} per GPU, "
+        f"{rate(fsdp_tp)}. {than}."
+    )
+
+
+def hsdp_tp_reason(hsdp_tp: Estimate, fsdp_tp: Estimate, req: Request) -> str:
+    """Why HSDP x TP across nodes: FSDP x TP's layout with its gathers kept inside each node."""
+    return (
+        f"The job spans {req.nodes} nodes: TP inside each node on {req.intra.label}, FSDP across the "
+        f"node's TP groups, and replicas across nodes over {req.inter.label}: {hsdp_tp.label}, "
+        f"{gb(hsdp_tp.total)} per GPU, {rate(hsdp_tp)}. FSDP x TP fits at about that speed ({rate(fsdp_tp)}, "
+        f"{gb(fsdp_tp.total)} per GPU) but gathers the weights across the nodes every micro-batch: "
+        f"{gb(inter_node_bytes(fsdp_tp, req))} per GPU cross {req.inter.label} per step, against "
+        f"{gb(inter_node_bytes(hsdp_tp, req))}."
+    )
+
+
 def hsdp_why_not(hsdp: Estimate) -> str:
     """Why not HSDP, when it applies (several nodes) but does not fit; else nothing."""
     if not hsdp.applicable or hsdp.fits:
