@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_STRATEGIES = "single,ddp,fsdp,zero2,tp,tp-sp,pp"  # every strategy that runs on 2 processes
+DEFAULT_STRATEGIES = (
+    "single,ddp,fsdp,zero2,tp,tp-sp,pp"  # the default comparison: one of each mechanism, on 2 processes
+)
 PP_SCHEDULES = "gpipe,1f1b,interleaved-1f1b,zero-bubble,zbv"
 DEFAULT_OUT = "runs/bench"
 DEFAULT_SPLITS = "balanced,even"  # --pp-splits (`bench.pp_sweep`)

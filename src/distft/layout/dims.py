@@ -79,8 +79,8 @@ class ParallelDims:
             axes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1} | {a: world for a in spec.axes}
             dp, tp, pp, cp = axes["dp"], axes["tp"], axes["pp"], axes["cp"]
         p = cfg.parallel
-        node = max(1, min(p.nproc // (tp * cp), dp))  # the data-parallel ranks of a node
-        return cls.split(spec, dp, tp=tp, pp=pp, cp=cp, shard=p.shard or node, ep=p.ep)
+        shard = p.shard or node_shard(p.nproc, dp, tp, cp)
+        return cls.split(spec, dp, tp=tp, pp=pp, cp=cp, shard=shard, ep=p.ep)
 
     @classmethod
     def split(
@@ -147,6 +147,12 @@ class ParallelDims:
             if same_group and all(theirs[d] == mine[d] for d in same):
                 members.append(other)
         return members
+
+
+def node_shard(gpus_per_node: int, dp: int, tp: int = 1, cp: int = 1) -> int:
+    """A node's data-parallel ranks, at most all of them: HSDP's (and HSDP x TP's) shard group when
+    parallel.shard leaves it to the layout; the runtime and the planner both take it from here."""
+    return max(1, min(gpus_per_node // (tp * cp), dp))
 
 
 def _sized(cfg: Config, context: bool) -> tuple[int, int, int, int]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from distft.layout import SPECS, ParallelDims
+from distft.layout import SPECS
+from distft.layout.dims import node_shard
 from distft.layout.rules import expert_split, stage_split, tp_split
 from distft.measure.flops import StepTime
 from distft.plan.activations import activation_bytes
@@ -179,13 +180,22 @@ def parallelism_for(
     what it shards and how it splits a layer; HSDP shards inside a node; fsdp+ep's expert groups
     are `ep` ranks, 0: every data-parallel rank, their stacks FSDP-sharded across the groups or
     not)."""
-    spec = SPECS[strategy]
     m = req.grad_accum
     if pp > 1:
         m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
-    shard = max(1, min(req.gpus_per_node // (tp * cp), dp))  # HSDP's shard group: a node's data ranks
-    dims = ParallelDims.split(spec, dp, tp=tp, pp=pp, cp=cp, shard=shard, ep=ep)
-    return Parallelism.of(spec, dims, microbatches=m, schedule=req.pp_schedule, shard_experts=shard_experts)
+    shard = node_shard(req.gpus_per_node, dp, tp, cp)  # HSDP's shard group: a node's data ranks
+    return Parallelism.at(
+        strategy,
+        dp,
+        tp,
+        pp,
+        cp,
+        shard,
+        ep,
+        microbatches=m,
+        schedule=req.pp_schedule,
+        shard_experts=shard_experts,
+    )
 
 
 def why_not(req: Request, par: Parallelism) -> str:

@@ -56,7 +56,7 @@ def fit_text(e: Estimate, req: Request) -> str:
     verdict = "fits" if e.fits else "does not fit"
     if e.fits and e.total > TIGHT * req.usable:
         verdict = f"fits, with under {1 - TIGHT:.0%} headroom"
-    where = "on one GPU" if e.strategy == "single" else f"per GPU with {e.label}"
+    where = f"per GPU with {e.label}" if SPECS[e.strategy].distributed else "on one GPU"
     return f"{gb(e.total)} {where} ({verdict} in {gb(req.usable)} usable)"
 
 
@@ -66,7 +66,11 @@ def rate(e: Estimate) -> str:
 
 def others(est: dict[str, Estimate], *exclude: str, limit: int = 2) -> list[str]:
     """Other layouts that fit, fastest first, as alternatives (those distft cannot run say so)."""
-    fitting = [e for e in est.values() if e.applicable and e.fits and e.strategy not in (*exclude, "single")]
+    fitting = [
+        e
+        for e in est.values()
+        if e.applicable and e.fits and e.strategy not in exclude and SPECS[e.strategy].distributed
+    ]
     fitting.sort(key=lambda e: -(e.tokens_per_s or 0))
     return [
         f"{e.label} also fits: {gb(e.total)} per GPU, {rate(e)}"

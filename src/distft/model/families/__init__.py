@@ -19,7 +19,7 @@ grouped KV heads, is shared):
 | mistral | no       | no         | no                   | theta 1e6 (v0.3)       | 4096 in v0.1, none in v0.3 |
 
 `qwen3_moe` is Qwen3's attention with a mixture of experts for the MLP (`Family.moe`): a router
-and a stack of experts per layer, trained under the strategies that say `supports_moe`.
+and a stack of experts per layer, trained under the strategies whose spec runs "moe" (`distft.layout.SPECS`).
 
 Another family is one file here (its `Family`) and one line in `FAMILIES`; docs/architecture.md
 walks through it, and tests/parallel/test_families.py fails for a family without parity coverage.
