@@ -24,9 +24,8 @@ PAIR_STATS = ("rewards_chosen", "rewards_rejected", "accuracy", "margin", "logps
 KTO_STATS = ("rewards_chosen", "rewards_rejected", "margin", "logps_chosen", "logps_rejected", "kl")
 
 
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    """Who owns an action item, and a rejected answer that swaps the owner."""
+def pair_rows() -> list[dict]:
+    """Who owns an action item, and a rejected answer that swaps the owner (32 rows)."""
     rows = []
     for i in range(32):
         owner, other = random.Random(i).sample(NAMES, 2)
@@ -35,18 +34,25 @@ def pairs(tmp_path_factory):
             f"Meeting {i}: {owner} drafts the budget by {day}; {other} reviews it. Who drafts it, and when?"
         )
         rows.append({"prompt": prompt, "chosen": f"{owner}, by {day}.", "rejected": f"{other}, by {day}."})
-    return str(write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", rows))
+    return rows
+
+
+def unpaired_rows() -> list[dict]:
+    """The pairs as KTO's rows: two in three answers desirable, the rest the rejected answer."""
+    return [
+        {"prompt": r["prompt"], "completion": r["chosen" if i % 3 else "rejected"], "label": bool(i % 3)}
+        for i, r in enumerate(pair_rows())
+    ]
 
 
 @pytest.fixture(scope="module")
-def unpaired(pairs, tmp_path_factory):
-    """The pairs as KTO's rows: two in three answers desirable, the rest the rejected answer."""
-    rows = [json.loads(line) for line in Path(pairs).read_text().splitlines()]
-    labelled = [
-        {"prompt": r["prompt"], "completion": r["chosen" if i % 3 else "rejected"], "label": bool(i % 3)}
-        for i, r in enumerate(rows)
-    ]
-    return str(write_jsonl(tmp_path_factory.mktemp("unpaired") / "unpaired.jsonl", labelled))
+def pairs(tmp_path_factory):
+    return str(write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pair_rows()))
+
+
+@pytest.fixture(scope="module")
+def unpaired(tmp_path_factory):
+    return str(write_jsonl(tmp_path_factory.mktemp("unpaired") / "unpaired.jsonl", unpaired_rows()))
 
 
 def settings(data: str, objective: str) -> list[str]:
