@@ -91,7 +91,10 @@ def write() -> None:
             runs[name] = train(name, Path(tmp))
         print(name, runs[name][-1], file=sys.stderr)
     made = "written by `.venv/bin/python -m tests.golden` (tests/golden.py: the runs and why)"
-    lines = [f'  "{name}": [\n' + ",\n".join(f"   {json.dumps(step)}" for step in steps) + "\n  ]" for name, steps in runs.items()]
+    lines = [
+        f'  "{name}": [\n' + ",\n".join(f"   {json.dumps(step)}" for step in steps) + "\n  ]"
+        for name, steps in runs.items()
+    ]
     GOLDEN.write_text(f'{{\n "made": {json.dumps(made)},\n "runs": {{\n' + ",\n".join(lines) + "\n }\n}\n")
 
 
