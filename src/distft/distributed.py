@@ -48,6 +48,7 @@ class DistEnv:
     backend: str | None  # None: a single process without a process group
     node: int = 0  # this node's index (torchrun's GROUP_RANK, i.e. --node-rank)
     local_world_size: int = 1  # processes per node (--nproc); rank = node x this + local rank
+    owns_group: bool = True  # False: the caller started the group, and keeps it after the run
 
     @property
     def is_main(self) -> bool:
@@ -99,7 +100,8 @@ def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: boo
         check_local_gpu(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         timeout = datetime.timedelta(seconds=timeout_s)
         store, rank, world_size = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
@@ -119,7 +121,7 @@ def init_distributed(device: str = "auto", timeout_s: int = 600, need_group: boo
         int(os.environ.get("GROUP_RANK", 0)),
         int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
     )
-    return DistEnv(rank, world_size, local_rank, dev, backend, node, local_world_size)
+    return DistEnv(rank, world_size, local_rank, dev, backend, node, local_world_size, owns_group)
 
 
 def check_local_gpu(local_rank: int, gpus: int, visible: str | None) -> None:
@@ -234,10 +236,12 @@ def barrier(env: DistEnv) -> None:
 
 
 def shutdown(env: DistEnv) -> None:
-    """Leave the group cleanly (the process itself ends in `distft.exits.exit_worker`)."""
+    """Leave the group cleanly (the process itself ends in `distft.exits.exit_worker`); a group the
+    caller started stays up for its next use."""
     if env.distributed:
         dist.barrier()
-        dist.destroy_process_group()
+        if env.owns_group:
+            dist.destroy_process_group()
 
 
 # Substrings of the errors gloo and NCCL raise when a peer is slow or gone (plain RuntimeErrors in

@@ -1,24 +1,25 @@
 """Model families through every strategy: the same training as one process, and a resume.
 
-For each family's micro preset (Qwen3's `micro` is covered strategy by strategy in the other files
-of this folder), the single-process reference trains 2 steps and checkpoints step 1. Then every
-registered strategy, on real gloo groups, resumes a copy of that run from its step-1 checkpoint
-and trains step 2: its loss, gradient norm and exported adapter must equal the reference's
-(`assert_same_training`), and its collectives must move exactly the bytes of the strategy's
-formula (`comm_bytes_expected`) and of the planner's (`distft plan`'s prediction for the run). One
-launch per pair thus proves three things for the family: the strategy loads a checkpoint into its
-own layout (DCP reshards the single process's state), trains a step like one process (Adam's second step, which moves each adapter element by its own gradient
-history), and moves the bytes predicted. What the families make different meets the strategies'
-own code: untied heads (llama, mistral) in FSDP's root unit, the tensor-parallel vocabulary split
-and the last pipeline stage; Llama 3.1's rope scaling in every stage and in the Megatron layers;
-Qwen2's q/k/v biases sharded with their columns; no q/k norms in the tensor-parallel plans.
+For each family's micro preset, the single-process reference trains 2 steps and checkpoints step 1.
+Then every registered strategy, on real gloo groups, resumes a copy of that run from its step-1
+checkpoint and trains step 2: its loss, gradient norm and exported adapter must equal the
+reference's (`assert_same_training`), and its collectives must move exactly the bytes of the
+strategy's formula (`comm_bytes_expected`) and of the planner's (`distft plan`'s prediction for the
+run). One run per pair thus proves three things for the family: the strategy loads a checkpoint
+into its own layout (DCP reshards the single process's state), trains a step like one process
+(Adam's second step, which moves each adapter element by its own gradient history), and moves the
+bytes predicted. What the families make different meets the strategies' own code: untied heads
+(llama, mistral) in FSDP's root unit, the tensor-parallel vocabulary split and the last pipeline
+stage; Llama 3.1's rope scaling in every stage and in the Megatron layers; Qwen2's q/k/v biases
+sharded with their columns; no q/k norms in the tensor-parallel plans.
 
-`PAIRS` is every family x every registered strategy with LoRA (but the variants whose family code
-is another strategy's, `VARIANTS`), on the fewest ranks each layout runs on (2; 4 where two
-dimensions must each be 2). `METHOD_PAIRS` adds full finetuning (every
-weight trains: the untied head, the biases; compared by loss, gradient norm and the evaluation
-loss after the step's update) and QLoRA (NF4 base weights resharded by DCP) where the family's
-difference meets the method.
+`PAIRS` is every dense family x every registered strategy with LoRA (fsdp+ep, whose experts need a
+mixture of experts, in tests/parallel/test_moe.py), on the fewest ranks each layout runs on (2; 4
+where two dimensions must each be 2). `METHOD_PAIRS` adds full finetuning (every weight trains:
+the untied head, the biases; compared by loss, gradient norm and the evaluation loss after the
+step's update) and QLoRA (NF4 base weights resharded by DCP) where the family's difference meets
+the method. The runs of each world size train one after another in one launch (`tests.batched`);
+each pair is still a test of its own, failing by its name.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from distft.layout import SPECS
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.parallel.registry import STRATEGIES
-from tests.helpers import PARITY, assert_same_training, crashed_copy, distft, extends, metrics
+from tests.batched import run_cases
+from tests.helpers import PARITY, assert_same_training, crashed_copy, distft, metrics
 
-# The parity preset of each family ("micro" is Qwen3's, tested by the other files here).
+# The parity preset of each family.
 FAMILY_PRESETS = {
     "qwen3": "micro",
     "llama": "llama-micro",
@@ -51,6 +53,7 @@ LAYOUTS = {
     "fsdp+pp": ["parallel.dp=2", "parallel.pp=2"],
     "fsdp+tp+pp": ["parallel.dp=1", "parallel.tp=2", "parallel.pp=2"],
     "fsdp+cp": ["parallel.dp=1", "parallel.cp=2"],
+    "hsdp+tp": ["parallel.tp=2", "parallel.shard=1"],  # 2 replicas of a TP group of 2
 }
 NPROC = {
     name: 2 if name in ("fsdp+tp", "fsdp+cp") or name not in LAYOUTS else 4
@@ -69,23 +72,11 @@ SETTINGS = [
 ]
 
 
-# Strategies whose family-dependent code is another's (a subclass, or a sibling over the same
-# base): ZeRO-1 partitions DDP's optimizer state, ZeRO-2 and HSDP are FSDP's units kept gathered
-# or replicated, ddp+pp is fsdp+pp's stages with DDP around them, fsdp+tp+pp is fsdp+pp's stages
-# under fsdp+tp's plan, fsdp+cp is cp's attention in FSDP's units, hsdp+tp is fsdp+tp on HSDP's mesh. Their own mechanics are proven
-# on Qwen3 in this folder; a family meets them through the strategy named here.
-VARIANTS = {
-    **{"zero1": "ddp", "zero2": "fsdp", "hsdp": "fsdp"},
-    **{"ddp+pp": "fsdp+pp", "fsdp+tp+pp": "fsdp+pp", "fsdp+cp": "cp", "hsdp+tp": "fsdp+tp"},
-}
 PAIRS = [
     (FAMILY_PRESETS[f], s)
     for f in FAMILY_PRESETS
-    if f != "qwen3"
     for s in STRATEGIES
-    if s != "single"
-    and s not in VARIANTS
-    and not SPECS[s].expert_groups  # fsdp+ep: tests/parallel/test_moe.py
+    if s != "single" and not SPECS[s].expert_groups  # fsdp+ep: tests/parallel/test_moe.py
 ]
 # (preset, method, strategy): each family's trained head or biases, and its NF4 base, where a
 # strategy shards them its own way.
@@ -105,15 +96,11 @@ def test_every_family_and_strategy_has_parity_coverage():
     assert set(FAMILY_PRESETS) == {name for name, f in FAMILIES.items() if not f.moe}
     assert all(PRESETS[name].family == family for family, name in FAMILY_PRESETS.items())
     assert set(NPROC) == set(STRATEGIES) - {"single"}
-    others = [
-        name for family, name in FAMILY_PRESETS.items() if family != "qwen3"
-    ]  # Qwen3: a file per strategy
-    for variant, covered in VARIANTS.items():
-        assert extends(STRATEGIES[variant], STRATEGIES[covered]), (variant, covered)
-    for name in others:
-        dense = {s for s in NPROC if not SPECS[s].expert_groups}  # fsdp+ep: tests/parallel/test_moe.py
-        assert {s for m, s in PAIRS if m == name} == dense - set(VARIANTS), name
-        assert "full" in {method for m, method, _ in METHOD_PAIRS if m == name}, name
+    dense = {s for s in NPROC if not SPECS[s].expert_groups}
+    for name in FAMILY_PRESETS.values():
+        assert {s for m, s in PAIRS if m == name} == dense, name
+        if name != "micro":  # Qwen3's full finetuning and QLoRA: each strategy's own file
+            assert "full" in {method for m, method, _ in METHOD_PAIRS if m == name}, name
 
 
 @pytest.fixture(scope="module")
@@ -138,35 +125,74 @@ METHOD_SETTINGS = {"lora": [], "full": ["train.eval_batches=1"], "qlora": ["mode
 
 def resume_step_2(reference: Path, out: Path, strategy: str, *overrides: str) -> list[dict]:
     """The run as a crash during step 2 leaves it (step 1's checkpoint and record, no adapter),
-    resumed under `strategy` (and `overrides`); its step records."""
+    resumed under `strategy` (and `overrides`) by a launch of its own; its step records."""
     crashed_copy(reference, out, 1)
+    proc = distft("train", *resume_args(out, strategy, *overrides))
+    return resumed_records(out, proc.stdout)
+
+
+def resume_args(out: Path, strategy: str, *overrides: str) -> list[str]:
     layout = ["--strategy", strategy, "--nproc", str(NPROC[strategy]), *LAYOUTS.get(strategy, [])]
-    proc = distft("train", "--resume", str(out), *layout, *overrides)
-    assert "resuming from" in proc.stdout and "(step 1)" in proc.stdout
+    return ["--resume", str(out), *layout, *overrides]
+
+
+def resumed_records(out: Path, stdout: str) -> list[dict]:
+    """The resumed run's step records, once its output said where it resumed and every rank
+    counted the bytes its formula and the planner predicted."""
+    assert "resuming from" in stdout and "(step 1)" in stdout
     records = metrics(out)
     assert records[1]["comm_bytes"] == records[1]["comm_bytes_expected"]
     # Every row fills data.max_length, so the plan's shapes are the run's: the planner's bytes
     # (`distft plan`'s formula, recorded at launch) equal what each rank counted, kind by kind.
     for rank in json.loads((out / "ranks.json").read_text()):
         comm = rank["comm_bytes_per_step"]
-        assert comm["predicted"] == comm["counted"], (strategy, rank["rank"], comm)
+        assert comm["predicted"] == comm["counted"], (rank["rank"], comm)
     return records
 
 
+CASES = [(model, "lora", strategy) for model, strategy in PAIRS] + METHOD_PAIRS
+
+
+@pytest.fixture(scope="module")
+def resumed(references, tmp_path_factory):
+    """Every case resumed (`resume_step_2`), the cases of each world size in one launch: the step
+    records of case (model, method, strategy), and a failure's tracebacks in place of them."""
+    root = tmp_path_factory.mktemp("families")
+    runs = {case: root / " ".join(case) for case in CASES}
+    for case, run in runs.items():
+        crashed_copy(references(case[0], case[1]), run, 1)
+    results = {}
+    for world in sorted({NPROC[strategy] for *_, strategy in CASES}):
+        cases = {" ".join(c): resume_args(runs[c], c[2]) for c in CASES if NPROC[c[2]] == world}
+        batch = run_cases(cases, world, root / f"logs-{world}")
+        for case in CASES:
+            name = " ".join(case)
+            if name in cases:
+                failed = batch.failure(name)
+                results[case] = failed if failed else resumed_records(runs[case], batch.output(name))
+    return lambda case: (runs[case], results[case])
+
+
+def records_of(resumed, case: tuple[str, str, str]) -> tuple[Path, list[dict]]:
+    run, records = resumed(case)
+    if isinstance(records, str):
+        pytest.fail(f"{case} failed in its launch:\n{records}")
+    return run, records
+
+
 @pytest.mark.parametrize(("model", "strategy"), PAIRS)
-def test_resumes_and_trains_like_one_process(model, strategy, references, tmp_path):
-    reference = references(model)
-    records = resume_step_2(reference, tmp_path / "run", strategy)
-    assert_same_training(tmp_path / "run", reference)
+def test_resumes_and_trains_like_one_process(model, strategy, references, resumed):
+    run, records = records_of(resumed, (model, "lora", strategy))
+    assert_same_training(run, references(model))
     assert not any("eval_loss" in r for r in records)  # train.eval_batches=0: no validation
 
 
 @pytest.mark.parametrize(("model", "method", "strategy"), METHOD_PAIRS)
-def test_full_finetuning_and_qlora_train_like_one_process(model, method, strategy, references, tmp_path):
+def test_full_finetuning_and_qlora_train_like_one_process(model, method, strategy, references, resumed):
+    run, got = records_of(resumed, (model, method, strategy))
     reference = references(model, method)
-    got = resume_step_2(reference, tmp_path / "run", strategy)
     if method == "qlora":
-        assert_same_training(tmp_path / "run", reference)
+        assert_same_training(run, reference)
         return
     # Full finetuning exports no adapter: step 2's loss and gradient norm, and the evaluation after
     # its update, stand for every weight.

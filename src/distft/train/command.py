@@ -74,9 +74,7 @@ def cmd_train(args: argparse.Namespace, settings: Config | None = None) -> int:
         print(f"distft train: warning: {line}", file=sys.stderr)
     check_writable(Path(cfg.output.dir))
     if args.dry_run:  # no lock either: nothing is written to the run directory
-        cfg.prediction = plan.try_predict(cfg, preflight(cfg, resuming=args.resume is not None))
-        _check_fits(cfg, args.force)
-        return plan.dry_run(cfg)
+        return plan.dry_run(prepared(cfg, args))
     # One writer per run directory, checks included; node 0 takes it for a multi-node run (the
     # others may share its filesystem).
     lock = run_lock(Path(cfg.output.dir)) if cfg.parallel.node_rank == 0 else contextlib.nullcontext()
@@ -84,9 +82,7 @@ def cmd_train(args: argparse.Namespace, settings: Config | None = None) -> int:
         distributed, on_cuda = SPECS[cfg.parallel.strategy].distributed, wants_cuda(cfg.train.device)
         if distributed and not on_cuda:  # CPU ranks are forked from this process
             one_thread_before_forking()
-        labels = preflight(cfg, resuming=args.resume is not None)  # CUDA asked for and missing: refused
-        cfg.prediction = plan.try_predict(cfg, labels)  # beside the measured figures in ranks.json
-        _check_fits(cfg, args.force)
+        prepared(cfg, args)
         if not distributed:
             return trained(cfg)
         parallel = cfg.parallel
@@ -100,6 +96,15 @@ def cmd_train(args: argparse.Namespace, settings: Config | None = None) -> int:
             # CPU ranks are forked from this process, which has imported distft (`distft.launch`).
             with signals.deferred(), notes_for_ranks(cfg):  # signals: the ranks and the agent act on them
                 return launch_ranks(cfg.parallel, ["train", "--config", config_file], fork=not on_cuda)
+
+
+def prepared(cfg: Config, args: argparse.Namespace) -> Config:
+    """What the launching command settles before any rank starts: the machine, every data row and
+    the token cache (`preflight`; CUDA asked for and missing is refused there), and the plan's
+    prediction, which the ranks record beside what they measure (ranks.json)."""
+    cfg.prediction = plan.try_predict(cfg, preflight(cfg, resuming=args.resume is not None))
+    _check_fits(cfg, args.force)
+    return cfg
 
 
 def _check_fits(cfg: Config, force: bool) -> None:
