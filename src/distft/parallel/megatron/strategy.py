@@ -159,16 +159,7 @@ class TensorSequenceParallel(ExpertShards, Strategy):
         state = {part: {k: local(v) for k, v in state[part].items()} for part in ("model", "optim")}
         super().load_checkpoint_state(unwrap(model), optimizer, state)
 
-    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Trainable weights under the single-model names, shards gathered (a collective each), on rank 0."""
-        state = {}
-        for name, param in unwrap(model).lm.named_parameters():
-            if param.requires_grad:
-                full = self.whole_parameter(param).detach()
-                if self.env.is_main:
-                    state[name] = full.cpu().clone()
-        return state if self.env.is_main else None
-
     def whole_parameter(self, p: torch.Tensor) -> torch.Tensor:
+        """A shard gathered (a collective each), for the base class's `trainable_state_dict`."""
         dim = partition_dim(p)  # None: replicated, or an MoE's expert shard (`ExpertShards`)
         return all_gather_dim(p, dim) if dim is not None else super().whole_parameter(p)
