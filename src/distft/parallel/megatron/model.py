@@ -88,11 +88,9 @@ class MegatronLM(SequenceSplitHead, nn.Module):
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a block: the full (S, B, H) every rank needs for its column projections."""
-        return (
-            gather_from_sp_region(x, self.group)
-            if self.sequence_parallel
-            else copy_to_tp_region(x, self.group)
-        )
+        if self.sequence_parallel:
+            return gather_from_sp_region(x, self.group)
+        return copy_to_tp_region(x, self.group)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         """Out of a block: sum the row projection's partial (S, B, H); with SP keep this rank's S/N."""

@@ -89,10 +89,8 @@ class TensorSequenceParallel(ExpertShards, Strategy):
         if self.expert_shards:  # an MoE's shards are gathered whole over it (`tp_experts`)
             self.expert_mesh = self.mesh = self.tp_mesh()
         self.sequence_parallel = self.cfg.parallel.sequence_parallel
-        if (
-            self.sequence_parallel
-        ):  # every replicated weight sees a sequence shard, its heads or a partial sum
-            scope = [model]
+        if self.sequence_parallel:
+            scope = [model]  # every replicated weight sees a sequence shard, its heads or a partial sum
         else:  # inside the blocks only; the replicated residual stream gets complete gradients,
             # as does a router, which routes it before f (`MegatronLM.experts`)
             layers = causal_lm(model.lm).model.layers
