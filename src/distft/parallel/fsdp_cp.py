@@ -25,7 +25,6 @@ must add up, so each rank scales its loss by dp x cp (`averaged_over`), not dp, 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -33,6 +32,7 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.layout import ParallelDims
 from distft.model import causal_lm
+from distft.parallel.base import summed
 from distft.parallel.context.model import ContextParallelLM
 from distft.parallel.context.strategy import StateUnderTheWrapper, check_attention
 from distft.parallel.dims import build_mesh
@@ -78,6 +78,4 @@ class FSDPContextParallel(StateUnderTheWrapper, FSDP):
         return context
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
-        local_sum = local_sum.clone()
-        dist.all_reduce(local_sum)  # each rank's share: its rows' loss over its positions
-        return local_sum
+        return summed(local_sum)  # each rank's share: its rows' loss over its positions

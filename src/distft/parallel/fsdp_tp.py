@@ -43,7 +43,6 @@ torchtitan (2410.06511) for the 2D composition.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -54,7 +53,7 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.layout import ParallelDims
 from distft.model import causal_lm
-from distft.parallel.base import Strategy
+from distft.parallel.base import Strategy, summed
 from distft.parallel.dims import build_mesh
 from distft.parallel.fsdp import FSDP, apply_fsdp
 from distft.parallel.tensor_parallel import (
@@ -121,10 +120,9 @@ class FSDPTensorParallel(ExpertShards, Strategy):
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         if self.dims.dp == 1:
             return local_sum  # one data shard: every rank computed the whole loss
-        local_sum = local_sum.clone()  # each TP group computed the loss of its data shard once
+        # Each TP group computed the loss of its data shard once.
         data = self.flattened["dp"] if "dp" in self.flattened else self.mesh["dp"]  # HSDP x TP: flattened
-        dist.all_reduce(local_sum, group=data.get_group())
-        return local_sum
+        return summed(local_sum, group=data.get_group())
 
     def data_mesh(self) -> DeviceMesh:
         """The data-parallel ranks FSDP2 shards over ("dp"; HSDP x TP: its 2D "replicate" x "shard")."""

@@ -17,13 +17,12 @@ by the global count of labelled positions, which every rank counts itself from t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
-from distft.parallel.base import Strategy, unwrap
+from distft.parallel.base import Strategy, summed, unwrap
 from distft.parallel.context.model import ContextParallelLM
 from distft.parallel.grads import all_reduce_flat
 
@@ -56,9 +55,7 @@ class ContextParallel(StateUnderTheWrapper, Strategy):
         all_reduce_flat(grads)  # one collective: each rank held its positions' share
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
-        local_sum = local_sum.clone()
-        dist.all_reduce(local_sum)  # each rank's share: the loss over its positions
-        return local_sum
+        return summed(local_sum)  # each rank's share: the loss over its positions
 
 
 def check_attention(strategy: str, model_config: PretrainedConfig) -> None:

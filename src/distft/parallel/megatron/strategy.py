@@ -45,7 +45,6 @@ slices of their stack each, which no single placement describes, are written who
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -54,7 +53,7 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.parallel.base import Strategy, optimizer_state_owner, unwrap
+from distft.parallel.base import Strategy, optimizer_state_owner, summed, unwrap
 from distft.parallel.dims import build_mesh
 from distft.parallel.grads import all_reduce_flat
 from distft.parallel.megatron.collectives import all_gather_dim
@@ -115,9 +114,7 @@ class TensorSequenceParallel(ExpertShards, Strategy):
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             return local_sum  # every rank computed the whole loss
-        local_sum = local_sum.clone()
-        dist.all_reduce(local_sum)  # each rank's share: the loss over its sequence shard
-        return local_sum
+        return summed(local_sum)  # each rank's share: the loss over its sequence shard
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The checkpoint of the unsplit model, each rank writing its shards (module docstring).
