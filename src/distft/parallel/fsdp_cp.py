@@ -68,9 +68,8 @@ class FSDPContextParallel(StateUnderTheWrapper, FSDP):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        self.mesh, self.flattened = build_mesh(
-            self.spec, self.dims, self.env.device.type
-        )  # ("dp", "cp"), and "dp_cp"
+        # ("dp", "cp"), and "dp_cp" flattened
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
         context = ContextParallelLM(model, self.mesh.get_group("cp"), self.cfg.parallel.cp_method)
         layers = list(causal_lm(model.lm).model.layers) if self.cfg.parallel.fsdp_wrap == "layer" else []
         # The CP wrapper is FSDP's root: its forward (not the `LossLM`'s) gathers what the layers leave.

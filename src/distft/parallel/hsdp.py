@@ -72,10 +72,9 @@ class HSDP(FSDP):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        # Row-major: the shard dimension is the inner one, so a shard group is consecutive ranks (a node).
-        self.mesh, self.flattened = build_mesh(
-            self.spec, self.dims, self.env.device.type
-        )  # ("replicate", "shard"), and "dp"
+        # ("replicate", "shard"), and "dp" flattened. Row-major: the shard dimension is the inner one,
+        # so a shard group is consecutive ranks (a node).
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
         return apply_fsdp(model, self.mesh["replicate", "shard"], self.cfg, reshard_after_forward=True)
 
     def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:

@@ -62,9 +62,8 @@ class MeshPipeline(PipelineParallel):
         super().validate_config(cfg)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        self.mesh, self.flattened = build_mesh(
-            self.spec, self.dims, self.env.device.type
-        )  # ("pp", "dp"[, "tp"])
+        # ("pp", "dp"[, "tp"])
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
         self.dp_group = self.mesh["dp"].get_group()
         view = super().parallelize(model)
         assert dist.get_process_group_ranks(self.pp_group) == self.pp_ranks

@@ -323,5 +323,3 @@ class PipelineParallel(Strategy):
     def actions(self) -> list[list[Action]]:
         """Each pipeline rank's F/B/W passes in the order this schedule runs them."""
         return schedule_actions(self.layout, self.schedule)
-
-    # -- figures -------------------------------------------------------------------------------
