@@ -155,12 +155,9 @@ def split_layers(
     """`shard_experts` on every MoE layer of `layers`. Returns the shards' splits and the names of
     the partial-gradient parameters, by name in `model`: FSDP2's `fully_shard` replaces every
     parameter by a new one, so `fsdp+tp` and `fsdp+tp+pp` find them again by name (`tagged`)."""
-    shards: list[nn.Parameter] = []
-    partial: list[nn.Parameter] = []
-    for layer in layers:
-        if hasattr(layer.mlp, "experts"):
-            layer_shards, layer_partial = shard_experts(layer.mlp.experts, mesh)
-            shards, partial = shards + layer_shards, partial + layer_partial
+    cuts = [shard_experts(layer.mlp.experts, mesh) for layer in layers if hasattr(layer.mlp, "experts")]
+    shards = [p for layer_shards, _ in cuts for p in layer_shards]
+    partial = [p for _, layer_partial in cuts for p in layer_partial]
     names = {id(p): name for name, p in model.named_parameters()}
     return {names[id(p)]: p.tp_split for p in shards}, {names[id(p)] for p in partial}
 
