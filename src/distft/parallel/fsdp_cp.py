@@ -24,22 +24,19 @@ must add up, so each rank scales its loss by dp x cp (`averaged_over`), not dp, 
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.layout import ParallelDims
 from distft.model import causal_lm
-from distft.parallel.base import summed
 from distft.parallel.context.model import ContextParallelLM
-from distft.parallel.context.strategy import StateUnderTheWrapper, check_attention
+from distft.parallel.context.strategy import ContextSplit
 from distft.parallel.dims import build_mesh
 from distft.parallel.fsdp import FSDP, shard_units
 
 
-class FSDPContextParallel(StateUnderTheWrapper, FSDP):
+class FSDPContextParallel(ContextSplit, FSDP):
     name = "fsdp+cp"
 
     @classmethod
@@ -57,11 +54,6 @@ class FSDPContextParallel(StateUnderTheWrapper, FSDP):
                 "parallel.cp to 2 or more (it must divide --nproc x --nnodes)."
             )
 
-    @classmethod
-    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
-        super().validate_model(cfg, model_config)  # NF4 blocks over every rank under qlora
-        check_attention(cls.name, model_config)
-
     def __init__(self, cfg: Config, env) -> None:
         super().__init__(cfg, env)
         self.averaged_over = env.world_size  # FSDP averages over dp x cp; the cp shares must add up
@@ -75,6 +67,3 @@ class FSDPContextParallel(StateUnderTheWrapper, FSDP):
         # The CP wrapper is FSDP's root: its forward (not the `LossLM`'s) gathers what the layers leave.
         shard_units(context, layers, self.flattened["dp_cp"], self.cfg, reshard_after_forward=True)
         return context
-
-    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
-        return summed(local_sum)  # each rank's share: its rows' loss over its positions
