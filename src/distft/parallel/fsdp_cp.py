@@ -63,7 +63,7 @@ class FSDPContextParallel(ContextSplit, FSDP):
         # ("dp", "cp"), and "dp_cp" flattened
         self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
         context = ContextParallelLM(model, self.mesh.get_group("cp"), self.cfg.parallel.cp_method)
-        layers = list(causal_lm(model.lm).model.layers) if self.cfg.parallel.fsdp_wrap == "layer" else []
+        layers = causal_lm(model.lm).model.layers
         # The CP wrapper is FSDP's root: its forward (not the `LossLM`'s) gathers what the layers leave.
         shard_units(context, layers, self.flattened["dp_cp"], self.cfg, reshard_after_forward=True)
         return context

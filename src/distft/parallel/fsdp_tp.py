@@ -5,7 +5,7 @@ neighbouring ranks). Each TP group of `tp` ranks is one model replica split by t
 and reads one data-parallel shard of the global batch; FSDP shards each rank's TP slice across the
 `dp` ranks that hold the same slice. Built as torchtitan does: TP first (the plan and LoRA
 treatment of `tensor_parallel.py`), then FSDP2 `fully_shard(..., mesh=mesh["dp"])` per decoder
-layer and root (`fsdp.apply_fsdp`), which turns every parameter into a DTensor on the 2D mesh.
+layer and root (`fsdp.shard_units`), which turns every parameter into a DTensor on the 2D mesh.
 
 What each rank holds, with dp = tp = 2 (rank = 2 dp_index + tp_index):
 - of a column-parallel projection (q, k, v, gate, up: out/tp rows per TP rank) and its lora_B:
@@ -55,7 +55,7 @@ from distft.layout import ParallelDims
 from distft.model import causal_lm
 from distft.parallel.base import Strategy, summed
 from distft.parallel.dims import build_mesh
-from distft.parallel.fsdp import FSDP, apply_fsdp
+from distft.parallel.fsdp import FSDP, shard_units
 from distft.parallel.tensor_parallel import (
     check_tp_degree,
     head_norms,
@@ -97,7 +97,7 @@ class FSDPTensorParallel(ExpertShards, Strategy):
         for layer in layers:  # 1. TP inside each layer, on the inner dimension
             parallelize_module(layer, self.mesh["tp"], layer_plan(layer))
         splits, partial = split_layers(model, layers, self.mesh["tp"])  # an MoE's experts
-        apply_fsdp(model, self.data_mesh(), self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
+        shard_units(model, layers, self.data_mesh(), self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
         # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
         self.expert_shards, self.expert_mesh = tagged(model, splits), self.mesh["tp"]
         self.partial_grads = partial_gradient_params(head_norms(layers))
