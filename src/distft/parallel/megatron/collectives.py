@@ -1,8 +1,8 @@
 """Autograd-aware collectives for Megatron-style tensor (TP) and sequence (SP) parallelism.
 
-A collective inside a model must carry gradients: each one below is a `torch.autograd.Function`
-whose backward is the collective's adjoint (its transpose as a linear map), so two of them form a
-conjugate pair. Activations run sequence-first, (seq, batch, hidden), so "along the sequence" is
+A collective inside a model must carry gradients: each one below runs through one
+`torch.autograd.Function` (`_Conjugate`) whose backward is the collective's adjoint (its transpose
+as a linear map), so two of them form a conjugate pair. Activations run sequence-first, (seq, batch, hidden), so "along the sequence" is
 dimension 0 and every gathered or scattered buffer is contiguous without a transpose.
 
 | function                      | forward                      | backward                         |
