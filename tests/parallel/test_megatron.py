@@ -23,7 +23,9 @@ from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.parallel.base import unwrap
-from distft.parallel.megatron import TensorSequenceParallel, all_gather_dim, partition_dim
+from distft.parallel.megatron import TensorSequenceParallel
+from distft.parallel.megatron.collectives import all_gather_dim
+from distft.parallel.tensor_parallel import partition_dim
 from tests.helpers import PARITY, assert_same_training, distft, expected_bytes, metrics
 from tests.parallel.test_collectives import run_group
 

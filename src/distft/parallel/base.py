@@ -183,10 +183,7 @@ class Strategy:
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Sum of the loss over the global batch, known on every rank."""
-        if self.env.distributed and self.dp_size > 1:
-            local_sum = local_sum.clone()
-            dist.all_reduce(local_sum)
-        return local_sum
+        return summed(local_sum) if self.env.distributed and self.dp_size > 1 else local_sum
 
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """Trained weights in the unwrapped model's names (`LossLM.lm`), full, on CPU, on rank 0.
@@ -256,6 +253,13 @@ class Strategy:
 
 
 BNB_STATE = "__bnb_optimizer_quant_state__"  # where bitsandbytes nests a tensor's 8-bit state
+
+
+def summed(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`t` summed over the ranks of `group` (None: every rank), in a new tensor (`reduce_loss`)."""
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def optimizer_state_owner(key: str) -> tuple[str, str]:

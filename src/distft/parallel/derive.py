@@ -164,12 +164,9 @@ def _layouts(cfg: Config) -> Iterator[Config]:
         shards = sorted((d for d in range(1, world) if world % d == 0), reverse=True)
     meshes = [(par.tp, par.pp)]
     if spec.sized:
-        tps = (
-            [par.tp] if "parallel.tp" in cfg.explicit else [d for d in range(1, world + 1) if world % d == 0]
-        )
-        pps = (
-            [par.pp] if "parallel.pp" in cfg.explicit else [d for d in range(1, world + 1) if world % d == 0]
-        )
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        tps = [par.tp] if "parallel.tp" in cfg.explicit else divisors
+        pps = [par.pp] if "parallel.pp" in cfg.explicit else divisors
         meshes = sorted(
             ((t, p) for t in tps for p in pps if world % (t * p) == 0), key=lambda d: (d[0] * d[1], d)
         )
@@ -202,10 +199,8 @@ def _fit_batch(cfg: Config) -> dict[str, str] | None:
     """Notes for the batch fields set on `cfg` so that its checks pass, or None if none do."""
     if _passes(cfg):
         return {}
-    strategy = STRATEGIES[cfg.parallel.strategy]
-    if not hasattr(strategy, "pipeline_layout"):
-        return _fit_data_parallel(cfg)
-    return _fit_pipeline(cfg)
+    pipelined = hasattr(STRATEGIES[cfg.parallel.strategy], "pipeline_layout")
+    return _fit_pipeline(cfg) if pipelined else _fit_data_parallel(cfg)
 
 
 def _fit_data_parallel(cfg: Config) -> dict[str, str] | None:

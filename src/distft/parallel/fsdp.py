@@ -35,6 +35,8 @@ Models" (1910.02054); Zhao et al., "PyTorch FSDP" (2304.11277).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -66,17 +68,6 @@ def mixed_precision(cfg: Config, masters: bool = False) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_forward: bool) -> nn.Module:
-    """`fully_shard` each decoder layer, then the root, over `mesh`; set up prefetching.
-
-    Shared by `fsdp`/`zero2` (mesh: every rank), `fsdp+tp` (mesh: the "dp" dimension of the 2D
-    mesh, applied after tensor parallelism, so FSDP shards each rank's TP shard) and `hsdp` (a 2D
-    ("replicate", "shard") mesh: FSDP2 shards over the inner dimension, replicates over the outer)."""
-    # parallel.fsdp_wrap=model: the root is the only unit, gathered whole before forward.
-    layers = list(causal_lm(model.lm).model.layers) if cfg.parallel.fsdp_wrap == "layer" else []
-    return shard_units(model, layers, mesh, cfg, reshard_after_forward)
-
-
 def fsdp_settings(root: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_forward: bool) -> dict:
     """`fully_shard`'s arguments for every unit of `root` over `mesh`: the run's dtypes, offload and
     resharding."""
@@ -93,19 +84,23 @@ def fsdp_settings(root: nn.Module, mesh: DeviceMesh, cfg: Config, reshard_after_
 
 def shard_units(
     root: nn.Module,
-    layers: list[nn.Module],
+    layers: Iterable[nn.Module],
     mesh: DeviceMesh,
     cfg: Config,
     reshard_after_forward: bool,
     ignored: set[nn.Parameter] | None = None,
     inner: list[nn.Module] | None = None,
 ) -> nn.Module:
-    """`fully_shard` each of `layers`, then `root` (what is left: embeddings, final norm, the (tied)
-    lm_head), over `mesh`; the pipelines call it once per stage, `root` being the stage. `ignored`:
-    parameters another dimension holds (`fsdp+ep`'s experts), left as they are; `inner`: a unit
-    already sharded inside each layer (`fsdp+ep`'s experts across its groups), gathered as its layer
-    starts."""
+    """`fully_shard` each of the decoder `layers`, then `root` (what is left: embeddings, final norm,
+    the (tied) lm_head), over `mesh`; set up prefetching. `mesh`: every rank (`fsdp`, `zero2`), the
+    "dp" dimension after tensor parallelism, so that FSDP shards each rank's TP shard (`fsdp+tp`), or
+    a 2D ("replicate", "shard") one, sharded over the inner dimension and replicated over the outer
+    (`hsdp`); the pipelines call it once per stage, `root` being the stage. `ignored`: parameters
+    another dimension holds (`fsdp+ep`'s experts), left as they are; `inner`: a unit already sharded
+    inside each layer (`fsdp+ep`'s experts across its groups), gathered as its layer starts."""
     p = cfg.parallel
+    # parallel.fsdp_wrap=model: the root is the only unit, gathered whole before forward.
+    layers = list(layers) if p.fsdp_wrap == "layer" else []
     shard = fsdp_settings(root, mesh, cfg, reshard_after_forward) | {"ignored_params": ignored}
     for layer in layers:
         fully_shard(layer, **shard)
@@ -143,7 +138,8 @@ class FSDP(Strategy):
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
         mesh, _ = build_mesh(self.spec, self.dims, self.env.device.type)  # ("dp",)
-        return apply_fsdp(model, mesh, self.cfg, self.spec.reshard_after_forward)
+        layers = causal_lm(model.lm).model.layers
+        return shard_units(model, layers, mesh, self.cfg, self.spec.reshard_after_forward)
 
 
 class ZeRO2(FSDP):

@@ -24,22 +24,19 @@ must add up, so each rank scales its loss by dp x cp (`averaged_over`), not dp, 
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.layout import ParallelDims
 from distft.model import causal_lm
 from distft.parallel.context.model import ContextParallelLM
-from distft.parallel.context.strategy import StateUnderTheWrapper, check_attention
+from distft.parallel.context.strategy import ContextSplit
 from distft.parallel.dims import build_mesh
 from distft.parallel.fsdp import FSDP, shard_units
 
 
-class FSDPContextParallel(StateUnderTheWrapper, FSDP):
+class FSDPContextParallel(ContextSplit, FSDP):
     name = "fsdp+cp"
 
     @classmethod
@@ -57,27 +54,16 @@ class FSDPContextParallel(StateUnderTheWrapper, FSDP):
                 "parallel.cp to 2 or more (it must divide --nproc x --nnodes)."
             )
 
-    @classmethod
-    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
-        super().validate_model(cfg, model_config)  # NF4 blocks over every rank under qlora
-        check_attention(cls.name, model_config)
-
     def __init__(self, cfg: Config, env) -> None:
         super().__init__(cfg, env)
         self.averaged_over = env.world_size  # FSDP averages over dp x cp; the cp shares must add up
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        self.mesh, self.flattened = build_mesh(
-            self.spec, self.dims, self.env.device.type
-        )  # ("dp", "cp"), and "dp_cp"
+        # ("dp", "cp"), and "dp_cp" flattened
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
         context = ContextParallelLM(model, self.mesh.get_group("cp"), self.cfg.parallel.cp_method)
-        layers = list(causal_lm(model.lm).model.layers) if self.cfg.parallel.fsdp_wrap == "layer" else []
+        layers = causal_lm(model.lm).model.layers
         # The CP wrapper is FSDP's root: its forward (not the `LossLM`'s) gathers what the layers leave.
         shard_units(context, layers, self.flattened["dp_cp"], self.cfg, reshard_after_forward=True)
         return context
-
-    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
-        local_sum = local_sum.clone()
-        dist.all_reduce(local_sum)  # each rank's share: its rows' loss over its positions
-        return local_sum

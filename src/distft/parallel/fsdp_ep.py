@@ -139,10 +139,9 @@ class FSDPExpertParallel(FSDP):
                 shard_across_groups(module, settings, self.averaged_over)
         # The stacks FSDP2 does not manage, their gradients completed by hand (`after_backward`).
         self.expert_weights = [] if self.cfg.parallel.shard_experts else stacks
-        units = layers if self.cfg.parallel.fsdp_wrap == "layer" else []
         return shard_units(
             model,
-            units,
+            layers,
             self.flattened.get("dp", self.mesh),  # every rank
             self.cfg,
             self.spec.reshard_after_forward,

@@ -86,10 +86,9 @@ class FSDPPipelineParallel(MeshPipeline):
 
     def shard_stage(self, module: StageModule, stage: int) -> None:
         self.split_stage(module)
-        layers = list(module.layers.values()) if self.cfg.parallel.fsdp_wrap == "layer" else []
         embed, lm_head = self.tie
         tied = embed.weight is lm_head.weight
-        shard_units(module, layers, self.mesh["dp"], self.cfg, reshard_after_forward=False)
+        shard_units(module, module.layers.values(), self.mesh["dp"], self.cfg, reshard_after_forward=False)
         # fully_shard replaced the stage's copy of a tied weight by its shard; point the other end
         # (not on this rank) at it too, or it would keep the whole unsharded matrix alive here.
         last = self.layout.num_stages - 1

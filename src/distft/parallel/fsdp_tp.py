@@ -5,7 +5,7 @@ neighbouring ranks). Each TP group of `tp` ranks is one model replica split by t
 and reads one data-parallel shard of the global batch; FSDP shards each rank's TP slice across the
 `dp` ranks that hold the same slice. Built as torchtitan does: TP first (the plan and LoRA
 treatment of `tensor_parallel.py`), then FSDP2 `fully_shard(..., mesh=mesh["dp"])` per decoder
-layer and root (`fsdp.apply_fsdp`), which turns every parameter into a DTensor on the 2D mesh.
+layer and root (`fsdp.shard_units`), which turns every parameter into a DTensor on the 2D mesh.
 
 What each rank holds, with dp = tp = 2 (rank = 2 dp_index + tp_index):
 - of a column-parallel projection (q, k, v, gate, up: out/tp rows per TP rank) and its lora_B:
@@ -43,7 +43,6 @@ torchtitan (2410.06511) for the 2D composition.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -54,9 +53,9 @@ from distft.config import Config
 from distft.errors import ConfigError
 from distft.layout import ParallelDims
 from distft.model import causal_lm
-from distft.parallel.base import Strategy
+from distft.parallel.base import Strategy, summed
 from distft.parallel.dims import build_mesh
-from distft.parallel.fsdp import FSDP, apply_fsdp
+from distft.parallel.fsdp import FSDP, shard_units
 from distft.parallel.tensor_parallel import (
     check_tp_degree,
     head_norms,
@@ -98,7 +97,7 @@ class FSDPTensorParallel(ExpertShards, Strategy):
         for layer in layers:  # 1. TP inside each layer, on the inner dimension
             parallelize_module(layer, self.mesh["tp"], layer_plan(layer))
         splits, partial = split_layers(model, layers, self.mesh["tp"])  # an MoE's experts
-        apply_fsdp(model, self.data_mesh(), self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
+        shard_units(model, layers, self.data_mesh(), self.cfg, reshard_after_forward=True)  # 2. FSDP over dp
         # Looked up after fully_shard, which replaces every parameter by its sharded DTensor.
         self.expert_shards, self.expert_mesh = tagged(model, splits), self.mesh["tp"]
         self.partial_grads = partial_gradient_params(head_norms(layers))
@@ -121,10 +120,9 @@ class FSDPTensorParallel(ExpertShards, Strategy):
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         if self.dims.dp == 1:
             return local_sum  # one data shard: every rank computed the whole loss
-        local_sum = local_sum.clone()  # each TP group computed the loss of its data shard once
+        # Each TP group computed the loss of its data shard once.
         data = self.flattened["dp"] if "dp" in self.flattened else self.mesh["dp"]  # HSDP x TP: flattened
-        dist.all_reduce(local_sum, group=data.get_group())
-        return local_sum
+        return summed(local_sum, group=data.get_group())
 
     def data_mesh(self) -> DeviceMesh:
         """The data-parallel ranks FSDP2 shards over ("dp"; HSDP x TP: its 2D "replicate" x "shard")."""

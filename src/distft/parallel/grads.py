@@ -4,8 +4,7 @@ Every strategy logs the same gradient norm a single process would compute on the
 batch, so their runs compare. What differs is only where each gradient element lives:
 - *shared*: a gradient this rank holds a slice of (an FSDP or TP shard, a pipeline stage's own
   weights), or one that several ranks of the group hold identical copies of (counted 1/copies
-  times on each). Its squared
-  norm is summed over the ranks of `group`.
+  times on each). Its squared norm is summed over the ranks of `group`.
 - *replicated*: a gradient every rank of the group holds whole and equal (DDP after its
   all-reduce, TP's replicated norms after theirs). Counted once, locally.
 Squares are summed in float64: fp32 sums over a 150k x hidden embedding gradient drift by ~1e-5.
@@ -30,19 +29,18 @@ def clip_grad_norm_(
     max_norm: float,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
-    reduce: bool = True,
 ) -> torch.Tensor:
     """The global gradient norm (returned before clipping, a float64 tensor on `device`: reading it is
     the caller's host sync); scales every gradient by
     min(1, max_norm / norm) when `max_norm` > 0, as `torch.nn.utils.clip_grad_norm_` does.
 
-    `shared` holds (gradient, copies) pairs summed over `group` (`reduce=False`: nothing to sum,
-    a single process); `replicated` gradients are counted on this rank alone.
+    `shared` holds (gradient, copies) pairs summed over `group`; `replicated` gradients are counted
+    on this rank alone.
     """
     shared, replicated = list(shared), list(replicated)
     shared_grads = [local(g) for g, _ in shared]
     shared_sum = _sum_of_squares(shared_grads, [c for _, c in shared], device)
-    if reduce and shared:
+    if shared:
         dist.all_reduce(shared_sum, group=group)
     norm = (_sum_of_squares(replicated, None, device) + shared_sum).sqrt()
     if max_norm > 0:

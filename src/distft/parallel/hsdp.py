@@ -5,7 +5,7 @@ node: 0 means --nproc) shard each parameter between them, FSDP2 style, and the w
 groups are replicas of each other, each reading its own part of the global batch (every rank reads
 distinct data: the data-parallel degree is the world size). With 2 nodes of 2 ranks, {0, 1} and
 {2, 3} are the shard groups, {0, 2} and {1, 3} the replicate groups. `fully_shard` takes the 2D
-mesh as is (`fsdp.apply_fsdp`); each parameter becomes a DTensor placed (Replicate(), Shard(0)).
+mesh as is (`fsdp.shard_units`); each parameter becomes a DTensor placed (Replicate(), Shard(0)).
 
 What each rank holds: 1/shard of every parameter (dim-0 shards, padded to a multiple of shard), of
 every gradient, and the optimizer state of its shards: memory as FSDP over one node, whatever the
@@ -42,8 +42,9 @@ from torch import nn
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.layout import ParallelDims
+from distft.model import causal_lm
 from distft.parallel.dims import build_mesh
-from distft.parallel.fsdp import FSDP, apply_fsdp
+from distft.parallel.fsdp import FSDP, shard_units
 
 
 class HSDP(FSDP):
@@ -72,11 +73,11 @@ class HSDP(FSDP):
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         model.to(self.env.device)
-        # Row-major: the shard dimension is the inner one, so a shard group is consecutive ranks (a node).
-        self.mesh, self.flattened = build_mesh(
-            self.spec, self.dims, self.env.device.type
-        )  # ("replicate", "shard"), and "dp"
-        return apply_fsdp(model, self.mesh["replicate", "shard"], self.cfg, reshard_after_forward=True)
+        # ("replicate", "shard"), and "dp" flattened. Row-major: the shard dimension is the inner one,
+        # so a shard group is consecutive ranks (a node).
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
+        layers, mesh = causal_lm(model.lm).model.layers, self.mesh["replicate", "shard"]
+        return shard_units(model, layers, mesh, self.cfg, reshard_after_forward=True)
 
     def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         # Reduce-scatter inside the node every micro-batch (gradients stay sharded); all-reduce

@@ -30,15 +30,13 @@ Papers: Megatron-LM (1909.08053); PyTorch FSDP (2304.11277, hybrid sharding); to
 
 from __future__ import annotations
 
-import contextlib
-
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.layout import ParallelDims
 from distft.parallel.fsdp_tp import FSDPTensorParallel
+from distft.parallel.hsdp import HSDP
 
 
 class HSDPTensorParallel(FSDPTensorParallel):
@@ -58,7 +56,5 @@ class HSDPTensorParallel(FSDPTensorParallel):
     def data_mesh(self) -> DeviceMesh:
         return self.mesh["replicate", "shard"]
 
-    def accumulating(self, model: nn.Module, last_micro_batch: bool) -> contextlib.AbstractContextManager:
-        # Reduce-scatter inside the node every micro-batch; all-reduce across replicas after the last.
-        model.set_requires_all_reduce(last_micro_batch)
-        return contextlib.nullcontext()
+    # Reduce-scatter inside the node every micro-batch; all-reduce across replicas after the last.
+    accumulating = HSDP.accumulating

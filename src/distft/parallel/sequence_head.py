@@ -6,8 +6,8 @@ preference objective needs whole sequences instead, so each sequence's log-proba
 over the ranks first (`sequence_logps`: one all-reduce whose backward sums the ranks' gradient
 shares) and every rank computes the objective's head whole, as its `share` of the loss. A model
 mixes this in and gives `hidden_states` (the final norm's output on its positions, their labels,
-a packed row's documents), `sequence_logps`, `with_router_term` (an MoE's auxiliary losses over
-its positions), `share` and `adapters_off` (the base under disabled adapters, the reference).
+a packed row's documents), `sequence_logps`, `router_term` (an MoE's auxiliary losses over its
+positions), `share` and `adapters_off` (the base under disabled adapters, the reference).
 """
 
 from __future__ import annotations
@@ -49,6 +49,21 @@ class SequenceSplitHead:
             self.with_router_term, input_ids=input_ids, attention_mask=attention_mask
         )
         return module.preference_head(logps, counts, base, preference, self.share, router_term)
+
+    def with_router_term(
+        self,
+        loss: torch.Tensor,
+        units: torch.Tensor,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The loss carrying the routers' auxiliary losses over this rank's positions (`router_term`),
+        when the model is a mixture of experts that routed in this forward."""
+        router = self.module.router
+        if router is None or not router.caught:
+            return loss
+        term = self.router_term(router, torch.as_tensor(units, device=loss.device), input_ids, attention_mask)
+        return loss if term is None else loss + term
 
     @property
     def share(self) -> float:

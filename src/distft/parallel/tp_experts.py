@@ -155,12 +155,9 @@ def split_layers(
     """`shard_experts` on every MoE layer of `layers`. Returns the shards' splits and the names of
     the partial-gradient parameters, by name in `model`: FSDP2's `fully_shard` replaces every
     parameter by a new one, so `fsdp+tp` and `fsdp+tp+pp` find them again by name (`tagged`)."""
-    shards: list[nn.Parameter] = []
-    partial: list[nn.Parameter] = []
-    for layer in layers:
-        if hasattr(layer.mlp, "experts"):
-            layer_shards, layer_partial = shard_experts(layer.mlp.experts, mesh)
-            shards, partial = shards + layer_shards, partial + layer_partial
+    cuts = [shard_experts(layer.mlp.experts, mesh) for layer in layers if hasattr(layer.mlp, "experts")]
+    shards = [p for layer_shards, _ in cuts for p in layer_shards]
+    partial = [p for _, layer_partial in cuts for p in layer_partial]
     names = {id(p): name for name, p in model.named_parameters()}
     return {names[id(p)]: p.tp_split for p in shards}, {names[id(p)] for p in partial}
 
@@ -198,10 +195,10 @@ class ExpertShards:
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         # Other DTensor shards go to DCP as they are; the experts' shards whole.
         state = super().checkpoint_state(model, optimizer)  # type: ignore[misc]
-        return whole_expert_state(state, dict(unwrap(model).named_parameters()), self.expert_mesh)
+        return expert_state(state, dict(unwrap(model).named_parameters()), self.expert_mesh, gather=True)
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        state = local_expert_state(state, dict(unwrap(model).named_parameters()), self.expert_mesh)
+        state = expert_state(state, dict(unwrap(model).named_parameters()), self.expert_mesh, gather=False)
         super().load_checkpoint_state(model, optimizer, state)  # type: ignore[misc]
 
 
@@ -234,22 +231,12 @@ def _leave(module: nn.Module, args: tuple, output: torch.Tensor, mesh: DeviceMes
     return sum_out(output, mesh)  # (T, h): each rank's features' share of every token's output
 
 
-def whole_expert_state(state: dict, params: dict[str, nn.Parameter], mesh: DeviceMesh) -> dict:
+def expert_state(state: dict, params: dict[str, nn.Parameter], mesh: DeviceMesh, gather: bool) -> dict:
     """A checkpoint's state (`Strategy.checkpoint_state`: model and flattened optimizer state) with
     every expert shard, and every optimizer tensor of a shard's shape (AdamW's moments), gathered
-    whole (an all-gather each); `params`: the model's parameters by name."""
-    return {
-        part: {k: _convert(k, v, params, mesh, gather=True) for k, v in state[part].items()} for part in state
-    }
-
-
-def local_expert_state(state: dict, params: dict[str, nn.Parameter], mesh: DeviceMesh) -> dict:
-    """The reverse of `whole_expert_state` once a checkpoint is loaded: each whole expert tensor
-    cut to this rank's slice."""
-    return {
-        part: {k: _convert(k, v, params, mesh, gather=False) for k, v in state[part].items()}
-        for part in state
-    }
+    whole (`gather`: an all-gather each), or the reverse once a checkpoint is loaded: each whole
+    expert tensor cut to this rank's slice. `params`: the model's parameters by name."""
+    return {part: {k: _convert(k, v, params, mesh, gather) for k, v in state[part].items()} for part in state}
 
 
 def _convert(

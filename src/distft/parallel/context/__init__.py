@@ -52,15 +52,6 @@ with 2N load-balanced chunks is Llama 3's (Dubey et al., 2407.21783, section 3.3
 
 from __future__ import annotations
 
-from distft.parallel.context.attention import CONTEXT, ContextShard, context_attention, gather_kv
-from distft.parallel.context.model import ContextParallelLM
 from distft.parallel.context.strategy import ContextParallel
 
-__all__ = [
-    "CONTEXT",
-    "ContextParallel",
-    "ContextParallelLM",
-    "ContextShard",
-    "context_attention",
-    "gather_kv",
-]
+__all__ = ["ContextParallel"]

@@ -62,24 +62,16 @@ class ContextParallelLM(SequenceSplitHead, nn.Module):
         index = torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in (head, tail)])
         return length, index
 
-    def with_router_term(
-        self,
-        loss: torch.Tensor,
-        units: torch.Tensor,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The loss carrying this rank's share of the routers' auxiliary losses (a mixture of
-        experts), pooled over every rank's tokens but the padding and the fill."""
-        router = self.module.router
-        if router is None or not router.caught:
-            return loss
+    def router_term(
+        self, router, units: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """This rank's share of the routers' auxiliary losses (a mixture of experts), pooled over
+        every rank's tokens but the padding and the fill."""
         seq = input_ids.shape[1]
         real = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         real = F.pad(real, (0, padded_length(seq, self.world) - seq), value=0)
         index = self.local_positions(real.shape[1], real.device)[1]
-        term = router.split_term(torch.as_tensor(units, device=loss.device), real[:, index], self.group)
-        return loss if term is None else loss + term
+        return router.split_term(units, real[:, index], self.group)
 
     def sequence_logps(
         self, hidden, labels, documents, grad: bool = False

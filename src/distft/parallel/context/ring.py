@@ -60,10 +60,7 @@ def _blocks(shard, source: int):
                 yield (
                     slice(a * length, (a + 1) * length),
                     slice(b * length, (b + 1) * length),
-                    (
-                        query_chunk,
-                        key_chunk,
-                    ),
+                    (query_chunk, key_chunk),
                 )
 
 

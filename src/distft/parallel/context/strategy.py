@@ -17,21 +17,29 @@ by the global count of labelled positions, which every rank counts itself from t
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig
 
 from distft.config import Config
 from distft.errors import ConfigError
-from distft.parallel.base import Strategy, unwrap
+from distft.parallel.base import Strategy, summed, unwrap
 from distft.parallel.context.model import ContextParallelLM
 from distft.parallel.grads import all_reduce_flat
 
 
-class StateUnderTheWrapper:
-    """Checkpoints in the single model's names: the state of the `LossLM` under the CP wrapper,
-    whose `module.` prefix would otherwise hide every name from the base class's filter. List it
-    before the strategy class it extends."""
+class ContextSplit:
+    """What `cp` and `fsdp+cp` share (list it before the strategy class it extends): the attention
+    the CP wrapper computes checked (`check_attention`), the loss summed over every rank, and
+    checkpoints in the single model's names: the state of the `LossLM` under the CP wrapper, whose
+    `module.` prefix would otherwise hide every name from the base class's filter."""
+
+    @classmethod
+    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
+        super().validate_model(cfg, model_config)  # type: ignore[misc]  # NF4 blocks under qlora
+        check_attention(cls.name, model_config)  # type: ignore[attr-defined]
+
+    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
+        return summed(local_sum)  # each rank's share: its rows' loss over its positions
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         return super().checkpoint_state(unwrap(model), optimizer)  # type: ignore[misc]
@@ -40,13 +48,8 @@ class StateUnderTheWrapper:
         super().load_checkpoint_state(unwrap(model), optimizer, state)  # type: ignore[misc]
 
 
-class ContextParallel(StateUnderTheWrapper, Strategy):
+class ContextParallel(ContextSplit, Strategy):
     name = "cp"
-
-    @classmethod
-    def validate_model(cls, cfg: Config, model_config: PretrainedConfig) -> None:
-        super().validate_model(cfg, model_config)  # NF4 blocks under qlora
-        check_attention(cls.name, model_config)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         return ContextParallelLM(model.to(self.env.device), group=None, method=self.cfg.parallel.cp_method)
@@ -54,11 +57,6 @@ class ContextParallel(StateUnderTheWrapper, Strategy):
     def after_backward(self, model: nn.Module) -> None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         all_reduce_flat(grads)  # one collective: each rank held its positions' share
-
-    def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
-        local_sum = local_sum.clone()
-        dist.all_reduce(local_sum)  # each rank's share: the loss over its positions
-        return local_sum
 
 
 def check_attention(strategy: str, model_config: PretrainedConfig) -> None:

@@ -17,35 +17,7 @@ Recomputation in Large Transformer Models" (2205.05198).
 
 from __future__ import annotations
 
-from distft.parallel.megatron.collectives import (
-    all_gather,
-    all_gather_dim,
-    all_reduce,
-    copy_to_tp_region,
-    gather_from_sp_region,
-    reduce_from_tp_region,
-    reduce_scatter,
-    reduce_scatter_to_sp_region,
-)
-from distft.parallel.megatron.layers import PLAN, ColumnParallelLinear, ParallelLinear, RowParallelLinear
-from distft.parallel.megatron.model import MegatronLM
+from distft.parallel.megatron.layers import PLAN
 from distft.parallel.megatron.strategy import TensorSequenceParallel
-from distft.parallel.tensor_parallel import partition_dim
 
-__all__ = [
-    "PLAN",
-    "ColumnParallelLinear",
-    "MegatronLM",
-    "ParallelLinear",
-    "RowParallelLinear",
-    "TensorSequenceParallel",
-    "all_gather",
-    "all_gather_dim",
-    "all_reduce",
-    "copy_to_tp_region",
-    "gather_from_sp_region",
-    "partition_dim",
-    "reduce_from_tp_region",
-    "reduce_scatter",
-    "reduce_scatter_to_sp_region",
-]
+__all__ = ["PLAN", "TensorSequenceParallel"]

@@ -1,8 +1,8 @@
 """Autograd-aware collectives for Megatron-style tensor (TP) and sequence (SP) parallelism.
 
-A collective inside a model must carry gradients: each one below is a `torch.autograd.Function`
-whose backward is the collective's adjoint (its transpose as a linear map), so two of them form a
-conjugate pair. Activations run sequence-first, (seq, batch, hidden), so "along the sequence" is
+A collective inside a model must carry gradients: each one below runs through one
+`torch.autograd.Function` (`_Conjugate`) whose backward is the collective's adjoint (its transpose
+as a linear map), so two of them form a conjugate pair. Activations run sequence-first, (seq, batch, hidden), so "along the sequence" is
 dimension 0 and every gathered or scattered buffer is contiguous without a transpose.
 
 | function                      | forward                      | backward                         |
@@ -68,78 +68,55 @@ def all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = 
     return all_gather(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
 
 
-# ---- the four conjugate pairs ------------------------------------------------------------------
+# ---- the conjugate pairs -----------------------------------------------------------------------
 
 
-class _CopyToTPRegion(torch.autograd.Function):
+def _same(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The identity, as a view (an autograd Function's output must not be its input)."""
+    return x.view_as(x)
+
+
+class _Conjugate(torch.autograd.Function):
+    """Forward: `forward_fn(x, group)`. Backward: `backward_fn(grad, group)`, its adjoint."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.backward_fn(grad, ctx.group), None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Forward: identity. Backward: all-reduce, summing each rank's partial input gradient."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce(grad, ctx.group), None
+    return _Conjugate.apply(x, group, _same, all_reduce)
 
 
-class _ReduceFromTPRegion(torch.autograd.Function):
+def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Forward: all-reduce the partial sums. Backward: identity (every rank already has the full grad)."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        return all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    return _Conjugate.apply(x, group, all_reduce, _same)
 
 
-class _GatherFromSPRegion(torch.autograd.Function):
-    """Forward: all-gather the sequence shards. Backward: reduce-scatter the full-sequence gradients."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter(grad, ctx.group), None
+def gather_from_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """(seq / N, batch, hidden) on each rank -> (seq, batch, hidden) on every rank. Backward:
+    reduce-scatter of the full-sequence gradients."""
+    return _Conjugate.apply(x, group, all_gather, reduce_scatter)
 
 
-class _ReduceScatterToSPRegion(torch.autograd.Function):
-    """Forward: reduce-scatter partial sums into sequence shards. Backward: all-gather the shard gradients."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather(grad, ctx.group), None
-
-
-class _AllReduceShares(torch.autograd.Function):
-    """Forward: all-reduce. Backward: all-reduce. For a value every rank then computes the same loss
-    from, each rank backpropagating its share of it: the shares' gradients sum to the loss's."""
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        return all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce(grad, ctx.group), None
+def reduce_scatter_to_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """(seq, batch, hidden) partial sums on each rank -> this rank's (seq / N, batch, hidden) of the
+    sum. Backward: all-gather of the shard gradients."""
+    return _Conjugate.apply(x, group, reduce_scatter, all_gather)
 
 
 def all_reduce_shares(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The sum over the ranks of `x` (each rank's part of a whole: a sequence shard's log-probability
-    sums), where each rank then computes its share of one loss (`MegatronLM`'s preference head)."""
-    return _AllReduceShares.apply(x, group)
+    sums), where each rank then computes its share of one loss (`MegatronLM`'s preference head).
+    Backward: all-reduce too, each rank backpropagating its share: the shares' gradients sum to
+    the loss's."""
+    return _Conjugate.apply(x, group, all_reduce, all_reduce)
 
 
 def sequence_sums(
@@ -150,21 +127,3 @@ def sequence_sums(
     both = torch.stack([logps, counts])
     both = all_reduce_shares(both, group) if grad and torch.is_grad_enabled() else all_reduce(both, group)
     return both[0], both[1]
-
-
-def copy_to_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    return _CopyToTPRegion.apply(x, group)
-
-
-def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    return _ReduceFromTPRegion.apply(x, group)
-
-
-def gather_from_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """(seq / N, batch, hidden) on each rank -> (seq, batch, hidden) on every rank."""
-    return _GatherFromSPRegion.apply(x, group)
-
-
-def reduce_scatter_to_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """(seq, batch, hidden) partial sums on each rank -> this rank's (seq / N, batch, hidden) of the sum."""
-    return _ReduceScatterToSPRegion.apply(x, group)

@@ -88,11 +88,9 @@ class MegatronLM(SequenceSplitHead, nn.Module):
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a block: the full (S, B, H) every rank needs for its column projections."""
-        return (
-            gather_from_sp_region(x, self.group)
-            if self.sequence_parallel
-            else copy_to_tp_region(x, self.group)
-        )
+        if self.sequence_parallel:
+            return gather_from_sp_region(x, self.group)
+        return copy_to_tp_region(x, self.group)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
         """Out of a block: sum the row projection's partial (S, B, H); with SP keep this rank's S/N."""
@@ -107,31 +105,19 @@ class MegatronLM(SequenceSplitHead, nn.Module):
     def adapters_off(self) -> contextlib.AbstractContextManager:
         return adapters_disabled(self.module.lm)  # the shards carry no peft state to switch
 
-    def with_router_term(
-        self,
-        loss: torch.Tensor,
-        units: torch.Tensor,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The loss carrying the routers' auxiliary losses (a mixture of experts). Each rank routed
-        its own positions of every row, sequence-first: with SP its shard, pooled over the ranks
-        as context parallelism pools them (the fill that evens the shards left out); without, all
-        of them, as one process does."""
-        router = self.module.router
-        if router is None or not router.caught:
-            return loss
-        units = torch.as_tensor(units, device=loss.device)
+    def router_term(
+        self, router, units: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The routers' auxiliary losses (a mixture of experts). Each rank routed its own positions of
+        every row, sequence-first: with SP its shard, pooled over the ranks as context parallelism
+        pools them (the fill that evens the shards left out); without, all of them, as one process
+        does."""
         real = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).t().float()
         if not self.sequence_parallel:  # (S, B): the order the router saw the positions in
-            term = router.term(units, None if attention_mask is None else real)
-        else:
-            real = F.pad(real, (0, 0, 0, -real.shape[0] % self.world), value=0)
-            positions = real.shape[0] // self.world
-            term = router.split_term(
-                units, real[self.rank * positions : (self.rank + 1) * positions], self.group
-            )
-        return loss if term is None else loss + term
+            return router.term(units, None if attention_mask is None else real)
+        real = F.pad(real, (0, 0, 0, -real.shape[0] % self.world), value=0)
+        positions = real.shape[0] // self.world
+        return router.split_term(units, real[self.rank * positions : (self.rank + 1) * positions], self.group)
 
     def hidden_states(
         self,

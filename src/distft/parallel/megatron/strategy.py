@@ -45,7 +45,6 @@ slices of their stack each, which no single placement describes, are written who
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -54,7 +53,7 @@ from transformers import PretrainedConfig
 from distft.config import Config
 from distft.errors import ConfigError
 from distft.model import causal_lm
-from distft.parallel.base import Strategy, optimizer_state_owner, unwrap
+from distft.parallel.base import Strategy, optimizer_state_owner, summed, unwrap
 from distft.parallel.dims import build_mesh
 from distft.parallel.grads import all_reduce_flat
 from distft.parallel.megatron.collectives import all_gather_dim
@@ -89,10 +88,8 @@ class TensorSequenceParallel(ExpertShards, Strategy):
         if self.expert_shards:  # an MoE's shards are gathered whole over it (`tp_experts`)
             self.expert_mesh = self.mesh = self.tp_mesh()
         self.sequence_parallel = self.cfg.parallel.sequence_parallel
-        if (
-            self.sequence_parallel
-        ):  # every replicated weight sees a sequence shard, its heads or a partial sum
-            scope = [model]
+        if self.sequence_parallel:
+            scope = [model]  # every replicated weight sees a sequence shard, its heads or a partial sum
         else:  # inside the blocks only; the replicated residual stream gets complete gradients,
             # as does a router, which routes it before f (`MegatronLM.experts`)
             layers = causal_lm(model.lm).model.layers
@@ -117,9 +114,7 @@ class TensorSequenceParallel(ExpertShards, Strategy):
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             return local_sum  # every rank computed the whole loss
-        local_sum = local_sum.clone()
-        dist.all_reduce(local_sum)  # each rank's share: the loss over its sequence shard
-        return local_sum
+        return summed(local_sum)  # each rank's share: the loss over its sequence shard
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The checkpoint of the unsplit model, each rank writing its shards (module docstring).
@@ -159,16 +154,7 @@ class TensorSequenceParallel(ExpertShards, Strategy):
         state = {part: {k: local(v) for k, v in state[part].items()} for part in ("model", "optim")}
         super().load_checkpoint_state(unwrap(model), optimizer, state)
 
-    def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """Trainable weights under the single-model names, shards gathered (a collective each), on rank 0."""
-        state = {}
-        for name, param in unwrap(model).lm.named_parameters():
-            if param.requires_grad:
-                full = self.whole_parameter(param).detach()
-                if self.env.is_main:
-                    state[name] = full.cpu().clone()
-        return state if self.env.is_main else None
-
     def whole_parameter(self, p: torch.Tensor) -> torch.Tensor:
+        """A shard gathered (a collective each), for the base class's `trainable_state_dict`."""
         dim = partition_dim(p)  # None: replicated, or an MoE's expert shard (`ExpertShards`)
         return all_gather_dim(p, dim) if dim is not None else super().whole_parameter(p)

@@ -12,16 +12,7 @@ Timing the passes and writing the timeline is measurement: `distft.measure.pipel
 
 from __future__ import annotations
 
-from distft.parallel.pipeline.layout import SCHEDULES, Layout, layout, theoretical_idle_fraction
-from distft.parallel.pipeline.stages import PipelineModel, StageModule
+from distft.parallel.pipeline.layout import SCHEDULES, Layout, layout
 from distft.parallel.pipeline.strategy import PipelineParallel
 
-__all__ = [
-    "SCHEDULES",
-    "Layout",
-    "PipelineModel",
-    "PipelineParallel",
-    "StageModule",
-    "layout",
-    "theoretical_idle_fraction",
-]
+__all__ = ["SCHEDULES", "Layout", "PipelineParallel", "layout"]

@@ -50,6 +50,7 @@ from distft.config import Config
 from distft.errors import ConfigError, DamagedFileError
 from distft.model import model_config
 from distft.parallel.pipeline.cost import CostModel, balanced_cut, even_cut, imbalance, stage_costs
+from distft.parallel.pipeline.layout import cut_layers
 from distft.parallel.registry import STRATEGIES
 
 TIMELINE = "pipeline_timeline.json"  # what every pipeline run writes on its last step
@@ -219,16 +220,12 @@ def calibrate(cfg: Config, run_dir: str | Path, overrides: Sequence[str] = ()) -
             f"has {layers}. Calibrate from a run of the same model."
         )
     stages = strategy.pipeline_layout(cfg).num_stages
-    if stages > layers:
-        raise ConfigError(
-            f"{stages} pipeline stages need at least one decoder layer each, but {cfg.model.name} has {layers}."
-        )
     return Calibration(
         source=str(run_dir),
         schedule=str(timeline["schedule"]),
         measured_cut=tuple(timeline["layers_per_stage"]),
         costs=costs,
-        cut=costs.balanced_cut(stages),
+        cut=cut_layers("balanced", costs, stages, cfg.model.name),  # ConfigError: more stages than layers
         modelled_cut=CostModel.for_run(cfg, architecture).balanced_cut(stages),
         even=even_cut(layers, stages),
     )

@@ -9,8 +9,8 @@ checks the schedule and the batch before launch, when the architecture may not b
 `Layout.cut` then fixes the layers, the same way wherever the architecture is known (the strategy,
 the planner). Looped schedules put stage s on rank s mod p; V-shaped ones (zbv) go down the ranks
 and back, so rank 0 holds the first and the last stage. Nothing is sent here: `Layout` only answers
-where things live, and `theoretical_idle_fraction` is the one bubble formula (equal stage times,
-free messages) that the strategy's timeline and the planner both report.
+where things live, and `Layout.theoretical_idle_fraction` is the one bubble formula (equal stage
+times, free messages) that the strategy's timeline and the planner both report.
 """
 
 from __future__ import annotations
@@ -41,21 +41,6 @@ SCHEDULES: dict[str, tuple[type, int, bool]] = {
 }
 SINGLE_STAGE = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle: exactly one stage per rank
 SPLIT_BACKWARD = ("zero-bubble", "zbv")  # backward split into input (B) and weight (W) passes
-
-
-def theoretical_idle_fraction(
-    schedule: str, ranks: int, microbatches: int, stages_per_rank: int = 1
-) -> float:
-    """Idle share of each rank's step with equal stage times and free messages (docs/pp.md).
-
-    Each rank waits p-1 slots while the pipeline fills and drains, out of m busy ones:
-    (p-1)/(m+p-1) for gpipe and 1f1b alike; interleaving makes a slot V times shorter,
-    (p-1)/(V m+p-1); zero bubble, with F = B = W, leaves p-1 single-unit slots of 3 V m busy ones.
-    """
-    p, m, v = ranks, microbatches, stages_per_rank
-    if schedule in SPLIT_BACKWARD:  # F = B(input) = W: 3 V m busy units per rank
-        return (p - 1) / (3 * v * m + p - 1)
-    return (p - 1) / (v * m + p - 1)  # V = 1 for gpipe and 1f1b
 
 
 @dataclass(frozen=True)
@@ -109,8 +94,16 @@ class Layout:
         return replace(self, layers_per_stage=cut_layers(split, costs, self.num_stages, model))
 
     def theoretical_idle_fraction(self) -> float:
-        """This pipeline's bubble with equal stage times (`theoretical_idle_fraction`)."""
-        return theoretical_idle_fraction(self.schedule, self.ranks, self.microbatches, self.stages_per_rank)
+        """Idle share of each rank's step with equal stage times and free messages (docs/pp.md).
+
+        Each rank waits p-1 slots while the pipeline fills and drains, out of m busy ones:
+        (p-1)/(m+p-1) for gpipe and 1f1b alike; interleaving makes a slot V times shorter,
+        (p-1)/(V m+p-1); zero bubble, with F = B = W, leaves p-1 single-unit slots of 3 V m busy ones.
+        """
+        p, m, v = self.ranks, self.microbatches, self.stages_per_rank
+        if self.schedule in SPLIT_BACKWARD:  # F = B(input) = W: 3 V m busy units per rank
+            return (p - 1) / (3 * v * m + p - 1)
+        return (p - 1) / (v * m + p - 1)  # V = 1 for gpipe and 1f1b
 
 
 def layout(cfg: Config, ranks: int | None = None, replicas: int = 1) -> Layout:

@@ -35,13 +35,10 @@ class MeshPipeline(PipelineParallel):
         dims = ParallelDims.of(cls.spec, cfg)  # dp x tp x pp = world size, else a ConfigError
         name, world = cls.name, cfg.world_size
         if "tp" not in cls.spec.dims and dims.tp != 1:
+            with_tp = "; for tensor parallelism inside each stage use --strategy fsdp+tp+pp"
             raise ConfigError(
                 f"--strategy {name} takes parallel.dp and parallel.pp; parallel.tp must be 1 (got {dims.tp})"
-                + (
-                    "; for tensor parallelism inside each stage use --strategy fsdp+tp+pp."
-                    if "fsdp" in name
-                    else "."
-                )
+                f"{with_tp if 'fsdp' in name else ''}."
             )
         if "tp" in cls.spec.dims and dims.tp < 2:
             raise ConfigError(
@@ -62,9 +59,8 @@ class MeshPipeline(PipelineParallel):
         super().validate_config(cfg)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        self.mesh, self.flattened = build_mesh(
-            self.spec, self.dims, self.env.device.type
-        )  # ("pp", "dp"[, "tp"])
+        # ("pp", "dp"[, "tp"])
+        self.mesh, self.flattened = build_mesh(self.spec, self.dims, self.env.device.type)
         self.dp_group = self.mesh["dp"].get_group()
         view = super().parallelize(model)
         assert dist.get_process_group_ranks(self.pp_group) == self.pp_ranks

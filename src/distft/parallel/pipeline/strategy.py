@@ -40,7 +40,7 @@ from distft.data.pairs import blank_preference, rows_per_item
 from distft.errors import ConfigError
 from distft.layout.rules import stage_split
 from distft.model.preference import labelled_sequences
-from distft.parallel.base import Batch, Strategy
+from distft.parallel.base import Batch, Strategy, summed
 from distft.parallel.pipeline.cost import CostModel
 from distft.parallel.pipeline.layout import Layout, layout
 from distft.parallel.pipeline.stages import (
@@ -293,9 +293,7 @@ class PipelineParallel(Strategy):
 
     def reduce_loss(self, local_sum: torch.Tensor) -> torch.Tensor:
         """Only the last stage's rank has a loss; a sum over ranks gives it to everyone."""
-        local_sum = local_sum.clone()
-        dist.all_reduce(local_sum)
-        return local_sum
+        return summed(local_sum)
 
     def trainable_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """Every rank's trained parameters, gathered on rank 0 under the single model's names.
@@ -325,5 +323,3 @@ class PipelineParallel(Strategy):
     def actions(self) -> list[list[Action]]:
         """Each pipeline rank's F/B/W passes in the order this schedule runs them."""
         return schedule_actions(self.layout, self.schedule)
-
-    # -- figures -------------------------------------------------------------------------------
