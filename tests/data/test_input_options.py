@@ -25,16 +25,23 @@ from distft.data import (
     load_tokenizer,
     pack,
     row_from_record,
-    trained_texts,
 )
 from distft.data.cache import cache_key, cache_path, open_or_build
 from distft.data.formats import ChatRow, Message
+from distft.data.preview import decode, loss_spans
 from distft.data.tokenizer import save_tokenizer, with_chat_template
 from distft.errors import ConfigError, DataError
 from distft.train.prepare import prepare_data, resolve_local_paths
 from tests.data.test_formats import assert_shifted, targets
 
 END = "<|im_end|>"
+
+
+def trained_texts(tokenizer, example) -> list[str]:
+    """The decoded text of each run of tokens that carries loss, special tokens included."""
+    return [decode(tokenizer, example.input_ids[s.start : s.end]) for s in loss_spans(example) if s.trained]
+
+
 # One row of each format, and a text of its prompt that loss reaches only with train_on_inputs.
 RECORDS = {
     "summary": ({"transcript": "Anna: we ship on Friday.", "summary": "Ships Friday."}, "we ship on Friday"),

@@ -11,6 +11,7 @@ from distft.config import ModelConfig
 from distft.measure.overlap import CommTimeline
 from distft.model import load_base_model
 from distft.model.attention import document_block_mask, packed_attention_masks, resolve_attention
+from distft.tensors import document_ids
 
 LENGTHS = (70, 150, 33, 200)  # four documents, crossing 128-token tiles mid-document
 
@@ -44,7 +45,7 @@ def packed(model, ids, positions) -> torch.Tensor:
 
 def test_document_block_mask_skips_other_documents_tiles():
     _, positions = packed_row()
-    mask = document_block_mask(positions)
+    mask = document_block_mask(document_ids(positions))
     dense = mask.to_dense()[0, 0]  # (q tiles, kv tiles): 1 where a tile is computed
     n = dense.shape[0]
     assert n == 4  # 453 tokens in 128-token tiles

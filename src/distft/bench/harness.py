@@ -153,6 +153,12 @@ def run_train(argv: list[str], out: Path) -> float:
     return wall
 
 
+def medians(records: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
+    """Each key's median over the records that hold a value for it (none: the key left out)."""
+    values = {key: [r[key] for r in records if r.get(key) is not None] for key in keys}
+    return {key: statistics.median(v) for key, v in values.items() if v}
+
+
 def run_strategy(
     settings: BenchSettings, strategy: str, out: Path, extra: tuple[str, ...] = ()
 ) -> StrategyResult:
@@ -161,16 +167,11 @@ def run_strategy(
     measured = records[settings.warmup :] or records
     first = records[0]
     extra = {k: v for k, v in records[-1].items() if k.startswith("pp_")}
-    for key in STEP_FIGURES:  # pipeline bubble and stage imbalance: measured, in theory, modelled
-        values = [r[key] for r in measured if r.get(key) is not None]
-        if values:
-            extra[key] = statistics.median(values)
+    # the pipeline bubble and stage imbalance: measured, in theory, modelled
+    extra |= medians(measured, STEP_FIGURES)
     if "startup_s" in first:  # command start to step 1, and step 1 itself (compilation runs there)
         extra.update(startup_s=first["startup_s"], first_step_s=first["step_time_s"])
-    for key in OVERLAP_KEYS:  # distft.measure.overlap
-        values = [r[key] for r in measured if r.get(key) is not None]
-        if values:
-            extra[key] = statistics.median(values)
+    extra |= medians(measured, OVERLAP_KEYS)  # distft.measure.overlap
     if all(r.get("mfu") is not None for r in measured):  # null off a known GPU (distft.measure.flops)
         extra["mfu"] = statistics.median(r["mfu"] for r in measured)
     return StrategyResult(

@@ -14,49 +14,42 @@ from distft.data.batches import (
     pack,
     rank_micro_batches,
 )
-from distft.data.cache import TokenCache, open_or_build, tokenized_splits
+from distft.data.cache import open_or_build, tokenized_splits
 from distft.data.chat import IGNORE, ChatFormatter, Example, TokenizedSplit, skipped_line, tokenize_rows
 from distft.data.files import iter_file
 from distft.data.formats import (
-    KNOWN_SCHEMAS,
     ChatRow,
     Message,
     Row,
     SummaryRow,
-    detect_format,
-    messages_of,
     prompt_and_reference,
     row_format,
     row_from_record,
 )
 from distft.data.mixture import data_name
-from distft.data.preview import data_format, loss_spans, trained_texts, training_rows
+from distft.data.preview import data_format, loss_spans, training_rows
 from distft.data.rows import LOCAL_SUFFIXES, load_rows, validation_rows
 from distft.data.store import CachedSplit, mean_label_tokens
-from distft.data.template import EndOfTurn, check_chat_template, end_of_turn
+from distft.data.template import check_chat_template, end_of_turn
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 from distft.tensors import document_ids  # packed rows' documents (the model layer needs it too)
 
 __all__ = [
     "IGNORE",
-    "KNOWN_SCHEMAS",
     "LOCAL_SUFFIXES",
     "CachedSplit",
     "ChatFormatter",
     "ChatRow",
-    "EndOfTurn",
     "Example",
     "Message",
     "Row",
     "SummaryRow",
-    "TokenCache",
     "TokenizedSplit",
     "check_chat_template",
     "collate",
     "count_label_tokens",
     "data_format",
     "data_name",
-    "detect_format",
     "document_ids",
     "end_of_turn",
     "global_batch_indices",
@@ -66,7 +59,6 @@ __all__ = [
     "load_tokenizer",
     "loss_spans",
     "mean_label_tokens",
-    "messages_of",
     "micro_batch",
     "open_or_build",
     "pack",
@@ -78,7 +70,6 @@ __all__ = [
     "skipped_line",
     "tokenize_rows",
     "tokenized_splits",
-    "trained_texts",
     "training_rows",
     "validation_rows",
 ]

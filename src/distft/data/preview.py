@@ -90,12 +90,6 @@ def loss_spans(example: Example) -> list[Span]:
     return spans
 
 
-def trained_texts(tokenizer, example: Example, spans: Sequence[Span] | None = None) -> list[str]:
-    """The decoded text of each run of tokens that carries loss, special tokens included."""
-    spans = loss_spans(example) if spans is None else spans
-    return [decode(tokenizer, example.input_ids[s.start : s.end]) for s in spans if s.trained]
-
-
 def decode(tokenizer, ids: Sequence[int]) -> str:
     """Token ids as text, the template's special tokens (`<|im_end|>`) kept: they are trained too."""
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)

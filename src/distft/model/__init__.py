@@ -10,14 +10,12 @@ from transformers.utils import logging as transformers_logging
 
 from distft.model.build import apply_method, load_base_model, model_config, peft_quietly
 from distft.model.lm import LossLM, causal_lm, count_parameters, summed_loss
-from distft.model.presets import DTYPES, PRESETS, QWEN3_VOCAB, Preset, is_preset
+from distft.model.presets import DTYPES, PRESETS, is_preset
 
 __all__ = [
     "DTYPES",
     "PRESETS",
-    "QWEN3_VOCAB",
     "LossLM",
-    "Preset",
     "apply_method",
     "causal_lm",
     "count_parameters",

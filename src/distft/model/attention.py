@@ -76,19 +76,15 @@ def transformers_name(kernel: str) -> str:
 # ---- the document block mask ---------------------------------------------------------------
 
 
-def document_block_mask(position_ids: torch.Tensor, tile: int = TILE) -> BlockMask:
-    """The causal, document-aware BlockMask of packed rows (`position_ids`: (batch, seq)).
+def document_block_mask(docs: torch.Tensor, tile: int = TILE) -> BlockMask:
+    """The causal, document-aware BlockMask of packed rows, from the document index of every
+    position (`docs`: (batch, seq), `distft.tensors.document_ids`).
 
     Documents are contiguous and their ids never decrease along a row, so for query tile i and key
     tile j <= i: they share a document iff the last document of j is >= the first of i, and the
     tile is *full* (every pair allowed, no element-wise check) iff j < i and both tiles lie inside
     one document (first document of j == last document of i).
     """
-    return _block_mask(document_ids(position_ids), tile)
-
-
-def _block_mask(docs: torch.Tensor, tile: int = TILE) -> BlockMask:
-    """`document_block_mask` from the document index of every position (`docs`: (batch, seq))."""
     batch, seq = docs.shape
     n = -(-seq // tile)
     # The last tile's tail continues the last document (an integer pad, valid on every device).
@@ -135,7 +131,7 @@ def packed_attention_masks(config, position_ids: torch.Tensor | None) -> dict:
     mask = None
     if position_ids is not None:
         docs = document_ids(position_ids)
-        mask = DocumentMask(docs, _block_mask(docs) if flex_runs_on(docs.device) else None)
+        mask = DocumentMask(docs, document_block_mask(docs) if flex_runs_on(docs.device) else None)
     return {kind: mask for kind in set(layer_types(config))}
 
 
