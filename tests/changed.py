@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         print(EVERYTHING)
     else:
         counts = f"{len(selection.files)} of {len(all_test_files())} test files"
-        print(f"test-changed: {len(changed)} changed files since {base} reach {counts}", file=sys.stderr)
+        files = f"{len(changed)} changed file{'s' * (len(changed) != 1)}"
+        print(f"test-changed: {files} since {base} reach {counts}", file=sys.stderr)
         for test in sorted(selection.files):
             print(test)
     return 0
