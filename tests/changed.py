@@ -11,9 +11,9 @@ everything when it cannot tell:
 - a Python file under src/ or tests/ selects the test files whose reach holds it. A test file's
   reach is its import closure (distft and tests.* modules, the packages above each, the CLI's
   `COMMANDS`, the conftest.py files above it) plus the strategies it names;
-- a file under docs/ or configs/, or a Markdown file at the top, selects the test files that name
-  it (its path or file name) or its top folder alone in a string literal (`ROOT / "configs"`, then
-  a glob);
+- a file under docs/ or configs/, or a Markdown file at the top, selects the test files that
+  name it (its path or file name) or its top folder alone in a string literal (`ROOT / "configs"`,
+  then a glob), themselves or in a test module they reach;
 - anything else (pyproject.toml, the Makefile, .ci, scripts, data files in src) selects everything.
 
 Strategies are plug-ins. The registry imports every strategy module, and the planner and the
@@ -237,16 +237,17 @@ def select_one(path: str, selection: Selection) -> None:
 
 
 def mentions(path: str) -> set[str]:
-    """The test files whose string literals name `path`, its file name, or its top folder alone."""
+    """The test files that reach a tests.* module whose string literals name `path`, its file name,
+    or its top folder alone."""
     top = path.split("/")[0]
     words = [token(path), token(Path(path).name)]
-    found = set()
-    for test, name in all_test_files().items():
-        strings = literals(modules()[name].tree)
+    readers = set()
+    for name, module in modules().items():
+        strings = literals(module.tree) if name.startswith("tests") else []
         text = "\n".join(strings)
         if any(re.search(word, text) for word in words) or {top, f"{top}/"} & set(strings):
-            found.add(test)
-    return found
+            readers.add(name)
+    return {test for test, name in all_test_files().items() if reach(name) & readers}
 
 
 # ---- git and the command line --------------------------------------------------------------------
