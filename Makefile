@@ -2,8 +2,10 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# test-changed: the changes since the merge-base of HEAD and BASE, committed or not.
+BASE   ?= main
 
-.PHONY: install demo test lint format clean reports
+.PHONY: install demo test test-changed lint format clean reports
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +31,15 @@ test: install  ## lint, then the whole suite (CPU, gloo; GPU tests skip without 
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder  # two workers, longest files first (tests/conftest.py)
+
+# tests/changed.py picks the files from the import graph and the strategies a test names; it prints
+# `tests` (everything) when unsure, nothing when nothing changed.
+test-changed: install  ## lint, then only the test files the changes reach (a quick loop; CI runs `make test`)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	@files="$$($(PY) -m tests.changed --base $(BASE))" || exit 1; \
+	if [ -z "$$files" ]; then echo "test-changed: no test file to run"; exit 0; fi; \
+	set -x; $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $$files
 
 reports: install  ## regenerate the committed CPU reports under docs/reports/cpu/ (about an hour: docs/reports/README.md)
 	DISTFT=$(VENV)/bin/distft docs/reports/regenerate-cpu.sh

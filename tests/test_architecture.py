@@ -10,8 +10,6 @@ import ast
 import re
 from pathlib import Path
 
-from tests.conftest import LONGEST_FIRST
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lower layers never import higher ones; a package may import its own modules. Keep in step with
@@ -49,13 +47,17 @@ LAYERS = {
 }
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(SRC).with_suffix("").parts
+def module_name(path: Path, root: Path = SRC) -> str:
+    """The dotted name of the module at `path`, a file under `root` (tests/changed.py: `root` the checkout)."""
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def distft_imports(tree: ast.AST, name: str, is_package: bool) -> list[tuple[str, int, bool]]:
-    """(imported module, line, at module level?) for every import of distft."""
+def distft_imports(
+    tree: ast.AST, name: str, is_package: bool, packages: tuple[str, ...] = ("distft",)
+) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level?) for every import of distft (or of `packages`:
+    tests/changed.py follows `tests` too)."""
     found = []
     package = name if is_package else name.rpartition(".")[0]
     top_level = {id(node) for node in tree.body}
@@ -71,7 +73,7 @@ def distft_imports(tree: ast.AST, name: str, is_package: bool) -> list[tuple[str
         else:
             continue
         for target in targets:
-            if target == "distft" or target.startswith("distft."):
+            if target.partition(".")[0] in packages:
                 found.append((target, node.lineno, id(node) in top_level))
     if name == "distft.cli":  # each command's module, imported when it runs: checked as a top-level import
         found += command_modules(tree)
@@ -174,6 +176,8 @@ def test_size_limits():
 
 def test_the_longest_files_named_for_scheduling_exist():
     """`make test` starts the files of `LONGEST_FIRST` first; a renamed one would start last."""
+    from tests.conftest import LONGEST_FIRST  # here: tests/changed.py imports this file without torch
+
     tests = Path(__file__).parent
     assert [name for name in LONGEST_FIRST if not (tests / name).is_file()] == []
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
