@@ -2,8 +2,8 @@
 diverged step, a failed checkpoint write, and bad input refused before anything is launched.
 
 Faults are injected with the DISTFT_FAULT_* variables of `tests.faults` (through distft's
-`DISTFT_HOOKS`, which `tests.helpers` sets for a run that names one). Launches are
-grouped to keep the file short: one pair of forked processes trains and resumes every strategy in turn,
+`DISTFT_HOOKS`, which `tests.helpers` sets for a run that names one). Launches are grouped: one
+launch trains every one-dimensional strategy in turn and one resumes them all (`tests.batched`),
 and only the killed rank and the hung collective need torchrun for real.
 """
 
@@ -25,13 +25,16 @@ import torch
 from distft.cli import main
 from distft.config import load_config, to_toml
 from distft.io.checkpoint import latest_checkpoint
+from distft.layout import SPECS
 from distft.train.metrics import truncate_metrics
 from tests import faults
-from tests.helpers import adapter, assert_same_training, distft, metrics, run_cli, spawn
+from tests.batched import Batch, run_cases
+from tests.helpers import adapter, assert_same_training, distft, metrics, run_cli
 
 WORLD = 2
-# zero2 checkpoints as fsdp does (the same FSDP2 units, kept gathered between forward and backward).
-STRATEGIES = ["ddp", "zero1", "fsdp", "tp", "tp-sp"]
+# Every strategy on one mesh dimension, at 2 ranks; those on several resume across layouts in
+# tests/parallel/test_families.py.
+STRATEGIES = [name for name, spec in SPECS.items() if len(spec.dims) == 1]
 # 3 steps, a checkpoint after step 2 (the last step writes none); dropout on, so a resume that
 # failed to restore any rank's RNG would draw other dropout masks and show in the losses.
 RUN = [
@@ -64,65 +67,30 @@ def crash_after_step_2(full: Path, crashed: Path) -> None:
 # ---- resume is exact, for every strategy (one pair of processes, in-process `train`) -----------
 
 
-RUNS = [(s, s, RUN) for s in STRATEGIES] + [
-    (f"{s}-no-dropout", s, [*RUN, *NO_DROPOUT]) for s in ("ddp", "tp-sp")
-]
-
-
-def _shared_port(path: Path, rank: int) -> int:
-    """A free port for the next run, picked by rank 0 just before it binds it and read by the
-    others from `path`: picked all at once up front, a port can be taken by another test's process
-    in the minute before its run binds it (EADDRINUSE)."""
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(str(port))
-        path.with_suffix(".tmp").rename(path)  # whole, or not there
-        return port
-    while not path.exists():
-        time.sleep(0.05)
-    return int(path.read_text())
-
-
-def _train_and_resume(rank: int, world: int, root: str) -> None:
-    """Each strategy: an uninterrupted run, then a resume of its crashed copy (same processes)."""
-    from distft.train import train
-
-    torch.set_num_threads(1)
-    root_dir = Path(root)
-    for name, strategy, overrides in RUNS:
-        full, crashed = root_dir / name / "full", root_dir / name / "crashed"
-        common = [*overrides, f"parallel.strategy={strategy}", f"parallel.nproc={world}"]
-        for out in (full, crashed):
-            if out == crashed:
-                if "dropout" in name:
-                    break  # resumed elsewhere, at another world size
-                ready = crashed / ".copied"
-                if rank == 0:
-                    crash_after_step_2(full, crashed)
-                    ready.touch()
-                while not ready.exists():  # no process group between runs: wait on the file
-                    time.sleep(0.05)
-            # As torchrun would set them; `train` joins the group and leaves it at the end. A new
-            # port each time: a rank done early would otherwise meet the last run's store.
-            port = _shared_port(out.parent / f"{out.name}.port", rank)
-            os.environ.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank),
-            )
-            train(load_config(None, [*common, f"output.dir={out}"]))
+RUNS = {s: (s, RUN) for s in STRATEGIES} | {
+    f"{s}-no-dropout": (s, [*RUN, *NO_DROPOUT]) for s in ("ddp", "tp-sp")
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
+    """Each run uninterrupted (one launch), then each strategy's crashed copy resumed (another)."""
     root = tmp_path_factory.mktemp("strategies")
-    spawn(_train_and_resume, (WORLD, str(root)), nprocs=WORLD, timeout=600)
+    full = {
+        name: ["--strategy", strategy, "--nproc", str(WORLD), *overrides, "--out", str(root / name / "full")]
+        for name, (strategy, overrides) in RUNS.items()
+    }
+    assert_trained(run_cases(full, WORLD, root / "logs-full"), full)
+    for strategy in STRATEGIES:
+        crash_after_step_2(root / strategy / "full", root / strategy / "crashed")
+    resumed = {s: ["--resume", str(root / s / "crashed")] for s in STRATEGIES}
+    assert_trained(run_cases(resumed, WORLD, root / "logs-resumed"), resumed)
     return root
+
+
+def assert_trained(batch: Batch, cases: dict) -> None:
+    failed = {name: batch.failure(name) for name in cases if batch.failure(name)}
+    assert not failed, "\n".join(f"{name}:\n{error}" for name, error in failed.items())
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
