@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from distft.cli import main
 from distft.config import load_config
 from distft.io.lineage import base_stages, read_lineage, run_lineage
 from distft.model.build import base_recipe
+from tests.batched import run_cases
 from tests.helpers import adapter, assert_same_training, crashed_copy, distft, metrics, write_jsonl
 
 NAMES, DAYS = ["Anna", "Bob", "Chen", "Dana", "Eli", "Fay"], ["Monday", "Friday", "next week"]
@@ -96,21 +98,53 @@ def assert_same_steps(run, reference, rtol: float) -> None:
             assert got[name] == pytest.approx(want[name], rel=rtol), (got["step"], name)
 
 
-@pytest.mark.parametrize(
-    "objective, strategies",
-    [
-        ("dpo", ["fsdp+tp", "tp-sp", "cp", "ddp+pp", "zero2 dpo.precompute_reference=true"]),
-        ("orpo", ["pp", "fsdp+tp+pp"]),
-        ("kto", ["fsdp", "tp-sp", "pp", "fsdp+pp"]),  # tp: its plan runs DPO under fsdp+tp
-    ],
-)
-def test_trains_like_one_process(objective, strategies, pairs, unpaired, tmp_path):
-    """(DDP trains DPO as one process in the full-finetuning test below.) A strategy may come with
-    settings of its own: under ZeRO-2 a reference scored before step 1 leaves no layer gathered."""
-    data = unpaired if objective == "kto" else pairs
-    stats = KTO_STATS if objective == "kto" else PAIR_STATS
-    reference = tmp_path / "single"
-    assert main(["train", *settings(data, objective), "--out", str(reference)]) == 0
+# The strategies each objective trains under, here (DDP trains DPO as one process in the
+# full-finetuning test below). A strategy may come with settings of its own: under ZeRO-2 a
+# reference scored before step 1 leaves no layer gathered.
+CASES = [
+    *(("dpo", s) for s in ("fsdp+tp", "tp-sp", "cp", "ddp+pp", "zero2 dpo.precompute_reference=true")),
+    *(("orpo", s) for s in ("pp", "fsdp+tp+pp")),
+    *(("kto", s) for s in ("fsdp", "tp", "tp-sp", "pp", "fsdp+pp")),
+]
+
+
+def layout(entry: str) -> list[str]:
+    strategy, *own = entry.split()
+    return ["--strategy", strategy, *LAYOUTS.get(strategy, ["--nproc", "2"]), *own]
+
+
+@pytest.fixture(scope="module")
+def runs(pairs, unpaired, tmp_path_factory):
+    """Each objective's single-process reference (in this process), then every case, those of each
+    world size one after another in one launch (`tests.batched`): each run's folder, and each
+    case's failure (None: it trained), by name."""
+    root = tmp_path_factory.mktemp("objectives")
+    data = {"dpo": pairs, "orpo": pairs, "kto": unpaired}
+    folders = {objective: root / objective for objective in data}
+    for objective, reference in folders.items():
+        assert main(["train", *settings(data[objective], objective), "--out", str(reference)]) == 0
+    args = {
+        f"{objective} {entry}": [*settings(data[objective], objective), *layout(entry)]
+        for objective, entry in CASES
+    }
+    for world in ("2", "4"):
+        cases = {
+            name: [*given, "--out", str(root / name.replace(" ", "_"))]
+            for name, given in args.items()
+            if given[given.index("--nproc") + 1] == world
+        }
+        batch = run_cases(cases, int(world), root / f"logs-{world}")
+        for name, given in cases.items():
+            folders[name] = Path(given[-1])
+            folders[f"{name} failure"] = batch.failure(name)
+    return folders
+
+
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_the_single_process_reference(objective, runs, pairs, unpaired, tmp_path):
+    """At the reference the objective's first step is known in closed form; a reference scored
+    before step 1 (KTO) and padded rows (DPO) train the same."""
+    reference = runs[objective]
     first = metrics(reference)[0]
     if objective == "kto":  # at the reference: z0 = 0, every answer's loss 1 - sigmoid(0)
         assert first["loss"] == 0.5 and first["kl"] == 0.0
@@ -118,11 +152,13 @@ def test_trains_like_one_process(objective, strategies, pairs, unpaired, tmp_pat
         # Scored before the first step, the reference (and so z0) is the same as the disabled adapters'.
         kept = tmp_path / "kept"
         assert (
-            main(["train", *settings(data, objective), "dpo.precompute_reference=true", "--out", str(kept)])
+            main(
+                ["train", *settings(unpaired, objective), "dpo.precompute_reference=true", "--out", str(kept)]
+            )
             == 0
         )
         assert_same_training(kept, reference)
-        assert_same_pairs(kept, reference, names=stats, atol=1e-5)
+        assert_same_pairs(kept, reference, names=KTO_STATS, atol=1e-5)
     if objective == "dpo":  # the policy starts as its reference: every margin 0, the loss log 2
         assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
         assert first["margin"] == first["rewards_chosen"] == 0.0 and first["accuracy"] == 0.0
@@ -132,24 +168,28 @@ def test_trains_like_one_process(objective, strategies, pairs, unpaired, tmp_pat
         assert main(["train", *settings(pairs, objective), "data.packing=false", "--out", str(padded)]) == 0
         assert_same_training(padded, reference)
         assert_same_pairs(padded, reference)
-    for entry in strategies:
-        strategy, *own = entry.split()
-        run = tmp_path / strategy
-        layout = ["--strategy", strategy, *LAYOUTS.get(strategy, ["--nproc", "2"]), *own]
-        distft("train", *settings(data, objective), *layout, "--out", str(run))
-        loose = ADAPTER_RTOL.get(strategy, KTO_ADAPTER_RTOL if objective == "kto" else None)
-        if loose:  # steps as above; the adapter norm-wise, looser
-            assert_same_steps(run, reference, rtol=1e-5)
-            a, b = adapter(run), adapter(reference)
-            assert all((a[k] - b[k]).norm() <= loose * b[k].norm() for k in b), strategy
-        else:
-            assert_same_training(run, reference)
-        # Rewards are differences of log-probabilities near -80: a sum over shards in another order moves them by 1e-6.
-        loose_pairs = objective == "kto" or strategy in ("tp-sp", "cp")
-        assert_same_pairs(run, reference, names=stats, atol=1e-5 if loose_pairs else 1e-6)
-        # The bytes of both rows of every pair (KTO: and of its KL term's forwards), counted as any run's are, match the formula.
-        counted = [m for m in metrics(run) if "comm_bytes_expected" in m]
-        assert counted and all(m["comm_bytes"] == m["comm_bytes_expected"] for m in counted), strategy
+
+
+@pytest.mark.parametrize(("objective", "entry"), CASES)
+def test_trains_like_one_process(objective, entry, runs):
+    name = f"{objective} {entry}"
+    if failed := runs[f"{name} failure"]:
+        pytest.fail(f"{name} failed in its launch:\n{failed}")
+    run, reference, strategy = runs[name], runs[objective], entry.split()[0]
+    stats = KTO_STATS if objective == "kto" else PAIR_STATS
+    loose = ADAPTER_RTOL.get(strategy, KTO_ADAPTER_RTOL if objective == "kto" else None)
+    if loose:  # steps as above; the adapter norm-wise, looser
+        assert_same_steps(run, reference, rtol=1e-5)
+        a, b = adapter(run), adapter(reference)
+        assert all((a[k] - b[k]).norm() <= loose * b[k].norm() for k in b), strategy
+    else:
+        assert_same_training(run, reference)
+    # Rewards are differences of log-probabilities near -80: a sum over shards in another order moves them by 1e-6.
+    loose_pairs = objective == "kto" or strategy in ("tp-sp", "cp")
+    assert_same_pairs(run, reference, names=stats, atol=1e-5 if loose_pairs else 1e-6)
+    # The bytes of both rows of every pair (KTO: and of its KL term's forwards), counted as any run's are, match the formula.
+    counted = [m for m in metrics(run) if "comm_bytes_expected" in m]
+    assert counted and all(m["comm_bytes"] == m["comm_bytes_expected"] for m in counted), strategy
 
 
 @pytest.mark.parametrize(
