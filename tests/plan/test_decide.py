@@ -14,6 +14,7 @@ import pytest
 
 from distft.cli import build_parser, main
 from distft.errors import ConfigError
+from distft.measure.gpus import GB
 from distft.model.nf4 import NF4Spec
 from distft.parallel import check_config
 from distft.plan import evaluate, make_request
@@ -21,7 +22,7 @@ from distft.plan.activations import inflight_microbatches
 from distft.plan.decide import decide
 from distft.plan.estimate import estimate, max_micro_batch
 from distft.plan.explain import inter_node_bytes
-from distft.plan.hardware import GB, LINKS, GiB, comm_time, parse_bytes, wire_bytes
+from distft.plan.hardware import LINKS, GiB, comm_time, parse_bytes, wire_bytes
 from distft.plan.inputs import PRECISIONS, Parallelism, Training
 from distft.plan.memory import chunk_rows, nf4_tensor_bytes, qlora_base_bytes, state_bytes
 from distft.plan.model_spec import resolve_model
