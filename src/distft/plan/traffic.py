@@ -258,23 +258,10 @@ def step_collectives(
     loss, norm = SPECS[par.name].step_scalars(par.dp, sequence_split, statistics, training.kl_forwards > 0)
     if par.world > 1 and par.tensor_parallel == "dtensor" and par.pp == 1 and par.dp > 1 and loss:
         # TP ranks share one loss: summed over the data-parallel ranks only (`fsdp_tp.reduce_loss`).
-        add(
-            "dp",
-            [
-                Collective(
-                    "loss", "all_reduce", sum(loss), len(loss), par.dp, topo.link(par.dp, par.tp), False
-                )
-            ],
-        )
+        link = topo.link(par.dp, par.tp)
+        add("dp", [Collective("loss", "all_reduce", sum(loss), len(loss), par.dp, link, False)])
         loss = ()
     if par.world > 1 and loss + norm:
-        link, scalars = topo.link(par.world, 1), loss + norm
-        add(
-            "world",
-            [
-                Collective(
-                    "loss, gradient norm", "all_reduce", sum(scalars), len(scalars), par.world, link, False
-                )
-            ],
-        )
+        link, scalars, what = topo.link(par.world, 1), loss + norm, "loss, gradient norm"
+        add("world", [Collective(what, "all_reduce", sum(scalars), len(scalars), par.world, link, False)])
     return out
