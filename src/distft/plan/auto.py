@@ -274,13 +274,7 @@ def predict(cfg: Config, label_tokens: float | None = None) -> dict:
         "layout": f"{est.label} on {plural(cfg.world_size, 'process')}",  # with its mesh, groups
         "device": where,
         "peak_mem_bytes": int(est.total),
-        "by_component": {
-            "parameters": int(est.params),
-            "gradients": int(est.grads),
-            "optimizer_states": int(est.optimizer),
-            "activations": int(est.activations),
-            "communication_buffers": int(est.buffers),
-        },
+        "by_component": {k: int(v) for k, v in est.components.items()},
         # What autograd keeps between forward and backward (what a run's probe measures), the
         # working set on top of it, and offloaded layer inputs in host memory.
         "activations": {  # none where the layout is not one the planner models (one FSDP rank)

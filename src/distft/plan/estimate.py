@@ -107,6 +107,17 @@ class Estimate:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
     @property
+    def components(self) -> dict[str, int]:
+        """The bytes per GPU by component, as the JSON documents and a run's prediction name them."""
+        return {
+            "parameters": self.params,
+            "gradients": self.grads,
+            "optimizer_states": self.optimizer,
+            "activations": self.activations,
+            "communication_buffers": self.buffers,
+        }
+
+    @property
     def label(self) -> str:
         lay = self.parallelism
         if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas (x TP)
