@@ -81,11 +81,6 @@ def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
     return replace(generic_gpu(memory), label="cpu")
 
 
-def rows_per_example(cfg: Config) -> int:
-    """Sequences per example of a micro-batch: a preference pair is two (`distft.data.pairs`); KTO's answer one."""
-    return rows_per_item(cfg.train.objective)
-
-
 def training_of(cfg: Config, precision: Precision, **shape) -> Training:
     """What `cfg` trains, as the planner models it: the method, the LoRA adapters (their module
     names: a preset expanded) and variant, fp32 master weights where the run keeps them
@@ -106,7 +101,7 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "trainable_tokens": len(dict.fromkeys(cfg.model.added_tokens)),
         "fp32_masters": master_weights(cfg) == "fp32",
         "seq_len": cfg.data.max_length,
-        "micro_batch": cfg.train.micro_batch_size * rows_per_example(cfg),
+        "micro_batch": cfg.train.micro_batch_size * rows_per_item(cfg.train.objective),
         "label_tokens": min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
         "activation_checkpointing": cfg.model.activation_checkpointing,
         "mlp_tiles": cfg.model.mlp_tiles,
@@ -137,11 +132,6 @@ def data_label_tokens(cfg: Config) -> float | None:
     return mean_label_tokens(train)
 
 
-def planned_schedule(cfg: Config) -> str:
-    """The pipeline schedule the planner models for `cfg` (its own, where the planner has it)."""
-    return cfg.parallel.schedule if cfg.parallel.schedule in PLANNED_SCHEDULES else "1f1b"
-
-
 def request_for(
     cfg: Config, micro_batch: int | None = None, accumulation: int = 1, label_tokens: float | None = None
 ) -> tuple[Request, str]:
@@ -153,7 +143,7 @@ def request_for(
         cfg,
         PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
         autocast=on_cuda(cfg) and cfg.model.autocast,
-        micro_batch=(micro_batch or cfg.train.micro_batch_size) * rows_per_example(cfg),
+        micro_batch=(micro_batch or cfg.train.micro_batch_size) * rows_per_item(cfg.train.objective),
         **({"label_tokens": min(label_tokens, cfg.data.max_length)} if label_tokens else {}),
     )
     par = cfg.parallel
@@ -167,7 +157,7 @@ def request_for(
         intra=intra_node_link(gpu, None, par.nproc),
         inter=inter_node_link(None),
         grad_accum=accumulation,
-        pp_schedule=planned_schedule(cfg),
+        pp_schedule=par.schedule if par.schedule in PLANNED_SCHEDULES else "1f1b",  # its own where modelled
         overhead=min(1 << 30, memory // 8),
     )
     return request, where
@@ -214,14 +204,10 @@ def resolve_auto(cfg: Config) -> str:
         **cfg.derived,
         "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
     }
-    return (
-        f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {device_words(cfg, rec.reason)}"
-        + (
-            f" Activation checkpointing: {rec.activation_checkpointing}."
-            if rec.activation_checkpointing != "none"
-            else ""
-        )
-    )
+    ckpt = rec.activation_checkpointing
+    ckpt_note = f" Activation checkpointing: {ckpt}." if ckpt != "none" else ""
+    reason = device_words(cfg, rec.reason)
+    return f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {reason}{ckpt_note}"
 
 
 # ---- the prediction for the layout a config runs ----------------------------------------------------
