@@ -96,9 +96,7 @@ def inter_node_link(interconnect: str | None) -> Link:
     return LINKS["ib-ndr"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Collectives
-# ---------------------------------------------------------------------------------------------
+# ---- Collectives --------------------------------------------------------------------------------
 
 
 def wire_bytes(kind: str, nbytes: float, n: int) -> float:
@@ -117,9 +115,7 @@ def comm_time(kind: str, nbytes: float, n: int, link: Link, calls: int = 1) -> f
     return wire_bytes(kind, nbytes, n) / rate + calls * steps * link.latency_s
 
 
-# ---------------------------------------------------------------------------------------------
-# Sizes
-# ---------------------------------------------------------------------------------------------
+# ---- Sizes --------------------------------------------------------------------------------------
 
 # A size's units: kB, MB, GB, TB decimal; KiB, MiB, GiB, TiB and a bare k, M, G, T binary.
 _UNITS = {"b": 1} | {

@@ -64,9 +64,7 @@ from distft.plan.optimizer import optimizer_state_bytes, shared_state_bytes, zer
 ADAPTER_KINDS = ("lora_A", "lora_B", "lora_magnitude")  # trainable adapter tensors, in adapter_bytes
 
 
-# ---------------------------------------------------------------------------------------------
-# QLoRA storage
-# ---------------------------------------------------------------------------------------------
+# ---- QLoRA storage ------------------------------------------------------------------------------
 
 
 def nf4_tensor_bytes(numel: int, quant: NF4Spec, itemsize: int, shards: int = 1) -> int:
@@ -87,9 +85,7 @@ def qlora_base_bytes(spec: ModelSpec, quant: NF4Spec | None = None, unquantized_
     return total
 
 
-# ---------------------------------------------------------------------------------------------
-# Which tensors a rank holds
-# ---------------------------------------------------------------------------------------------
+# ---- Which tensors a rank holds -----------------------------------------------------------------
 
 
 def chunk_rows(d: int, n: int, rank: int) -> int:
@@ -140,9 +136,7 @@ def stage_tensors(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Parameters, gradients, optimizer state
-# ---------------------------------------------------------------------------------------------
+# ---- Parameters, gradients, optimizer state -----------------------------------------------------
 
 
 @dataclass
@@ -274,9 +268,7 @@ def trainable_params(spec: ModelSpec, training: Training) -> int:
     return sum(t.numel for t in lora + trained_beside(spec, training))
 
 
-# ---------------------------------------------------------------------------------------------
-# Communication and other transient buffers
-# ---------------------------------------------------------------------------------------------
+# ---- Communication and other transient buffers --------------------------------------------------
 
 
 def layer_seq_len(training: Training, par: Parallelism, seq_len: int | None = None) -> int:

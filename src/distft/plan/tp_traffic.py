@@ -32,9 +32,7 @@ from distft.plan.preference_traffic import (
     tp_forward_only_reduces,
 )
 
-# ---------------------------------------------------------------------------------------------
-# Per-collective formulas (bytes and calls per optimizer step, one rank)
-# ---------------------------------------------------------------------------------------------
+# ---- Per-collective formulas (bytes and calls per optimizer step, one rank) ---------------------
 
 
 def tp_collectives(

@@ -76,9 +76,7 @@ from distft.plan.preference_traffic import (
 )
 from distft.plan.tp_traffic import tp_collectives
 
-# ---------------------------------------------------------------------------------------------
-# Per-collective formulas (bytes and calls per optimizer step, one rank)
-# ---------------------------------------------------------------------------------------------
+# ---- Per-collective formulas (bytes and calls per optimizer step, one rank) ---------------------
 
 
 def fsdp_gather_calls(layers: int, microbatches: int, reshard_after_forward: bool) -> int:
