@@ -189,9 +189,7 @@ def parallelism_for(
     what it shards and how it splits a layer; HSDP shards inside a node; fsdp+ep's expert groups
     are `ep` ranks, 0: every data-parallel rank, their stacks FSDP-sharded across the groups or
     not)."""
-    m = req.grad_accum
-    if pp > 1:
-        m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
+    m = (req.pp_microbatches or max(req.grad_accum, 2 * pp)) if pp > 1 else req.grad_accum
     shard = node_shard(req.gpus_per_node, dp, tp, cp)  # HSDP's shard group: a node's data ranks
     return Parallelism.at(
         strategy,

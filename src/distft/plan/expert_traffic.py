@@ -82,10 +82,8 @@ def expert_replica_collectives(
     if not par.shard_experts:
         nbytes = sum(t.numel // par.ep * trained_element_bytes(t, training)[0] for t in stacks)
         return [Collective("expert gradients", "all_reduce", nbytes, len(stacks), replicas, link, False)]
-    units, gathers = (
-        len({t.layer for t in stacks}),
-        fsdp_gathers_per_microbatch(par.reshard_after_forward) * m,
-    )
+    units = len({t.layer for t in stacks})
+    gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward) * m
     gathered = held_bytes(spec, training, par, "gathered", rank, experts=True) * gathers
     out = [Collective("experts", "all_gather", gathered, units * gathers, replicas, link, True)]
     if trains:

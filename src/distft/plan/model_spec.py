@@ -300,13 +300,12 @@ def resolve_model(name: str) -> ModelSpec:
     if name.lower() in table:
         return table[name.lower()]
     path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"Model directory {name} has no config.json.")
     if path.is_file() and path.name.endswith(".json"):
         return spec_from_config(json.loads(path.read_text()), name, "config.json")
-    if path.is_dir():
-        config = path / "config.json"
-        if not config.is_file():
-            raise ConfigError(f"Model directory {name} has no config.json.")
-        return spec_from_config(json.loads(config.read_text()), name, "config.json")
     if "/" not in name or _offline():
         why = "the hub is not consulted while offline" if "/" in name else "it is not a hub id (owner/name)"
         known = ", ".join([*PRESETS, *(a for p in PRESETS.values() for a in p.aliases if "/" not in a)])
