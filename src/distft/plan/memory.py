@@ -72,19 +72,6 @@ def nf4_tensor_bytes(numel: int, quant: NF4Spec, itemsize: int, shards: int = 1)
     return sum(nf4_bytes(numel, quant, itemsize, shards).values())
 
 
-def qlora_base_bytes(spec: ModelSpec, quant: NF4Spec | None = None, unquantized_bytes: int = 2) -> int:
-    """The frozen base of a QLoRA model: projection weights in NF4; embeddings, norms, biases,
-    lm_head and the NF4 scales in `unquantized_bytes` per element. Adapters: `state_bytes`."""
-    quant = quant or NF4Spec()
-    total = 0
-    for t in spec.tensors():
-        if t.kind == "linear":
-            total += nf4_tensor_bytes(t.numel, quant, unquantized_bytes)
-        else:
-            total += t.numel * unquantized_bytes
-    return total
-
-
 # ---- Which tensors a rank holds -----------------------------------------------------------------
 
 
