@@ -66,10 +66,8 @@ def device_memory(cfg: Config) -> tuple[int, str]:
         return props.total_memory, f"{props.name}, {format_bytes(props.total_memory)}"
     total = psutil.virtual_memory().total
     share = total // cfg.parallel.nproc  # the processes of a node share its memory
-    return (
-        share,
-        f"CPU: {format_bytes(share)} each, 1/{cfg.parallel.nproc} of the host's {format_bytes(total)}",
-    )
+    where = f"CPU: {format_bytes(share)} each, 1/{cfg.parallel.nproc} of the host's {format_bytes(total)}"
+    return share, where
 
 
 def device_gpu(cfg: Config, memory: int, where: str) -> GPU:

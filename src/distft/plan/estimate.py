@@ -160,11 +160,8 @@ class Estimate:
     @property
     def min_global_batch(self) -> int:
         """Sequences per optimizer step at the least: one micro-batch per data-parallel replica."""
-        return (
-            self.parallelism.dp * self.parallelism.microbatches
-            if self.parallelism.pp > 1
-            else self.parallelism.dp
-        )
+        lay = self.parallelism
+        return lay.dp * lay.microbatches if lay.pp > 1 else lay.dp
 
     @property
     def in_distft(self) -> str:

@@ -79,11 +79,6 @@ from distft.plan.tp_traffic import tp_collectives
 # ---- Per-collective formulas (bytes and calls per optimizer step, one rank) ---------------------
 
 
-def fsdp_gather_calls(layers: int, microbatches: int, reshard_after_forward: bool) -> int:
-    """FSDP2 all-gathers per step: every unit (layers + root) in forward, again in backward for ZeRO-3."""
-    return (layers + 1) * fsdp_gathers_per_microbatch(reshard_after_forward) * microbatches
-
-
 def ddp_collectives(
     spec: ModelSpec, training: Training, par: Parallelism, link: Link, rank: int = 0
 ) -> list[Collective]:
@@ -141,7 +136,7 @@ def dp_collectives(
         ]
     gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
     params = held_bytes(spec, training, par, "gathered", rank) * gathers * m
-    calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
+    calls = (layers + 1) * gathers * m  # every unit (layers + root) in forward, again in backward for ZeRO-3
     if layers:  # a preference objective's forwards without backward
         extra, extra_calls = fsdp_forward_only_gathers(spec, training, par, rank, layers)
         params, calls = params + extra, calls + extra_calls
