@@ -32,15 +32,7 @@ import re
 
 from distft.errors import ConfigError
 from distft.measure.comm import WIRE_FACTOR
-from distft.measure.gpus import (
-    GPU,
-    GPU_ALIASES,
-    GPUS,
-    LINKS,
-    GiB,
-    Link,
-    gpu_for_device_name,
-)
+from distft.measure.gpus import GPU, GPU_ALIASES, GPUS, LINKS, GiB, Link, gpu_for_device_name
 
 
 def generic_gpu(memory: int) -> GPU:

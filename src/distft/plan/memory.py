@@ -174,12 +174,7 @@ def _param_bytes(t: TensorSpec, training: Training, shape: tuple[int, ...], shar
 
 
 def state_bytes(
-    spec: ModelSpec,
-    training: Training,
-    par: Parallelism,
-    dp_rank: int = 0,
-    tp_rank: int = 0,
-    stage: int = 0,
+    spec: ModelSpec, training: Training, par: Parallelism, dp_rank: int = 0, tp_rank: int = 0, stage: int = 0
 ) -> StateBytes:
     """Parameters, gradients and optimizer state held by one rank, in bytes (the counted storage).
 

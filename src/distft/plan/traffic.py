@@ -51,11 +51,7 @@ from distft.layout import SPECS
 from distft.parallel.context.model import layers_without_kv_gradient, padded_length
 from distft.plan import expert_traffic as experts
 from distft.plan.collective import Collective, Topology, held_bytes
-from distft.plan.counts import (
-    frozen_embedding,
-    fsdp_gathers_per_microbatch,
-    fsdp_pipeline_gathers,
-)
+from distft.plan.counts import frozen_embedding, fsdp_gathers_per_microbatch, fsdp_pipeline_gathers
 from distft.plan.hardware import Link
 from distft.plan.inputs import (
     Parallelism,
