@@ -231,14 +231,9 @@ def parallelism_of(cfg: Config, schedule: str) -> Parallelism:
         switches = (p.ddp_no_sync, p.ddp_find_unused_parameters, p.ddp_broadcast_buffers, p.ddp_static_graph)
         par = replace(par, ddp=DDPSettings(*switches))
     if cls.spec.pipelined:
-        lay = cls.pipeline_layout(cfg)
-        split = cfg.parallel.pp_split
-        par = replace(
-            par,
-            microbatches=lay.microbatches,
-            stages_per_rank=lay.stages_per_rank,
-            pp_split=split if isinstance(split, str) else tuple(split),
-        )
+        lay, split = cls.pipeline_layout(cfg), p.pp_split
+        split = split if isinstance(split, str) else tuple(split)
+        par = replace(par, microbatches=lay.microbatches, stages_per_rank=lay.stages_per_rank, pp_split=split)
     return par
 
 

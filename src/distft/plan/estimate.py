@@ -119,18 +119,16 @@ class Estimate:
 
     @property
     def label(self) -> str:
-        lay = self.parallelism
+        lay, spec = self.parallelism, SPECS[self.strategy]
         if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas (x TP)
             tp = f"tp={lay.tp}, " if lay.tp > 1 else ""
-            return f"{SPECS[self.strategy].label} ({tp}shard={lay.shard_degree}, replicas={lay.replicas})"
+            return f"{spec.label} ({tp}shard={lay.shard_degree}, replicas={lay.replicas})"
         if 1 < lay.ep < lay.dp:  # fsdp+ep: expert groups x replicas, or their experts sharded across them
             groups = lay.dp // lay.ep
             held = f"experts sharded over {groups}" if lay.shard_experts else f"replicas={groups}"
-            return f"{SPECS[self.strategy].label} (ep={lay.ep}, {held})"
+            return f"{spec.label} (ep={lay.ep}, {held})"
         degrees = [f"{d}={getattr(lay, d)}" for d in ("dp", "tp", "pp", "cp") if getattr(lay, d) > 1]
-        return f"{SPECS[self.strategy].label}" + (
-            f" ({', '.join(degrees)})" if degrees and SPECS[self.strategy].sized else ""
-        )
+        return f"{spec.label} ({', '.join(degrees)})" if degrees and spec.sized else spec.label
 
     @property
     def comm_bytes(self) -> float:
@@ -188,18 +186,8 @@ def parallelism_for(
     not)."""
     m = (req.pp_microbatches or max(req.grad_accum, 2 * pp)) if pp > 1 else req.grad_accum
     shard = node_shard(req.gpus_per_node, dp, tp, cp)  # HSDP's shard group: a node's data ranks
-    return Parallelism.at(
-        strategy,
-        dp,
-        tp,
-        pp,
-        cp,
-        shard,
-        ep,
-        microbatches=m,
-        schedule=req.pp_schedule,
-        shard_experts=shard_experts,
-    )
+    schedule = {"microbatches": m, "schedule": req.pp_schedule, "shard_experts": shard_experts}
+    return Parallelism.at(strategy, dp, tp, pp, cp, shard, ep, **schedule)
 
 
 def why_not(req: Request, par: Parallelism) -> str:
