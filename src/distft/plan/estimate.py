@@ -193,8 +193,7 @@ def parallelism_for(
 def why_not(req: Request, par: Parallelism) -> str:
     """Empty if the layout can run on this model and these GPUs, else the reason."""
     spec, tp = req.model, par.tp
-    moe = _why_not_experts(req, par)
-    if moe:
+    if moe := _why_not_experts(req, par):
         return moe
     if par.world > req.world:
         return f"needs {par.world} GPUs"
@@ -231,8 +230,7 @@ def estimate(req: Request, par: Parallelism, strategy: str | None = None) -> Est
     """Per-GPU memory of the fullest rank, traffic and time for one layout."""
     est = Estimate(strategy or par.name, par)
     est.runnable = runnable(est.strategy, req.training.method)
-    why = why_not(req, par)
-    if why:
+    if why := why_not(req, par):
         est.applicable, est.note = False, why
         return est
     worst = None

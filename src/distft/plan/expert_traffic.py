@@ -39,9 +39,8 @@ def ep_collectives(
     data-parallel rank, else "ep"), and across the groups the experts' gradients ("replicate")."""
     layers = rank_layers(spec, training, par, rank)
     routed = routing_collectives(spec, training, par, topo.link(par.ep, par.tp), len(layers))
-    across = expert_replica_collectives(
-        spec, training, par, topo.link(par.dp // par.ep, par.ep * par.tp), rank
-    )
+    link = topo.link(par.dp // par.ep, par.ep * par.tp)  # across the groups
+    across = expert_replica_collectives(spec, training, par, link, rank)
     group = "ep" if par.ep < par.dp else group_dim
     return [replace(c, dim=group) for c in routed] + [replace(c, dim="replicate") for c in across]
 
