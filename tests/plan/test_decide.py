@@ -14,6 +14,7 @@ import pytest
 
 from distft.cli import build_parser, main
 from distft.errors import ConfigError
+from distft.measure.gpus import GB
 from distft.model.nf4 import NF4Spec
 from distft.parallel import check_config
 from distft.plan import evaluate, make_request
@@ -21,9 +22,9 @@ from distft.plan.activations import inflight_microbatches
 from distft.plan.decide import decide
 from distft.plan.estimate import estimate, max_micro_batch
 from distft.plan.explain import inter_node_bytes
-from distft.plan.hardware import GB, LINKS, GiB, comm_time, parse_bytes, wire_bytes
+from distft.plan.hardware import LINKS, GiB, comm_time, parse_bytes, wire_bytes
 from distft.plan.inputs import PRECISIONS, Parallelism, Training
-from distft.plan.memory import chunk_rows, nf4_tensor_bytes, qlora_base_bytes, state_bytes
+from distft.plan.memory import chunk_rows, nf4_tensor_bytes, state_bytes
 from distft.plan.model_spec import resolve_model
 from distft.plan.report import largest_micro_batch
 from distft.plan.run_line import run_command
@@ -218,7 +219,8 @@ def test_qlora_storage_formula():
     spec = resolve_model("llama-2-13b")
     linear = [t for t in spec.tensors() if t.kind == "linear"]
     rest = spec.num_params() - sum(t.numel for t in linear)
-    total = qlora_base_bytes(spec)  # bf16 base: 2-byte scales, 34 bytes of constants per projection
+    # the frozen bf16 base: NF4 projections with 2-byte scales, 34 bytes of constants per projection
+    total = sum(nf4_tensor_bytes(t.numel, NF4Spec(), 2) for t in linear) + 2 * rest
     want = sum(t.numel for t in linear) * (0.5 + 1 / 64 + 2 / 64 / 256) + 34 * len(linear) + 2 * rest
     assert total == pytest.approx(want, rel=1e-6)
     assert total < 8 * GB  # "QLoRA can fit a 13B model ... on a single 24 GB GPU"

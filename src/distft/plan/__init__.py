@@ -33,7 +33,6 @@ from distft.config import Config, load_config
 from distft.errors import ConfigError
 from distft.model.positions import check_positions, scale_rope
 from distft.parallel import check_config
-from distft.plan.activations import activation_bytes
 from distft.plan.auto import (
     complete,
     data_label_tokens,
@@ -41,17 +40,13 @@ from distft.plan.auto import (
     parallelism_of,
     predict,
     request_for,
-    resolve_auto,
     try_predict,
 )
 from distft.plan.decide import decide
-from distft.plan.estimate import Estimate, Request, estimate, evaluate, parallelism_for, runnable
-from distft.plan.explain import Recommendation
+from distft.plan.estimate import Request, estimate, evaluate
 from distft.plan.fits import check_fits
 from distft.plan.hardware import (
     GPUS,
-    LINKS,
-    comm_time,
     find_gpu,
     generic_gpu,
     inter_node_link,
@@ -59,41 +54,21 @@ from distft.plan.hardware import (
     match_gpu,
     parse_bytes,
 )
-from distft.plan.inputs import PRECISIONS, Parallelism, Training
-from distft.plan.memory import qlora_base_bytes, state_bytes
-from distft.plan.model_spec import ModelSpec, resolve_model
+from distft.plan.inputs import PRECISIONS, Training
+from distft.plan.model_spec import resolve_model
 from distft.plan.report import print_json, print_rich
-from distft.plan.run_line import run_command, run_overrides
+from distft.plan.run_line import run_command
 from distft.plan.timing import RunLength, parse_tokens
 
+# What the other layers use: `distft train`'s checks and prediction, the tests' requests.
 __all__ = [
-    "GPUS",
-    "LINKS",
-    "PRECISIONS",
-    "Estimate",
-    "ModelSpec",
-    "Parallelism",
-    "Recommendation",
-    "Request",
-    "Training",
-    "activation_bytes",
     "check_fits",
-    "comm_time",
     "complete",
-    "decide",
     "dry_run",
     "evaluate",
     "make_request",
-    "parallelism_for",
     "predict",
-    "qlora_base_bytes",
-    "resolve_auto",
-    "resolve_model",
     "run_command",
-    "run_config",
-    "run_overrides",
-    "runnable",
-    "state_bytes",
     "try_predict",
 ]
 
@@ -168,9 +143,8 @@ def config_request(args: argparse.Namespace, cfg: Config) -> Request:
         gpu = find_gpu(args.gpu) if args.gpu else match_gpu(memory, args.interconnect) or generic_gpu(memory)
         memory = memory or gpu.memory
         intra = intra_node_link(gpu, args.interconnect, req.gpus_per_node)
-        overhead = parse_bytes(args.overhead)
-        req = replace(req, gpu=gpu, gpu_memory=memory, intra=intra, inter=inter_node_link(args.interconnect))
-        req = replace(req, overhead=overhead)
+        inter, overhead = inter_node_link(args.interconnect), parse_bytes(args.overhead)
+        req = replace(req, gpu=gpu, gpu_memory=memory, intra=intra, inter=inter, overhead=overhead)
     if args.precision:
         req = replace(req, training=replace(req.training, precision=PRECISIONS[args.precision]))
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
@@ -194,9 +168,7 @@ def make_request(args: argparse.Namespace, cfg: Config | None = None) -> Request
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
     if args.gpu is None and args.gpu_mem is None:
         raise ConfigError(
-            "Say what the GPUs are: --gpu (one of "
-            + ", ".join(GPUS)
-            + ") or --gpu-mem (e.g. 24GiB), or both."
+            f"Say what the GPUs are: --gpu (one of {', '.join(GPUS)}) or --gpu-mem (e.g. 24GiB), or both."
         )
     memory = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     gpu = find_gpu(args.gpu) if args.gpu else match_gpu(memory, args.interconnect) or generic_gpu(memory)

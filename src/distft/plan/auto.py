@@ -66,10 +66,8 @@ def device_memory(cfg: Config) -> tuple[int, str]:
         return props.total_memory, f"{props.name}, {format_bytes(props.total_memory)}"
     total = psutil.virtual_memory().total
     share = total // cfg.parallel.nproc  # the processes of a node share its memory
-    return (
-        share,
-        f"CPU: {format_bytes(share)} each, 1/{cfg.parallel.nproc} of the host's {format_bytes(total)}",
-    )
+    where = f"CPU: {format_bytes(share)} each, 1/{cfg.parallel.nproc} of the host's {format_bytes(total)}"
+    return share, where
 
 
 def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
@@ -79,11 +77,6 @@ def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
         row = gpu_for_device_name(torch.cuda.get_device_name(0))
         return replace(row, memory=memory) if row else replace(generic_gpu(memory), label=where.split(",")[0])
     return replace(generic_gpu(memory), label="cpu")
-
-
-def rows_per_example(cfg: Config) -> int:
-    """Sequences per example of a micro-batch: a preference pair is two (`distft.data.pairs`); KTO's answer one."""
-    return rows_per_item(cfg.train.objective)
 
 
 def training_of(cfg: Config, precision: Precision, **shape) -> Training:
@@ -106,7 +99,7 @@ def training_of(cfg: Config, precision: Precision, **shape) -> Training:
         "trainable_tokens": len(dict.fromkeys(cfg.model.added_tokens)),
         "fp32_masters": master_weights(cfg) == "fp32",
         "seq_len": cfg.data.max_length,
-        "micro_batch": cfg.train.micro_batch_size * rows_per_example(cfg),
+        "micro_batch": cfg.train.micro_batch_size * rows_per_item(cfg.train.objective),
         "label_tokens": min(DEFAULT_LABEL_TOKENS, cfg.data.max_length),  # the runtime measures its data's
         "activation_checkpointing": cfg.model.activation_checkpointing,
         "mlp_tiles": cfg.model.mlp_tiles,
@@ -137,11 +130,6 @@ def data_label_tokens(cfg: Config) -> float | None:
     return mean_label_tokens(train)
 
 
-def planned_schedule(cfg: Config) -> str:
-    """The pipeline schedule the planner models for `cfg` (its own, where the planner has it)."""
-    return cfg.parallel.schedule if cfg.parallel.schedule in PLANNED_SCHEDULES else "1f1b"
-
-
 def request_for(
     cfg: Config, micro_batch: int | None = None, accumulation: int = 1, label_tokens: float | None = None
 ) -> tuple[Request, str]:
@@ -153,7 +141,7 @@ def request_for(
         cfg,
         PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
         autocast=on_cuda(cfg) and cfg.model.autocast,
-        micro_batch=(micro_batch or cfg.train.micro_batch_size) * rows_per_example(cfg),
+        micro_batch=(micro_batch or cfg.train.micro_batch_size) * rows_per_item(cfg.train.objective),
         **({"label_tokens": min(label_tokens, cfg.data.max_length)} if label_tokens else {}),
     )
     par = cfg.parallel
@@ -167,7 +155,7 @@ def request_for(
         intra=intra_node_link(gpu, None, par.nproc),
         inter=inter_node_link(None),
         grad_accum=accumulation,
-        pp_schedule=planned_schedule(cfg),
+        pp_schedule=par.schedule if par.schedule in PLANNED_SCHEDULES else "1f1b",  # its own where modelled
         overhead=min(1 << 30, memory // 8),
     )
     return request, where
@@ -214,14 +202,10 @@ def resolve_auto(cfg: Config) -> str:
         **cfg.derived,
         "parallel.strategy": f"{rec.strategy}: the planner's choice (--strategy auto)",
     }
-    return (
-        f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {device_words(cfg, rec.reason)}"
-        + (
-            f" Activation checkpointing: {rec.activation_checkpointing}."
-            if rec.activation_checkpointing != "none"
-            else ""
-        )
-    )
+    ckpt = rec.activation_checkpointing
+    ckpt_note = f" Activation checkpointing: {ckpt}." if ckpt != "none" else ""
+    reason = device_words(cfg, rec.reason)
+    return f"strategy auto: {rec.label} on {plural(cfg.world_size, 'process')} ({where}). {reason}{ckpt_note}"
 
 
 # ---- the prediction for the layout a config runs ----------------------------------------------------
@@ -247,14 +231,9 @@ def parallelism_of(cfg: Config, schedule: str) -> Parallelism:
         switches = (p.ddp_no_sync, p.ddp_find_unused_parameters, p.ddp_broadcast_buffers, p.ddp_static_graph)
         par = replace(par, ddp=DDPSettings(*switches))
     if cls.spec.pipelined:
-        lay = cls.pipeline_layout(cfg)
-        split = cfg.parallel.pp_split
-        par = replace(
-            par,
-            microbatches=lay.microbatches,
-            stages_per_rank=lay.stages_per_rank,
-            pp_split=split if isinstance(split, str) else tuple(split),
-        )
+        lay, split = cls.pipeline_layout(cfg), p.pp_split
+        split = split if isinstance(split, str) else tuple(split)
+        par = replace(par, microbatches=lay.microbatches, stages_per_rank=lay.stages_per_rank, pp_split=split)
     return par
 
 
@@ -274,13 +253,7 @@ def predict(cfg: Config, label_tokens: float | None = None) -> dict:
         "layout": f"{est.label} on {plural(cfg.world_size, 'process')}",  # with its mesh, groups
         "device": where,
         "peak_mem_bytes": int(est.total),
-        "by_component": {
-            "parameters": int(est.params),
-            "gradients": int(est.grads),
-            "optimizer_states": int(est.optimizer),
-            "activations": int(est.activations),
-            "communication_buffers": int(est.buffers),
-        },
+        "by_component": {k: int(v) for k, v in est.components.items()},
         # What autograd keeps between forward and backward (what a run's probe measures), the
         # working set on top of it, and offloaded layer inputs in host memory.
         "activations": {  # none where the layout is not one the planner models (one FSDP rank)

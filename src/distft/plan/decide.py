@@ -335,14 +335,12 @@ def _nothing_fits(walk: _Walk) -> Recommendation:
                 f"{what} Full finetuning needs more memory than these GPUs offer; {METHOD_NAMES[method]} fits with "
                 f"{r.label}: {r.reason}"
             )
-            ckpt, also = r.activation_checkpointing, [gpus_needed(req)]
-            return Recommendation(r.strategy, method, ckpt, reason, steps, also, r.parallelism)
+            return replace(r, reason=reason, steps=steps, alternatives=[gpus_needed(req)])
     if walk.depth == 0 and t.method == "lora":
         r = decide(walk.with_training(method="qlora"), depth=1)
         if r.strategy:
             reason = f"{what} QLoRA fits with {r.label}: {r.reason}"
-            ckpt = r.activation_checkpointing
-            return Recommendation(r.strategy, "qlora", ckpt, reason, steps, [], r.parallelism)
+            return replace(r, reason=reason, steps=steps, alternatives=[])
     return Recommendation(
         None, t.method, t.activation_checkpointing, what + " " + gpus_needed(req), steps, []
     )

@@ -107,19 +107,28 @@ class Estimate:
         return self.params + self.grads + self.optimizer + self.activations + self.buffers
 
     @property
+    def components(self) -> dict[str, int]:
+        """The bytes per GPU by component, as the JSON documents and a run's prediction name them."""
+        return {
+            "parameters": self.params,
+            "gradients": self.grads,
+            "optimizer_states": self.optimizer,
+            "activations": self.activations,
+            "communication_buffers": self.buffers,
+        }
+
+    @property
     def label(self) -> str:
-        lay = self.parallelism
+        lay, spec = self.parallelism, SPECS[self.strategy]
         if lay.dp_shard and lay.replicas > 1:  # HSDP: shard groups x replicas (x TP)
             tp = f"tp={lay.tp}, " if lay.tp > 1 else ""
-            return f"{SPECS[self.strategy].label} ({tp}shard={lay.shard_degree}, replicas={lay.replicas})"
+            return f"{spec.label} ({tp}shard={lay.shard_degree}, replicas={lay.replicas})"
         if 1 < lay.ep < lay.dp:  # fsdp+ep: expert groups x replicas, or their experts sharded across them
             groups = lay.dp // lay.ep
             held = f"experts sharded over {groups}" if lay.shard_experts else f"replicas={groups}"
-            return f"{SPECS[self.strategy].label} (ep={lay.ep}, {held})"
+            return f"{spec.label} (ep={lay.ep}, {held})"
         degrees = [f"{d}={getattr(lay, d)}" for d in ("dp", "tp", "pp", "cp") if getattr(lay, d) > 1]
-        return f"{SPECS[self.strategy].label}" + (
-            f" ({', '.join(degrees)})" if degrees and SPECS[self.strategy].sized else ""
-        )
+        return f"{spec.label} ({', '.join(degrees)})" if degrees and spec.sized else spec.label
 
     @property
     def comm_bytes(self) -> float:
@@ -149,11 +158,8 @@ class Estimate:
     @property
     def min_global_batch(self) -> int:
         """Sequences per optimizer step at the least: one micro-batch per data-parallel replica."""
-        return (
-            self.parallelism.dp * self.parallelism.microbatches
-            if self.parallelism.pp > 1
-            else self.parallelism.dp
-        )
+        lay = self.parallelism
+        return lay.dp * lay.microbatches if lay.pp > 1 else lay.dp
 
     @property
     def in_distft(self) -> str:
@@ -161,9 +167,7 @@ class Estimate:
         return "yes" if self.runnable else "no"
 
 
-# ---------------------------------------------------------------------------------------------
-# Evaluating layouts
-# ---------------------------------------------------------------------------------------------
+# ---- Evaluating layouts -------------------------------------------------------------------------
 
 
 def parallelism_for(
@@ -180,29 +184,16 @@ def parallelism_for(
     what it shards and how it splits a layer; HSDP shards inside a node; fsdp+ep's expert groups
     are `ep` ranks, 0: every data-parallel rank, their stacks FSDP-sharded across the groups or
     not)."""
-    m = req.grad_accum
-    if pp > 1:
-        m = req.pp_microbatches or max(req.grad_accum, 2 * pp)
+    m = (req.pp_microbatches or max(req.grad_accum, 2 * pp)) if pp > 1 else req.grad_accum
     shard = node_shard(req.gpus_per_node, dp, tp, cp)  # HSDP's shard group: a node's data ranks
-    return Parallelism.at(
-        strategy,
-        dp,
-        tp,
-        pp,
-        cp,
-        shard,
-        ep,
-        microbatches=m,
-        schedule=req.pp_schedule,
-        shard_experts=shard_experts,
-    )
+    schedule = {"microbatches": m, "schedule": req.pp_schedule, "shard_experts": shard_experts}
+    return Parallelism.at(strategy, dp, tp, pp, cp, shard, ep, **schedule)
 
 
 def why_not(req: Request, par: Parallelism) -> str:
     """Empty if the layout can run on this model and these GPUs, else the reason."""
     spec, tp = req.model, par.tp
-    moe = _why_not_experts(req, par)
-    if moe:
+    if moe := _why_not_experts(req, par):
         return moe
     if par.world > req.world:
         return f"needs {par.world} GPUs"
@@ -239,8 +230,7 @@ def estimate(req: Request, par: Parallelism, strategy: str | None = None) -> Est
     """Per-GPU memory of the fullest rank, traffic and time for one layout."""
     est = Estimate(strategy or par.name, par)
     est.runnable = runnable(est.strategy, req.training.method)
-    why = why_not(req, par)
-    if why:
+    if why := why_not(req, par):
         est.applicable, est.note = False, why
         return est
     worst = None

@@ -63,9 +63,5 @@ def expected_step_bytes(
     except (ConfigError, ValueError):  # a layout the planner does not model
         return None
     # Where groups of several sizes run (HSDP's shard groups, fsdp+ep's expert groups): by dimension too.
-    by_dim = (
-        bytes_by_dim(collectives)
-        if SPECS[cfg.parallel.strategy].shard_groups or 1 < par.ep < par.dp
-        else None
-    )
-    return bytes_by_kind(collectives), by_dim
+    several = SPECS[cfg.parallel.strategy].shard_groups or 1 < par.ep < par.dp
+    return bytes_by_kind(collectives), bytes_by_dim(collectives) if several else None

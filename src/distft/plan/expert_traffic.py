@@ -39,9 +39,8 @@ def ep_collectives(
     data-parallel rank, else "ep"), and across the groups the experts' gradients ("replicate")."""
     layers = rank_layers(spec, training, par, rank)
     routed = routing_collectives(spec, training, par, topo.link(par.ep, par.tp), len(layers))
-    across = expert_replica_collectives(
-        spec, training, par, topo.link(par.dp // par.ep, par.ep * par.tp), rank
-    )
+    link = topo.link(par.dp // par.ep, par.ep * par.tp)  # across the groups
+    across = expert_replica_collectives(spec, training, par, link, rank)
     group = "ep" if par.ep < par.dp else group_dim
     return [replace(c, dim=group) for c in routed] + [replace(c, dim="replicate") for c in across]
 
@@ -82,10 +81,8 @@ def expert_replica_collectives(
     if not par.shard_experts:
         nbytes = sum(t.numel // par.ep * trained_element_bytes(t, training)[0] for t in stacks)
         return [Collective("expert gradients", "all_reduce", nbytes, len(stacks), replicas, link, False)]
-    units, gathers = (
-        len({t.layer for t in stacks}),
-        fsdp_gathers_per_microbatch(par.reshard_after_forward) * m,
-    )
+    units = len({t.layer for t in stacks})
+    gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward) * m
     gathered = held_bytes(spec, training, par, "gathered", rank, experts=True) * gathers
     out = [Collective("experts", "all_gather", gathered, units * gathers, replicas, link, True)]
     if trains:

@@ -39,17 +39,12 @@ class Recommendation:
 
     @property
     def label(self) -> str:
-        return (
-            SPECS[self.strategy].label
-            if self.strategy in SPECS
-            else "none"
-            if self.strategy
-            else "nothing fits"
-        )
+        if not self.strategy:
+            return "nothing fits"
+        return SPECS[self.strategy].label if self.strategy in SPECS else "none"
 
 
-def gb(n: float) -> str:
-    return format_bytes(n)
+gb = format_bytes  # a size in the tree's sentences
 
 
 def fit_text(e: Estimate, req: Request) -> str:
@@ -93,18 +88,14 @@ def interconnect_slow(req: Request, fsdp: Estimate) -> tuple[bool, str]:
         f"FSDP moves {gb(fsdp.comm_bytes)} per GPU per step over {link.label}{kind}, "
         f"about {format_seconds(fsdp.comm_s)}"
     )
+    slow = bool(kind) if compute is None else fsdp.comm_s > compute
     if compute is None:
-        slow = bool(kind)
-        return (
-            slow,
-            f"{'Yes' if slow else 'No'}: {traffic} (no compute estimate for this GPU: judged by the link).",
-        )
-    if fsdp.comm_s > compute:
-        return (
-            True,
-            f"Yes: {traffic}, more than the {format_seconds(compute)} of compute it should hide behind.",
-        )
-    return False, f"No: {traffic}, less than the {format_seconds(compute)} of compute it hides behind."
+        why = " (no compute estimate for this GPU: judged by the link)"
+    elif slow:
+        why = f", more than the {format_seconds(compute)} of compute it should hide behind"
+    else:
+        why = f", less than the {format_seconds(compute)} of compute it hides behind"
+    return slow, f"{'Yes' if slow else 'No'}: {traffic}{why}."
 
 
 def inter_node_bytes(e: Estimate, req: Request) -> float:

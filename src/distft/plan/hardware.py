@@ -32,16 +32,7 @@ import re
 
 from distft.errors import ConfigError
 from distft.measure.comm import WIRE_FACTOR
-from distft.measure.gpus import (
-    GB,
-    GPU,
-    GPU_ALIASES,
-    GPUS,
-    LINKS,
-    GiB,
-    Link,
-    gpu_for_device_name,
-)
+from distft.measure.gpus import GPU, GPU_ALIASES, GPUS, LINKS, GiB, Link, gpu_for_device_name
 
 
 def generic_gpu(memory: int) -> GPU:
@@ -97,19 +88,7 @@ def inter_node_link(interconnect: str | None) -> Link:
     return LINKS["ib-ndr"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Collectives
-# ---------------------------------------------------------------------------------------------
-
-RING_STEPS = {
-    "all_reduce": lambda n: 2 * (n - 1),
-    "all_gather": lambda n: n - 1,
-    "reduce_scatter": lambda n: n - 1,
-    "all_to_all": lambda n: n - 1,
-    "broadcast": lambda n: n - 1,
-    "send": lambda n: 1,
-    "recv": lambda n: 1,
-}
+# ---- Collectives --------------------------------------------------------------------------------
 
 
 def wire_bytes(kind: str, nbytes: float, n: int) -> float:
@@ -124,28 +103,17 @@ def comm_time(kind: str, nbytes: float, n: int, link: Link, calls: int = 1) -> f
     if n <= 1 and kind not in ("send", "recv"):
         return 0.0
     rate = link.effective_for(n)
-    return wire_bytes(kind, nbytes, n) / rate + calls * RING_STEPS[kind](n) * link.latency_s
+    steps = 1 if kind in ("send", "recv") else (n - 1) * (2 if kind == "all_reduce" else 1)  # ring steps
+    return wire_bytes(kind, nbytes, n) / rate + calls * steps * link.latency_s
 
 
-# ---------------------------------------------------------------------------------------------
-# Sizes
-# ---------------------------------------------------------------------------------------------
+# ---- Sizes --------------------------------------------------------------------------------------
 
-_UNITS = {
-    "": None,
-    "b": 1,
-    "k": 1024,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1024**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": GiB,
-    "gb": GB,
-    "gib": GiB,
-    "t": 1024**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
+# A size's units: kB, MB, GB, TB decimal; KiB, MiB, GiB, TiB and a bare k, M, G, T binary.
+_UNITS = {"b": 1} | {
+    prefix + suffix: (1000 if suffix == "b" else 1024) ** power
+    for power, prefix in enumerate("kmgt", start=1)
+    for suffix in ("", "b", "ib")
 }
 
 
@@ -153,7 +121,7 @@ def parse_bytes(text: str) -> int:
     """'24GiB', '80GB', '24 G', '49152MiB' -> bytes. GB is decimal, GiB (and a bare G) binary."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS or _UNITS[unit] is None or float(m.group(1)) <= 0:
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
         raise ConfigError(
             f"--gpu-mem {text!r} is not a memory size. Give a positive number with a unit: 24GiB, 80GB, "
             "141GB, 49152MiB (GB and MB are decimal, GiB, MiB and a bare G binary)."

@@ -33,12 +33,9 @@ class Training:
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     lora_dropout: float = 0.0
-    dora: bool = (
-        False  # lora.variant=dora: a trained fp32 magnitude per output feature of each adapted projection
-    )
-    fp32_masters: bool = (
-        False  # full finetuning with train.master_weights=fp32: weights, grads, moments in fp32
-    )
+    # lora.variant=dora: a trained fp32 magnitude per output feature of each adapted projection
+    dora: bool = False
+    fp32_masters: bool = False  # full finetuning, train.master_weights=fp32: weights, grads, moments in fp32
     adapter_bytes: int = 4  # PEFT keeps adapters in fp32 over a 16-bit base (autocast_adapter_dtype)
     optimizer: str = "adamw"  # optim.name: adamw | adamw-8bit | sgd (`plan.optimizer`)
     sgd_momentum: bool = True  # sgd keeps a momentum buffer (optim.momentum > 0)

@@ -64,9 +64,7 @@ from distft.plan.optimizer import optimizer_state_bytes, shared_state_bytes, zer
 ADAPTER_KINDS = ("lora_A", "lora_B", "lora_magnitude")  # trainable adapter tensors, in adapter_bytes
 
 
-# ---------------------------------------------------------------------------------------------
-# QLoRA storage
-# ---------------------------------------------------------------------------------------------
+# ---- QLoRA storage ------------------------------------------------------------------------------
 
 
 def nf4_tensor_bytes(numel: int, quant: NF4Spec, itemsize: int, shards: int = 1) -> int:
@@ -74,22 +72,7 @@ def nf4_tensor_bytes(numel: int, quant: NF4Spec, itemsize: int, shards: int = 1)
     return sum(nf4_bytes(numel, quant, itemsize, shards).values())
 
 
-def qlora_base_bytes(spec: ModelSpec, quant: NF4Spec | None = None, unquantized_bytes: int = 2) -> int:
-    """The frozen base of a QLoRA model: projection weights in NF4; embeddings, norms, biases,
-    lm_head and the NF4 scales in `unquantized_bytes` per element. Adapters: `state_bytes`."""
-    quant = quant or NF4Spec()
-    total = 0
-    for t in spec.tensors():
-        if t.kind == "linear":
-            total += nf4_tensor_bytes(t.numel, quant, unquantized_bytes)
-        else:
-            total += t.numel * unquantized_bytes
-    return total
-
-
-# ---------------------------------------------------------------------------------------------
-# Which tensors a rank holds
-# ---------------------------------------------------------------------------------------------
+# ---- Which tensors a rank holds -----------------------------------------------------------------
 
 
 def chunk_rows(d: int, n: int, rank: int) -> int:
@@ -140,9 +123,7 @@ def stage_tensors(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Parameters, gradients, optimizer state
-# ---------------------------------------------------------------------------------------------
+# ---- Parameters, gradients, optimizer state -----------------------------------------------------
 
 
 @dataclass
@@ -193,12 +174,7 @@ def _param_bytes(t: TensorSpec, training: Training, shape: tuple[int, ...], shar
 
 
 def state_bytes(
-    spec: ModelSpec,
-    training: Training,
-    par: Parallelism,
-    dp_rank: int = 0,
-    tp_rank: int = 0,
-    stage: int = 0,
+    spec: ModelSpec, training: Training, par: Parallelism, dp_rank: int = 0, tp_rank: int = 0, stage: int = 0
 ) -> StateBytes:
     """Parameters, gradients and optimizer state held by one rank, in bytes (the counted storage).
 
@@ -274,9 +250,7 @@ def trainable_params(spec: ModelSpec, training: Training) -> int:
     return sum(t.numel for t in lora + trained_beside(spec, training))
 
 
-# ---------------------------------------------------------------------------------------------
-# Communication and other transient buffers
-# ---------------------------------------------------------------------------------------------
+# ---- Communication and other transient buffers --------------------------------------------------
 
 
 def layer_seq_len(training: Training, par: Parallelism, seq_len: int | None = None) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -56,10 +57,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -168,10 +166,9 @@ class ModelSpec:
                 out.append(TensorSpec(f"{path}.lora_A", (rank, i), "lora_A", a_dim, layer, name))
                 out.append(TensorSpec(f"{path}.lora_B", (o, rank), "lora_B", b_dim, layer, name))
                 if dora:
-                    magnitude = TensorSpec(
-                        f"{path}.lora_magnitude", (o,), "lora_magnitude", b_dim, layer, name
+                    out.append(
+                        TensorSpec(f"{path}.lora_magnitude", (o,), "lora_magnitude", b_dim, layer, name)
                     )
-                    out.append(magnitude)
             if self.moe:
                 out += self.expert_adapters(layer, rank, targets)
         return out
@@ -221,9 +218,7 @@ class ModelSpec:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# Where architectures come from
-# ---------------------------------------------------------------------------------------------
+# ---- Where architectures come from --------------------------------------------------------------
 
 
 def preset_spec(key: str, name: str | None = None, source: str = "preset") -> ModelSpec:
@@ -231,10 +226,11 @@ def preset_spec(key: str, name: str | None = None, source: str = "preset") -> Mo
     return spec_from_config(PRESETS[key].to_config().to_dict(), name or key, source)
 
 
-@functools.cache  # specs are frozen: built once per process
-def _table() -> dict[str, ModelSpec]:
-    """Lower-cased hub id or alias -> architecture (`builtin_table`'s, shared): every released
-    preset under its hub id and its aliases, named by the alias if it is a hub id, else by the hub id."""
+@functools.cache  # specs are frozen: built once per process (the table is shared: not to be changed)
+def builtin_table() -> dict[str, ModelSpec]:
+    """Lower-cased hub id or alias -> architecture, for every model the planner knows offline: every
+    released preset under its hub id and its aliases, named by the alias if it is a hub id, else by
+    the hub id."""
     table = {}
     for key, p in PRESETS.items():
         if not p.hub_id:
@@ -244,11 +240,6 @@ def _table() -> dict[str, ModelSpec]:
         for alias in p.aliases:
             table[alias.lower()] = replace(spec, name=alias) if "/" in alias else spec
     return table
-
-
-def builtin_table() -> dict[str, ModelSpec]:
-    """Lower-cased hub id or alias -> architecture, for every model the planner knows offline."""
-    return dict(_table())
 
 
 ROTARY_FIELDS = ("model_type", "max_position_embeddings", "rope_parameters", "rope_scaling")
@@ -305,17 +296,16 @@ def resolve_model(name: str) -> ModelSpec:
     """The architecture named by `name` (preset, hub id, alias, directory or config.json)."""
     if name in PRESETS:
         return preset_spec(name)
-    table = _table()
+    table = builtin_table()
     if name.lower() in table:
         return table[name.lower()]
     path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"Model directory {name} has no config.json.")
     if path.is_file() and path.name.endswith(".json"):
         return spec_from_config(json.loads(path.read_text()), name, "config.json")
-    if path.is_dir():
-        config = path / "config.json"
-        if not config.is_file():
-            raise ConfigError(f"Model directory {name} has no config.json.")
-        return spec_from_config(json.loads(config.read_text()), name, "config.json")
     if "/" not in name or _offline():
         why = "the hub is not consulted while offline" if "/" in name else "it is not a hub id (owner/name)"
         known = ", ".join([*PRESETS, *(a for p in PRESETS.values() for a in p.aliases if "/" not in a)])

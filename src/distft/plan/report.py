@@ -172,14 +172,7 @@ def _estimate_dict(e: Estimate) -> dict:
         "runnable": e.runnable,
         "layout": layout_dict(e.parallelism),
         "stage": e.stage,
-        "bytes_per_gpu": {
-            "parameters": e.params,
-            "gradients": e.grads,
-            "optimizer_states": e.optimizer,
-            "activations": e.activations,
-            "communication_buffers": e.buffers,
-            "total": e.total,
-        },
+        "bytes_per_gpu": {**e.components, "total": e.total},
         "activation_detail": e.activation_detail,
         "buffer_detail": e.buffer_detail,
         "fits": e.fits,
@@ -233,10 +226,8 @@ def rich_table(req: Request, estimates: dict[str, Estimate]):
         title="bytes per GPU (the fullest rank), traffic and time per optimizer step", title_justify="left"
     )
     for col in (c for c in COLUMNS if c != "run" or req.run.known):
-        if col == "strategy":
-            table.add_column(col, no_wrap=True)
-            continue
-        table.add_column(col, justify="left" if col in ("fits", "distft") else "right")
+        left = col in ("strategy", "fits", "distft")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col == "strategy")
     skipped = []
     for e in estimates.values():
         if not e.applicable:
@@ -245,12 +236,7 @@ def rich_table(req: Request, estimates: dict[str, Estimate]):
         fits = "[green]yes[/]" if e.fits else "[red]no[/]"
         table.add_row(
             e.label,
-            format_bytes(e.params),
-            format_bytes(e.grads),
-            format_bytes(e.optimizer),
-            format_bytes(e.activations),
-            format_bytes(e.buffers),
-            format_bytes(e.total),
+            *(format_bytes(n) for n in [*e.components.values(), e.total]),
             fits,
             format_bytes(e.comm_bytes),
             format_seconds(e.comm_s),
@@ -331,11 +317,9 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
         console.print(f"  [dim]alternative:[/] {a}", highlight=False)
     if rec.strategy:
         console.print(f"  [dim]time:[/] {time_line(req, recommended(req, rec))}", highlight=False)
-    command = _command(req, rec)
-    if command:
+    if command := _command(req, rec):
         console.print(f"  [dim]run:[/] {command}", highlight=False)
-    largest = largest_micro_batch(req, rec)
-    if largest:
+    if largest := largest_micro_batch(req, rec):
         console.print(
             f"  [dim]largest micro-batch that fits:[/] {largest} sequences of {t.seq_len} tokens "
             f"(this plan: {t.micro_batch}); larger micro-batches feed the GPU better "

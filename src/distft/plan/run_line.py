@@ -43,9 +43,8 @@ def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dic
         out["lora.rank"] = str(t.lora_rank)
         if t.dora:
             out["lora.variant"] = "dora"
-    elif (
-        t.precision.dtype == "bfloat16"
-    ):  # fp32 masters (counted as such, or as mixed precision's) where they run
+    elif t.precision.dtype == "bfloat16":
+        # fp32 masters (counted as such, or as mixed precision's) where they run
         masters = (t.fp32_masters or t.precision.master) and SPECS[par.name].runs("fp32_masters")
         out["train.master_weights"] = "fp32" if masters else "model"
     out |= par.dims.to_overrides(SPECS[par.name])  # the mesh, shard groups, expert groups
@@ -68,9 +67,8 @@ def run_command(
         return None
     preset = PRESETS.get(req.model.name)
     model = (preset.hub_id or req.model.name) if preset else req.model.name
-    data = (
-        "sample" if model in PRESETS else DATA_PLACEHOLDER
-    )  # the bundled meetings suit the CPU presets only
+    # the bundled meetings suit the CPU presets only
+    data = "sample" if model in PRESETS else DATA_PLACEHOLDER
     parts = ["distft train", f"--model {model}", f"--method {method}", f"--strategy {strategy}"]
     if SPECS[strategy].distributed:
         parts.append(f"--nproc {req.gpus_per_node}")

@@ -135,12 +135,7 @@ def no_time_reason(gpu: GPU, training: Training) -> str | None:
 
 
 def step_time(
-    spec: ModelSpec,
-    training: Training,
-    par: Parallelism,
-    collectives: list[Collective],
-    gpu: GPU,
-    mfu: float,
+    spec: ModelSpec, training: Training, par: Parallelism, collectives: list[Collective], gpu: GPU, mfu: float
 ) -> StepTime | None:
     """The predicted time of one optimizer step (see the module docstring), or None without a peak."""
     if no_time_reason(gpu, training):
@@ -154,9 +149,7 @@ def step_time(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# The run's length
-# ---------------------------------------------------------------------------------------------
+# ---- The run's length ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -10,31 +10,14 @@ import math
 
 from distft.plan import expert_traffic as experts
 from distft.plan.collective import Collective, step_positions
-from distft.plan.counts import (
-    frozen_embedding,
-    megatron_crossings,
-    tp_activation_calls,
-    tp_adapter_calls,
-)
+from distft.plan.counts import frozen_embedding, megatron_crossings, tp_activation_calls, tp_adapter_calls
 from distft.plan.hardware import Link
-from distft.plan.inputs import (
-    Parallelism,
-    Training,
-    compute_bytes,
-    rank_layers,
-    rank_stages,
-)
+from distft.plan.inputs import Parallelism, Training, compute_bytes, rank_layers, rank_stages
 from distft.plan.memory import trained_beside
 from distft.plan.model_spec import ModelSpec
-from distft.plan.preference_traffic import (
-    sequence_sums,
-    sp_forward_only_crossings,
-    tp_forward_only_reduces,
-)
+from distft.plan.preference_traffic import sequence_sums, sp_forward_only_crossings, tp_forward_only_reduces
 
-# ---------------------------------------------------------------------------------------------
-# Per-collective formulas (bytes and calls per optimizer step, one rank)
-# ---------------------------------------------------------------------------------------------
+# ---- Per-collective formulas (bytes and calls per optimizer step, one rank) ---------------------
 
 
 def tp_collectives(

@@ -51,11 +51,7 @@ from distft.layout import SPECS
 from distft.parallel.context.model import layers_without_kv_gradient, padded_length
 from distft.plan import expert_traffic as experts
 from distft.plan.collective import Collective, Topology, held_bytes
-from distft.plan.counts import (
-    frozen_embedding,
-    fsdp_gathers_per_microbatch,
-    fsdp_pipeline_gathers,
-)
+from distft.plan.counts import frozen_embedding, fsdp_gathers_per_microbatch, fsdp_pipeline_gathers
 from distft.plan.hardware import Link
 from distft.plan.inputs import (
     Parallelism,
@@ -76,14 +72,7 @@ from distft.plan.preference_traffic import (
 )
 from distft.plan.tp_traffic import tp_collectives
 
-# ---------------------------------------------------------------------------------------------
-# Per-collective formulas (bytes and calls per optimizer step, one rank)
-# ---------------------------------------------------------------------------------------------
-
-
-def fsdp_gather_calls(layers: int, microbatches: int, reshard_after_forward: bool) -> int:
-    """FSDP2 all-gathers per step: every unit (layers + root) in forward, again in backward for ZeRO-3."""
-    return (layers + 1) * fsdp_gathers_per_microbatch(reshard_after_forward) * microbatches
+# ---- Per-collective formulas (bytes and calls per optimizer step, one rank) ---------------------
 
 
 def ddp_collectives(
@@ -143,7 +132,7 @@ def dp_collectives(
         ]
     gathers = fsdp_gathers_per_microbatch(par.reshard_after_forward)
     params = held_bytes(spec, training, par, "gathered", rank) * gathers * m
-    calls = fsdp_gather_calls(layers, m, par.reshard_after_forward)
+    calls = (layers + 1) * gathers * m  # every unit (layers + root) in forward, again in backward for ZeRO-3
     if layers:  # a preference objective's forwards without backward
         extra, extra_calls = fsdp_forward_only_gathers(spec, training, par, rank, layers)
         params, calls = params + extra, calls + extra_calls
@@ -258,23 +247,10 @@ def step_collectives(
     loss, norm = SPECS[par.name].step_scalars(par.dp, sequence_split, statistics, training.kl_forwards > 0)
     if par.world > 1 and par.tensor_parallel == "dtensor" and par.pp == 1 and par.dp > 1 and loss:
         # TP ranks share one loss: summed over the data-parallel ranks only (`fsdp_tp.reduce_loss`).
-        add(
-            "dp",
-            [
-                Collective(
-                    "loss", "all_reduce", sum(loss), len(loss), par.dp, topo.link(par.dp, par.tp), False
-                )
-            ],
-        )
+        link = topo.link(par.dp, par.tp)
+        add("dp", [Collective("loss", "all_reduce", sum(loss), len(loss), par.dp, link, False)])
         loss = ()
     if par.world > 1 and loss + norm:
-        link, scalars = topo.link(par.world, 1), loss + norm
-        add(
-            "world",
-            [
-                Collective(
-                    "loss, gradient norm", "all_reduce", sum(scalars), len(scalars), par.world, link, False
-                )
-            ],
-        )
+        link, scalars, what = topo.link(par.world, 1), loss + norm, "loss, gradient norm"
+        add("world", [Collective(what, "all_reduce", sum(scalars), len(scalars), par.world, link, False)])
     return out
