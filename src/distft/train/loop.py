@@ -222,9 +222,8 @@ def start_outputs(run: Run, progress: TrainingProgress, layout: list[str]) -> Me
     if env.is_main and run.start_step:
         truncate_metrics(run.out / "metrics.jsonl", run.start_step)
         skipped = "".join(f"{note}, set aside as .damaged-*; " for note in run.skipped_checkpoints)
-        progress.console.print(
-            f"{skipped}resuming from {run.checkpoint} (step {run.start_step})", soft_wrap=True, markup=False
-        )  # a path stays whole
+        resuming = f"{skipped}resuming from {run.checkpoint} (step {run.start_step})"
+        progress.console.print(resuming, soft_wrap=True, markup=False)  # a path stays whole
     return MetricsWriter(run.out / "metrics.jsonl", append=run.start_step > 0) if env.is_main else None
 
 
