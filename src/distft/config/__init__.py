@@ -5,7 +5,7 @@ This package is a leaf: it imports nothing of distft but layer 0 (`distft.errors
 
 from distft.config.choices import DTYPES, METHODS, PROJECTION_NAMES
 from distft.config.fields import RANGES, Range, check_choice, check_fields, lora_target_names, nearest
-from distft.config.io import apply_override, config_differences, load_config, to_dict, to_toml
+from distft.config.io import apply_override, config_differences, load_config, to_toml
 from distft.config.schema import (
     Config,
     DataConfig,
@@ -38,6 +38,5 @@ __all__ = [
     "load_config",
     "lora_target_names",
     "nearest",
-    "to_dict",
     "to_toml",
 ]

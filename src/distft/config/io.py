@@ -238,17 +238,12 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(cfg)
-
-
 def config_differences(a: Config, b: Config, ignore: tuple[str, ...] = ()) -> list[str]:
     """`section.key: a -> b` for every field that differs, skipping the dotted names in `ignore`."""
-    diffs = []
-    da, db = to_dict(a), to_dict(b)
-    for section, table in da.items():
-        for key, value in table.items():
-            name = f"{section}.{key}"
-            if name not in ignore and db[section][key] != value:
-                diffs.append(f"{name}: {value!r} -> {db[section][key]!r}")
-    return diffs
+    db = dataclasses.asdict(b)
+    return [
+        f"{section}.{key}: {value!r} -> {db[section][key]!r}"
+        for section, table in dataclasses.asdict(a).items()
+        for key, value in table.items()
+        if f"{section}.{key}" not in ignore and db[section][key] != value
+    ]

@@ -18,11 +18,6 @@ class Precision:
     description: str
     dtype: str = "bfloat16"  # the model.dtype distft runs it with (see `run_line.py`)
 
-    @property
-    def trained_bytes(self) -> int:
-        """Bytes per trained parameter: weight + gradient + master + two moments."""
-        return self.param + self.grad + self.master + 2 * self.state
-
 
 PRECISIONS: dict[str, Precision] = {
     "mixed": Precision(

@@ -6,8 +6,8 @@ the `distft infer` and `distft eval` command lines. docs/serving.md serves the s
 """
 
 from distft.infer.commands import cmd_eval, cmd_infer
-from distft.infer.evaluate import evaluate_run, validation_loss
-from distft.infer.generate import Generated, Sampling, generate, summarize
+from distft.infer.evaluate import validation_loss
+from distft.infer.generate import Generated, Sampling, generate
 from distft.infer.load import Loaded, load_trained, preset_notice
 
 __all__ = [
@@ -16,10 +16,8 @@ __all__ = [
     "Sampling",
     "cmd_eval",
     "cmd_infer",
-    "evaluate_run",
     "generate",
     "load_trained",
     "preset_notice",
-    "summarize",
     "validation_loss",
 ]

@@ -34,7 +34,7 @@ from distft.data.pairs import encode_pairs, rows_of
 from distft.data.preference import PreferenceRow
 from distft.errors import ConfigError
 from distft.infer.generate import Sampling, generate
-from distft.infer.load import Loaded, _load_base, load_trained
+from distft.infer.load import Loaded, _load_base
 from distft.io.lineage import base_stages, is_random
 from distft.model import LossLM
 from distft.model.build import peft_quietly, rebuild_base
@@ -164,11 +164,3 @@ def untrained_model(loaded: Loaded) -> nn.Module | None:
         return rebuild_base(lineage["origin"])
     except ConfigError:  # initialised on CUDA, scored without one: the row is left out
         return None
-
-
-def evaluate_run(
-    run: str, max_rows: int = 16, max_new_tokens: int = 96, data: str | None = None
-) -> dict[str, dict[str, float | None]]:
-    """Validation loss and ROUGE-L of the base model vs the finetuned one (on `data` if given)."""
-    loaded = load_trained(run=run)
-    return compare(loaded, run, eval_rows(loaded, data, max_rows), max_new_tokens)

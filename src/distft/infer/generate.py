@@ -79,15 +79,10 @@ class Sampling:
             )
 
     def generate_kwargs(self) -> dict:
-        if self.greedy:
-            return {"do_sample": False, "repetition_penalty": self.repetition_penalty}
-        return {
-            "do_sample": True,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "repetition_penalty": self.repetition_penalty,
-        }
+        kwargs = {"do_sample": not self.greedy, "repetition_penalty": self.repetition_penalty}
+        if not self.greedy:
+            kwargs |= {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        return kwargs
 
 
 @dataclass
@@ -120,11 +115,6 @@ def generate(loaded: Loaded, source: str | Row, sampling: Sampling) -> Generated
     )
     text = loaded.tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True).strip()
     return Generated(text, len(ids), dropped)
-
-
-def summarize(loaded: Loaded, transcript: str, max_new_tokens: int = 128) -> str:
-    """The greedy summary of `transcript`."""
-    return generate(loaded, transcript, Sampling(max_new_tokens=max_new_tokens)).summary
 
 
 def truncation_notice(loaded: Loaded, row: Row, generated: Generated, sampling: Sampling) -> str | None:

@@ -135,10 +135,8 @@ def origin_text(lineage: dict) -> str:
     return f"`{lineage['origin']['preset']}` preset, random weights"
 
 
-def _short(run: str | None) -> str:
+def _short(run: str) -> str:
     """A run directory as the user typed it, relative to here when it is below here."""
-    if not run:
-        return ""
     try:
         return str(Path(run).relative_to(Path.cwd()))
     except ValueError:

@@ -243,9 +243,6 @@ class Strategy:
         mesh = getattr(self, "mesh", None)
         return mesh_groups(mesh, getattr(self, "flattened", {})) if mesh is not None else {}
 
-    def is_logging_rank(self) -> bool:
-        return self.env.is_main
-
     def traffic_facts(self, model: nn.Module) -> dict:
         """What the bytes formula (`distft.plan.traffic`) needs of this running strategy beyond
         its config: `Parallelism` fields (a pipeline's cut as it ran), or `DDPSettings` ones."""

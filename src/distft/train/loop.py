@@ -91,9 +91,8 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     """Train as `cfg` says; `hooks` run at fixed points of every step (none by default); `dataset`
     (a list of dicts, a `datasets.Dataset`, or a dict of splits) replaces `cfg.data.source`."""
     hooks = hooks or TrainHooks()
-    complete_defaults(
-        cfg
-    )  # what `distft train` derives, for a config built in Python too (a no-op in its ranks)
+    # What `distft train` derives, for a config built in Python too (a no-op in its ranks).
+    complete_defaults(cfg)
     # Rank 0 holds the run directory's lock (`distft.io.lock`), unless the command that launched it does.
     lock = run_lock(Path(cfg.output.dir)) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with lock:
@@ -118,7 +117,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     """The loop over steps (measuring, evaluating, logging, checkpointing), then the export."""
     # ---- outputs --------------------------------------------------------------------------
     cfg, env, tc = run.cfg, run.env, run.cfg.train
-    progress = TrainingProgress(enabled=run.strategy.is_logging_rank(), total_steps=tc.max_steps)
+    progress = TrainingProgress(enabled=env.is_main, total_steps=tc.max_steps)
     measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, expected_bytes(run), run.out)
     metrics = start_outputs(run, progress, measure.header_lines())
     trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
@@ -223,9 +222,8 @@ def start_outputs(run: Run, progress: TrainingProgress, layout: list[str]) -> Me
     if env.is_main and run.start_step:
         truncate_metrics(run.out / "metrics.jsonl", run.start_step)
         skipped = "".join(f"{note}, set aside as .damaged-*; " for note in run.skipped_checkpoints)
-        progress.console.print(
-            f"{skipped}resuming from {run.checkpoint} (step {run.start_step})", soft_wrap=True, markup=False
-        )  # a path stays whole
+        resuming = f"{skipped}resuming from {run.checkpoint} (step {run.start_step})"
+        progress.console.print(resuming, soft_wrap=True, markup=False)  # a path stays whole
     return MetricsWriter(run.out / "metrics.jsonl", append=run.start_step > 0) if env.is_main else None
 
 

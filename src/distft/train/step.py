@@ -92,9 +92,8 @@ def orpo_token_weight(examples: list, cfg: Config) -> torch.Tensor | None:
     into its share of the global batch's mean token NLL once the step divides by the pairs."""
     if cfg.train.objective != "orpo":
         return None
-    return torch.tensor(
-        [len(examples) / count_label_tokens([p.chosen for p in examples])]
-    )  # (1,): a pipeline cuts it per micro-batch
+    # (1,): a pipeline cuts it per micro-batch
+    return torch.tensor([len(examples) / count_label_tokens([p.chosen for p in examples])])
 
 
 def expected_bytes(run: Run) -> Callable[[list[Example]], tuple | None]:
