@@ -17,6 +17,7 @@ each case then fails by its own name.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import sys
 import traceback
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from distft.cli import build_parser
+from distft.cli import build_parser, parse
 from distft.train.command import config_from_args, prepared
 from distft.train.loop import train
 from tests.helpers import free_port, spawn
@@ -72,7 +73,10 @@ def _rank(rank: int, world: int, port: int, runs: list[list[str]], folders: list
     env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world, "GROUP_RANK": 0}
     os.environ.update({name: str(value) for name, value in env.items()})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A case that fails on one rank leaves the others in a collective: the timeout frees them, and
+    # the next case starts on every rank.
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", timeout=timeout, world_size=world, rank=rank)
     for args, folder in zip(runs, folders, strict=True):
         with _output_in(Path(folder, f"output-{rank}.txt")):
             try:
@@ -92,9 +96,9 @@ def _launched(args: list[str]):
     the config, or the error that refused it."""
     hidden = {name: os.environ.pop(name) for name in TORCHRUN}
     try:
-        parsed = build_parser().parse_args(["train", *args])
+        parsed = parse(build_parser(), ["train", *args])  # as `distft.cli.main` reads it
         return prepared(config_from_args(parsed), parsed)
-    except Exception:
+    except BaseException:  # argparse's exit too: every rank must reach the broadcast
         return traceback.format_exc()
     finally:
         os.environ.update(hidden)
