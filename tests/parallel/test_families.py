@@ -13,9 +13,9 @@ bytes predicted. What the families make different meets the strategies' own code
 stage; Llama 3.1's rope scaling in every stage and in the Megatron layers; Qwen2's q/k/v biases
 sharded with their columns; no q/k norms in the tensor-parallel plans.
 
-`PAIRS` is every dense family x every registered strategy with LoRA (fsdp+ep, whose experts need a
-mixture of experts, in tests/parallel/test_moe.py), on the fewest ranks each layout runs on (2; 4
-where two dimensions must each be 2). `METHOD_PAIRS` adds full finetuning (every weight trains:
+`PAIRS` is every family x every registered strategy with LoRA (the mixture of experts under each
+strategy that takes one, fsdp+ep's expert parallelism only there), on the fewest ranks each layout
+runs on (2; 4 where two dimensions must each be 2). `METHOD_PAIRS` adds full finetuning (every weight trains:
 the untied head, the biases; compared by loss, gradient norm and the evaluation loss after the
 step's update) and QLoRA (NF4 base weights resharded by DCP) where the family's difference meets
 the method. The runs of each world size train one after another in one launch (`tests.batched`);
@@ -42,7 +42,10 @@ FAMILY_PRESETS = {
     "llama": "llama-micro",
     "qwen2": "qwen2-micro",
     "mistral": "mistral-micro",
+    "qwen3_moe": "qwen3-moe-micro",
 }
+# Adam's eps above the rounding of a gradient element of the experts (tests/parallel/test_moe.py).
+FAMILY_SETTINGS = {"qwen3-moe-micro": ["optim.eps=1e-6"]}
 # The 2-D and 3-D layouts on the fewest ranks that are not a 1-D strategy (4 where both
 # dimensions must be 2; fsdp+tp runs on one FSDP rank, as test_fsdp_pp's 3D case does, and fsdp+cp's
 # FSDP spans its 2 context-parallel ranks).
@@ -76,7 +79,8 @@ PAIRS = [
     (FAMILY_PRESETS[f], s)
     for f in FAMILY_PRESETS
     for s in STRATEGIES
-    if s != "single" and not SPECS[s].expert_groups  # fsdp+ep: tests/parallel/test_moe.py
+    # fsdp+ep's experts need a mixture of experts; a mixture of experts, a strategy that takes one
+    if s != "single" and (SPECS[s].runs("moe") if FAMILIES[f].moe else not SPECS[s].expert_groups)
 ]
 # (preset, method, strategy): each family's trained head or biases, and its NF4 base, where a
 # strategy shards them its own way.
@@ -92,14 +96,16 @@ METHOD_PAIRS = [
 
 def test_every_family_and_strategy_has_parity_coverage():
     """A new family (or strategy) fails here until it has a preset in this file's parity runs."""
-    # A mixture of experts runs under the strategies that take one: tests/parallel/test_moe.py.
-    assert set(FAMILY_PRESETS) == {name for name, f in FAMILIES.items() if not f.moe}
+    assert set(FAMILY_PRESETS) == set(FAMILIES)
     assert all(PRESETS[name].family == family for family, name in FAMILY_PRESETS.items())
     assert set(NPROC) == set(STRATEGIES) - {"single"}
-    dense = {s for s in NPROC if not SPECS[s].expert_groups}
-    for name in FAMILY_PRESETS.values():
-        assert {s for m, s in PAIRS if m == name} == dense, name
-        if name != "micro":  # Qwen3's full finetuning and QLoRA: each strategy's own file
+    for family, name in FAMILY_PRESETS.items():
+        takes = {
+            s for s in NPROC if (SPECS[s].runs("moe") if FAMILIES[family].moe else not SPECS[s].expert_groups)
+        }
+        assert {s for m, s in PAIRS if m == name} == takes, name
+        # Full finetuning and QLoRA of Qwen3 and its experts: each strategy's own file, test_moe.py.
+        if family not in ("qwen3", "qwen3_moe"):
             assert "full" in {method for m, method, _ in METHOD_PAIRS if m == name}, name
 
 
@@ -112,7 +118,7 @@ def references(tmp_path_factory):
     def reference(model: str, method: str = "lora"):
         if (model, method) not in runs:
             runs[model, method] = tmp_path_factory.mktemp(f"{model}-{method}-single")
-            distft("train", "--model", model, "--method", method, *SETTINGS, *METHOD_SETTINGS[method],
+            distft("train", "--model", model, "--method", method, *SETTINGS, *METHOD_SETTINGS[method], *FAMILY_SETTINGS.get(model, []),
                    "--checkpoint-every", "1", "--out", str(runs[model, method]))  # fmt: skip
         return runs[model, method]
 
@@ -141,13 +147,22 @@ def resumed_records(out: Path, stdout: str) -> list[dict]:
     counted the bytes its formula and the planner predicted."""
     assert "resuming from" in stdout and "(step 1)" in stdout
     records = metrics(out)
-    assert records[1]["comm_bytes"] == records[1]["comm_bytes_expected"]
+    assert unrouted(records[1]["comm_bytes"]) == unrouted(records[1]["comm_bytes_expected"])
     # Every row fills data.max_length, so the plan's shapes are the run's: the planner's bytes
     # (`distft plan`'s formula, recorded at launch) equal what each rank counted, kind by kind.
-    for rank in json.loads((out / "ranks.json").read_text()):
-        comm = rank["comm_bytes_per_step"]
-        assert comm["predicted"] == comm["counted"], (rank["rank"], comm)
+    ranks = [rank["comm_bytes_per_step"] for rank in json.loads((out / "ranks.json").read_text())]
+    for comm in ranks:
+        assert unrouted(comm["predicted"]) == unrouted(comm["counted"]), comm
+    # fsdp+ep's all-to-alls: a rank sends the rows its experts took, which the routing decides; the
+    # plan is their mean, so their sum over the ranks is exact.
+    assert sum(c["predicted"].get("all_to_all", 0) for c in ranks) == sum(
+        c["counted"].get("all_to_all", 0) for c in ranks
+    )
     return records
+
+
+def unrouted(comm: dict[str, int]) -> dict[str, int]:
+    return {kind: moved for kind, moved in comm.items() if kind != "all_to_all"}
 
 
 CASES = [(model, "lora", strategy) for model, strategy in PAIRS] + METHOD_PAIRS

@@ -18,25 +18,17 @@ from distft.cli import build_parser, main
 from distft.layout import SPECS
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
-from distft.parallel.registry import STRATEGIES
 from distft.plan import evaluate, make_request
 from distft.plan.collective import bytes_by_dim, bytes_by_kind
 from distft.plan.inputs import Parallelism
 from distft.plan.memory import state_bytes
-from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, extends, metrics
+from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
 
 # Adam's eps above the rounding of a gradient element (~2e-9 here): at the default 1e-8, an element
 # whose first gradient is itself ~1e-8 moves by lr g / (|g| + eps), and another summation order (tp
 # sums each expert's features in halves) turns 1.4e-8 against 1.6e-8 into 3% of a step.
 MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_rows=16", "optim.eps=1e-6"]
 MOE_STRATEGIES = [name for name, spec in SPECS.items() if spec.runs("moe") and name != "single"]
-# As in test_families.py: a variant's code for the experts is the named strategy's (ZeRO-1
-# partitions DDP's optimizer state, ZeRO-2 and HSDP keep FSDP's units gathered or replicated,
-# ddp+pp is fsdp+pp's stages with DDP around them, fsdp+tp+pp splits fsdp+pp's stages as fsdp+tp
-# splits the model: `ExpertShards`), proven on dense models in their own files; fsdp+tp+pp's
-# full finetuning of the experts resumes in `test_full_finetuning_...` below.
-MOE_VARIANTS = {"zero1": "ddp", "zero2": "fsdp", "hsdp": "fsdp", "ddp+pp": "fsdp+pp", "fsdp+tp+pp": "fsdp+tp"}
-MOE_VARIANTS["hsdp+tp"] = "fsdp+tp"  # fsdp+tp's split of the experts, on HSDP's mesh
 
 
 def assert_all_to_all_bytes(run, micro_batches: int, forwards: int = 1) -> None:
@@ -101,18 +93,15 @@ def reference(tmp_path_factory):
 
 
 def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp_path):
-    """ddp, fsdp (FSDP2 shards each layer's expert stacks along the experts), fsdp+ep (4 ranks in 2
-    expert groups of 2: each rank 4 experts, tokens sent by all-to-all inside its group, the frozen
-    stacks FSDP-sharded across the groups and gathered for each layer's experts; and
-    2 ranks of one group, recomputing each layer; the bytes the analytic count), tp (each rank every
-    expert's half of the intermediate dimension, adapters cut with it), fsdp+tp (2 x 2: FSDP2
-    shards each TP rank's halves along the experts) and fsdp+pp (2 stages x 2 replicas; the
-    routers' sums sent across the stage boundary, where the planner counts them), with zero1,
-    zero2, hsdp, ddp+pp and fsdp+tp+pp through them (`MOE_VARIANTS`; pp, tp-sp and fsdp+cp in the
-    full finetuning below, cp and tp-sp in the DPO test): the same losses, gradient norms and
-    adapter; the adapter holds one LoRA pair per expert stack (rank x experts rows); plain peft
-    loads it on the saved base, and the export merges it (the experts' adapters into their
-    stacks) into a model plain transformers loads with the same logits."""
+    """Every strategy that takes a mixture of experts trains it with LoRA as one process does in
+    tests/parallel/test_families.py (the `qwen3_moe` family). Here, what the experts add: tp's
+    all-reduces against a hand count (each rank every expert's half of the intermediate dimension,
+    adapters cut with it); fsdp+ep on 4 ranks in 2 expert groups of 2 (each rank 4 experts, tokens
+    sent by all-to-all inside its group, the frozen stacks FSDP-sharded across the groups and
+    gathered for each layer's experts) and on 2 ranks of one group recomputing each layer, their
+    all-to-all bytes the analytic count; the adapter holds one LoRA pair per expert stack (rank x
+    experts rows), plain peft loads it on the saved base, and the export merges it (the experts'
+    adapters into their stacks) into a model plain transformers loads with the same logits."""
     assert set(MOE_STRATEGIES) == {
         *("ddp", "zero1", "fsdp", "zero2", "hsdp", "fsdp+ep", "tp", "tp-sp", "fsdp+tp"),
         *("pp", "ddp+pp", "fsdp+pp", "fsdp+tp+pp", "cp", "fsdp+cp", "hsdp+tp"),
@@ -122,19 +111,13 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert len(experts) == 4 * 4  # 4 layers x (gate_up, down) x (lora_A, lora_B)
     assert all(16 * 8 in v.shape for v in experts.values())  # r = 16 for each of the 8 experts
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
-    for variant, covered in MOE_VARIANTS.items():
-        assert extends(STRATEGIES[variant], STRATEGIES[covered]), (variant, covered)
-    sharded = ["parallel.ep=2", "parallel.shard_experts=true"]
-    four = {"fsdp+pp": ["parallel.pp=2"], "fsdp+tp": ["parallel.tp=2"], "fsdp+ep": sharded}
-    others = ("pp", "cp", "fsdp+cp", "tp-sp")  # in the full finetuning and DPO tests below
-    for strategy in (s for s in MOE_STRATEGIES if s not in others and s not in MOE_VARIANTS):
+    sharded = ["--nproc", "4", "parallel.ep=2", "parallel.shard_experts=true"]
+    for strategy, layout in (("tp", ["--nproc", "2"]), ("fsdp+ep", sharded)):
         run = tmp_path / strategy
-        layout = ["--nproc", "4", *four[strategy]] if strategy in four else ["--nproc", "2"]
         distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
         assert_same_training(run, reference)
         assert_planned_bytes(run)
-        if strategy == "tp":  # the planner's count of the experts' all-reduces, against a hand count
-            assert_tp_bytes(run, micro_batches=4)
+    assert_tp_bytes(tmp_path / "tp", micro_batches=4)  # the planner's count of the experts' all-reduces
     assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=1)
     assert expert_groups(tmp_path / "fsdp+ep") == {
         "replicate": [[0, 2], [1, 3]] * 2,

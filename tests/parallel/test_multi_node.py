@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from distft.layout import SPECS
 from tests.helpers import PARITY, agents, assert_same_training
 
 NODES = 2
@@ -43,7 +44,19 @@ LAYOUTS = [
     # The pipelines as ddp+pp: one stage per node, FSDP (and TP) inside it.
     NodeLayout("fsdp+pp", 2, ("parallel.dp=2", "parallel.pp=2"), frozenset({"dp"})),
     NodeLayout("fsdp+tp+pp", 2, ("parallel.dp=1", "parallel.tp=2", "parallel.pp=2"), frozenset({"dp", "tp"})),
+    # cp inner: each context-parallel pair's ring on one node; FSDP over both crosses the nodes.
+    NodeLayout("fsdp+cp", 2, ("parallel.dp=2", "parallel.cp=2"), frozenset({"cp"})),
+    # A TP pair per node (its shard group of one rank with it), the replicas' all-reduce across.
+    NodeLayout("hsdp+tp", 2, ("parallel.tp=2", "parallel.shard=1"), frozenset({"tp", "shard"})),
 ]
+# fsdp+ep trains a mixture of experts only; its expert groups are checked in tests/parallel/test_moe.py.
+NOT_HERE = {"fsdp+ep"}
+
+
+def test_every_multi_dimensional_strategy_has_a_layout():
+    """A new strategy on several mesh dimensions fails here until it has an entry above."""
+    multi = {name for name, spec in SPECS.items() if len(spec.dims) > 1}
+    assert multi - NOT_HERE <= {layout.strategy for layout in LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from distft.config import load_config
 from distft.data.tokenizer import qwen3_tokenizer, with_added_tokens
 from distft.distributed import DistEnv
+from distft.layout import SPECS
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
@@ -60,6 +61,9 @@ LAYOUTS = {
     "tp-sp": Parallelism.at("tp-sp", tp=WORLD, sp=True),
     "cp": Parallelism.at("cp", cp=WORLD),
 }
+# Every strategy on at most one mesh dimension without a pipeline is counted here (the others in
+# tests/plan/test_counted_mesh.py): a new one cannot be left out silently.
+assert set(LAYOUTS) == {name for name, spec in SPECS.items() if len(spec.dims) <= 1 and not spec.pipelined}
 # The expert-parallel layout runs a mixture of experts only (`EXTRA`'s moe cases).
 EXPERT_LAYOUTS = {"fsdp+ep": Parallelism.at("fsdp+ep", dp=WORLD, ep=WORLD)}
 # (batch, seq, labels per sequence, padding of the last row); tp-sp needs right-padded rows only
