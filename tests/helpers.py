@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import json
@@ -25,7 +24,6 @@ import torch
 from safetensors.torch import load_file
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
-import distft.train.command as train_command
 from distft.cli import COMMANDS, command, main
 from distft.data import qwen3_tokenizer
 from distft.model import causal_lm
@@ -34,7 +32,7 @@ from distft.plan.expected import expected_step_bytes
 from distft.plan.model_spec import spec_from_config
 from distft.train.hooks import HOOKS_VARIABLE
 from distft.train.metrics import START_ENV, truncate_metrics
-from tests import faults, pool
+from tests import faults
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: `tests` is a package in it
 
@@ -76,8 +74,6 @@ def run_cli(
     runs hundreds of commands on 2 cores. A multi-process `distft train` forks its ranks from that
     process, as it does on any CPU (`distft.launch`)."""
     run_env = _environment(env)
-    if args[:1] == ("train",) and not fresh and os.environ.get(pool.SWITCH) != "0":  # `tests.pool`
-        run_env[pool.ADDRESS_ENV] = pool.addresses(_fork, free_port, _kill_tree)
     if fresh:
         cmd = [str(Path(sys.executable).parent / "distft"), *args]  # the console script users run
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=cwd)
@@ -87,7 +83,6 @@ def run_cli(
         proc.join(timeout)
         if proc.exitcode is None:
             stacks = _stop_hung(proc)
-            pool.stop(_kill_tree)  # a run hung on the pool's ranks leaves them in it
             raise subprocess.TimeoutExpired(
                 ["distft", *args], timeout, out.read_text(), err.read_text() + "\n" + stacks
             )
@@ -124,8 +119,6 @@ get_checkpoint_conversion_mapping("qwen3")
 # the run made, 2 ms instead of 0.3 s, here and in every run forked from the server.
 gc.collect()
 gc.freeze()
-# The standing ranks go with the test process that started them (multiprocessing would wait for them).
-atexit.register(lambda: pool.stop(_kill_tree))
 
 
 def _start_server() -> None:
@@ -215,17 +208,7 @@ def _run_cli(args: list[str], env: dict[str, str], stdout: str, stderr: str, cwd
     os.environ.clear()
     os.environ.update(env)
     _redirect(stdout, stderr)
-    train_command.launch_ranks = _launch_in_pool
     sys.exit(main(args))
-
-
-_launch = train_command.launch_ranks
-
-
-def _launch_in_pool(p, argv: list[str], fork: bool) -> int:
-    """Where `distft train` launches its ranks: on the pool's, where one runs this layout."""
-    address = pool.pooled(p.nproc, p.nnodes, p.max_restarts) if fork else None
-    return pool.launch_in_pool(address, argv) if address else _launch(p, argv, fork)
 
 
 def free_port() -> int:
