@@ -63,6 +63,7 @@ LONGEST_FIRST = [
     "parallel/test_preference.py",
     "test_export_families.py",
     "bench/test_gpu_suite.py",
+    "test_golden.py",
     "test_signals.py",
     "model/test_qlora.py",
     "model/test_tokens.py",
