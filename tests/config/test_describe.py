@@ -36,6 +36,16 @@ def test_every_setting_is_listed_with_its_default_and_a_docstring(capsys):
     assert "No setting is named by 'nothing_by_this_name'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("word", ["data", "model", "lora", "target_modules", "report_to", "roles"])
+def test_a_word_that_names_a_list_or_table_setting_lists_it(word, capsys):
+    """Settings whose default is a list or a table (`lora.target_modules`, `data.roles`), alone or
+    among their section's, are listed like any other."""
+    assert main(["config", word]) == 0
+    out = capsys.readouterr().out
+    listed = [s for s in settings() if isinstance(s.default, list | dict) and word in s.key]
+    assert listed and all(f"{s.key} = " in out for s in listed), out[:500]
+
+
 def test_resolved_configs_of_a_run_to_be_and_of_a_run_done(tmp_path, capsys):
     assert main(["train", "--model", "Qwen/Qwen3-4B", "--max-steps", "5", "--print-config"]) == 0
     text = capsys.readouterr().out

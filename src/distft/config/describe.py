@@ -73,7 +73,7 @@ def matching(words: list[str]) -> list[Setting]:
         word = word.strip().lower().replace("-", "_")
         exact = [s for s in settings() if word in (s.key, s.key.split(".")[0], s.key.split(".")[1])]
         chosen += exact or [s for s in settings() if word in s.key]
-    return list(dict.fromkeys(chosen))
+    return list({s.key: s for s in chosen}.values())  # once each, in order (a default may be a list)
 
 
 def render(chosen: list[Setting]) -> str:
