@@ -152,3 +152,23 @@ def test_infer_input_text_reads(tmp_path):
     path = tmp_path / "meeting.txt"
     path.write_bytes(b"\xef\xbb\xbfA: caf\xc3\xa9\n")
     assert read_input(str(path)) == "A: caf\u00e9\n"
+
+
+@pytest.mark.parametrize("suffix", [".CSV", ".Parquet", ".JSONL"])
+def test_a_suffix_in_capitals_names_the_same_kind_of_file(tmp_path, suffix):
+    """`MEETINGS.CSV` (as Windows and some exports write it) is read as a .csv file: by `--data`
+    (`load_rows`), by `distft eval --data` and `infer --input` (`iter_file`)."""
+    path = tmp_path / f"MEETINGS{suffix}"
+    rows = [{**ROW, "summary": f"S{i}"} for i in range(8)]
+    if suffix == ".CSV":
+        cells = lambda text: '"' + text.replace('"', '""') + '"'  # noqa: E731
+        path.write_text(
+            "transcript,summary\n" + "".join(f"{cells(r['transcript'])},{r['summary']}\n" for r in rows)
+        )
+    elif suffix == ".Parquet":
+        path.write_bytes(parquet(rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r.summary for r in iter_file(path, DataConfig())] == [f"S{i}" for i in range(8)]
+    loaded = load_rows(DataConfig(source=str(path)))
+    assert len(loaded["train"]) + len(loaded["validation"]) == 8

@@ -28,7 +28,7 @@ from distft.data.formats import (
 )
 from distft.data.mixture import data_name
 from distft.data.preview import data_format, loss_spans, training_rows
-from distft.data.rows import LOCAL_SUFFIXES, load_rows, validation_rows
+from distft.data.rows import LOCAL_SUFFIXES, is_local_file, load_rows, validation_rows
 from distft.data.store import CachedSplit, mean_label_tokens
 from distft.data.template import check_chat_template, end_of_turn
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
@@ -53,6 +53,7 @@ __all__ = [
     "document_ids",
     "end_of_turn",
     "global_batch_indices",
+    "is_local_file",
     "iter_file",
     "label_positions",
     "load_rows",

@@ -182,7 +182,7 @@ READERS = {".parquet": _iter_parquet, ".csv": iter_csv}  # by suffix; any other:
 
 
 def iter_local(path: Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:
-    return READERS.get(path.suffix, iter_jsonl)(path, cfg, need_answer)
+    return READERS.get(path.suffix.lower(), iter_jsonl)(path, cfg, need_answer)
 
 
 def iter_file(path: str | Path, cfg: DataConfig, need_answer: bool = True) -> Iterator[Row]:

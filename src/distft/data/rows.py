@@ -94,7 +94,12 @@ class RowSource:
 
 
 def is_local(cfg: DataConfig) -> bool:
-    return cfg.source.endswith(LOCAL_SUFFIXES)
+    return is_local_file(cfg.source)
+
+
+def is_local_file(name: str) -> bool:
+    """Whether `name` is a file of rows by its suffix, in any case (`MEETINGS.CSV` too)."""
+    return name.lower().endswith(LOCAL_SUFFIXES)
 
 
 MEMORY = "memory:"  # a run trained on `train(cfg, dataset=...)`: data.source = "memory:N rows:HASH"

@@ -23,12 +23,12 @@ from rich.table import Table
 
 from distft.config import DataConfig, apply_override, check_fields, load_config
 from distft.data import (
-    LOCAL_SUFFIXES,
     ChatRow,
     Message,
     Row,
     SummaryRow,
     data_name,
+    is_local_file,
     iter_file,
     prompt_and_reference,
     validation_rows,
@@ -100,7 +100,7 @@ def sampling_from_args(args: argparse.Namespace) -> Sampling:
 
 def cmd_infer(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
-    batch = bool(args.input) and args.input.endswith(LOCAL_SUFFIXES)
+    batch = bool(args.input) and is_local_file(args.input)
     if args.input and args.input != "-" and not os.path.isfile(args.input):
         raise ConfigError(f"--input {args.input} does not exist.")
     text = read_input(args.input) if args.input and not batch else None  # refused before the model loads

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from distft.data import (
-    LOCAL_SUFFIXES,
     ChatFormatter,
     Row,
     collate,
     count_label_tokens,
+    is_local_file,
     iter_file,
     prompt_and_reference,
     tokenize_rows,
@@ -47,7 +47,7 @@ def eval_rows(loaded: Loaded, data: str | None = None, max_rows: int = 16) -> li
     if max_rows < 1:
         raise ConfigError(f"--rows must be at least 1, got {max_rows}: it is how many meetings to score.")
     cfg = loaded.cfg
-    if data is not None and data.endswith(LOCAL_SUFFIXES):
+    if data is not None and is_local_file(data):
         rows = list(itertools.islice(iter_file(data, cfg.data), max_rows))  # a user's own file: no split
     else:
         # --data (a hub id) replaces the run's rows, a mixture's too
