@@ -193,17 +193,20 @@ def rows_per_item(objective: str) -> int:
 
 
 def blank_items(items: list[Any], count: int) -> list[Any]:
-    """Pairs (or KTO's answers) filled to `count` with blank ones, whose sequences carry no label
-    and so count nothing (`PreferenceLoss`): a pipeline runs whole micro-batches of fixed shape,
-    a pair's two rows together, even on a short batch (the last of a small validation split)."""
-    if len(items) >= count or not items or not isinstance(items[0], Pair | Completion):
+    """Examples, pairs or KTO's answers filled to `count` with blank ones, whose sequences carry no
+    label and so count nothing (`PreferenceLoss`, the summed token loss): every rank runs whole
+    micro-batches of a short batch (the last of a small validation split), a pair's two rows
+    together, where a data-parallel rank's share would be empty or uneven and a pipeline's
+    micro-batches have one shape."""
+    if len(items) >= count or not items:
         return items
-    blank, reference = Example([0], [IGNORE], 0), None if items[0].reference is None else (0.0, 0.0)
-    fill = (
-        Pair(blank, blank, reference)
-        if isinstance(items[0], Pair)
-        else Completion(blank, blank, False, reference)
-    )
+    blank = Example([0], [IGNORE], 0)
+    if isinstance(items[0], Pair | Completion):
+        reference = None if items[0].reference is None else (0.0, 0.0)
+        is_pair = isinstance(items[0], Pair)
+        fill = Pair(blank, blank, reference) if is_pair else Completion(blank, blank, False, reference)
+    else:
+        fill = blank
     return items + [fill] * (count - len(items))
 
 

@@ -64,8 +64,8 @@ def rank_batches(
     multiple = SEQUENCE_BUCKET if compiled else 1
     batches = []
     weight = orpo_token_weight(examples, cfg)
-    if strategy.spec.fixed_sequence_length:  # whole micro-batches, a short batch's filled with blank pairs
-        examples = blank_items(examples, cfg.train.global_batch_size)
+    # Whole micro-batches on every rank: a short batch (validation) filled with blank items.
+    examples = blank_items(examples, cfg.train.global_batch_size)
     for mb in rank_micro_batches(examples, strategy.dp_rank, strategy.dp_size, size):
         rows, reference = micro_batch_part(mb, part)  # a pair: its two rows
         batch = micro_batch(rows, pad_id, packed, pad_to, multiple)
