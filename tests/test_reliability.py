@@ -381,7 +381,7 @@ BAD_INPUTS = [
         "unknown config key",
         ["optim.warmup_step=5"],
         None,
-        "Unknown config key `optim.warmup_step`. Did you mean `warmup_steps`?",
+        "Unknown config key `optim.warmup_step`. Did you mean `optim.warmup_steps`?",
     ),
     ("missing config file", lambda t: ["--config", str(t / "nope.toml")], None, "nope.toml does not exist"),
     (

@@ -70,7 +70,9 @@ def test_resolved_config_round_trips(tmp_path):
     ("text", "overrides", "expected"),
     [
         ("[optim]\nlr = \n", [], "line 2"),  # malformed TOML names line and column
-        ("[optim]\nwarmup_step = 5\n", [], "Did you mean `warmup_steps`?"),
+        ("[optim]\nwarmup_step = 5\n", [], "Did you mean `optim.warmup_steps`?"),
+        ("", ["optim.lrr=1e-4"], "Unknown config key `optim.lrr`. Did you mean `optim.lr`?"),
+        ("", ["optim.scheduler=cosine_with_restarts"], "constant. Did you mean `cosine`?"),
         ("[optimizer]\nlr = 1e-4\n", [], "Did you mean `optim`?"),
         ("lr = 1e-4\n", [], "must be a [section] table"),
         ("optim = 3\n", [], "`optim` must be a [section] table ([optim] then its keys)."),

@@ -50,8 +50,10 @@ def nearest(name: str, choices: list[str]) -> str:
 
 def check_choice(value: str, choices: tuple[str, ...] | list[str], where: str) -> None:
     if value not in choices:
-        # The choices are listed once; `nearest` would list them again when nothing is close.
-        match = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
+        # The choices are listed once; `nearest` would list them again when nothing is close. The
+        # longest choice the value starts with (cosine_with_restarts: cosine) first, then the closest.
+        prefixes = sorted((c for c in choices if value.startswith(c)), key=len)[-1:]
+        match = prefixes or difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
         hint = f" Did you mean `{match[0]}`?" if match else ""
         raise ConfigError(f"`{where}` is {value!r}; choose one of {', '.join(choices)}.{hint}")
 

@@ -113,7 +113,10 @@ def _apply(cfg: Config, section: str, key: str, value: Any) -> str:
     section_obj = getattr(cfg, section)
     hints = _field_types(type(section_obj))
     if key not in hints:
-        raise ConfigError(f"Unknown config key `{section}.{one_line(key)}`.{nearest(key, list(hints))}")
+        keys = [f"{section}.{name}" for name in hints]  # the whole key: what an override writes
+        raise ConfigError(
+            f"Unknown config key `{section}.{one_line(key)}`.{nearest(f'{section}.{key}', keys)}"
+        )
     setattr(section_obj, key, _coerce(value, hints[key], f"{section}.{key}"))
     return f"{section}.{key}"
 
