@@ -1,4 +1,9 @@
-"""The choices of the string settings that take one of a few values (`distft.config.fields` checks them)."""
+"""The choices of the string settings that take one of a few values (`distft.config.fields` checks them),
+and how a value that is none of them is answered."""
+
+import difflib
+
+from distft.errors import ConfigError
 
 METHODS = ("lora", "qlora", "full")
 OBJECTIVES = ("sft", "dpo", "orpo", "kto")  # train.objective; `distft.model.preference`
@@ -46,3 +51,19 @@ DATA_FORMATS = (
 )
 ROLES = ("system", "user", "assistant")  # chat turns; data.roles maps ShareGPT names onto them
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # output.report_to; `distft.train.tracking`
+
+
+def nearest(name: str, choices: list[str]) -> str:
+    """ " Did you mean `x`?" for a close match, else the valid choices."""
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" Did you mean `{match[0]}`?" if match else f" Valid: {', '.join(sorted(choices))}."
+
+
+def check_choice(value: str, choices: tuple[str, ...] | list[str], where: str) -> None:
+    if value not in choices:
+        # The choices are listed once; `nearest` would list them again when nothing is close. The
+        # longest choice the value starts with (cosine_with_restarts: cosine) first, then the closest.
+        prefixes = sorted((c for c in choices if value.startswith(c)), key=len)[-1:]
+        match = prefixes or difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
+        hint = f" Did you mean `{match[0]}`?" if match else ""
+        raise ConfigError(f"`{where}` is {value!r}; choose one of {', '.join(choices)}.{hint}")

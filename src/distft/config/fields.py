@@ -6,7 +6,6 @@ Checks that depend on a strategy or a model architecture run later, in `distft.p
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -37,25 +36,11 @@ from distft.config.choices import (
     SCHEDULERS,
     TRACKERS,
     TRUNCATIONS,
+    check_choice,
+    nearest,
 )
 from distft.config.schema import Config, DataConfig
 from distft.errors import ConfigError, one_line
-
-
-def nearest(name: str, choices: list[str]) -> str:
-    """ " Did you mean `x`?" for a close match, else the valid choices."""
-    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-    return f" Did you mean `{match[0]}`?" if match else f" Valid: {', '.join(sorted(choices))}."
-
-
-def check_choice(value: str, choices: tuple[str, ...] | list[str], where: str) -> None:
-    if value not in choices:
-        # The choices are listed once; `nearest` would list them again when nothing is close. The
-        # longest choice the value starts with (cosine_with_restarts: cosine) first, then the closest.
-        prefixes = sorted((c for c in choices if value.startswith(c)), key=len)[-1:]
-        match = prefixes or difflib.get_close_matches(value, list(choices), n=1, cutoff=0.5)
-        hint = f" Did you mean `{match[0]}`?" if match else ""
-        raise ConfigError(f"`{where}` is {value!r}; choose one of {', '.join(choices)}.{hint}")
 
 
 def check_fields(cfg: Config) -> None:
