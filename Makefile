@@ -7,12 +7,12 @@ BASE   ?= main
 
 .PHONY: install demo test test-changed lint format clean reports
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The exact pin matters: here pip takes the CPU build from local disk; on a CUDA machine, the CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -c constraints.txt  # the versions tested (constraints.txt)
 	touch $(STAMP)
 
 install: $(STAMP)

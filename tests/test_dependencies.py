@@ -1,7 +1,8 @@
 """pyproject.toml's dependencies are true: every installed one meets its floor (a floor above the
 installed version means the suite never ran on what it promises), and every third-party package
 that src/distft imports, at module level or inside a function, is declared, as a dependency or in
-an extra."""
+an extra; and constraints.txt, the versions `make install` takes, pins each of them within its range,
+as installed here."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
+CONSTRAINTS = ROOT / "constraints.txt"
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
 
 
@@ -76,3 +78,32 @@ def test_every_third_party_import_is_declared():
         if not any(key(dist) in names for dist in provided_by):
             missing.append(f"{module} ({where}): from {', '.join(provided_by)}, not in pyproject.toml")
     assert not missing, "imported by src/distft but not declared:\n" + "\n".join(missing)
+
+
+def pins() -> dict[str, str]:
+    """constraints.txt as {distribution key: version}."""
+    lines = (line.split("#")[0].strip() for line in CONSTRAINTS.read_text(encoding="utf-8").splitlines())
+    return {key(name): version for name, version in (line.split("==") for line in lines if line)}
+
+
+def test_constraints_pin_every_declared_package_within_its_range_as_installed():
+    pinned, wrong = pins(), []
+    for req in declared():
+        if req.marker and not req.marker.evaluate({"extra": ""}):
+            continue
+        if key(req.name) == "torch":  # pinned in the Makefile: the CPU or the CUDA build, by the machine
+            continue
+        try:
+            installed = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            continue  # an extra not installed here (wandb, mlflow, trackio): left to the user's pip
+        version = pinned.get(key(req.name))
+        if version is None:
+            wrong.append(f"{req.name}: not pinned in constraints.txt")
+        elif not req.specifier.contains(version, prereleases=True):
+            wrong.append(f"{req.name}=={version} (constraints.txt) is outside pyproject.toml's {req}")
+        elif installed != version:
+            wrong.append(
+                f"{req.name} {installed} is installed; constraints.txt pins {version} (make install)"
+            )
+    assert not wrong, "\n".join(wrong)
