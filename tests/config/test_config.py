@@ -85,6 +85,8 @@ def test_resolved_config_round_trips(tmp_path):
         ("", ["model.autocast=maybe"], "true or false"),
         ("", ["train.global_batch_size=6", "train.micro_batch_size=4"], "multiple of"),
         ("", ["data.truncation=random"], "head, tail, middle"),
+        ("", ['model.added_tokens=["<|a|>",""]'], "model.added_tokens holds '': an added token needs text"),
+        ("", ['model.added_tokens=["  "]'], "model.added_tokens holds '  '"),
     ],
 )
 def test_errors_are_clear(tmp_path, text, overrides, expected):

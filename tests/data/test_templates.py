@@ -85,6 +85,10 @@ def test_thinking_needs_a_template_with_a_thinking_mode(family_tokenizers, token
         ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n###\n{% endfor %}", "no special token"),
         ("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}", "does not write"),
         ("{% for m in messages %}{{ m['content'] }{% endfor %}", "refuses a chat"),
+        # beyond the sandbox's limits, or failing in its own code: the template's fault, said so
+        ("{% for i in range(10**9) %}{% endfor %}", "refuses a chat .*OverflowError: Range too big"),
+        ("{{ messages[0]['content'] | int // 0 }}", "refuses a chat .*ZeroDivisionError"),
+        ("{{ messages[5]['content'] }}", "refuses a chat .*no element 5"),
     ],
 )  # fmt: skip
 def test_templates_distft_cannot_train_with_are_refused_before_launch(family_tokenizers, template, phrase):

@@ -59,7 +59,7 @@ def _fix(tokenizer: Any, usual: str) -> str:
 
 
 def render(tokenizer: Any, slots: list[dict], generation: bool, enable_thinking: bool) -> str:
-    """The template's text for `slots`; a template that refuses the chat is a ConfigError."""
+    """The template's text for `slots`; a template that refuses the chat, or fails on it, is a ConfigError."""
     if not tokenizer.chat_template:
         raise ConfigError(
             f"The tokenizer of {model_name(tokenizer)} has no chat template (a base checkpoint's often has "
@@ -71,7 +71,11 @@ def render(tokenizer: Any, slots: list[dict], generation: bool, enable_thinking:
         return tokenizer.apply_chat_template(
             slots, tokenize=False, add_generation_prompt=generation, enable_thinking=enable_thinking
         )
-    except TemplateError as err:
+    except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as err:
+        # Anything the template's own code raises is the template's: Jinja's sandbox refuses a
+        # range over 100,000 (OverflowError), a filter meets a value it cannot take (TypeError).
+        if not isinstance(err, TemplateError):
+            err = f"{type(err).__name__}: {err}"
         roles = [s["role"] for s in slots]
         hint = (
             ' If it takes no system message, set data.system_prompt="" and leave system turns out of the data.'
