@@ -74,7 +74,9 @@ def check_fields(cfg: Config) -> None:
     check_choice(cfg.train.master_weights, MASTER_WEIGHTS, "train.master_weights")
     _check_targets(cfg.lora.target_modules)
     if blank := [token for token in cfg.model.added_tokens if not token.strip()]:
-        raise ConfigError(f"model.added_tokens holds {blank[0]!r}: an added token needs text, e.g. <|speaker|>.")
+        raise ConfigError(
+            f"model.added_tokens holds {blank[0]!r}: an added token needs text, e.g. <|speaker|>."
+        )
     if cfg.model.attn_implementation == "flash" and importlib.util.find_spec("flash_attn") is None:
         raise ConfigError(
             "model.attn_implementation=flash needs the flash-attn package (CUDA only: `pip install "
