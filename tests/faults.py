@@ -15,6 +15,8 @@ DISTFT_FAULT_* variable; a test that trains in its own process sets it itself.
 | DISTFT_FAULT_HANG_AT_STEP=N  | rank DISTFT_FAULT_RANK sleeps DISTFT_FAULT_HANG_S seconds (default  |
 |                              | 3600, or until SIGINT/SIGTERM) as step N begins: a stuck rank, so  |
 |                              | its peers wait in the next collective                              |
+| DISTFT_FAULT_RAISE_AT_STEP=N | rank DISTFT_FAULT_RANK raises an unexpected error (KeyError) as     |
+|                              | step N begins: a bug in one rank                                   |
 | DISTFT_FAULT_NAN_AT_STEP=N   | every rank's gradients turn NaN after step N's backward            |
 | DISTFT_FAULT_HEALTH_MISS=1   | rank DISTFT_FAULT_RANK sleeps DISTFT_FAULT_HANG_S seconds before   |
 |                              | the health check's roll call: a rank that never joins it           |
@@ -52,6 +54,7 @@ PREFIX = "DISTFT_FAULT_"
 VARIABLES = (
     "DISTFT_FAULT_KILL_AT_STEP",
     "DISTFT_FAULT_HANG_AT_STEP",
+    "DISTFT_FAULT_RAISE_AT_STEP",
     "DISTFT_FAULT_NAN_AT_STEP",
     "DISTFT_FAULT_HEALTH_MISS",
     "DISTFT_FAULT_HEALTH_LATE_S",
@@ -85,6 +88,8 @@ def before_step(step: int, rank: int) -> None:
         return
     if _at("DISTFT_FAULT_KILL_AT_STEP", step):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _at("DISTFT_FAULT_RAISE_AT_STEP", step):
+        raise KeyError("a planted fault")
     if _at("DISTFT_FAULT_HANG_AT_STEP", step):
         _stall(float(os.environ.get("DISTFT_FAULT_HANG_S", "3600")))
     if os.environ.get("DISTFT_FAULT_SLOW_RANK_S"):

@@ -51,6 +51,16 @@ def test_debug_prints_the_traceback_too(capsys, monkeypatch):
         run_command("eval", fail(KeyError("x")))
 
 
+def test_debug_in_a_rank_prints_the_traceback_and_the_line_and_exits(capsys, monkeypatch):
+    """A rank's launcher keeps a raised exception to itself: under DISTFT_DEBUG a rank prints both."""
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    monkeypatch.setenv("RANK", "1")
+    assert run_command("train", fail(KeyError("lm_head"))) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "KeyError: 'lm_head'\n" in err
+    assert err.endswith("distft train: error: KeyError: 'lm_head'. Its traceback is above.\n")
+
+
 def test_only_rank_0_reports_an_error_every_rank_raises(capsys, monkeypatch):
     class Diverged(CheckpointError):
         every_rank = False

@@ -80,8 +80,10 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
             )
         return signals.exit_code(stop.signum)
     except Exception as err:  # a fault no check foresaw (a disk error, a bug): said plainly
-        if debug:
+        if debug and "RANK" not in os.environ:  # one process: the real exception, as Python shows it
             raise
+        if debug:  # a rank: its launcher keeps a raised exception to itself, so it is printed here
+            traceback.print_exc()
         if out_of_memory(err):  # the plan said it fits, or --force launched it: the usual ways out
             print(  # by the rank that ran out, whichever it is
                 f"distft {command}: error: {OUT_OF_MEMORY} ({_first_line(err) or type(err).__name__}). "
@@ -96,6 +98,8 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
             else f"This is unexpected (a bug in distft, or a fault it does not know): rerun with "
             f"{DEBUG_ENV}=1 for the traceback, and report it."
         )
+        if debug:
+            hint = "Its traceback is above."
         print(f"distft {command}: error: {type(err).__name__}: {text}. {hint}", file=sys.stderr)
         return EXIT_FAILURE
 
