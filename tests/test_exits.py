@@ -6,6 +6,7 @@ import torch
 
 from distft.errors import CheckpointError, ConfigError, DamagedFileError
 from distft.exits import DEBUG_ENV, run_command
+from tests.helpers import run_cli
 
 
 def fail(err: BaseException):
@@ -59,6 +60,21 @@ def test_debug_in_a_rank_prints_the_traceback_and_the_line_and_exits(capsys, mon
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and "KeyError: 'lm_head'\n" in err
     assert err.endswith("distft train: error: KeyError: 'lm_head'. Its traceback is above.\n")
+
+
+def test_debug_shows_a_failing_ranks_traceback_in_a_multi_process_run(tmp_path):
+    """A bug in rank 1 of a real 2-rank run (`tests.faults`): its traceback and its line reach the
+    user, before the launcher's summary."""
+    proc = run_cli(
+        "train", "--strategy", "ddp", "--nproc", "2", "--model", "micro", "train.max_steps=2",
+        "train.eval_batches=0", "data.max_length=256", "data.max_rows=16", "output.checkpoint_every=0",
+        "--out", str(tmp_path / "run"),
+        env={DEBUG_ENV: "1", "DISTFT_FAULT_RAISE_AT_STEP": "2"},
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert 'raise KeyError("a planted fault")' in proc.stderr  # rank 1's traceback
+    assert "distft train: error: KeyError: 'a planted fault'. Its traceback is above." in proc.stderr
+    assert "distft: the run failed." in proc.stderr  # which rank ended first is a race
 
 
 def test_only_rank_0_reports_an_error_every_rank_raises(capsys, monkeypatch):
