@@ -1,3 +1,5 @@
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,12 @@ def test_missing_file(tmp_path):
         load_config("nope.toml")
     with pytest.raises(ConfigError, match="is a directory; give a TOML file"):
         load_config(tmp_path)
+    assert load_config("/dev/null") == Config()  # an empty file, as `--config /dev/null` means
+    pipe = tmp_path / "config.toml"  # as `--config <(...)` gives it
+    os.mkfifo(pipe)
+    writer = subprocess.Popen(["sh", "-c", f"printf '[optim]\\nlr = 0.5\\n' > {pipe}"])
+    assert load_config(pipe).optim.lr == 0.5
+    writer.wait(timeout=10)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

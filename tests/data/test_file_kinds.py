@@ -172,3 +172,17 @@ def test_a_suffix_in_capitals_names_the_same_kind_of_file(tmp_path, suffix):
     assert [r.summary for r in iter_file(path, DataConfig())] == [f"S{i}" for i in range(8)]
     loaded = load_rows(DataConfig(source=str(path)))
     assert len(loaded["train"]) + len(loaded["validation"]) == 8
+
+
+def test_a_named_pipe_is_called_one_everywhere_a_dataset_is_read(tmp_path):
+    """Not "does not exist": a FIFO exists, and is read once (the cache's identity, then the rows)."""
+    pipe = tmp_path / "rows.jsonl"
+    os.mkfifo(pipe)
+    for read in (
+        lambda: load_rows(DataConfig(source=str(pipe))),  # distft train --data
+        lambda: list(iter_file(pipe, DataConfig())),  # eval --data, data preview
+    ):
+        with pytest.raises(DataError, match=r"rows.jsonl is a named pipe, not a file: .* \(cat .* > rows"):
+            read()
+    with pytest.raises(DataError, match=r"rows\.jsonl does not exist"):
+        load_rows(DataConfig(source=str(tmp_path / "missing" / "rows.jsonl")))

@@ -143,7 +143,7 @@ def load_config(
     explicit: set[str] = set()  # the fields the file and the overrides set
     if path is not None:
         path = Path(path)
-        if not path.is_file():
+        if path.is_dir() or not path.exists():  # a pipe (`--config <(...)`) or /dev/null reads once, as asked
             what = "is a directory; give a TOML file" if path.is_dir() else "does not exist"
             raise ConfigError(f"Config file {path} {what}.")
         try:

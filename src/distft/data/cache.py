@@ -82,8 +82,7 @@ def source_identity(cfg: DataConfig) -> dict:
     if is_sample(cfg.source):
         return {"files": [_file_identity(path) for path in sample_files(cfg.source)]}
     if is_local(cfg):
-        if not Path(cfg.source).is_file():
-            raise DataError(f"Dataset file {cfg.source} does not exist.")
+        files.check_is_file(Path(cfg.source))
         return {"files": [_file_identity(Path(cfg.source))]}
     return {"hub": cfg.source}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -194,7 +195,16 @@ def iter_file(path: str | Path, cfg: DataConfig, need_answer: bool = True) -> It
 
 
 def check_is_file(path: Path) -> None:
+    """DataError unless `path` is a regular file, saying what it is instead."""
+    if path.is_file():
+        return
     if path.is_dir():
         raise DataError(f"Dataset file {path} is a directory; name a .jsonl, .parquet or .csv file in it.")
-    if not path.is_file():
-        raise DataError(f"Dataset file {path} does not exist.")
+    if path.exists():  # a named pipe, a device, a socket: readable once, if at all
+        mode = path.stat().st_mode
+        kind = "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise DataError(
+            f"Dataset file {path} is {kind}, not a file: distft reads a dataset more than once (its "
+            f"identity for the token cache, then its rows). Write it to a file first (cat {path} > rows.jsonl)."
+        )
+    raise DataError(f"Dataset file {path} does not exist.")
