@@ -1,9 +1,11 @@
-"""Whether the Hugging Face hub can be reached (a leaf: the model, the tokenizer and the planner ask)."""
+"""Whether the Hugging Face hub can be reached, and whether a name is for it at all (a leaf: the model,
+the tokenizer and the planner ask)."""
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from urllib.parse import urlparse
 
 
@@ -25,3 +27,21 @@ def hub_offline() -> bool:
     except OSError:
         return True
     return False
+
+
+def not_a_directory(name: str) -> str | None:
+    """What is wrong with a model name that is a path (absolute, relative with ./ or ../, ~, or
+    deeper than ORG/NAME), never a hub id, when it names no directory; None when it does, or when
+    `name` may be a hub id. The model's loader and the tokenizer's both refuse it, with this."""
+    path = Path(name).expanduser()
+    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or path.exists()
+    if not looks_like_path or path.is_dir():
+        return None
+    if path.exists():
+        return f"--model {name} is a file; give the directory that holds its config.json and *.safetensors."
+    return (
+        f"Model directory {name} does not exist (a path, not a hub id: those read ORG/NAME). If a run "
+        "recorded it (model.name in its config.toml; base_model_name_or_path in its adapter's "
+        "adapter_config.json), the directory has since moved or been deleted: put it back, or set the "
+        "record to where it is now."
+    )

@@ -9,6 +9,7 @@ from transformers import Qwen3ForCausalLM
 
 from distft.cli import main
 from distft.config import ModelConfig, load_config
+from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import ConfigError
 from distft.infer import load_trained
 from distft.model import PRESETS, load_base_model
@@ -151,6 +152,24 @@ def test_every_model_path_is_named_for_what_it_is_and_damage_is_refused_before_l
     assert "its config.json cannot be read" in capsys.readouterr().err
 
 
+def test_a_runs_base_directory_moved_since_is_said_so_by_every_command_that_loads_it(tmp_path, capsys):
+    """A LoRA run on a local model (a stage-1 run's, say) records its path; moved since, infer, eval
+    and export say the directory is gone and where the run recorded it, not that the hub is offline."""
+    base, run = tmp_path / "stage-1", tmp_path / "stage-2"
+    load_base_model(ModelConfig(name="micro")).save_pretrained(base)
+    qwen3_tokenizer().save_pretrained(base)
+    settings = ["train.max_steps=1", "data.max_rows=8", "train.global_batch_size=4", "train.eval_batches=0"]
+    assert main(["train", "--model", str(base), *settings, "data.max_length=256", "--out", str(run)]) == 0
+    base.rename(tmp_path / "elsewhere")
+    capsys.readouterr()
+    for command in (["infer", "--run", str(run)], ["eval", "--run", str(run), "--rows", "1"],
+                    ["export", "--run", str(run), "--out", str(tmp_path / "merged")]):  # fmt: skip
+        assert main(command) == 2, command
+        err = capsys.readouterr().err
+        assert f"Model directory {base} does not exist" in err and "base_model_name_or_path" in err, err
+        assert "hub" not in err.split("(a path, not a hub id")[1] and "offline" not in err, err
+
+
 def test_trust_remote_code_is_off_unless_set_and_said_when_on(tmp_path, capsys):
     assert ModelConfig().trust_remote_code is False
     run = ["train", "--model", "micro", "train.max_steps=1", "data.max_rows=8", "train.global_batch_size=4"]
@@ -164,8 +183,6 @@ def test_trust_remote_code_is_off_unless_set_and_said_when_on(tmp_path, capsys):
 def hub_cache(root, repo: str, commits: dict[str, int]) -> None:
     """A Hugging Face hub cache holding `repo` at each commit (its `micro` weights with that many
     layers), the default branch at the last: what `hf download` leaves, read offline."""
-    from distft.data.tokenizer import qwen3_tokenizer
-
     folder = root / f"models--{repo.replace('/', '--')}"
     micro = PRESETS["micro"].to_config()
     for commit, layers in commits.items():

@@ -37,7 +37,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from distft.data.qwen3_template import QWEN3_CHAT_TEMPLATE
 from distft.errors import ConfigError
-from distft.hub import hub_offline
+from distft.hub import hub_offline, not_a_directory
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +269,8 @@ def _model_tokenizer(model_path: str | None, revision: str) -> PreTrainedTokeniz
             )
         log.warning("%s has no tokenizer files; using the offline Qwen3 tokenizer", model_path)
         return qwen3_tokenizer()
+    if problem := not_a_directory(model_path):  # a path: the hub would be asked for nothing it has
+        raise ConfigError(problem)
     try:
         return _finish(
             AutoTokenizer.from_pretrained(

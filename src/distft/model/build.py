@@ -199,6 +199,7 @@ def load_base_model(
             kwargs.update(local_files_only=hub_offline(), revision=cfg.revision or None)
         if cfg.rope_scaling != "none":  # the rotary module reads it when the model is built
             kwargs["config"] = architecture(cfg)
+        check_model_path(cfg.name)  # a run's recorded base directory, moved since: not a hub id
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.name, **kwargs)
         except OSError as err:

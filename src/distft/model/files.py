@@ -9,24 +9,14 @@ from pathlib import Path
 
 from distft.config import ModelConfig
 from distft.errors import ConfigError, DamagedFileError
+from distft.hub import not_a_directory
 from distft.model.presets import PRESETS
 
 
 def check_model_path(name: str) -> None:
-    """A `--model` that is a path (absolute, relative with ./ or ../, ~, or deeper than ORG/NAME)
-    names a directory, never a hub id: one that is missing, or a file, is said so."""
-    path = Path(name).expanduser()
-    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or path.exists()
-    if not looks_like_path or path.is_dir():
-        return
-    if path.exists():
-        raise ConfigError(
-            f"--model {name} is a file; give the directory that holds its config.json and *.safetensors."
-        )
-    raise ConfigError(
-        f"Model directory {name} does not exist (a path, not a hub id: those read ORG/NAME). If a run "
-        "recorded it (model.name in its config.toml), the directory has since moved or been deleted."
-    )
+    """A `--model` that is a path names a directory, never a hub id (`distft.hub.not_a_directory`)."""
+    if problem := not_a_directory(name):
+        raise ConfigError(problem)
 
 
 def check_weight_files(cfg: ModelConfig) -> None:
