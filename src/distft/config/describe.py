@@ -100,6 +100,22 @@ ANCHOR_NAMES = {
     "output_dir": "output.dir",
     "base_model": "model.name",
     "model_name_or_path": "model.name",
+    "lr_scheduler_type": "optim.scheduler",
+    "max_grad_norm": "optim.grad_clip",
+    "optim": "optim.name",
+    "logging_steps": "train.log_every",
+    "eval_steps": "train.eval_every",
+    "save_steps": "output.checkpoint_every",
+    "save_total_limit": "output.keep_last",
+}
+# TrainingArguments' switches, and a count distft derives: the whole override each one means.
+ANCHOR_SETTINGS = {
+    "bf16": "model.dtype=bfloat16",
+    "fp16": "model.dtype=bfloat16 (distft trains in float32 or bfloat16)",
+    "gradient_checkpointing": "model.activation_checkpointing=full",
+    "torch_compile": "model.compile=true",
+    "gradient_accumulation_steps": "train.global_batch_size=N (micro-batch x accumulation steps x "
+    "data-parallel ranks: the accumulation follows from it)",
 }
 
 
@@ -109,6 +125,8 @@ def flag_meant(flag: str) -> str | None:
     name = name.replace("-", "_").lower()
     if not name:
         return None
+    if name in ANCHOR_SETTINGS:
+        return ANCHOR_SETTINGS[name]
     keys = [s.key for s in settings()]
     dotted = name.replace("_", ".", 1)  # --lora-rank: lora.rank
     exact = [k for k in keys if k.split(".")[1] == name or k == dotted]
