@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from distft.cli import main
 from distft.config import load_config
 from distft.model import PRESETS, model_config
 from distft.parallel import check_config, check_model
@@ -34,3 +35,16 @@ def test_config_is_runnable(path: Path):
 def test_every_strategy_of_the_series_has_a_real_scale_config():
     strategies = {load_config(p, []).parallel.strategy for p in CONFIGS if p.stem.startswith("qwen3-4b")}
     assert {"single", "ddp", "fsdp", "tp", "tp-sp", "pp"} <= strategies
+
+
+def test_a_staged_config_run_before_its_first_stage_says_which_run_to_make(tmp_path, monkeypatch, capsys):
+    """configs/demo-dpo.toml before `make demo`: its model is stage 1's output, not yet made."""
+    monkeypatch.chdir(tmp_path)
+    staged = [p for p in CONFIGS if load_config(p, []).model.name.endswith("/model")]
+    assert staged, "no shipped config trains on another run's output"
+    for path in staged:
+        name = load_config(path, []).model.name
+        assert main(["train", "--config", str(path), "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        run = name.removesuffix("/model")
+        assert f"`distft train --method full --out {run}`): train that run first." in err, err

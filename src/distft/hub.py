@@ -39,9 +39,15 @@ def not_a_directory(name: str) -> str | None:
         return None
     if path.exists():
         return f"--model {name} is a file; give the directory that holds its config.json and *.safetensors."
+    made_by = (  # a full-finetuning run's output, named before that run was made (a staged config)
+        f" It is where a full-finetuning run writes its model (`distft train --method full --out "
+        f"{path.parent}`): train that run first."
+        if path.name == "model"
+        else ""
+    )
     return (
-        f"Model directory {name} does not exist (a path, not a hub id: those read ORG/NAME). If a run "
-        "recorded it (model.name in its config.toml; base_model_name_or_path in its adapter's "
+        f"Model directory {name} does not exist (a path, not a hub id: those read ORG/NAME).{made_by} If a "
+        "run recorded it (model.name in its config.toml; base_model_name_or_path in its adapter's "
         "adapter_config.json), the directory has since moved or been deleted: put it back, or set the "
         "record to where it is now."
     )
