@@ -171,10 +171,23 @@ def test_a_runs_base_directory_moved_since_is_said_so_by_every_command_that_load
 
 
 def test_trust_remote_code_is_off_unless_set_and_said_when_on(tmp_path, capsys):
+    """On a model directory the header says its code runs; on a preset it does nothing, said so."""
     assert ModelConfig().trust_remote_code is False
-    run = ["train", "--model", "micro", "train.max_steps=1", "data.max_rows=8", "train.global_batch_size=4"]
-    assert main([*run, "model.trust_remote_code=true", "--out", str(tmp_path)]) == 0
-    assert "model.trust_remote_code=true: micro's own Python code runs" in capsys.readouterr().out
+    model = tmp_path / "model"
+    load_base_model(ModelConfig(name="micro")).save_pretrained(model)
+    qwen3_tokenizer().save_pretrained(model)
+    run = [
+        "train",
+        "train.max_steps=1",
+        "data.max_rows=8",
+        "train.global_batch_size=4",
+        "model.trust_remote_code=true",
+    ]
+    assert main([*run, "--model", str(model), "--out", str(tmp_path / "dir")]) == 0
+    assert f"model.trust_remote_code=true: {model}'s own Python code runs" in capsys.readouterr().out
+    assert main([*run, "--model", "micro", "--dry-run", "--out", str(tmp_path / "preset")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: model.trust_remote_code=true does nothing: the preset micro is built from" in err
 
 
 # ---- model.revision: a hub model pinned to a commit ---------------------------------------------

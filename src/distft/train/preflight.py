@@ -1,7 +1,7 @@
 """What `distft train` checks before it launches anything, in the launching process: the devices
 for `--nproc` (bfloat16 and model.fp8 on them), the run directory (a resume, a finished run, room
 to write), the trackers and the optimizer, the model's weight files and architecture against the
-strategy, and every data row."""
+strategy, and every data row; and the settings this run would not read, said."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import os
 import sys
 
 from distft.config import Config
+from distft.config.choices import WITH_REFERENCE
 from distft.errors import ConfigError
 from distft.health.cuda import check_bf16
 from distft.io.checkpoint import check_resume
 from distft.io.preflight import check_finished_run, check_output_dir
+from distft.model import is_preset
 from distft.model.build import architecture
+from distft.model.families import family_of
 from distft.model.files import check_weight_files
 from distft.model.fp8 import check_fp8_hardware
 from distft.model.start import check_init_adapter
@@ -48,6 +51,8 @@ def preflight(cfg: Config, resuming: bool = False) -> float | None:
     check_weight_files(cfg.model)
     model = architecture(cfg.model)  # rotary embeddings as model.rope_scaling stretches them
     check_model(cfg, model)
+    for line in unread_settings(cfg, model):  # valid, but nothing reads them in this run
+        print(f"distft train: warning: {line}", file=sys.stderr)
     check_output_dir(cfg, model)
     check_init_adapter(cfg)
     if not on_cuda and cfg.parallel.nproc > (cores := _cpu_cores()):  # said once the setup is known to run
@@ -58,6 +63,40 @@ def preflight(cfg: Config, resuming: bool = False) -> float | None:
             file=sys.stderr,
         )
     return prepare_data(cfg)
+
+
+# The [dpo] settings each objective reads (`distft.model.preference`, `distft.train.reference`).
+READ_BY_OBJECTIVE = {
+    "beta": ("dpo", "orpo", "kto"),
+    "loss_type": ("dpo",),
+    "label_smoothing": ("dpo",),
+    "desirable_weight": ("kto",),
+    "undesirable_weight": ("kto",),
+    "precompute_reference": WITH_REFERENCE,
+}
+
+
+def unread_settings(cfg: Config, model: object) -> list[str]:
+    """A line for each setting moved from its default that this run never reads: a [dpo] setting
+    its objective has no use for, an [moe] one on a model without experts, trust_remote_code on a
+    preset (built from transformers' own code). The strategy's own: `distft.layout.ignored_settings`."""
+    defaults, objective, lines = Config(), cfg.train.objective, []
+    for key, readers in READ_BY_OBJECTIVE.items():
+        value = getattr(cfg.dpo, key)
+        if objective not in readers and value != getattr(defaults.dpo, key):
+            shown = str(value).lower() if isinstance(value, bool) else value
+            who = f"only {', '.join(readers)} {'read' if len(readers) > 1 else 'reads'} it"
+            lines.append(f"dpo.{key}={shown} does nothing under train.objective={objective}: {who}.")
+    if not family_of(model, cfg.model.name).moe:
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if (value := getattr(cfg.moe, key)) != getattr(defaults.moe, key):
+                lines.append(f"moe.{key}={value:g} does nothing: {cfg.model.name} has no mixture of experts.")
+    if cfg.model.trust_remote_code and is_preset(cfg.model.name):
+        lines.append(
+            f"model.trust_remote_code=true does nothing: the preset {cfg.model.name} is built from "
+            "transformers' own code, and no other code runs."
+        )
+    return lines
 
 
 def _cpu_cores() -> int:

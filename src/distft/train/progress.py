@@ -65,7 +65,7 @@ class TrainingProgress:
             c.print(line, soft_wrap=True, markup=False)
         if kernels:
             c.print(kernels, soft_wrap=True)
-        if cfg.model.trust_remote_code:
+        if cfg.model.trust_remote_code and not is_preset(cfg.model.name):  # a preset runs transformers' code
             c.print(
                 f"[yellow]model.trust_remote_code=true:[/yellow] {cfg.model.name}'s own Python code runs in "
                 "this process (docs/security.md)",
