@@ -18,9 +18,10 @@ meeting's `transcript` may stand for the prompt), `label` true for a desirable a
 (`data.format = unpaired`, or `auto`). KTO also reads pairs, each as two unpaired rows: the chosen
 answer desirable, the rejected one not (`unpaired`).
 
-A row whose answers are the same, or that does not end both in an assistant turn, is refused with
-its origin. Read by an SFT run, a preference row trains on its chosen answer (`messages_of`), and
-`distft eval` scores against it; an unpaired row's undesirable answer is refused there.
+A row whose answers are the same, that lacks `chosen` or `rejected` (named), or that does not end
+both in an assistant turn, is refused with its origin. Read by an SFT run, a preference row trains
+on its chosen answer (`messages_of`), and `distft eval` scores against it; an unpaired row's
+undesirable answer is refused there.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distft.config import DataConfig
-from distft.data.messages import Message, parse_messages
+from distft.data.messages import Message, fields_of, parse_messages
 from distft.errors import DataError
 
 PREFERENCE_FIELDS = ("chosen", "rejected")
@@ -93,6 +94,17 @@ def _prompt(record: dict[str, Any], cfg: DataConfig, origin: str, answer: str) -
     )
 
 
+def _required(record: dict[str, Any], fields: tuple[str, ...], origin: str, row: str) -> None:
+    """A DataError naming the first of `fields` the record lacks (or holds as null)."""
+    for field in fields:
+        if record.get(field) is None:
+            null = " (it is null)" if field in record else ""
+            raise DataError(
+                f"{origin}: missing field `{field}`{null} (row has: {fields_of(record)}); {row} needs "
+                f"{' and '.join(f'`{f}`' for f in fields)}."
+            )
+
+
 def _ends_in_answer(turns: tuple[Message, ...], origin: str, name: str) -> None:
     if turns[-1].role != "assistant" or not turns[-1].content:
         raise DataError(f"{origin}: `{name}` must end with a non-empty assistant turn.")
@@ -100,13 +112,14 @@ def _ends_in_answer(turns: tuple[Message, ...], origin: str, name: str) -> None:
 
 def unpaired_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> UnpairedRow:
     """A record with a `completion`, its `label` (true: desirable) and a `prompt` (or `transcript`)."""
-    label = record.get("label")
+    _required(record, ("completion", "label"), origin, "an unpaired row")
+    label = record["label"]
     if not isinstance(label, bool):
         raise DataError(
             f"{origin}: an unpaired row's `label` is true (a desirable answer) or false (an undesirable "
             f"one); got {label!r:.40}."
         )
-    completion = _turns(record.get("completion", ""), "assistant", origin, "completion")
+    completion = _turns(record["completion"], "assistant", origin, "completion")
     _ends_in_answer(completion, origin, "completion")
     return UnpairedRow(_prompt(record, cfg, origin, "completion"), completion, label, origin)
 
@@ -130,17 +143,13 @@ def unpaired(row: PreferenceRow) -> tuple[UnpairedRow, UnpairedRow]:
 def preference_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> PreferenceRow:
     """A record with `chosen` and `rejected`, and a `prompt` (or a meeting's `transcript`, asked for
     its summary as a summary row is), unless they are whole conversations."""
-    for field in PREFERENCE_FIELDS:
-        if field not in record:
-            raise DataError(
-                f"{origin}: a preference row needs `chosen` and `rejected`; `{field}` is missing."
-            )
+    _required(record, PREFERENCE_FIELDS, origin, "a preference row")
     chosen = _turns(record["chosen"], "assistant", origin, "chosen")
     rejected = _turns(record["rejected"], "assistant", origin, "rejected")
-    whole = chosen[0].role != "assistant"  # a conversation that carries its prompt
-    prompt = () if whole else _prompt(record, cfg, origin, "chosen")
     for name, turns in (("chosen", chosen), ("rejected", rejected)):
         _ends_in_answer(turns, origin, name)
+    whole = chosen[0].role != "assistant"  # a conversation that carries its prompt
+    prompt = () if whole else _prompt(record, cfg, origin, "chosen")
     if chosen == rejected:
         raise DataError(f"{origin}: `chosen` and `rejected` are the same answer: nothing to prefer.")
     return PreferenceRow(prompt, chosen, rejected, origin)
