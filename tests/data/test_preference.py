@@ -149,6 +149,59 @@ def test_a_pair_missing_its_rejected_answer_is_named_by_file_and_line(tmp_path):
         load_rows(DataConfig(source=str(data)), seed=0)
 
 
+def turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+ASKED = (("user", "Who owns the budget?"),)
+DIFFERENT = {  # whole conversations whose turns before the final answers differ, and what is said
+    "user turn": (
+        turns(*ASKED, ("assistant", "Anna.")),
+        turns(("user", "Who owns the plan?"), ("assistant", "Bob.")),
+        "turn 0 differs: user 'Who owns the budget?' in `chosen`, user 'Who owns the plan?' in `rejected`.",
+    ),
+    "system turn": (
+        turns(("system", "Be brief."), *ASKED, ("assistant", "Anna.")),
+        turns(("system", "Be wordy."), *ASKED, ("assistant", "Bob.")),
+        "turn 0 differs: system 'Be brief.' in `chosen`, system 'Be wordy.' in `rejected`.",
+    ),
+    "earlier answer": (
+        turns(*ASKED, ("assistant", "Anna."), ("user", "When?"), ("assistant", "Friday.")),
+        turns(*ASKED, ("assistant", "Bob."), ("user", "When?"), ("assistant", "Monday.")),
+        "turn 1 differs: assistant 'Anna.' in `chosen`, assistant 'Bob.' in `rejected`.",
+    ),
+    "a turn more": (
+        turns(*ASKED, ("assistant", "Anna.")),
+        turns(*ASKED, ("assistant", "Anna."), ("user", "And?"), ("assistant", "Bob.")),
+        "`chosen` has 1 turn before it, `rejected` 3 turns.",
+    ),
+    "rejected without the prompt": (
+        turns(*ASKED, ("assistant", "Anna.")),
+        "Bob.",
+        "`chosen` has 1 turn before it, `rejected` 0 turns.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DIFFERENT)
+def test_whole_conversations_that_differ_before_their_final_answers_are_refused(case, tokenizer):
+    """The prompt of whole conversations is what the two share; a turn before the final answer that
+    differs would end it early, and the rest of the rejected side (a user turn that asks something
+    else) would be compared as its answer. Refused before launch, with file and line."""
+    chosen, rejected, says = DIFFERENT[case]
+    record = {"prompt": "Who owns the budget?", "chosen": chosen, "rejected": rejected}
+    with pytest.raises(DataError) as err:
+        row_from_record(record, DataConfig(), "hh.jsonl:4")
+    assert str(err.value) == (
+        "hh.jsonl:4: `chosen` and `rejected` must share every turn before the final assistant answer "
+        f"(the prompt), and {says}"
+    )
+    # Answers of several turns after an explicit prompt stay a pair: the prompt is given, not found.
+    answers_only = {"prompt": "Q", "chosen": turns(("assistant", "A"), ("user", "B?"), ("assistant", "C")),
+                    "rejected": turns(("assistant", "D"))}  # fmt: skip
+    assert isinstance(row_from_record(answers_only, DataConfig(), "p.jsonl:1"), PreferenceRow)
+
+
 def test_unpaired_rows_and_pairs_are_kto_answers_each_with_a_mismatched_one_of_another_prompt(tokenizer):
     """KTO's rows: {prompt, completion, label} (not prompt_completion, for its label), or a pair as
     two; loss on each answer alone; each answer's KL sequence is its prompt with the answer of the

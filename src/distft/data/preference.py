@@ -19,9 +19,11 @@ meeting's `transcript` may stand for the prompt), `label` true for a desirable a
 answer desirable, the rejected one not (`unpaired`).
 
 A row whose answers are the same, that lacks `chosen` or `rejected` (named), or that does not end
-both in an assistant turn, is refused with its origin. Read by an SFT run, a preference row trains
-on its chosen answer (`messages_of`), and `distft eval` scores against it; an unpaired row's
-undesirable answer is refused there.
+both in an assistant turn, is refused with its origin; so are whole conversations that differ in a
+turn before their final answers (a user turn of the rejected side would otherwise be part of its
+answer, not of the prompt they share). Read by an SFT run, a preference row trains on its chosen
+answer (`messages_of`), and `distft eval` scores against it; an unpaired row's undesirable answer
+is refused there.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 from distft.config import DataConfig
 from distft.data.messages import Message, fields_of, parse_messages
 from distft.errors import DataError
+from distft.text import plural
 
 PREFERENCE_FIELDS = ("chosen", "rejected")
 
@@ -126,18 +129,31 @@ def unpaired_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> Unpair
 
 def unpaired(row: PreferenceRow) -> tuple[UnpairedRow, UnpairedRow]:
     """A pair as KTO reads it: its chosen answer desirable, its rejected one not. Whole
-    conversations give their shared leading turns as the prompt."""
-    prompt = row.prompt
-    if not prompt:
-        shared = 0
-        while (
-            shared < min(len(row.chosen), len(row.rejected)) - 1
-            and row.chosen[shared] == row.rejected[shared]
-        ):
-            shared += 1
-        prompt = row.chosen[:shared]
+    conversations give the turns before their final answers, which they share, as the prompt."""
+    prompt = row.prompt or row.chosen[:-1]
     chosen, rejected = row.chosen_messages[len(prompt) :], row.rejected_messages[len(prompt) :]
     return UnpairedRow(prompt, chosen, True, row.origin), UnpairedRow(prompt, rejected, False, row.origin)
+
+
+def _same_prompt(chosen: tuple[Message, ...], rejected: tuple[Message, ...], origin: str) -> None:
+    """Whole conversations: every turn before the final answer is the prompt, and must be the same
+    in both (else the shared part would be the prompt, and a turn of one side trained as answer)."""
+    a, b = chosen[:-1], rejected[:-1]
+    if a == b:
+        return
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    if i < min(len(a), len(b)):
+        said = f"turn {i} differs: {_said(a[i])} in `chosen`, {_said(b[i])} in `rejected`"
+    else:
+        said = f"`chosen` has {plural(len(a), 'turn')} before it, `rejected` {plural(len(b), 'turn')}"
+    raise DataError(
+        f"{origin}: `chosen` and `rejected` must share every turn before the final assistant answer "
+        f"(the prompt), and {said}."
+    )
+
+
+def _said(turn: Message) -> str:
+    return f"{turn.role} {turn.content!r:.60}"
 
 
 def preference_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> PreferenceRow:
@@ -148,7 +164,9 @@ def preference_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> Pref
     rejected = _turns(record["rejected"], "assistant", origin, "rejected")
     for name, turns in (("chosen", chosen), ("rejected", rejected)):
         _ends_in_answer(turns, origin, name)
-    whole = chosen[0].role != "assistant"  # a conversation that carries its prompt
+    whole = "assistant" not in (chosen[0].role, rejected[0].role)  # conversations that carry the prompt
+    if whole or chosen[0].role != rejected[0].role:
+        _same_prompt(chosen, rejected, origin)
     prompt = () if whole else _prompt(record, cfg, origin, "chosen")
     if chosen == rejected:
         raise DataError(f"{origin}: `chosen` and `rejected` are the same answer: nothing to prefer.")
