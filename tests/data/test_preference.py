@@ -15,6 +15,7 @@ from distft.data.formats import messages_of, prompt_and_reference, row_format
 from distft.data.pairs import encode_completions, encode_pairs, rows_of
 from distft.data.preference import PreferenceRow
 from distft.errors import DataError
+from tests.helpers import write_jsonl
 
 TURNS = [{"role": "user", "content": "Who owns the budget?"}]
 ACTION = r"(\w+) will (.+?) by ([^.]+)\."  # an action item of a sample summary
@@ -99,6 +100,106 @@ def test_a_bad_row_is_named_by_its_origin(record, says):
     with pytest.raises(DataError) as err:
         row_from_record(record, DataConfig(), "pairs.jsonl:7")
     assert says in str(err.value)
+
+
+ANSWER = [{"role": "assistant", "content": "Anna."}]
+MISSING = {  # a pairs or unpaired row that lacks a field, and the refusal naming it (any data.format)
+    "prompt, chosen": ({"prompt": "Q", "chosen": "A"}, "missing field `rejected` (row has: chosen, prompt)"),
+    "prompt, rejected": (
+        {"prompt": "Q", "rejected": "B"},
+        "missing field `chosen` (row has: prompt, rejected)",
+    ),
+    "conversation": ({"chosen": [*TURNS, *ANSWER]}, "missing field `rejected` (row has: chosen)"),
+    "null": ({"prompt": "Q", "chosen": "A", "rejected": None}, "missing field `rejected` (it is null)"),
+    "meeting": (
+        {"transcript": "A: hi", "chosen": "Hi."},
+        "missing field `rejected` (row has: chosen, transcript)",
+    ),
+    "no completion": ({"prompt": "Q", "label": True}, "missing field `completion` (row has: label, prompt)"),
+    "no label": ({"transcript": "A: hi", "completion": "Hi."}, "missing field `label`"),
+}
+
+
+@pytest.mark.parametrize("case", MISSING)
+@pytest.mark.parametrize("fmt", ["auto", "declared"])
+def test_a_row_missing_a_field_is_refused_naming_that_field_for_its_format(case, fmt):
+    """Not the field another format would need: `{prompt, chosen}` once read as a prompt_completion
+    row without its completion. Under auto the row is read as the format whose own fields it has
+    (`chosen`, `rejected`, `label`), however many fields it shares with others (`prompt`)."""
+    record, says = MISSING[case]
+    declared = "unpaired" if "completion" in says or "label" in says else "preference"
+    cfg = DataConfig(format=declared if fmt == "declared" else "auto")
+    with pytest.raises(DataError) as err:
+        row_from_record(record, cfg, "pairs.jsonl:3")
+    assert str(err.value).startswith(f"pairs.jsonl:3: {says}")
+    kind = (
+        "an unpaired row needs `completion` and `label`" if declared == "unpaired" else "needs `chosen` and"
+    )
+    assert kind in str(err.value)
+
+
+def test_a_pair_missing_its_rejected_answer_is_named_by_file_and_line(tmp_path):
+    rows = [{"prompt": f"Q{i}", "chosen": "A", "rejected": "B"} for i in range(2)] + [
+        {"prompt": "Q", "chosen": "A"}
+    ]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(
+        DataError, match=rf"^{re.escape(str(data))}:3: missing field `rejected` \(row has: chosen"
+    ):
+        load_rows(DataConfig(source=str(data)), seed=0)
+
+
+def turns(*pairs: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+ASKED = (("user", "Who owns the budget?"),)
+DIFFERENT = {  # whole conversations whose turns before the final answers differ, and what is said
+    "user turn": (
+        turns(*ASKED, ("assistant", "Anna.")),
+        turns(("user", "Who owns the plan?"), ("assistant", "Bob.")),
+        "turn 0 differs: user 'Who owns the budget?' in `chosen`, user 'Who owns the plan?' in `rejected`.",
+    ),
+    "system turn": (
+        turns(("system", "Be brief."), *ASKED, ("assistant", "Anna.")),
+        turns(("system", "Be wordy."), *ASKED, ("assistant", "Bob.")),
+        "turn 0 differs: system 'Be brief.' in `chosen`, system 'Be wordy.' in `rejected`.",
+    ),
+    "earlier answer": (
+        turns(*ASKED, ("assistant", "Anna."), ("user", "When?"), ("assistant", "Friday.")),
+        turns(*ASKED, ("assistant", "Bob."), ("user", "When?"), ("assistant", "Monday.")),
+        "turn 1 differs: assistant 'Anna.' in `chosen`, assistant 'Bob.' in `rejected`.",
+    ),
+    "a turn more": (
+        turns(*ASKED, ("assistant", "Anna.")),
+        turns(*ASKED, ("assistant", "Anna."), ("user", "And?"), ("assistant", "Bob.")),
+        "`chosen` has 1 turn before it, `rejected` 3 turns.",
+    ),
+    "rejected without the prompt": (
+        turns(*ASKED, ("assistant", "Anna.")),
+        "Bob.",
+        "`chosen` has 1 turn before it, `rejected` 0 turns.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DIFFERENT)
+def test_whole_conversations_that_differ_before_their_final_answers_are_refused(case, tokenizer):
+    """The prompt of whole conversations is what the two share; a turn before the final answer that
+    differs would end it early, and the rest of the rejected side (a user turn that asks something
+    else) would be compared as its answer. Refused before launch, with file and line."""
+    chosen, rejected, says = DIFFERENT[case]
+    record = {"prompt": "Who owns the budget?", "chosen": chosen, "rejected": rejected}
+    with pytest.raises(DataError) as err:
+        row_from_record(record, DataConfig(), "hh.jsonl:4")
+    assert str(err.value) == (
+        "hh.jsonl:4: `chosen` and `rejected` must share every turn before the final assistant answer "
+        f"(the prompt), and {says}"
+    )
+    # Answers of several turns after an explicit prompt stay a pair: the prompt is given, not found.
+    answers_only = {"prompt": "Q", "chosen": turns(("assistant", "A"), ("user", "B?"), ("assistant", "C")),
+                    "rejected": turns(("assistant", "D"))}  # fmt: skip
+    assert isinstance(row_from_record(answers_only, DataConfig(), "p.jsonl:1"), PreferenceRow)
 
 
 def test_unpaired_rows_and_pairs_are_kto_answers_each_with_a_mismatched_one_of_another_prompt(tokenizer):

@@ -129,3 +129,77 @@ def test_the_training_header_names_the_format(capsys):
     TrainingProgress(True, 1).header(cfg, 1, "cpu", "none", (1, 2), (1, 1, 1), {"train": summary})
     out = " ".join(capsys.readouterr().out.split())  # the table's title may wrap
     assert "data: sample, format summary (detected), max_length 768, truncation middle" in out
+
+
+PAIRS = [
+    {"prompt": "Who owns the budget?", "chosen": "Anna, by Friday.", "rejected": "Bob, by Monday."},
+    {
+        "chosen": [
+            {"role": "user", "content": "Who drafts it?"},
+            {"role": "assistant", "content": "Tom drafts it."},
+        ],
+        "rejected": [
+            {"role": "user", "content": "Who drafts it?"},
+            {"role": "assistant", "content": "Nobody does."},
+        ],
+    },
+]
+
+
+def sides(body: str) -> dict[str, str]:
+    """A pair's body cut into its named sides: the line that names each, and what follows it."""
+    parts = re.split(r"^(chosen|rejected)\b(.*)$", body, flags=re.MULTILINE)
+    return {parts[i]: parts[i + 1] + parts[i + 2] for i in range(1, len(parts), 3)}
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "kto"])
+def test_a_pair_shows_both_sides_each_with_its_answer_marked(objective, tmp_path, capsys):
+    """Both answers of each pair, each decoded with the tokens the objective trains marked: the
+    answers alone, never the prompt the two share."""
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
+    header, rows = preview(capsys, "--data", str(data), "--rows", "6", f"train.objective={objective}")
+    assert "format preference (detected)" in header and len(rows) == 5  # one held out for validation
+    lines = [int(origin.rsplit(":", 1)[1]) for origin, _, _ in rows]
+    assert {line % 2 for line in lines} == {0, 1}  # both shapes: answers to a prompt, conversations
+    for (_, fmt, body), line in zip(rows, lines, strict=True):
+        record = PAIRS[(line - 1) % 2]
+        assert fmt == "preference"
+        shown = sides(body)
+        assert list(shown) == ["chosen", "rejected"]
+        for side, text in shown.items():
+            answer = record[side] if isinstance(record[side], str) else record[side][-1]["content"]
+            assert marked(text) == [answer + END]
+            assert "Who" in text.split("[[")[0]  # the prompt, unmarked, before it
+            assert re.search(r"^\d+ tokens, \d carry loss; not truncated$", text, re.MULTILINE)
+        if objective == "kto":
+            assert body.count("(desirable):") == 1 and "rejected (undesirable):" in body
+
+
+def test_a_pair_under_sft_shows_its_rejected_side_untrained(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS[:1] * 2)
+    _, [(_, _, body)] = preview(capsys, "--data", str(data))
+    shown = sides(body)
+    assert marked(shown["chosen"]) == ["Anna, by Friday." + END]
+    assert marked(shown["rejected"]) == [] and "Bob, by Monday." + END in shown["rejected"]
+    assert shown["rejected"].startswith(": not trained: train.objective=sft learns the chosen answer")
+    assert re.search(r"^\d+ tokens, 0 carry loss; not truncated$", shown["rejected"], re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ({"prompt": "Q", "chosen": "A"}, "missing field `rejected` (row has: chosen, prompt); a preference row"),
+        (
+            {"chosen": PAIRS[1]["chosen"], "rejected": [{"role": "user", "content": "Who signs it?"},
+                                                        PAIRS[1]["rejected"][1]]},
+            "`chosen` and `rejected` must share every turn before the final assistant answer (the prompt), "
+            "and turn 0 differs: user 'Who drafts it?' in `chosen`, user 'Who signs it?' in `rejected`.",
+        ),
+    ],
+    ids=["missing rejected", "user turns differ"],
+)  # fmt: skip
+def test_a_bad_pair_is_refused_in_one_line_with_its_file_and_line(bad, says, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "pairs.jsonl", [*PAIRS, bad])
+    assert main(["data", "preview", "--data", str(data), "train.objective=dpo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distft data: error: {data}:3: {says}") and err.count("\n") == 1

@@ -17,7 +17,8 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
         help="the first training rows, tokenised, with the tokens that carry loss marked",
         description="Print the first training rows as the run tokenises them: the data format, the "
         "decoded text with every token that carries loss inside [[...]], and the counts (tokens, "
-        "trained tokens, truncation). Settings as for `distft train`. See docs/data.md.",
+        "trained tokens, truncation); a preference pair shows its chosen and its rejected side, each so, "
+        "as train.objective trains them. Settings as for `distft train`. See docs/data.md.",
     )
     q.add_argument("--config", help="TOML file, as for `distft train --config`")
     q.add_argument("--model", help="the model whose tokenizer and chat template to use (as for train)")

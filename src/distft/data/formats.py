@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distft.config import DataConfig
-from distft.data.messages import Message, parse_messages
+from distft.data.messages import Message, fields_of, parse_messages
 from distft.data.preference import PreferenceRow, UnpairedRow, meeting_prompt, preference_row, unpaired_row
 from distft.errors import DataError, one_line
 
@@ -65,6 +65,15 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "unpaired": ("completion", "label"),  # and a prompt or transcript
 }
 ANSWER = {"prompt_completion": "completion", "alpaca": "output"}  # optional in a row to generate for
+# Every field a row of each format may hold: a row that fits none is read as the format it seems to
+# attempt (`_partial`), so that its parser names the field it lacks.
+FIELDS: dict[str, tuple[str, ...]] = {
+    "summary": tuple(field for schema in KNOWN_SCHEMAS for field in schema),
+    **REQUIRED,
+    "alpaca": ("instruction", "input", "output"),
+    "preference": ("prompt", "transcript", "chosen", "rejected"),
+    "unpaired": ("prompt", "transcript", "completion", "label"),
+}
 
 
 @dataclass(frozen=True)
@@ -147,10 +156,16 @@ def _fits(record: dict[str, Any], cfg: DataConfig, need_answer: bool = True) -> 
 
 
 def _partial(record: dict[str, Any]) -> str | None:
-    """The format a row that fits none seems to attempt (some of its fields present), if any."""
-    if any(t in record or s in record for t, s in KNOWN_SCHEMAS):
-        return "summary"
-    return next((name for name, fields in REQUIRED.items() if any(f in record for f in fields)), None)
+    """The format a row that fits none seems to attempt, if any: the one with most of the fields
+    only it has (a pair's `chosen` or `rejected`, not the `prompt` a prompt_completion row has too),
+    then with most of its fields; the first in `FIELDS` of those that tie."""
+    owners = {field: sum(field in fields for fields in FIELDS.values()) for field in record}
+    score = {
+        name: (sum(owners.get(f) == 1 for f in fields), sum(f in record for f in fields))
+        for name, fields in FIELDS.items()
+    }
+    best = max(FIELDS, key=score.__getitem__)  # max keeps the first of those that tie
+    return best if score[best][1] else None
 
 
 def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_answer: bool = True) -> str:
@@ -159,7 +174,7 @@ def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_ans
     fits = _fits(record, cfg, need_answer)
     if len(fits) > 1:
         raise DataError(
-            f"{origin}: the row's fields ({_fields_of(record)}) fit more than one format: {' and '.join(fits)}. "
+            f"{origin}: the row's fields ({fields_of(record)}) fit more than one format: {' and '.join(fits)}. "
             f"Say which with data.format={fits[-1]} (or data.format={fits[0]}); docs/data.md shows each format."
         )
     if fits:
@@ -169,7 +184,7 @@ def detect_format(record: dict[str, Any], cfg: DataConfig, origin: str, need_ans
         return partial  # its parser names the missing field
     known = "; ".join(f"{{{t}, {s}}}" for t, s in KNOWN_SCHEMAS)
     raise DataError(
-        f"{origin}: no transcript/summary fields found, nor any other known format (row has: {_fields_of(record)}). "
+        f"{origin}: no transcript/summary fields found, nor any other known format (row has: {fields_of(record)}). "
         f"Summary schemas: {known}; chat {{messages}}; prompt_completion {{prompt, completion}}; alpaca "
         "{instruction, input, output}; sharegpt {conversations}; preference {prompt, chosen, rejected}; "
         "unpaired {prompt, completion, label}; "
@@ -185,17 +200,13 @@ def _field(record: dict[str, Any], name: str, origin: str, optional: bool = Fals
     if name not in record or (optional and record[name] is None):
         if optional:
             return ""
-        raise DataError(f"{origin}: missing field `{one_line(name)}` (row has: {_fields_of(record)}).")
+        raise DataError(f"{origin}: missing field `{one_line(name)}` (row has: {fields_of(record)}).")
     value = record[name]
     if not isinstance(value, str):
         raise DataError(f"{origin}: field `{name}` is not text (got {type(value).__name__}).")
     if not value.strip() and not optional:
         raise DataError(f"{origin}: field `{name}` is empty.")
     return value.strip()
-
-
-def _fields_of(record: dict[str, Any]) -> str:
-    return ", ".join(one_line(name) for name in sorted(map(str, record)))
 
 
 def _text_of(value: Any, field: str) -> str:
@@ -235,7 +246,7 @@ def _summary_row(record: dict[str, Any], cfg: DataConfig, origin: str, need_answ
             texts.append("")  # inference: a meeting to summarise need not carry a summary (a CSV cell: empty)
             continue
         if field not in record:
-            raise DataError(f"{origin}: missing field `{one_line(field)}` (row has: {_fields_of(record)}).")
+            raise DataError(f"{origin}: missing field `{one_line(field)}` (row has: {fields_of(record)}).")
         try:
             text = _text_of(record[field], field).strip()
         except (TypeError, KeyError) as err:

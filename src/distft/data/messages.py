@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distft.config.choices import ROLES
-from distft.errors import DataError
+from distft.errors import DataError, one_line
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,8 @@ def parse_messages(turns: Any, origin: str, field: str = "messages") -> list[Mes
             )
         messages.append(Message(turn["role"], (turn["content"].strip(),)))
     return messages
+
+
+def fields_of(record: dict[str, Any]) -> str:
+    """A record's field names, sorted, for a message that names what a row has."""
+    return ", ".join(one_line(name) for name in sorted(map(str, record)))

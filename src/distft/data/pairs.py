@@ -3,9 +3,10 @@ through the chat template exactly as an SFT row is (`ChatFormatter`), then cut t
 
 What the two share, token by token from the start, is the prompt: every label up to the first
 token where they differ is dropped, so only the answers carry loss (a row with `prompt` shares at
-least its turns; whole conversations share whatever they repeat, found here). The two sequences of
-a pair always travel together: a batch of B pairs is one micro-batch of 2B rows, the chosen ones
-first (`rows_of`), so both answers of a pair meet in one forward on one rank.
+least its turns; whole conversations every turn before their final answers, which
+`distft.data.preference` checks). The two sequences of a pair always travel together: a batch of B
+pairs is one micro-batch of 2B rows, the chosen ones first (`rows_of`), so both answers of a pair
+meet in one forward on one rank.
 
 KTO's rows are single answers (`Completion`), each labelled desirable or not, with a second
 sequence: the same prompt followed by another row's answer (`mismatched`: the nearest earlier row

@@ -18,9 +18,12 @@ meeting's `transcript` may stand for the prompt), `label` true for a desirable a
 (`data.format = unpaired`, or `auto`). KTO also reads pairs, each as two unpaired rows: the chosen
 answer desirable, the rejected one not (`unpaired`).
 
-A row whose answers are the same, or that does not end both in an assistant turn, is refused with
-its origin. Read by an SFT run, a preference row trains on its chosen answer (`messages_of`), and
-`distft eval` scores against it; an unpaired row's undesirable answer is refused there.
+A row whose answers are the same, that lacks `chosen` or `rejected` (named), or that does not end
+both in an assistant turn, is refused with its origin; so are whole conversations that differ in a
+turn before their final answers (a user turn of the rejected side would otherwise be part of its
+answer, not of the prompt they share). Read by an SFT run, a preference row trains on its chosen
+answer (`messages_of`), and `distft eval` scores against it; an unpaired row's undesirable answer
+is refused there.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from distft.config import DataConfig
-from distft.data.messages import Message, parse_messages
+from distft.data.messages import Message, fields_of, parse_messages
 from distft.errors import DataError
+from distft.text import plural
 
 PREFERENCE_FIELDS = ("chosen", "rejected")
 
@@ -93,6 +97,17 @@ def _prompt(record: dict[str, Any], cfg: DataConfig, origin: str, answer: str) -
     )
 
 
+def _required(record: dict[str, Any], fields: tuple[str, ...], origin: str, row: str) -> None:
+    """A DataError naming the first of `fields` the record lacks (or holds as null)."""
+    for field in fields:
+        if record.get(field) is None:
+            null = " (it is null)" if field in record else ""
+            raise DataError(
+                f"{origin}: missing field `{field}`{null} (row has: {fields_of(record)}); {row} needs "
+                f"{' and '.join(f'`{f}`' for f in fields)}."
+            )
+
+
 def _ends_in_answer(turns: tuple[Message, ...], origin: str, name: str) -> None:
     if turns[-1].role != "assistant" or not turns[-1].content:
         raise DataError(f"{origin}: `{name}` must end with a non-empty assistant turn.")
@@ -100,47 +115,59 @@ def _ends_in_answer(turns: tuple[Message, ...], origin: str, name: str) -> None:
 
 def unpaired_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> UnpairedRow:
     """A record with a `completion`, its `label` (true: desirable) and a `prompt` (or `transcript`)."""
-    label = record.get("label")
+    _required(record, ("completion", "label"), origin, "an unpaired row")
+    label = record["label"]
     if not isinstance(label, bool):
         raise DataError(
             f"{origin}: an unpaired row's `label` is true (a desirable answer) or false (an undesirable "
             f"one); got {label!r:.40}."
         )
-    completion = _turns(record.get("completion", ""), "assistant", origin, "completion")
+    completion = _turns(record["completion"], "assistant", origin, "completion")
     _ends_in_answer(completion, origin, "completion")
     return UnpairedRow(_prompt(record, cfg, origin, "completion"), completion, label, origin)
 
 
 def unpaired(row: PreferenceRow) -> tuple[UnpairedRow, UnpairedRow]:
     """A pair as KTO reads it: its chosen answer desirable, its rejected one not. Whole
-    conversations give their shared leading turns as the prompt."""
-    prompt = row.prompt
-    if not prompt:
-        shared = 0
-        while (
-            shared < min(len(row.chosen), len(row.rejected)) - 1
-            and row.chosen[shared] == row.rejected[shared]
-        ):
-            shared += 1
-        prompt = row.chosen[:shared]
+    conversations give the turns before their final answers, which they share, as the prompt."""
+    prompt = row.prompt or row.chosen[:-1]
     chosen, rejected = row.chosen_messages[len(prompt) :], row.rejected_messages[len(prompt) :]
     return UnpairedRow(prompt, chosen, True, row.origin), UnpairedRow(prompt, rejected, False, row.origin)
+
+
+def _same_prompt(chosen: tuple[Message, ...], rejected: tuple[Message, ...], origin: str) -> None:
+    """Whole conversations: every turn before the final answer is the prompt, and must be the same
+    in both (else the shared part would be the prompt, and a turn of one side trained as answer)."""
+    a, b = chosen[:-1], rejected[:-1]
+    if a == b:
+        return
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    if i < min(len(a), len(b)):
+        said = f"turn {i} differs: {_said(a[i])} in `chosen`, {_said(b[i])} in `rejected`"
+    else:
+        said = f"`chosen` has {plural(len(a), 'turn')} before it, `rejected` {plural(len(b), 'turn')}"
+    raise DataError(
+        f"{origin}: `chosen` and `rejected` must share every turn before the final assistant answer "
+        f"(the prompt), and {said}."
+    )
+
+
+def _said(turn: Message) -> str:
+    return f"{turn.role} {turn.content!r:.60}"
 
 
 def preference_row(record: dict[str, Any], cfg: DataConfig, origin: str) -> PreferenceRow:
     """A record with `chosen` and `rejected`, and a `prompt` (or a meeting's `transcript`, asked for
     its summary as a summary row is), unless they are whole conversations."""
-    for field in PREFERENCE_FIELDS:
-        if field not in record:
-            raise DataError(
-                f"{origin}: a preference row needs `chosen` and `rejected`; `{field}` is missing."
-            )
+    _required(record, PREFERENCE_FIELDS, origin, "a preference row")
     chosen = _turns(record["chosen"], "assistant", origin, "chosen")
     rejected = _turns(record["rejected"], "assistant", origin, "rejected")
-    whole = chosen[0].role != "assistant"  # a conversation that carries its prompt
-    prompt = () if whole else _prompt(record, cfg, origin, "chosen")
     for name, turns in (("chosen", chosen), ("rejected", rejected)):
         _ends_in_answer(turns, origin, name)
+    whole = "assistant" not in (chosen[0].role, rejected[0].role)  # conversations that carry the prompt
+    if whole or chosen[0].role != rejected[0].role:
+        _same_prompt(chosen, rejected, origin)
+    prompt = () if whole else _prompt(record, cfg, origin, "chosen")
     if chosen == rejected:
         raise DataError(f"{origin}: `chosen` and `rejected` are the same answer: nothing to prefer.")
     return PreferenceRow(prompt, chosen, rejected, origin)

@@ -4,7 +4,10 @@ which of their tokens carry loss (`distft data preview`, and the format in the r
 A label mask is easy to get wrong and invisible in the loss curve: a template whose end-of-turn
 token is not a target, a prompt that carries loss, an answer cut away by truncation. So the
 preview decodes the example exactly as training builds it (`ChatFormatter.encode`) and marks the
-tokens that carry loss, rather than re-deriving them from the row.
+tokens that carry loss, rather than re-deriving them from the row. A pair shows both its sides as
+`train.objective` trains them (`sequences`): under dpo and orpo each answer after what the two
+share (`encode_pairs`), under kto each answer against its prompt (`encode_completions`), under sft
+the chosen one, the rejected side shown with nothing trained.
 
 Rows are taken from the training split in the order the source holds them (not the order the
 run draws them): `preview.jsonl:1` is the first line of the file unless it is held out for
@@ -20,9 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from distft.config import DataConfig
-from distft.data.chat import IGNORE, Example
-from distft.data.formats import Row, row_format
+from distft.config.choices import PAIRED
+from distft.data.chat import IGNORE, ChatFormatter, Example, RowTooLong
+from distft.data.formats import ChatRow, Row, row_format
 from distft.data.mixture import source_configs
+from distft.data.pairs import encode_completions, encode_pairs
+from distft.data.preference import PreferenceRow, UnpairedRow, unpaired
 from distft.data.rows import MEMORY, held_out, row_source
 from distft.errors import DataError
 
@@ -93,3 +99,48 @@ def loss_spans(example: Example) -> list[Span]:
 def decode(tokenizer, ids: Sequence[int]) -> str:
     """Token ids as text, the template's special tokens (`<|im_end|>`) kept: they are trained too."""
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One sequence a previewed row trains as: its name ("" for a row that is one), its example
+    labelled as the run labels it (None: skipped as too long, data.skip_long_rows), and a note (on
+    a sequence that is not trained, what it is)."""
+
+    name: str
+    example: Example | None
+    note: str = ""
+
+
+def sequences(formatter: ChatFormatter, row: Row, objective: str) -> list[Shown]:
+    """What `row` trains as under `objective`: a pair its chosen and its rejected answer (sft: the
+    chosen only), KTO's unpaired row its answer, desirable or not, any other row itself. A row the
+    objective cannot train on is refused as training refuses it."""
+    if objective in PAIRED:
+        pairs, _ = encode_pairs(formatter, [row])
+        chosen, rejected = (pairs[0].chosen, pairs[0].rejected) if pairs else (None, None)
+        return [Shown("chosen", chosen), Shown("rejected", rejected)]
+    if objective == "kto":
+        pair = isinstance(row, PreferenceRow)
+        shown = []
+        for side, unit in (
+            zip(("chosen", "rejected"), unpaired(row), strict=True) if pair else [("answer", row)]
+        ):
+            completions, _ = encode_completions(formatter, [unit])  # refuses a row that is neither
+            label = "desirable" if unit.desirable else "undesirable"
+            shown.append(Shown(f"{side} ({label})", completions[0].example if completions else None))
+        return shown
+    (example,) = formatter.encode_many([row])
+    if not isinstance(row, PreferenceRow | UnpairedRow):
+        return [Shown("", example)]
+    if isinstance(row, UnpairedRow):
+        return [Shown("answer (desirable)", example)]
+    note = "not trained: train.objective=sft learns the chosen answer (dpo, orpo and kto train both)"
+    try:  # read, never trained: an SFT run does not even tokenise it
+        (rejected,) = formatter.encode_many([ChatRow(row.rejected_messages, row.origin)])
+    except RowTooLong:
+        rejected = None
+    if rejected is None:
+        return [Shown("chosen", example), Shown("rejected", None, f"{note}; it cannot fit data.max_length")]
+    rejected = Example(rejected.input_ids, [IGNORE] * len(rejected.labels), rejected.truncated_tokens)
+    return [Shown("chosen", example), Shown("rejected", rejected, note)]

@@ -5,8 +5,9 @@ It reads the same settings as `distft train` (defaults, `--config`, `section.key
 overrides, `--model`, `--data`), uses the model's tokenizer and chat template as training does
 (`distft.train.prepare`), and prints for each row its origin and format, the decoded example
 with every run of trained tokens wrapped in `[[...]]` (highlighted on a terminal), and its counts:
-tokens, tokens that carry loss, and what truncation cut. Nothing is trained and nothing written;
-no model weights are loaded.
+tokens, tokens that carry loss, and what truncation cut. A pair shows its chosen and its rejected
+side, each so, as `train.objective` trains them (`distft.data.preview.sequences`). Nothing is
+trained and nothing written; no model weights are loaded.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from distft.data import (
     row_format,
     training_rows,
 )
-from distft.data.preview import decode
+from distft.data.chat import Example
+from distft.data.preview import Shown, decode, sequences
 from distft.data.tokenizer import with_added_tokens
 from distft.errors import ConfigError
 from distft.model import is_preset
@@ -53,7 +55,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     formatter = ChatFormatter(tokenizer, cfg.data)
     for i, row in enumerate(rows, start=1):
         console.print()
-        for line in preview_row(formatter, row, i):
+        for line in preview_row(formatter, row, i, cfg.train.objective):
             console.print(line, markup=False)
     if len(rows) < args.rows:  # held-out rows and those past data.max_rows are not trained on
         console.print(f"\nthe training split has {plural(len(rows), 'row')}, all shown", markup=False)
@@ -78,12 +80,30 @@ def header(cfg: Config) -> str:
     )
 
 
-def preview_row(formatter: ChatFormatter, row: Row, i: int) -> list[str | Text]:
-    """Training row `i`: where it is from, the example with its trained tokens marked, its counts."""
-    title = f"--- training row {i}: {row.origin} ({row_format(row)}) ---"
-    (example,) = formatter.encode_many([row])  # a row that cannot fit is refused, as training does
+def preview_row(formatter: ChatFormatter, row: Row, i: int, objective: str = "sft") -> list[str | Text]:
+    """Training row `i`: where it is from, the example with its trained tokens marked, its counts;
+    a pair's sides (or KTO's answers) each so under its name, a blank line between them. A row
+    that cannot fit is refused, as training refuses it."""
+    lines: list[str | Text] = [f"--- training row {i}: {row.origin} ({row_format(row)}) ---"]
+    for k, shown in enumerate(sequences(formatter, row, objective)):
+        if k:
+            lines.append("")
+        if shown.name:
+            lines.append(f"{shown.name}: {shown.note}" if shown.note else f"{shown.name}:")
+        lines += example_lines(formatter, shown)
+    return lines
+
+
+def example_lines(formatter: ChatFormatter, shown: Shown) -> list[str | Text]:
+    """One example with its trained tokens marked, and its counts; or why it is not shown (its
+    note, else skipped as too long)."""
+    example: Example | None = shown.example
     if example is None:
-        return [title, "skipped: its answer cannot fit data.max_length (data.skip_long_rows=true)"]
+        return (
+            []
+            if shown.note
+            else ["skipped: its answer cannot fit data.max_length (data.skip_long_rows=true)"]
+        )
     text = Text()
     for span in loss_spans(example):
         piece = decode(formatter.tokenizer, example.input_ids[span.start : span.end])
@@ -96,4 +116,4 @@ def preview_row(formatter: ChatFormatter, row: Row, i: int) -> list[str | Text]:
         if example.truncated_tokens
         else "not truncated"
     )
-    return [title, text, f"{plural(tokens, 'token')}, {trained:,} carry loss; {cut}"]
+    return [text, f"{plural(tokens, 'token')}, {trained:,} carry loss; {cut}"]
