@@ -25,6 +25,36 @@ from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, d
 QUICK = ["model.name=micro", "data.max_length=256", "data.max_rows=8", "train.global_batch_size=4"]
 
 
+def test_a_steps_record_holds_the_learning_rate_its_update_used(tmp_path):
+    """Step s's `lr` is the rate its optimizer step ran at (the schedule at s - 1), not the next
+    step's: over a warm-up of 2, half the rate, then the whole of it."""
+    run = [
+        "train",
+        "--model",
+        "micro",
+        "train.max_steps=3",
+        "optim.warmup_steps=2",
+        "optim.scheduler=constant",
+    ]
+    assert (
+        main(
+            [
+                *run,
+                "data.max_rows=8",
+                "train.global_batch_size=2",
+                "train.eval_batches=0",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    cfg = load_config(tmp_path / "config.toml", [])
+    factor = lr_lambda(cfg)
+    assert [m["lr"] for m in metrics(tmp_path)] == [cfg.optim.lr * factor(s - 1) for s in (1, 2, 3)]
+    assert [m["lr"] for m in metrics(tmp_path)][:2] == [cfg.optim.lr / 2, cfg.optim.lr]
+
+
 def test_schedules_share_the_warm_up_and_end_at_the_floor():
     shape = ["train.max_steps=20", "optim.warmup_steps=4", "optim.min_lr_ratio=0.1"]
     f = {

@@ -105,7 +105,7 @@ def step_record(
     return {
         "step": step,
         "loss": loss,
-        "lr": run.scheduler.get_last_lr()[0],
+        "lr": run.step_lr,  # the rate the step used, not the next one's
         "grad_norm": grad_norm,
         "tokens": tokens,
         "tokens_per_s": tokens / step_time,

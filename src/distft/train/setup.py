@@ -102,6 +102,7 @@ class Run:
     architecture: ModelSpec | None = None  # the built model's shapes, for the bytes formula (`distft.plan`)
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)  # the best validation loss so far
     statistics: dict = field(default_factory=dict)  # the last step's (or validation's): pairs', routers'
+    step_lr: float = 0.0  # the learning rate the last step's update used (the scheduler has moved on since)
 
     @property
     def pad_id(self) -> int:

@@ -154,6 +154,7 @@ def train_step(
             f"{resume_hint(run.out)} Resume with train.on_nonfinite=skip to skip such steps, or lower "
             "optim.lr in a new run."
         )
+    run.step_lr = run.scheduler.get_last_lr()[0]  # the rate this update used, for its record
     run.scheduler.step()  # a skipped step still counts: the LR stays a function of the step
     run.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, finite
