@@ -11,6 +11,7 @@ import pytest
 from distft.cli import build_parser, main
 from distft.config import Config, load_config
 from distft.config.describe import SEE_SETTINGS, flag_meant, settings
+from distft.model.experts import experts_kernel
 
 
 def test_every_setting_is_listed_with_its_default_and_a_docstring(capsys):
@@ -99,3 +100,9 @@ def test_a_stray_flag_is_answered_and_every_help_points_at_the_settings(capsys):
     commands = parser._subparsers._group_actions[0].choices  # every subcommand's own parser
     assert {p.epilog for p in (parser, *commands.values())} == {SEE_SETTINGS}
     assert "config" in commands
+
+
+def test_the_experts_settings_help_names_what_auto_runs():
+    """`distft config experts_implementation` says what auto picks, as the model code picks it."""
+    (setting,) = [s for s in settings() if s.key == "model.experts_implementation"]
+    assert f"auto: {experts_kernel('auto')} " in setting.doc

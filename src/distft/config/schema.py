@@ -44,9 +44,9 @@ class ModelConfig:
     experts_implementation: str = "auto"
     """How a mixture of experts' layer runs its experts (`distft.model.experts`): eager (a loop over
     the experts hit), grouped_mm (one grouped matmul over the rows sorted by expert), batched_mm (one
-    batched matmul over a copy of each row's expert weights); auto: grouped_mm, the fastest measured
-    (`distft bench --experts` on a 2-core CPU: 1.1x eager's experts, batched_mm 0.07x; docs/moe.md).
-    A dense model ignores it."""
+    batched matmul over a copy of each row's expert weights), grouped_lora (distft's: grouped_mm's
+    sort and matmuls, LoRA applied to the rows through its factors, the rows moved by gathers);
+    auto: grouped_lora (`distft bench --experts`, docs/moe.md). A dense model ignores it."""
     seed: int = 0
     """Seed of the random initialisation of preset models."""
     added_tokens: list[str] = field(default_factory=list)
