@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from distft.cli import build_parser, config_from_args
+from distft.cli import build_parser, config_from_args, main
 from distft.config import load_config
 from distft.errors import ConfigError
 from distft.layout import SPECS
 from distft.model import model_config
 from distft.parallel import STRATEGIES, check_config, check_model
-from distft.parallel.derive import PRETRAINED_FULL_LR, PRETRAINED_LORA_LR, RANDOM_PRESET_LR
+from distft.parallel.derive import PRETRAINED_FULL_LR, PRETRAINED_LORA_LR, RANDOM_PRESET_LR, derived_line
 
 # Each strategy's smallest --nproc, and the next sizes up where what is derived differs.
 SIZES = {
@@ -40,8 +40,9 @@ def parse(*argv: str):
     return config_from_args(build_parser().parse_args(["train", *argv]))
 
 
-def test_every_strategy_runs_with_strategy_and_nproc_alone(capsys):
+def test_every_strategy_runs_with_strategy_and_nproc_alone():
     assert set(SIZES) == set(STRATEGIES), "a new strategy: add its sizes here"
+    lines = []
     for model in ("micro", "tiny", "qwen3-moe-micro"):
         architecture = model_config(model, False)
         for name, sizes in SIZES.items():
@@ -54,10 +55,21 @@ def test_every_strategy_runs_with_strategy_and_nproc_alone(capsys):
                 assert cfg.world_size == n and cfg.parallel.strategy == name
                 per_step = shape.micro_batch_size * shape.accumulation_steps * shape.data_parallel_size
                 assert per_step == cfg.train.global_batch_size, (model, name, n)
+                lines.append(derived_line(cfg) or "")
+    # One line says what was derived and why, e.g.:
+    shard = "derived (not set): parallel.shard=2: 4 processes on one node as 2 replicas of 2 shards"
+    assert any(x.startswith(shard) for x in lines)
+    assert any(
+        "parallel.microbatches=2: 1f1b over 2 pipeline ranks needs 2+ micro-batches" in x for x in lines
+    )
+
+
+def test_what_was_derived_is_said_once_by_a_dry_run(tmp_path, capsys):
+    """The launching command leaves it to the dry run's summary (a run's header, when it trains)."""
+    argv = ["train", "--model", "qwen3-moe-micro", "--strategy", "fsdp+ep", "--nproc", "4", "--dry-run"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    # One line says what was derived and why, e.g. for the two the issue named:
-    assert "derived (not set): parallel.shard=2: 4 processes on one node as 2 replicas of 2 shards" in out
-    assert "parallel.microbatches=2: 1f1b over 2 pipeline ranks needs 2+ micro-batches" in out
+    assert out.count("derived (not set): train.micro_batch_size=2: the global batch of 8 split over 4") == 1
 
 
 def test_derivations_keep_the_global_batch_where_it_splits():
@@ -100,15 +112,16 @@ def test_explicit_fields_are_tracked_from_file_overrides_and_flags(tmp_path):
     assert load_config().explicit == frozenset()
 
 
-def test_learning_rate_follows_the_base_and_the_method(tmp_path, capsys):
+def test_learning_rate_follows_the_base_and_the_method(tmp_path):
     assert parse("--model", "tiny").optim.lr == RANDOM_PRESET_LR  # presets: as before
+    # a preset's rate is the schema's default: only the header says it
+    assert "optim.lr" not in (derived_line(parse("--model", "tiny")) or "")
     assert parse("--model", "Qwen/Qwen3-4B").optim.lr == PRETRAINED_LORA_LR
     assert parse("--model", "Qwen/Qwen3-4B", "--method", "qlora").optim.lr == PRETRAINED_LORA_LR
     assert parse("--model", "Qwen/Qwen3-4B", "--method", "full").optim.lr == PRETRAINED_FULL_LR
     assert parse("--model", "Qwen/Qwen3-4B", "optim.lr=1e-3").optim.lr == 1e-3  # set: kept
-    out = capsys.readouterr().out
-    assert "optim.lr=0.0002: lora on a pretrained checkpoint, optim.lr not set" in out
-    assert "optim.lr=0.01" not in out  # a preset's rate is the schema's default: only the header says it
+    said = derived_line(parse("--model", "Qwen/Qwen3-4B"))
+    assert "optim.lr=0.0002: lora on a pretrained checkpoint, optim.lr not set" in said
     # A model trained from a random preset (its lineage.json) learns at the preset's rate.
     model = tmp_path / "model"
     model.mkdir()

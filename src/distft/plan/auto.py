@@ -164,12 +164,13 @@ def request_for(
 # ---- --strategy auto -----------------------------------------------------------------------------
 
 
-def complete(cfg: Config) -> list[str]:
+def complete(cfg: Config, say_derived: bool = True) -> list[str]:
     """`--strategy auto` resolved, then the unset defaults derived (`distft.parallel.derive`), in
-    place; the lines that say what was chosen and why."""
+    place; the lines that say what was chosen and why (`say_derived`: and what was derived, which
+    a run's header and a dry run say themselves)."""
     lines = [resolve_auto(cfg)] if cfg.parallel.strategy == "auto" else []
     derive_defaults(cfg)
-    if line := derived_line(cfg):
+    if say_derived and (line := derived_line(cfg)):
         lines.append(line)
     return lines
 

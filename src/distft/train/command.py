@@ -50,7 +50,7 @@ def config_from_args(args: argparse.Namespace, settings: Config | None = None) -
     if launched_by_torchrun():  # the launching command derived and predicted: its notes
         read_rank_notes(cfg)
     else:  # `--strategy auto` and the defaults that compose with the strategy (`parallel.derive`)
-        for line in plan.complete(cfg):
+        for line in plan.complete(cfg, say_derived=False):  # the header (or the dry run) says those
             print(line, flush=True)
     check_config(cfg)  # the strategy's checks: before anything is launched
     if getattr(args, "calibrate", None):  # the pipeline's cut from a run's measured stage times
