@@ -34,6 +34,9 @@ def test_auto_resolves_to_a_runnable_strategy_and_says_why(capsys):
     # micro fits one process's share of the host with room to spare: DDP for throughput, and why.
     assert cfg.parallel.strategy == "ddp"
     assert "strategy auto: DDP on 2 processes (CPU: " in out and "memory is not the problem" in out
+    # in a CPU run's words: its processes all-reduce over gloo, not over a GPU's PCIe link
+    assert "gradients per step over gloo between the processes of one host" in out
+    assert "PCIe" not in out and "GPU" not in out
     assert cfg.derived["parallel.strategy"].startswith("ddp: the planner's choice")
 
 

@@ -169,6 +169,9 @@ LINKS: dict[str, Link] = {
     ),
     # GH200's NVLink-C2C: 900 GB/s CPU-GPU, both directions (GH200 datasheet); not a GPU-GPU link.
     "nvlink-c2c": Link("nvlink-c2c", "NVLink-C2C (GH200, CPU-GPU)", 450 * GB, 0.8, 5e-6, host=True),
+    # CPU processes of one host, gloo over loopback TCP (measured on the 2-core test machine: a 64 MiB
+    # all-reduce between 2 processes at 1.2 GB/s of bus bandwidth, a 4-byte one in ~0.4 ms).
+    "gloo-host": Link("gloo-host", "gloo between the processes of one host", 1.2 * GB, 1.0, 200e-6),
     # InfiniBand HDR 200 Gb/s and NDR 400 Gb/s per port, one port (NIC) per GPU assumed.
     "ib-hdr": Link("ib-hdr", "InfiniBand HDR 200 Gb/s", 25 * GB, 0.8, 10e-6, True),
     "ib-ndr": Link("ib-ndr", "InfiniBand NDR 400 Gb/s", 50 * GB, 0.8, 10e-6, True),

@@ -76,7 +76,7 @@ def device_gpu(cfg: Config, memory: int, where: str) -> GPU:
     if on_cuda(cfg):
         row = gpu_for_device_name(torch.cuda.get_device_name(0))
         return replace(row, memory=memory) if row else replace(generic_gpu(memory), label=where.split(",")[0])
-    return replace(generic_gpu(memory), label="cpu")
+    return replace(generic_gpu(memory), label="cpu", pcie="gloo-host")  # its processes talk over gloo
 
 
 def training_of(cfg: Config, precision: Precision, **shape) -> Training:
