@@ -11,6 +11,11 @@ __version__ = "0.1.0"
 # bf16 instructions warns of a 4-bit kernel package distft never uses.
 for _name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
     logging.getLogger(_name).setLevel(logging.ERROR)
+# And offline, the kernels package (transformers' hub kernels) says on every command that it skips
+# the publisher check of bitsandbytes' CPU 4-bit kernel, which distft never loads: that line alone.
+logging.getLogger("kernels._internals.hf_hub").addFilter(
+    lambda record: not record.getMessage().startswith("Skipping publisher trust check")
+)
 
 # Two more warnings on every command are silenced where they arise, by message, so any other
 # warning from the same libraries still shows: DCP's single-process notice
