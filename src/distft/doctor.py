@@ -15,11 +15,9 @@ are `distft.health`'s; docs/multi-node.md shows real output. The flags are `dist
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from distft.config import ParallelConfig, load_config
@@ -41,6 +39,7 @@ from distft.health import (
 from distft.health.facts import REMEDY
 from distft.launch import launch_ranks
 from distft.plan.hardware import format_bytes, parse_bytes
+from distft.text import console
 from distft.train.hooks import from_environment as hooks_from_environment
 
 MAX_ROWS = 32  # ranks listed one by one; a larger job lists its latest-joining ones
@@ -81,8 +80,8 @@ def run_checks(args: argparse.Namespace, parallel: ParallelConfig, sizes: list[i
 
 
 def print_tables(env: DistEnv, report: HealthReport, bandwidth: list[Bandwidth]) -> None:
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
-    console.print(report.summary(), soft_wrap=True)
+    out = console()
+    out.print(report.summary(), soft_wrap=True)
     late = report.late_s
     shown = sorted(sorted(range(len(late)), key=late.__getitem__, reverse=True)[:MAX_ROWS])
     ranks = Table(
@@ -103,7 +102,7 @@ def print_tables(env: DistEnv, report: HealthReport, bandwidth: list[Bandwidth])
             f"{late[r]:.2f}",
             verdict,
         )
-    console.print(ranks)
+    out.print(ranks)
     table = Table(
         "size", "iterations", "time ms", "algbw GB/s", "busbw GB/s",
         title=f"all-reduce, {env.world_size} ranks, {env.backend} on {env.device.type} (slowest rank's mean)",
@@ -117,8 +116,8 @@ def print_tables(env: DistEnv, report: HealthReport, bandwidth: list[Bandwidth])
             f"{b.algbw / 1e9:.3g}",
             f"{b.busbw / 1e9:.3g}",
         )
-    console.print(table)
-    console.print(
+    out.print(table)
+    out.print(
         "busbw = algbw x 2 (n-1) / n: each rank's link rate in a ring all-reduce (nccl-tests' convention)"
     )
 

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from distft.config import DataConfig, apply_override, check_fields, load_config
@@ -40,7 +39,7 @@ from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
 from distft.io.lineage import base_stages, is_random, origin_text, stage_text
 from distft.io.preflight import check_output_path
-from distft.text import plural
+from distft.text import console, plural
 from distft.textfiles import decode_utf8
 
 # ---- infer --------------------------------------------------------------------------------------
@@ -225,7 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         rouge = "n/a" if s["rougeL"] is None else f"{s['rougeL']:.4f}"
         preferred = (f"{s['preference_accuracy']:.0%}", f"{s['preference_margin']:+.3f}") if pairs else ()
         table.add_row(name, labels.get(name, ""), f"{s['loss']:.4f}", rouge, *preferred)
-    Console().print(table)
+    console().print(table)
     if unscored := without_reference(loaded, rows):  # their ROUGE-L would read as a zero score
         rest = len(rows) - unscored
         mean = f"the mean is over the other {plural(rest, 'row')}" if rest else "no row has one: n/a"

@@ -6,11 +6,9 @@ bar does not animate) still shows the loss falling.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -19,7 +17,7 @@ from distft.data import data_format, data_name, skipped_line
 from distft.io.lineage import describe, is_random
 from distft.model import is_preset
 from distft.parallel.derive import derived_line
-from distft.text import plural
+from distft.text import console, plural
 from distft.train.early_stopping import stop_line
 
 
@@ -27,7 +25,7 @@ class TrainingProgress:
     def __init__(self, enabled: bool, total_steps: int):
         self.enabled = enabled
         self.total = total_steps
-        self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+        self.console = console()
         self.print_every = max(1, total_steps // 10)
         self._progress: Progress | None = None
         self._task = None
