@@ -9,7 +9,7 @@ from the same facts, so a model can learn the mapping from transcript to summary
 
 `SAMPLES` names the synthetic sets `data.source` may be: `sample`, these meetings (a few hundred
 tokens, 0.9 MB), bundled in the package; `sample-pairs`, the same meetings as preference rows (the
-true summary chosen, one with a detail the meeting never had rejected: `train.objective=dpo`); and `sample-long`, whole meetings of 4k-32k tokens
+true summary chosen, one with a detail the meeting never had rejected: `train.objective=dpo`); and `sample-long`, whole meetings of 4.7k-28k tokens
 (`distft.data.sample_long`): 3.9 MB for 72 rows, four times the bundle and a pure function of the
 code, so it is not shipped but written in half a second on first use into distft's cache
 (`$DISTFT_CACHE`, else ~/.cache/distft; an installed package's directory may be read-only), under
@@ -271,7 +271,7 @@ SAMPLES: dict[str, Sample] = {
         False,
     ),
     "sample-long": Sample(
-        "the long synthetic meetings of 4k-32k tokens",
+        "the long synthetic meetings of 4.7k-28k tokens",
         LONG_SPLITS,
         lambda rng, id_: [sample_long.generate_long_meeting(rng, id_)],
         False,
