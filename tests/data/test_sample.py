@@ -71,7 +71,7 @@ def test_lengths():
     assert min(summaries) >= 25 and max(summaries) <= 100
 
 
-# ---- sample-long: whole meetings of 4k-32k tokens, written into the cache on first use ------------
+# ---- sample-long: whole meetings of 4.7k-28k tokens, written into the cache on first use ------------
 
 # The generated set's bytes, pinned: byte-identical on every machine (sample_long's docstring says
 # how). A deliberate change to either generator changes it: print the new digest and paste it here.

@@ -1,4 +1,4 @@
-"""Whole synthetic meetings of 4k-32k tokens, for long-context finetuning (`--data sample-long`).
+"""Whole synthetic meetings of 4,655-28,092 tokens, for long-context finetuning (`--data sample-long`).
 
 AMI's meetings run a median of ~9-10k Qwen3 tokens (p90 13-15k, the longest 20.5k); the bundled
 `sample` meetings are a few hundred. These fill a 32k context: 4-6 people work through 8-40 agenda
