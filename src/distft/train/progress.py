@@ -51,9 +51,12 @@ class TrainingProgress:
         c = self.console
         origin = (lineage or {}).get("origin", {})
         commit = f" at commit {origin['commit'][:12]}" if origin.get("commit") else ""
+        objective = cfg.train.objective
+        toward = f" toward the preferred answers, {objective.upper()} (dpo.beta {cfg.dpo.beta:g})"
         c.print(
-            f"[bold]distft[/bold] {cfg.train.method} finetune of [bold]{cfg.model.name}[/bold]{commit} "
-            f"({total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trainable, {cfg.model.dtype})",
+            f"[bold]distft[/bold] {cfg.train.method} finetune of [bold]{cfg.model.name}[/bold]{commit}"
+            f"{toward if objective != 'sft' else ''} ({total / 1e6:.1f}M parameters, "
+            f"{trainable / 1e6:.2f}M trainable, {cfg.model.dtype})",
             soft_wrap=True,
         )
         c.print(
@@ -142,9 +145,16 @@ class TrainingProgress:
                 f"step {step:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
                 f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
             )
+            # A preference objective's: how far the chosen answers' reward leads, how often it does.
+            if record.get("margin") is not None:
+                line += f"  margin {record['margin']:+.3f}"
+            if record.get("accuracy") is not None:
+                line += f"  accuracy {record['accuracy']:.0%}"
             if "eval_loss" in record:
                 line += f"  eval_loss {record['eval_loss']:.4f}"
-            self._progress.console.print(line)
+            if record.get("eval_accuracy") is not None:
+                line += f"  eval_accuracy {record['eval_accuracy']:.0%}"
+            self._progress.console.print(line, soft_wrap=True)  # one step, one line
         if "early_stop" in record:  # the run's last step: validation stopped improving
             self._progress.console.print(stop_line(record["early_stop"]), soft_wrap=True, markup=False)
 
