@@ -25,8 +25,13 @@ def _forked_run(cmd, *args, env=None, **kwargs):
     return run_cli(*cmd[3:], env=env, timeout=600)
 
 
-@pytest.fixture(autouse=True)
-def forked_training_runs(request, monkeypatch):
+# Module-scoped, so that a module's own fixtures (a sweep trained once for all its tests) fork
+# their runs too: an autouse fixture is set up before the other fixtures of its scope.
+@pytest.fixture(scope="module", autouse=True)
+def forked_training_runs(request):
     if request.module.__name__.endswith("test_startup"):
+        yield
         return
-    monkeypatch.setattr(harness, "subprocess", SimpleNamespace(run=_forked_run))  # the harness's only
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(harness, "subprocess", SimpleNamespace(run=_forked_run))  # the harness's only
+        yield
