@@ -19,6 +19,7 @@ Context parallelism's ring form (`parallel.cp_method=ring`) keeps exactly the pl
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 from dataclasses import replace
@@ -70,6 +71,19 @@ EXPERT_LAYOUTS = {"fsdp+ep": Parallelism.at("fsdp+ep", dp=WORLD, ep=WORLD)}
 # and its causal-only attention ignores the mask, so its padded case runs unpadded.
 ACTIVATION_CASES = [(1, 64, 2, 0), (2, 256, 2, 0), (2, 96, 1, 5)]  # few labels: layers dominate
 MEASURED = ("single", "fsdp", "tp", "tp-sp", "cp")
+
+
+_BASES: dict[str, torch.nn.Module] = {}
+
+
+def base_model(cfg) -> torch.nn.Module:
+    """`load_base_model(cfg)`, built once a process per recipe and copied after: a preset's weights
+    are its recipe's bit for bit, drawn under a forked generator (the caller's state untouched), and
+    drawing micro's 151,936-row embedding again for every case was a fifth of this test's time."""
+    key = repr(cfg)  # every field of the model section: name, seed, dtype, kernel, added tokens...
+    if key not in _BASES:
+        _BASES[key] = load_base_model(cfg)
+    return copy.deepcopy(_BASES[key])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +193,7 @@ def _count(env, method, name, layout, world, overrides=(), extra=None, label="")
     spec = resolve_model(cfg.model.name)  # micro, or an override's
     torch.manual_seed(0)
     strategy = STRATEGIES[name](cfg, env)
-    base = load_base_model(cfg.model)
+    base = base_model(cfg.model)
     base = base.float() if extra.get("fp32_masters") else base  # as `train.setup` keeps the masters
     tokenizer = (
         with_added_tokens(qwen3_tokenizer(), cfg.model.added_tokens) if cfg.model.added_tokens else None
@@ -230,7 +244,7 @@ def _count(env, method, name, layout, world, overrides=(), extra=None, label="")
     if name == "cp" and not label:  # the ring keeps exactly what the planner counts for it, every case
         cfg.parallel.cp_method = "ring"
         ring = STRATEGIES[name](cfg, env)
-        ring_model = ring.parallelize(LossLM(apply_method(load_base_model(cfg.model), cfg)))
+        ring_model = ring.parallelize(LossLM(apply_method(base_model(cfg.model), cfg)))
         for b, s, labels, pad in ACTIVATION_CASES:
             ring.activation_probe = probe = SavedActivations(ring_model)
             ring.forward_backward(ring_model, [batch(b, s, labels, pad)], b * labels)

@@ -24,12 +24,13 @@ from distft.distributed import DistEnv
 from distft.errors import ConfigError
 from distft.layout import SPECS
 from distft.measure.comm import CommCounter
-from distft.model import LossLM, apply_method, load_base_model
+from distft.model import LossLM, apply_method
 from distft.parallel import STRATEGIES, check_config
 from distft.plan.auto import predict
 from tests.helpers import expected_bytes
 from tests.parallel.test_collectives import run_group
 from tests.plan.test_activations import batch
+from tests.plan.test_counted import base_model
 
 WORLD = 4
 SEQ = 32  # every row fills data.max_length: the plan's shapes are the run's
@@ -84,7 +85,7 @@ def _step(env: DistEnv, name: str, label: str) -> dict:
         return {"refused": str(err)}
     torch.manual_seed(0)
     strategy = cls(cfg, env)
-    base = load_base_model(cfg.model)
+    base = base_model(cfg.model)  # load_base_model's, built once a recipe
     masters = label == "masters"
     base = base.float() if masters else base  # as `train.setup` keeps the masters
     model = strategy.parallelize(LossLM(apply_method(base, cfg)))
