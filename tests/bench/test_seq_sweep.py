@@ -5,15 +5,13 @@ before anything runs; and an out-of-memory ending, on fabricated figures. Nothin
 import contextlib
 import io
 import json
-from types import SimpleNamespace
 
 import pytest
 
-from distft.bench import harness, seq_sweep
+from distft.bench import seq_sweep
 from distft.bench.seq_report import plot_seq_sweep, render
 from distft.cli import main
 from distft.io.files import MANIFEST
-from tests.bench.conftest import _forked_run
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +20,7 @@ def sweep(tmp_path_factory):
     argv = ["bench", "--seq-sweep", "--model", "micro", "--strategies", "single", "--seq-levers", "none,full,offload",
             "--seq-start", "256", "--seq-max", "512", "--steps", "1", "--warmup", "0", "--out", str(out)]  # fmt: skip
     printed = io.StringIO()
-    # Forked as every bench test's runs are: conftest's autouse patch is per test, set up after
-    # this module's fixtures.
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
-        patch.setattr(harness, "subprocess", SimpleNamespace(run=_forked_run))
+    with contextlib.redirect_stdout(printed):
         assert main(argv) == 0
     return out, json.loads((out / "results.json").read_text()), printed.getvalue()
 
