@@ -71,6 +71,14 @@ def run_cases(cases: dict[str, list[str]], world: int, logs: Path, timeout: int 
     return batch
 
 
+def trained(cases: dict[str, list[str]], world: int, logs: Path, timeout: int = 900) -> Batch:
+    """`run_cases`, failing the test with the tracebacks of every case that did not train."""
+    batch = run_cases(cases, world, logs, timeout)
+    failed = {name: batch.failure(name) for name in cases if batch.failure(name)}
+    assert not failed, "\n".join(f"{name}:\n{error}" for name, error in failed.items())
+    return batch
+
+
 def _rank(rank: int, world: int, port: int, runs: list[list[str]], folders: list[str]) -> None:
     env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world, "GROUP_RANK": 0}
     os.environ.update({name: str(value) for name, value in env.items()})

@@ -22,12 +22,17 @@ from distft.plan import evaluate, make_request
 from distft.plan.collective import bytes_by_dim, bytes_by_kind
 from distft.plan.inputs import Parallelism
 from distft.plan.memory import state_bytes
+from tests.batched import trained
 from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
 
 # Adam's eps above the rounding of a gradient element (~2e-9 here): at the default 1e-8, an element
 # whose first gradient is itself ~1e-8 moves by lr g / (|g| + eps), and another summation order (tp
 # sums each expert's features in halves) turns 1.4e-8 against 1.6e-8 into 3% of a step.
-MOE = [*(a if a != "micro" else "qwen3-moe-micro" for a in PARITY), "data.max_rows=16", "optim.eps=1e-6"]
+# Rows of 160 tokens (PARITY's 384 cost 2.4x as much a step): near the least the sample's rows need.
+MOE = [
+    *(a if a != "micro" else "qwen3-moe-micro" for a in PARITY),
+    *("data.max_rows=16", "optim.eps=1e-6", "data.max_length=160"),
+]
 MOE_STRATEGIES = [name for name, spec in SPECS.items() if spec.runs("moe") and name != "single"]
 
 
@@ -111,10 +116,15 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
     assert len(experts) == 4 * 4  # 4 layers x (gate_up, down) x (lora_A, lora_B)
     assert all(16 * 8 in v.shape for v in experts.values())  # r = 16 for each of the 8 experts
     assert all(v.abs().sum() > 0 for k, v in experts.items() if "lora_B" in k)  # trained
-    sharded = ["--nproc", "4", "parallel.ep=2", "parallel.shard_experts=true"]
-    for strategy, layout in (("tp", ["--nproc", "2"]), ("fsdp+ep", sharded)):
-        run = tmp_path / strategy
-        distft("train", *MOE, "--strategy", strategy, *layout, "--out", str(run))
+    sharded = ["--strategy", "fsdp+ep", "--nproc", "4", "parallel.ep=2", "parallel.shard_experts=true"]
+    distft("train", *MOE, *sharded, "--out", str(tmp_path / "fsdp+ep"))
+    # tp, and fsdp+ep in one expert group of 2 recomputing each layer (the recompute runs the
+    # forward's all-to-alls again), in one launch.
+    recomputed = tmp_path / "fsdp+ep-checkpointed"
+    layout = ["--strategy", "fsdp+ep", "--nproc", "2", "model.activation_checkpointing=full"]
+    pair = {"tp": ["--strategy", "tp", "--nproc", "2"], recomputed.name: layout}
+    trained({name: [*MOE, *args, "--out", str(tmp_path / name)] for name, args in pair.items()}, 2, tmp_path)
+    for run in (tmp_path / "tp", tmp_path / "fsdp+ep", recomputed):
         assert_same_training(run, reference)
         assert_planned_bytes(run)
     assert_tp_bytes(tmp_path / "tp", micro_batches=4)  # the planner's count of the experts' all-reduces
@@ -123,13 +133,7 @@ def test_lora_on_attention_and_every_expert_trains_as_one_process(reference, tmp
         "replicate": [[0, 2], [1, 3]] * 2,
         "ep": [[0, 1]] * 2 + [[2, 3]] * 2,
     }
-    # One expert group of 2, recomputing each layer: the recompute runs the forward's all-to-alls again.
-    recomputed = tmp_path / "fsdp+ep-checkpointed"
-    layout = ["--strategy", "fsdp+ep", "--nproc", "2", "model.activation_checkpointing=full"]
-    distft("train", *MOE, *layout, "--out", str(recomputed))
-    assert_same_training(recomputed, reference)
     assert_all_to_all_bytes(recomputed, micro_batches=2, forwards=2)
-    assert_planned_bytes(recomputed)
 
     model = AutoModelForCausalLM.from_pretrained(reference / "base")
     plain = PeftModel.from_pretrained(model, reference / "adapter").eval()
@@ -164,9 +168,11 @@ def test_dpo_under_expert_context_and_sequence_parallelism_trains_as_one_process
     ]  # whole rows, padded; 1202: not 2 x 2 whole chunks
     single = tmp_path / "single"
     assert main(["train", *flags, "--out", str(single)]) == 0
-    for strategy in ("fsdp+ep", "cp", "tp-sp"):
+    strategies = ("fsdp+ep", "cp", "tp-sp")
+    cases = {s: [*flags, "--strategy", s, "--nproc", "2", "--out", str(tmp_path / s)] for s in strategies}
+    trained(cases, 2, tmp_path / "logs")  # one launch
+    for strategy in strategies:
         run = tmp_path / strategy
-        distft("train", *flags, "--strategy", strategy, "--nproc", "2", "--out", str(run))
         # cp sums each answer's log-probability over its sequence shards, and DPO weighs each
         # token's gradient by its pair's sigmoid (tests/parallel/test_preference.py): one tensor
         # of the adapter is 1.2e-5 of its norm away after 2 steps.
@@ -201,6 +207,83 @@ def test_the_router_trains_beside_the_adapters_on_request(tmp_path):
         assert not torch.equal(saved, base.model.layers[layer].mlp.gate.weight)  # trained
 
 
+# Full finetuning with the router's auxiliary losses. Only the runs a resume starts from (step 1's
+# checkpoint, and the sharded resume's of step 2) checkpoint, every step.
+FULL = [*MOE, "--method", "full", "train.eval_every=3", "output.save_base=false"]
+AUX = ["moe.aux_loss_coef=0.05", "moe.z_loss_coef=0.01"]
+CHECKPOINTED = ["output.checkpoint_every=1", "output.keep_last=3"]
+# tp-sp without sequence parallelism: every rank routes every position, the router's gradient
+# complete on each (its sequence-parallel form resumes below); each layer recomputed.
+FULL_LAYOUTS = {
+    "fsdp": [],
+    "fsdp+ep": CHECKPOINTED,
+    "tp": [],
+    "tp-sp": ["parallel.sequence_parallel=false", "model.activation_checkpointing=full", *CHECKPOINTED],
+    "pp": ["parallel.schedule=interleaved-1f1b", "parallel.stages_per_rank=2"],
+    "fsdp+cp": [],
+}
+EP_GROUPS = ["--strategy", "fsdp+ep", "--nproc", "4", "parallel.ep=2"]
+RESUMED_INTO = {
+    "fsdp+tp+pp": ["--strategy", "fsdp+tp+pp", "--nproc", "4", "parallel.tp=2", "parallel.pp=2"],
+    "replicated": EP_GROUPS,
+    "sharded": [*EP_GROUPS, "parallel.shard_experts=true"],
+    "tp-sp": [
+        *("--strategy", "tp-sp", "--nproc", "2"),
+        *("parallel.sequence_parallel=true", "model.activation_checkpointing=none"),
+    ],
+}
+# (source, target). The sharded groups first in their launch: FSDP2 across the groups refuses the
+# expert mesh built for a case before it in the same processes ("different mesh objects").
+RESUMES = [("tp-sp", "sharded"), ("tp-sp", "replicated"), ("fsdp+ep", "fsdp+tp+pp"), ("fsdp+ep", "tp-sp")]
+
+
+def train_full_runs(tmp_path, single) -> None:
+    """Each strategy of FULL_LAYOUTS on 2 ranks (one launch) agrees with one process at every step."""
+    cases = {
+        s: [*FULL, *AUX, *layout, "--strategy", s, "--nproc", "2", "--out", str(tmp_path / s)]
+        for s, layout in FULL_LAYOUTS.items()
+    }
+    trained(cases, 2, tmp_path / "logs-full")
+    routing = ("router_aux_loss", "router_z_loss", "expert_imbalance")
+    for strategy in FULL_LAYOUTS:
+        run = tmp_path / strategy
+        assert_planned_bytes(run)
+        for got, want in zip(metrics(run), metrics(single), strict=True):
+            for name in ("loss", "grad_norm", "eval_loss", *routing):
+                if name in want:
+                    assert got[name] == pytest.approx(want[name], rel=1e-5), (strategy, got["step"], name)
+            assert got["expert_tokens"] == want["expert_tokens"] and len(want["expert_tokens"]) == 8
+            assert want["router_aux_loss"] >= 2 - 1e-6  # top-2 routing: 2 when balanced, more when not
+    assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=2)
+
+
+def resume_across_degrees(tmp_path, single) -> None:
+    """Each of RESUMES from its source's step 1, and the bf16 run over fp32 masters, in one launch
+    per world size: steps 2 and 3 as one process trains them, the bytes planned for the target."""
+    outs = {f"{s}-{t}": crashed_copy(tmp_path / s, tmp_path / f"resumed-{s}-{t}", 1) for s, t in RESUMES}
+    cases = {f"{s}-{t}": ["--resume", str(outs[f"{s}-{t}"]), *RESUMED_INTO[t]] for s, t in RESUMES}
+    # bf16 weights over fp32 masters, replicated: the experts compute in bf16 as FSDP's gathered
+    # copies do (the all-to-alls' rows bf16 both ways), the replicas all-reduce fp32 gradients.
+    bf16 = ["model.dtype=bfloat16", "train.master_weights=fp32", "train.max_steps=1"]
+    cases["masters"] = [*FULL, *bf16, *EP_GROUPS, "--out", str(tmp_path / "masters")]
+    said = {}
+    for world in ("2", "4"):
+        names = [name for name, args in cases.items() if args[args.index("--nproc") + 1] == world]
+        batch = trained({name: cases[name] for name in names}, int(world), tmp_path / f"logs-{world}")
+        said |= {name: batch.output(name) for name in names}
+    groups_said = {"replicated": " (ep=2, replicas=2)", "sharded": " (ep=2, experts sharded over 2)"}
+    for source, target in RESUMES:
+        out = outs[f"{source}-{target}"]
+        assert "(step 1)" in said[f"{source}-{target}"]
+        for got, want in zip(metrics(out), metrics(single), strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (out.name, got["step"])
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (out.name, got["step"])
+        ranks = json.loads((out / "ranks.json").read_text())  # the resumed run's, from its step 2
+        label = SPECS[RESUMED_INTO[target][1]].label + groups_said.get(target, "")
+        assert ranks[0]["predicted_by"].startswith(label), ranks[0]["predicted_by"]
+        assert_planned_bytes(out)
+
+
 def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     """--method full, with the router's load-balancing loss and z-loss: every expert, the router
     and attention train; fsdp, fsdp+ep (the experts' stacks and their optimizer state sharded
@@ -216,47 +299,22 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     groups) or FSDP-sharded across them (gathered and reduce-scattered there), the bytes planned by
     mesh dimension and what each rank holds to the byte; one process resumes the sharded run's own
     checkpoint. The auxiliary losses move the gradient, not the loss recorded."""
-    full = [
-        *MOE,
-        "--method",
-        "full",
-        "train.eval_every=3",
-        "output.save_base=false",
-        "output.checkpoint_every=1",
-        "output.keep_last=3",
-    ]
-    aux = ["moe.aux_loss_coef=0.05", "moe.z_loss_coef=0.01"]
     single, plain = tmp_path / "single", tmp_path / "plain"
-    assert main(["train", *full, *aux, "--out", str(single)]) == 0
-    routing = ("router_aux_loss", "router_z_loss", "expert_imbalance")
-    interleaved = ["parallel.schedule=interleaved-1f1b", "parallel.stages_per_rank=2"]
-    # tp-sp without sequence parallelism: every rank routes every position, the router's gradient
-    # complete on each (its sequence-parallel form resumes below); each layer recomputed.
-    plain_tp = ["parallel.sequence_parallel=false", "model.activation_checkpointing=full"]
-    for strategy in ("fsdp", "fsdp+ep", "tp", "tp-sp", "pp", "fsdp+cp"):
-        run, layout = tmp_path / strategy, {"pp": interleaved, "tp-sp": plain_tp}.get(strategy, [])
-        distft("train", *full, *aux, *layout, "--strategy", strategy, "--nproc", "2", "--out", str(run))
-        assert_planned_bytes(run)
-        for got, want in zip(metrics(run), metrics(single), strict=True):
-            for name in ("loss", "grad_norm", "eval_loss", *routing):
-                if name in want:
-                    assert got[name] == pytest.approx(want[name], rel=1e-5), (strategy, got["step"], name)
-            assert got["expert_tokens"] == want["expert_tokens"] and len(want["expert_tokens"]) == 8
-            assert want["router_aux_loss"] >= 2 - 1e-6  # top-2 routing: 2 when balanced, more when not
-    assert_all_to_all_bytes(tmp_path / "fsdp+ep", micro_batches=2)
-    distft("train", *full, "moe.aux_loss_coef=0", "train.max_steps=1", "--out", str(plain))
+    assert main(["train", *FULL, *AUX, "--out", str(single)]) == 0
+    train_full_runs(tmp_path, single)
+    assert main(["train", *FULL, "moe.aux_loss_coef=0", "train.max_steps=1", "--out", str(plain)]) == 0
     first, with_aux = metrics(plain)[0], metrics(single)[0]
     assert first["loss"] == with_aux["loss"] and first["grad_norm"] != with_aux["grad_norm"]
     assert first["router_aux_loss"] == pytest.approx(with_aux["router_aux_loss"], rel=1e-6)
-    trained = AutoModelForCausalLM.from_pretrained(single / "model")
+    trained_model = AutoModelForCausalLM.from_pretrained(single / "model")
     start = AutoModelForCausalLM.from_config(PRESETS["qwen3-moe-micro"].to_config())
-    layer, before = trained.model.layers[0].mlp, start.model.layers[0].mlp
-    assert trained.config.model_type == "qwen3_moe"  # the export plain transformers loads
+    layer, before = trained_model.model.layers[0].mlp, start.model.layers[0].mlp
+    assert trained_model.config.model_type == "qwen3_moe"  # the export plain transformers loads
     assert not torch.equal(layer.experts.down_proj, before.experts.down_proj)
     assert not torch.equal(layer.gate.weight, before.gate.weight)
     for strategy in ("fsdp+ep", "tp", "tp-sp", "pp"):  # the experts gathered whole again
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / strategy / "model").state_dict()
-        for name, weight in trained.state_dict().items():
+        for name, weight in trained_model.state_dict().items():
             torch.testing.assert_close(exported[name], weight, rtol=1e-4, atol=1e-6, msg=(strategy, name))
 
     # Across degrees, each way: fsdp+ep's checkpoint (each rank's experts) resumed by fsdp+tp+pp
@@ -267,34 +325,7 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
     # the groups; each trains steps 2 and 3 as one process does,
     # moving the bytes the planner predicted for it, and fsdp+tp+pp writes its checkpoints (its
     # shards gathered whole) on the way.
-    groups = ["--strategy", "fsdp+ep", "--nproc", "4", "parallel.ep=2"]
-    layouts = {
-        "fsdp+tp+pp": ["--strategy", "fsdp+tp+pp", "--nproc", "4", "parallel.tp=2", "parallel.pp=2"],
-        "replicated": groups,
-        "sharded": [*groups, "parallel.shard_experts=true"],
-        "tp-sp": [
-            *("--strategy", "tp-sp", "--nproc", "2"),
-            *("parallel.sequence_parallel=true", "model.activation_checkpointing=none"),
-        ],
-    }
-    for source, target in (
-        ("fsdp+ep", "fsdp+tp+pp"),
-        ("fsdp+ep", "tp-sp"),
-        ("tp-sp", "replicated"),
-        ("tp-sp", "sharded"),
-    ):
-        out = crashed_copy(tmp_path / source, tmp_path / f"resumed-{source}-{target}", 1)
-        layout, strategy = layouts[target], layouts[target][1]
-        proc = distft("train", "--resume", str(out), *layout)
-        assert "(step 1)" in proc.stdout
-        for got, want in zip(metrics(out), metrics(single), strict=True):
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (out.name, got["step"])
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (out.name, got["step"])
-        ranks = json.loads((out / "ranks.json").read_text())  # the resumed run's, from its step 2
-        groups_said = {"replicated": " (ep=2, replicas=2)", "sharded": " (ep=2, experts sharded over 2)"}
-        said = SPECS[strategy].label + groups_said.get(target, "")
-        assert ranks[0]["predicted_by"].startswith(said), ranks[0]["predicted_by"]
-        assert_planned_bytes(out)
+    resume_across_degrees(tmp_path, single)
     # Every layer's 4 experts of a rank, both stacks (gate/up 48 x 32, down 32 x 24), in fp32:
     # replicas all-reduce their gradients; sharded, they are gathered forward and again backward,
     # their gradients reduce-scattered.
@@ -316,11 +347,7 @@ def test_full_finetuning_trains_experts_and_router_as_one_process(tmp_path):
                 r["grad_bytes"],
                 r["optimizer_bytes"],
             ), (target, r["rank"])
-    # bf16 weights over fp32 masters, replicated: the experts compute in bf16 as FSDP's gathered
-    # copies do (the all-to-alls' rows bf16 both ways), the replicas all-reduce fp32 gradients.
-    masters = tmp_path / "masters"
-    bf16 = ["model.dtype=bfloat16", "train.master_weights=fp32", "train.max_steps=1"]
-    distft("train", *full, *bf16, *groups, "--out", str(masters))
+    masters = tmp_path / "masters"  # trained beside the resumes on 4 ranks
     assert_planned_bytes(masters)
     assert metrics(masters)[0]["comm_bytes_by_dim"]["replicate"] == {"all_reduce": stacks}
     sharded = tmp_path / "resumed-tp-sp-sharded"
