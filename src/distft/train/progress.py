@@ -51,11 +51,9 @@ class TrainingProgress:
         c = self.console
         origin = (lineage or {}).get("origin", {})
         commit = f" at commit {origin['commit'][:12]}" if origin.get("commit") else ""
-        objective = cfg.train.objective
-        toward = f" toward the preferred answers, {objective.upper()} (dpo.beta {cfg.dpo.beta:g})"
         c.print(
             f"[bold]distft[/bold] {cfg.train.method} finetune of [bold]{cfg.model.name}[/bold]{commit}"
-            f"{toward if objective != 'sft' else ''} ({total / 1e6:.1f}M parameters, "
+            f"{_objective_words(cfg)} ({total / 1e6:.1f}M parameters, "
             f"{trainable / 1e6:.2f}M trainable, {cfg.model.dtype})",
             soft_wrap=True,
         )
@@ -176,3 +174,10 @@ class TrainingProgress:
                 p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if not p.name.startswith(".")
             )
             self.console.print(f"wrote {out}/: {', '.join(entries)}", soft_wrap=True, markup=False)
+
+
+def _objective_words(cfg: Config) -> str:
+    """What the header adds for a preference objective (an SFT run's says nothing more)."""
+    if cfg.train.objective == "sft":
+        return ""
+    return f" toward the preferred answers, {cfg.train.objective.upper()} (dpo.beta {cfg.dpo.beta:g})"
