@@ -62,6 +62,8 @@ class StrategySpec:
     optimizers: tuple[str, ...] = ("adamw", "sgd")  # optim.name values it builds and checkpoints
     capabilities: Mapping[str, str | None] = field(default_factory=runs)
     collectives: str = "collectives"  # what its step communicates, for error messages ("timed out in ...")
+    # How it splits a layer's activations, where the planner picks it because they do not fit.
+    splits_activations: str = ""
     # A pipeline composition with one pipeline rank, or one pipeline, is another strategy: which.
     without_pp: str = ""
     without_dp: str = ""

@@ -84,6 +84,7 @@ _SPECS = (
         dims=("tp",), tensor_parallel="megatron", takes_label_positions=False,
         capabilities=runs("modules_to_save", "moe", qlora=NF4_UNDER_TP, dora=DORA_UNDER_MEGATRON),
         collectives="the all-gathers / reduce-scatters of activations (tp-sp)",
+        splits_activations="splits them with sequence parallelism and shards the weights",
     ),
     StrategySpec(
         "cp", "Context parallel (CP)", "the whole model; 1/N of every sequence's activations",
@@ -91,6 +92,7 @@ _SPECS = (
         page="long-context.md", dims=("cp",), takes_label_positions=False, builds_on_device=True,
         optimizers=ANY_OPTIMIZER, capabilities=runs("qlora", "dora", "modules_to_save", "moe"),
         collectives="the all-gathers of K and V / reduce-scatters of dK and dV (cp)",
+        splits_activations="splits every sequence's positions over the GPUs and moves only K and V",
     ),
     StrategySpec(
         "pp", "PP",
@@ -106,6 +108,7 @@ _SPECS = (
         "FSDP's all-gather / reduce-scatter over dp, TP's activation all-reduces over tp", page="2d.md",
         dims=("dp_shard", "tp"), shards="full", tensor_parallel="dtensor", wraps="fully_shard",
         capabilities=runs("modules_to_save", "moe", qlora=NF4_UNDER_TP, dora=DORA_UNDER_TP),
+        splits_activations="splits attention's heads and the MLP's columns over its TP ranks and shards the weights",
     ),
     StrategySpec(
         "ddp+pp", "DDP x PP",
@@ -153,6 +156,7 @@ _SPECS = (
             compile="the context-parallel attention is installed per forward",
         ),
         collectives="the all-gathers / reduce-scatters of parameters and gradients, of K and V (fsdp+cp)",
+        splits_activations="shards the weights as FSDP does and splits every sequence's positions, moving only K and V",
     ),
     StrategySpec(
         "fsdp+ep", "FSDP x EP",

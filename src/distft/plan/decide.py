@@ -27,7 +27,6 @@ from distft.plan.explain import (
     KEEPS,
     METHOD_NAMES,
     METHODS,
-    SPLITS_ACTIVATIONS,
     STRONGER,
     Recommendation,
     Step,
@@ -297,7 +296,7 @@ def _one_node(walk: _Walk, slow: bool, seq_problem: bool, ckpt_note: list[str]) 
                 return rec(
                     cand.strategy,
                     f"FSDP alone does not fit because of activations ({gb(fsdp.activations)} per GPU at "
-                    f"{t.seq_len} tokens); {cand.label} {SPLITS_ACTIVATIONS[cand.strategy]}: {gb(cand.total)} per GPU.",
+                    f"{t.seq_len} tokens); {cand.label} {SPECS[cand.strategy].splits_activations}: {gb(cand.total)} per GPU.",
                     ckpt_note,
                 )
     for cand in (tpsp, fsdp_tp, *_pipelines(walk)):

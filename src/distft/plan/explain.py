@@ -10,13 +10,6 @@ from distft.plan.estimate import Estimate, Request, estimate, parallelism_for
 from distft.plan.hardware import format_bytes, format_seconds
 from distft.plan.inputs import Parallelism
 
-# How each strategy the tree picks when activations are the problem splits them (question 4).
-SPLITS_ACTIVATIONS = {
-    "tp-sp": "splits them with sequence parallelism and shards the weights",
-    "fsdp+tp": "splits attention's heads and the MLP's columns over its TP ranks and shards the weights",
-    "cp": "splits every sequence's positions over the GPUs and moves only K and V",
-    "fsdp+cp": "shards the weights as FSDP does and splits every sequence's positions, moving only K and V",
-}
 METHOD_NAMES = {"full": "Full finetuning", "lora": "LoRA", "qlora": "QLoRA"}
 TIGHT = 0.9  # a fit above 90% of the usable memory is flagged: fragmentation can tip it over
 
