@@ -213,6 +213,11 @@ def _escaped(c: str) -> str:
     return f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
 
 
+def override_value(value: Any) -> str:
+    """`value` as an override writes it after `section.key=`: a boolean lowercase, the rest as printed."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from distft.config import Config, ParallelConfig
 from distft.config.choices import WITH_REFERENCE
+from distft.config.io import override_value
 from distft.errors import ConfigError
 from distft.layout.spec import StrategySpec
 from distft.layout.strategies import SPECS, takers
@@ -115,8 +116,8 @@ def layout_left_behind(cfg: Config, given: set[str]) -> list[str]:
         value, default = getattr(cfg.parallel, name), getattr(defaults, name)
         if value != default and not takes(spec) and f"parallel.{name}" not in given:
             setattr(cfg.parallel, name, default)
-            value, default = (str(v).lower() if isinstance(v, bool) else v for v in (value, default))
-            lines.append(f"resumed under --strategy {spec.name}: parallel.{name}={value} reset to {default}")
+            was, now = override_value(value), override_value(default)
+            lines.append(f"resumed under --strategy {spec.name}: parallel.{name}={was} reset to {now}")
     return lines
 
 
@@ -135,8 +136,7 @@ def ignored_settings(cfg: Config) -> list[str]:
             if len(others) < len(readers)
             else f"only {', '.join(readers)} {'read' if len(readers) > 1 else 'reads'} it"
         )
-        shown = str(value).lower() if isinstance(value, bool) else value
-        lines.append(f"{where}={shown} does nothing under --strategy {strategy}: {who}.")
+        lines.append(f"{where}={override_value(value)} does nothing under --strategy {strategy}: {who}.")
     return lines
 
 

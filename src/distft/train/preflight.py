@@ -10,6 +10,7 @@ import sys
 
 from distft.config import Config
 from distft.config.choices import WITH_REFERENCE
+from distft.config.io import override_value
 from distft.errors import ConfigError
 from distft.health.cuda import check_bf16
 from distft.io.checkpoint import check_resume
@@ -84,9 +85,10 @@ def unread_settings(cfg: Config, model: object) -> list[str]:
     for key, readers in READ_BY_OBJECTIVE.items():
         value = getattr(cfg.dpo, key)
         if objective not in readers and value != getattr(defaults.dpo, key):
-            shown = str(value).lower() if isinstance(value, bool) else value
             who = f"only {', '.join(readers)} {'read' if len(readers) > 1 else 'reads'} it"
-            lines.append(f"dpo.{key}={shown} does nothing under train.objective={objective}: {who}.")
+            lines.append(
+                f"dpo.{key}={override_value(value)} does nothing under train.objective={objective}: {who}."
+            )
     if not family_of(model, cfg.model.name).moe:
         for key in ("aux_loss_coef", "z_loss_coef"):
             if (value := getattr(cfg.moe, key)) != getattr(defaults.moe, key):
