@@ -297,6 +297,8 @@ def split_summary(lengths: list[int], truncated: list[int], skipped: Sequence[st
         "rows": len(lengths),
         "tokens_median": statistics.median(lengths) if lengths else 0,
         "tokens_max": max(lengths, default=0),
+        "tokens_total": sum(lengths),
+        "tokens_whole_max": max(map(sum, zip(lengths, truncated, strict=True)), default=0),  # before any cut
         "truncated_rows": len(cut),
         "truncated_tokens_mean": statistics.mean(cut) if cut else 0.0,
         "truncated_tokens_max": max(cut, default=0),

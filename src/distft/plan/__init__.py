@@ -44,7 +44,7 @@ from distft.plan.auto import (
 )
 from distft.plan.decide import decide
 from distft.plan.estimate import Request, estimate, evaluate
-from distft.plan.fits import check_fits
+from distft.plan.fits import check_fits, truncation_warning
 from distft.plan.hardware import (
     GPUS,
     find_gpu,
@@ -69,6 +69,7 @@ __all__ = [
     "make_request",
     "predict",
     "run_command",
+    "truncation_warning",
     "try_predict",
 ]
 

@@ -16,6 +16,7 @@ from distft.data import (
 from distft.data.pairs import run_splits
 from distft.data.tokenizer import template_path
 from distft.model import is_preset
+from distft.plan import truncation_warning
 from distft.text import plural
 
 
@@ -73,4 +74,7 @@ def prepare_data(cfg: Config) -> float | None:
             file=sys.stderr,
             flush=True,
         )
-    return mean_label_tokens(train)
+    label_tokens = mean_label_tokens(train)
+    if warning := truncation_warning(cfg, train.summary(), label_tokens):
+        print(f"distft train: warning: {warning}", file=sys.stderr, flush=True)
+    return label_tokens
