@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from distft.config import load_config
 from distft.data import ChatFormatter, Message
+from distft.data.ollama import modelfile, ollama_template
 from distft.data.template import render, trained_template
 from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 from distft.errors import ConfigError
@@ -418,8 +419,9 @@ def go_render(template: str, messages: list[dict]) -> str:
 
 def test_go_render_reads_go_templates():
     template = (
-        '{{- if .System }}S:{{ .System }} {{ end }}{{ range .Messages }}{{ if eq .Role "user" }}U:{{ .Content }}'
-        '{{ else if eq .Role "assistant" }}A:{{ .Content }}{{ else }}?{{ end }}{{ end }}\n  {{- if .System }}.{{ end }}'
+        "{{- if .System }}S:{{ .System }} {{ end }}{{ range .Messages }}"
+        '{{ if eq .Role "user" }}U:{{ .Content }}{{ else if eq .Role "assistant" }}A:{{ .Content }}'
+        "{{ else }}?{{ end }}{{ end }}\n  {{- if .System }}.{{ end }}"
     )
     roles = ["system", "user", "assistant"]
     assert go_render(template, [{"role": r, "content": r[0]} for r in roles]) == "S:s ?U:uA:a."
@@ -444,6 +446,31 @@ def test_the_modelfile_renders_the_trained_prompt(qwen3):
     assert commands["PARAMETER"] == ["stop <|im_end|>"]
     (template,) = commands["TEMPLATE"]
     check_trained_prompt(lambda chat: go_render(template, chat), tokenizer, cfg)
+
+
+def test_ollama_template_of_other_chat_templates():
+    """A default system prompt the template writes for a chat without one is kept; a template that
+    folds the system prompt into the user turn has no Go template of this shape (the Modelfile says so)."""
+    chatml = copy.copy(qwen3_tokenizer())
+    chatml.chat_template = (
+        "{% if messages[0].role != 'system' %}<|im_start|>system\nYou are Qwen.<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    for chat in [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}],
+    ]:
+        assert go_render(ollama_template(chatml, False), chat) == render(chatml, chat, True, False)
+    folded = copy.copy(chatml)
+    folded.chat_template = (
+        "{% for m in messages %}{% if m.role == 'user' %}[INST] "
+        "{% if loop.last and messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+        "{{ m.content }} [/INST]{% elif m.role == 'assistant' %}"
+        "{{ m.content }}<|im_end|>{% endif %}{% endfor %}"
+    )
+    assert ollama_template(folded, False) is None
+    assert "\n# no TEMPLATE" in modelfile("model.gguf", folded, False, "")
 
 
 # ---- the adapter alone ---------------------------------------------------------------------------

@@ -10,7 +10,6 @@ a probe chat and kept only if they render the probes again, with and without a s
 from __future__ import annotations
 
 import contextlib
-import re
 from string import Template
 from typing import Any
 
@@ -58,17 +57,18 @@ def ollama_template(tokenizer: Any, enable_thinking: bool) -> str | None:
         opening = after.lstrip()
         return before + found + after[: len(after) - len(opening)], opening
 
-    gaps = re.split("\x00[0-9]+:0\x00", texts[0])
-    if len(gaps) != len(PROBE) + 1:  # a message left out
-        return None
+    gaps, rest = [], texts[0]
+    for i in range(len(PROBE)):  # a message left out leaves gaps that render nothing right
+        gap, _, rest = rest.partition(marker(i, 0))
+        gaps.append(gap)
     (system_end, user), (user_end, assistant), (assistant_end, _) = map(cut, gaps[1:4])
     parts = dict(system=gaps[0], system_end=system_end, user=user, user_end=user_end, assistant=assistant,
-                 assistant_end=assistant_end, prompt=gaps[-1].removeprefix(user_end),
+                 assistant_end=assistant_end, prompt=rest.removeprefix(user_end),
                  head=texts[1].partition(marker(0, 0))[0].removesuffix(user))  # fmt: skip
-    unsafe = any(
-        "{{" in text or '"""' in text for text in parts.values()
-    )  # Go's actions, the Modelfile's quotes
-    if unsafe or [_as_go(parts, roles) for roles in (PROBE, PROBE[1:])] != texts:
+    # `{{` would be read as a Go action; `"""` ends the Modelfile's value
+    if any("{{" in text or '"""' in text for text in parts.values()):
+        return None
+    if [_as_go(parts, roles) for roles in (PROBE, PROBE[1:])] != texts:
         return None
     if tokenizer.bos_token and tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]:
         # llama.cpp adds the bos as it tokenizes (and drops it from a rendered Jinja template too)
