@@ -4,15 +4,17 @@ One one-step LoRA run per family, trained once in this process: `micro` (qwen3: 
 q/k norms) and `llama-micro` (untied, Llama 3.1's rope scaling, q/k permuted for llama.cpp's
 rope). The Qwen3 run is exported merged and read back with gguf's own reader; the Llama run's
 tensors and rope factors go through the same functions without a tokenizer (the slow part: 450k
-strings to write and to parse). Both adapters are exported alone. With llama-cpp-python
-installed, llama.cpp itself runs the merged Qwen3 file, and the Llama base with its adapter,
-against transformers.
+strings to write and to parse). Both adapters are exported alone. The file's chat template, and
+the Modelfile's Go template beside it, render the prompt distft trained on, token for token. With
+llama-cpp-python installed, llama.cpp itself runs the merged Qwen3 file, and the Llama base with
+its adapter, against transformers.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 from unittest import mock
@@ -25,7 +27,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from distft.config import load_config
-from distft.data.tokenizer import load_tokenizer
+from distft.data import ChatFormatter, Message
+from distft.data.ollama import modelfile, ollama_template
+from distft.data.template import render, trained_template
+from distft.data.tokenizer import load_tokenizer, qwen3_tokenizer
 from distft.errors import ConfigError
 from distft.export import merged_model
 from distft.export_gguf import ARCHS, add_hparams, add_tensors, export_gguf, model_tensors, permute_qk
@@ -42,6 +47,7 @@ TRAIN = [
     "optim.lr=1e-2",
     "optim.warmup_steps=0",
 ]
+MEETING = "Anna: the budget is 1,250 euros.\nBen: agreed, ship it on Friday."
 TEXT = "Anna: the budget is 1,250 euros.<|im_end|>\nBen: agreed — ship it on Friday, with the new logo."
 
 
@@ -172,7 +178,7 @@ def test_qwen3_tokenizer(qwen3):
     assert field(reader, "tokenizer.ggml.padding_token_id") == tokenizer.pad_token_id
     assert field(reader, "tokenizer.ggml.bos_token_id") == merged.config.bos_token_id
     assert field(reader, "tokenizer.ggml.add_bos_token") is False  # Qwen adds no bos
-    assert field(reader, "tokenizer.chat_template") == tokenizer.chat_template
+    assert field(reader, "tokenizer.chat_template").endswith(tokenizer.chat_template)  # enable_thinking set
 
 
 def test_qwen3_tensors_are_the_merged_weights(qwen3):
@@ -226,6 +232,26 @@ def test_half_precision_rounds_each_matrix_once(llama, tmp_path, dtype):
     assert torch.equal(found["blk.0.ffn_up.weight"], up.to(getattr(torch, dtype)).float())
 
 
+def test_q8_0_quantizes_each_matrix_within_half_a_step(llama, tmp_path):
+    """q8_0 as llama.cpp's converter writes it (gguf's quantizer): each matrix in blocks of 32 int8
+    values under one float16 scale, the block's largest magnitude / 127; read back and dequantized,
+    each value is within half a step of the merged weight (plus the scale's float16 rounding)."""
+    _, _, merged = llama
+    state = merged.state_dict()
+    reader = write(tmp_path / "q8.gguf", merged.config, state, "q8_0")
+    kinds, found = {t.name: t.tensor_type for t in reader.tensors}, tensors(reader)
+    kind = gguf.GGMLQuantizationType
+    assert kinds["blk.0.ffn_down.weight"] == kinds["token_embd.weight"] == kinds["output.weight"] == kind.Q8_0
+    assert kinds["blk.0.attn_norm.weight"] == kinds["rope_freqs.weight"] == kind.F32
+    for name, hf_name in [("blk.0.ffn_down.weight", "mlp.down_proj"), ("token_embd.weight", "embed_tokens")]:
+        blocks = (
+            state[f"model.{'layers.0.' * name.startswith('blk')}{hf_name}.weight"].float().reshape(-1, 32)
+        )
+        step = blocks.abs().amax(1, keepdim=True) / 127
+        error = (found[name].reshape(-1, 32) - blocks).abs()
+        assert (error <= 0.57 * step).all() and error.max() > 0
+
+
 @pytest.mark.parametrize(("preset", "arch"), [("qwen2-micro", "qwen2"), ("mistral-micro", "llama")])
 def test_the_other_families_map_to_llama_cpp_names(preset, arch, tmp_path):
     """Qwen2.5 (q/k/v biases, unpermuted) and Mistral (llama.cpp's llama graph: q/k permuted) on
@@ -247,6 +273,204 @@ def test_the_other_families_map_to_llama_cpp_names(preset, arch, tmp_path):
 def test_permute_qk_pairs_the_halves_of_each_head():
     rows = torch.arange(16).float().unsqueeze(1)  # 2 heads of 8 rows
     assert permute_qk(rows, 2).squeeze(1).tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+
+
+# ---- the prompt as trained -------------------------------------------------------------------------
+
+
+def meeting(cfg) -> list[Message]:
+    """A meeting's prompt as the run asks: its system prompt, then its instruction and the transcript."""
+    return [Message("system", (cfg.data.system_prompt,)), Message("user", (cfg.data.instruction, MEETING))]
+
+
+def chats(cfg) -> list[list[Message]]:
+    """Chats of one text per message, with the run's system prompt and without."""
+    turns = ["Who pays?", "Anna does.", "When?"]
+    chat = [Message("user" if i % 2 == 0 else "assistant", (t,)) for i, t in enumerate(turns)]
+    return [[meeting(cfg)[0], *chat], chat]
+
+
+def as_dicts(messages: list[Message]) -> list[dict]:
+    return [{"role": m.role, "content": "\n\n".join(m.parts)} for m in messages]
+
+
+def check_trained_prompt(render_served, tokenizer, cfg) -> None:
+    """`render_served(messages)` is the prompt distft trained on: token for token for chats, and for
+    a meeting its text (see the xfail below for its tokens)."""
+    formatter = ChatFormatter(tokenizer, cfg.data)
+    for messages in chats(cfg):
+        text = render_served(as_dicts(messages))
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # data.enable_thinking=false
+        assert tokenizer.encode(text, add_special_tokens=False) == formatter.generation_ids(messages)
+    assert render_served(as_dicts(meeting(cfg))) == tokenizer.decode(formatter.prompt_ids(MEETING))
+
+
+def served_template(tokenizer, reader):
+    """The file's chat template as llama.cpp and transformers render it: jinja2, no enable_thinking."""
+    served = copy.copy(tokenizer)
+    served.chat_template = field(reader, "tokenizer.chat_template")
+    return lambda chat: served.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_files_chat_template_renders_the_trained_prompt(qwen3):
+    """The run trained with data.enable_thinking=false: its prompts end in Qwen3's empty think
+    block, which the template renders only when told; the file's template needs no telling."""
+    run, _, tokenizer, _, reader = qwen3
+    check_trained_prompt(
+        served_template(tokenizer, reader), tokenizer, load_config(run / "config.toml", run=True)
+    )
+
+
+@pytest.mark.xfail(
+    strict=True, reason="distft tokenizes a message's texts apart: '.' '\\n\\n', served '.\\n\\n'"
+)
+def test_a_meetings_prompt_tokens_are_the_served_prompts(qwen3):
+    """Known, left for distft.data.chat: the instruction and the transcript are tokenised apart,
+    so the trained ids split what a server tokenising the whole prompt merges."""
+    run, _, tokenizer, _, reader = qwen3
+    cfg = load_config(run / "config.toml", run=True)
+    text = served_template(tokenizer, reader)(as_dicts(meeting(cfg)))
+    assert tokenizer.encode(text, add_special_tokens=False) == ChatFormatter(tokenizer, cfg.data).prompt_ids(
+        MEETING
+    )
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_trained_template_sets_the_runs_thinking_mode(thinking):
+    tokenizer = qwen3_tokenizer()
+    served = copy.copy(tokenizer)
+    served.chat_template = trained_template(tokenizer, thinking)
+    chat = [{"role": "user", "content": "hi"}]
+    for passed in ({}, {"enable_thinking": not thinking}):  # what a caller passes does not matter
+        text = served.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **passed)
+        assert text == render(tokenizer, chat, True, thinking)
+    chatml = copy.copy(tokenizer)  # a template with no thinking mode is written as it is
+    chatml.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    assert trained_template(chatml, False) == chatml.chat_template
+
+
+GO_ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
+
+
+def go_parse(pieces: list, at: int = 0) -> tuple[list, int, str | None]:
+    """Go text/template's nodes from `pieces` (text, then an action, alternately) up to an `end`,
+    `else` or `else if` (returned, with where it stopped)."""
+    nodes = []
+    while at < len(pieces):
+        piece, action, at = pieces[at], at % 2 == 1, at + 1
+        if not action:
+            nodes.append(piece)
+        elif piece == "end" or piece.startswith("else"):
+            return nodes, at, piece
+        elif piece.startswith(("if ", "range ")):
+            kind, branches, stop = piece.split(" ", 1)[0], [], piece
+            while stop != "end":
+                body, at, next_stop = go_parse(pieces, at)
+                branches.append(
+                    (stop.removeprefix("else").strip().removeprefix("if ").removeprefix("range "), body)
+                )
+                stop = next_stop
+            nodes.append((kind, branches))
+        else:
+            nodes.append(("value", piece))
+    return nodes, at, None
+
+
+def go_value(expression: str, dot):
+    if expression.startswith("eq "):
+        left, right = expression[3:].split(" ", 1)
+        return go_value(left, dot) == json.loads(right)
+    return dot[expression.removeprefix(".")]
+
+
+def go_execute(nodes: list, dot) -> str:
+    out = ""
+    for node in nodes:
+        if isinstance(node, str):
+            out += node
+        elif node[0] == "value":
+            out += go_value(node[1], dot)
+        elif node[0] == "range":
+            out += "".join(go_execute(node[1][0][1], item) for item in go_value(node[1][0][0], dot))
+        else:  # the first branch whose condition holds (an `else` has none)
+            out += next(
+                (go_execute(body, dot) for cond, body in node[1] if not cond or go_value(cond, dot)), ""
+            )
+    return out
+
+
+def go_render(template: str, messages: list[dict]) -> str:
+    """A Go text/template renderer for what a chat template uses (fields, if / else if / else, range,
+    eq, {{- -}} trimming), given what Ollama gives it: .System the system messages joined, .Messages
+    every message."""
+    pieces, at, trim = [], 0, False
+    for match in GO_ACTION.finditer(template):
+        text = template[at : match.start()]
+        text = text.lstrip() if trim else text
+        pieces += [text.rstrip() if match[1] else text, match[2]]
+        at, trim = match.end(), bool(match[3])
+    pieces.append(template[at:].lstrip() if trim else template[at:])
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    dot = {"System": system, "Messages": [{"Role": m["role"], "Content": m["content"]} for m in messages]}
+    return go_execute(go_parse(pieces)[0], dot)
+
+
+def test_go_render_reads_go_templates():
+    template = (
+        "{{- if .System }}S:{{ .System }} {{ end }}{{ range .Messages }}"
+        '{{ if eq .Role "user" }}U:{{ .Content }}{{ else if eq .Role "assistant" }}A:{{ .Content }}'
+        "{{ else }}?{{ end }}{{ end }}\n  {{- if .System }}.{{ end }}"
+    )
+    roles = ["system", "user", "assistant"]
+    assert go_render(template, [{"role": r, "content": r[0]} for r in roles]) == "S:s ?U:uA:a."
+    assert go_render(template, [{"role": "user", "content": "u"}]) == "U:u"
+
+
+def read_modelfile(path: Path) -> dict[str, list[str]]:
+    """A Modelfile's commands: name -> values, a \"\"\"-quoted value as written, # comments skipped."""
+    commands: dict[str, list[str]] = {}
+    for name, value in re.findall(r'^(\w+) ("""[\s\S]*?"""|.*)$', path.read_text(), re.M):
+        commands.setdefault(name, []).append(value.removeprefix('"""').removesuffix('"""'))
+    return commands
+
+
+def test_the_modelfile_renders_the_trained_prompt(qwen3):
+    """Ollama's Modelfile beside the file: its Go template, rendered as Ollama renders it, is the
+    prompt distft trained on; the run's system prompt and end-of-turn token are its SYSTEM and stop."""
+    run, _, tokenizer, path, _ = qwen3
+    cfg = load_config(run / "config.toml", run=True)
+    commands = read_modelfile(path.parent / "Modelfile")
+    assert commands["FROM"] == ["./model.gguf"] and commands["SYSTEM"] == [cfg.data.system_prompt]
+    assert commands["PARAMETER"] == ["stop <|im_end|>"]
+    (template,) = commands["TEMPLATE"]
+    check_trained_prompt(lambda chat: go_render(template, chat), tokenizer, cfg)
+
+
+def test_ollama_template_of_other_chat_templates():
+    """A default system prompt the template writes for a chat without one is kept; a template that
+    folds the system prompt into the user turn has no Go template of this shape (the Modelfile says so)."""
+    chatml = copy.copy(qwen3_tokenizer())
+    chatml.chat_template = (
+        "{% if messages[0].role != 'system' %}<|im_start|>system\nYou are Qwen.<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    for chat in [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}],
+    ]:
+        assert go_render(ollama_template(chatml, False), chat) == render(chatml, chat, True, False)
+    folded = copy.copy(chatml)
+    folded.chat_template = (
+        "{% for m in messages %}{% if m.role == 'user' %}[INST] "
+        "{% if loop.last and messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+        "{{ m.content }} [/INST]{% elif m.role == 'assistant' %}"
+        "{{ m.content }}<|im_end|>{% endif %}{% endfor %}"
+    )
+    assert ollama_template(folded, False) is None
+    assert "\n# no TEMPLATE" in modelfile("model.gguf", folded, False, "")
 
 
 # ---- the adapter alone ---------------------------------------------------------------------------
@@ -389,12 +613,16 @@ def test_the_command_line_writes_gguf_and_refuses_what_only_gguf_takes(qwen3, tm
                 "gguf",
                 "--adapter-only",
                 "--dtype",
-                "float32",
+                "q8_0",
             ]
         )
         == 0
     )
-    assert f"to {out} (GGUF, adapter, float32)" in capsys.readouterr().out and out.is_file()
+    assert f"to {out} (GGUF, adapter, q8_0)" in capsys.readouterr().out and out.is_file()
+    reader = gguf.GGUFReader(out)  # B's rows of r=16 values are no q8_0 block: float16, as the converter
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.attn_q.weight.lora_a"] == "Q8_0" and kinds["blk.0.attn_q.weight.lora_b"] == "F16"
+    assert field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q8_0
     for flags, said in [
         (["--adapter-only"], "--adapter-only is for --format gguf"),
         (["--dtype", "float16"], "--dtype float16 is for --format gguf"),

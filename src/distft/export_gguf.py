@@ -1,33 +1,23 @@
 """`distft export --format gguf`: a finished run as one GGUF file, what llama.cpp and Ollama load.
 
-A GGUF file is a header (magic, version, counts), key/value metadata, tensor infos (name, shape
-in ggml's reversed order, type, offset) and the aligned tensor data, written with the `gguf`
-package (llama.cpp's gguf-py) as llama.cpp's `convert_hf_to_gguf.py` and `convert_lora_to_gguf.py`
-write it. `general.architecture` names llama.cpp's graph: `qwen3`, `qwen2` (Qwen2.5), `llama`
-(Llama 3 and Mistral, as the converter maps them); the hyperparameters sit under that prefix
-(`qwen3.context_length`, `.embedding_length`, `.block_count`, `.feed_forward_length`,
-`.attention.head_count(_kv)`, `.attention.key_length` (Qwen3's head_dim is not hidden / heads),
-`.rope.freq_base`, `.attention.layer_norm_rms_epsilon`, rope scaling). The tokenizer is stored as
-`tokenizer.ggml.model = "gpt2"` (byte-level BPE): the tokens in id order, padded with `[PADn]` to
-one per embedding row, their types (control: special added tokens), the merges,
-`tokenizer.ggml.pre` (the pre-tokenizer, told as the converter tells it: by a hash of the ids of a
-fixed text), bos/eos/pad/end-of-turn ids, whether bos/eos are added, `tokenizer.chat_template`.
+Written with the `gguf` package (llama.cpp's gguf-py) as llama.cpp's `convert_hf_to_gguf.py` and
+`convert_lora_to_gguf.py` write it: `general.architecture` names llama.cpp's graph (`qwen3`, `qwen2`,
+`llama` for Llama 3 and Mistral), the hyperparameters sit under that prefix (`qwen3.block_count`,
+`.attention.key_length`: Qwen3's head_dim is not hidden / heads), the tokenizer as
+`tokenizer.ggml.model = "gpt2"` (byte-level BPE: tokens in id order padded to one per embedding
+row, their types, merges, `tokenizer.ggml.pre` told by a hash of the ids of a fixed text) and
+`tokenizer.chat_template` with the run's `enable_thinking` set inside (llama.cpp passes none).
+Beside a merged file, Ollama's `Modelfile` (`distft.data.ollama`).
 
-Tensors take llama.cpp's names through gguf's `TensorNameMap` (`model.layers.3.self_attn.q_proj.
-weight` -> `blk.3.attn_q.weight`; `token_embd`, `attn_k`/`_v`/`_output`, `attn_q_norm`/`_k_norm`,
-`ffn_gate`/`_up`/`_down`, `attn_norm`, `ffn_norm`, `output_norm`, and `output` unless tied: then
-llama.cpp reuses `token_embd`). HF rotates the two halves of each head; llama.cpp's `llama` graph
-rotates adjacent pairs, so q's and k's rows are permuted per head (`LlamaModel.permute`:
-`permute_qk`); Qwen2/3 run llama.cpp's NEOX rope, HF's own, unpermuted. Llama 3.1's rope scaling
-becomes a `rope_freqs.weight` of divisors. Vectors stay float32; matrices take `dtype`.
+Tensors take llama.cpp's names (gguf's `TensorNameMap`; `output` only when untied). HF rotates
+the two halves of each head, llama.cpp's `llama` graph adjacent pairs, so q's and k's rows are
+permuted per head (`permute_qk`); Qwen2/3 run llama.cpp's NEOX rope, HF's own. Llama 3.1's rope
+scaling becomes a `rope_freqs.weight` of divisors. Vectors stay float32; matrices take `dtype`.
+Adapter-only writes the LoRA adapter alone (`adapter.lora.alpha`, `<name>.lora_a` = A, `.lora_b` =
+B, rows permuted like W's), which llama.cpp adds as (alpha / r) B A to a GGUF of the base; rsLoRA
+is written as alpha sqrt(r), DoRA and fully trained modules are refused.
 
-Adapter-only writes the LoRA adapter alone (`general.type = "adapter"`, `adapter.type = "lora"`,
-`adapter.lora.alpha`, `<name>.lora_a` = A (r x in), `<name>.lora_b` = B (out x r), rows permuted
-like W's): llama.cpp adds (alpha / r) B A to a GGUF of the base (`--lora adapter.gguf`). rsLoRA is
-written as alpha sqrt(r); DoRA and fully trained modules do not fit and are refused.
-
-`out` ending in `.gguf` is the file, any other `out` a directory that gets `model.gguf` (or
-`adapter.gguf`). Every check comes before any weight is loaded, each a one-paragraph `ConfigError`.
+`out`: a `.gguf` file, or a directory that gets `model.gguf` (`adapter.gguf`). Every check comes first.
 """
 
 from __future__ import annotations
@@ -48,10 +38,12 @@ from transformers import PretrainedConfig
 
 from distft.commands.export import GGUF_DTYPES
 from distft.data import end_of_turn
+from distft.data.ollama import modelfile
+from distft.data.template import trained_template
 from distft.errors import ConfigError
-from distft.export import check_run, merged_model
+from distft.export import card_format, check_run, merged_model
 from distft.infer import load_trained
-from distft.io.files import verify_directory
+from distft.io.files import atomic_write_text, verify_directory
 from distft.io.preflight import check_output_path
 from distft.model.build import architecture, model_config
 from distft.model.families import family_of
@@ -61,7 +53,8 @@ from distft.model.positions import rope_parameters
 ARCH = gguf.MODEL_ARCH
 ARCHS = {"qwen3": ARCH.QWEN3, "qwen2": ARCH.QWEN2, "llama": ARCH.LLAMA, "mistral": ARCH.LLAMA}
 FT = gguf.LlamaFileType
-FILE_TYPES = dict(zip(GGUF_DTYPES, (FT.ALL_F32, FT.MOSTLY_F16, FT.MOSTLY_BF16), strict=True))
+FILE_TYPES = dict(zip(GGUF_DTYPES, (FT.ALL_F32, FT.MOSTLY_F16, FT.MOSTLY_BF16, FT.MOSTLY_Q8_0), strict=True))
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 # llama.cpp names a BPE pre-tokenizer by sha256(str(tokenizer.encode(CHECK_TEXT))) (get_vocab_base_pre).
 CHECK_TEXT = (
     "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) "
@@ -208,11 +201,13 @@ def add_tensors(writer: gguf.GGUFWriter, tensors: Iterable[Named], dtype: str) -
         tensor = tensor.detach().contiguous()
         if tensor.ndim < 2 or dtype == "float32":
             writer.add_tensor(name, tensor.float().numpy())
-        elif dtype == "float16":
-            writer.add_tensor(name, tensor.to(torch.float16).numpy())
-        else:
+        elif dtype == "bfloat16":
             bits = tensor.to(torch.bfloat16).view(torch.int16).numpy()
             writer.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        elif dtype == "q8_0" and tensor.shape[-1] % gguf.GGML_QUANT_SIZES[Q8_0][0] == 0:
+            writer.add_tensor(name, gguf.quants.quantize(tensor.float().numpy(), Q8_0), raw_dtype=Q8_0)
+        else:  # float16; q8_0's rows that are no whole number of blocks, as the converter falls back
+            writer.add_tensor(name, tensor.to(torch.float16).numpy())
 
 
 # ---- metadata ------------------------------------------------------------------------------
@@ -259,7 +254,7 @@ def token_table(tokenizer, n_vocab: int) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def add_tokenizer(writer: gguf.GGUFWriter, tokenizer, config: PretrainedConfig) -> None:
+def add_tokenizer(writer: gguf.GGUFWriter, tokenizer, config: PretrainedConfig, thinking: bool) -> None:
     """`tokenizer.ggml.*` and the chat template: byte-level BPE as llama.cpp's `gpt2` vocabulary."""
     bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     digest = hashlib.sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
@@ -287,7 +282,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, tokenizer, config: PretrainedConfig) 
             if around is not None:
                 getattr(writer, f"add_add_{kind}_token")(around == [value])
     if tokenizer.chat_template:
-        writer.add_chat_template(tokenizer.chat_template)
+        writer.add_chat_template(trained_template(tokenizer, thinking))
         with contextlib.suppress(ConfigError):  # a template with no end-of-turn token: eos ends it
             writer.add_eot_token_id(end_of_turn(tokenizer).id)
 
@@ -305,17 +300,19 @@ def write_adapter(writer: gguf.GGUFWriter, run_dir: Path, settings: dict, config
     add_tensors(writer, adapter_tensors(state, config), dtype)
 
 
-def write_merged(writer: gguf.GGUFWriter, run_dir: Path, dtype: str) -> None:
-    """The run loaded and merged by `distft export`'s helpers; bfloat16 merged as `distft export
-    --dtype bfloat16` merges (the same bits), float16 rounded once from the float32 merge."""
+def write_merged(writer: gguf.GGUFWriter, run_dir: Path, dtype: str, name: str) -> str:
+    """The run loaded and merged by `distft export`'s helpers (bfloat16 merged as `distft export
+    --dtype bfloat16` merges, the others in float32); returns the Modelfile for the file `name`."""
     loaded = load_trained(run=str(run_dir))
     merge = "bfloat16" if dtype == "bfloat16" else "float32"
     with torch.no_grad():
         model = merged_model(loaded.model, loaded.has_adapter, merge)
     writer.add_type(gguf.GGUFType.MODEL)
     add_hparams(writer, model.config)
-    add_tokenizer(writer, loaded.tokenizer, model.config)
+    add_tokenizer(writer, loaded.tokenizer, model.config, loaded.cfg.data.enable_thinking)
     add_tensors(writer, model_tensors(model.state_dict(), model.config), dtype)
+    system = loaded.cfg.data.system_prompt if card_format(loaded.cfg) == "summary" else ""
+    return modelfile(name, loaded.tokenizer, loaded.cfg.data.enable_thinking, system)
 
 
 def export_gguf(
@@ -333,10 +330,11 @@ def export_gguf(
     writer.add_name(run_dir.resolve().name)
     writer.add_file_type(FILE_TYPES[dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if settings is None:
-        write_merged(writer, run_dir, dtype)
-    else:
-        write_adapter(writer, run_dir, settings, config, dtype)
+    text = (  # the Modelfile, beside a merged file
+        write_merged(writer, run_dir, dtype, path.name)
+        if settings is None
+        else write_adapter(writer, run_dir, settings, config, dtype)
+    )
     partial = path.with_name(path.name + ".partial")  # renamed when whole: `path` is never half a file
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -347,4 +345,6 @@ def export_gguf(
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+    if text:
+        atomic_write_text(path.parent / "Modelfile", text)
     return path

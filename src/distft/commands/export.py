@@ -8,7 +8,7 @@ import argparse
 from distft.errors import ConfigError
 
 EXPORT_DTYPES = ("bfloat16", "float32")  # --format safetensors: a transformers model
-GGUF_DTYPES = ("float32", "float16", "bfloat16")  # --format gguf
+GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")  # --format gguf
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:

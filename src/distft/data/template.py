@@ -13,6 +13,10 @@ roles (Mistral v0.1 takes no system message), one that never renders an answer, 
 ends in no special token, and `data.enable_thinking` on a template without a thinking mode. A
 template given by `data.chat_template` (`distft.data.tokenizer.with_chat_template`) is named by
 that setting in each refusal, with the fix that is the user's to make.
+
+A GGUF export carries the template with the run's `enable_thinking` inside (`trained_template`):
+llama.cpp passes none, and Qwen3's prompt would lack the empty think block distft trained with
+thinking off.
 """
 
 from __future__ import annotations
@@ -140,3 +144,11 @@ def check_chat_template(tokenizer: Any, cfg: DataConfig) -> EndOfTurn | None:
             "asks for one: set data.enable_thinking=false."
         )
     return turn
+
+
+def trained_template(tokenizer: Any, enable_thinking: bool) -> str:
+    """The chat template with the run's `enable_thinking` set inside it, so that a caller passing none
+    (llama.cpp, Ollama) renders the prompt training rendered; a template without one is unchanged."""
+    if "enable_thinking" not in tokenizer.chat_template:
+        return tokenizer.chat_template
+    return f"{{%- set enable_thinking = {str(enable_thinking).lower()} %}}{tokenizer.chat_template}"
