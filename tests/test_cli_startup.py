@@ -99,6 +99,21 @@ def test_export_flags_that_do_not_go_together_are_light():
     assert heavy(imported) == []
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "qwen3-4b"], "Say what the GPUs are: --gpu (one of rtx4090, "),
+        (["--gpu", "h100"], "Say what to plan: --model"),
+        (["--model", "qwen3-4b", "--gpu", "tpu-v5"], "Unknown --gpu 'tpu-v5'; known profiles: "),
+    ],
+)
+def test_plan_flags_that_say_too_little_are_light(args, message):
+    code, out, err, imported = run_cli("plan", *args)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"distft plan: error: {message}") and len(err.splitlines()) == 1, err
+    assert heavy(imported) == []
+
+
 def test_a_command_imports_its_module_when_it_runs():
     """A setting the strategy refuses is checked after the import, as before: one line, exit 2."""
     code, _, err, imported = run_cli("train", "--model", "micro", "--strategy", "nosuch")

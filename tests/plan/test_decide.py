@@ -355,7 +355,12 @@ def test_hub_fetch_failure_is_a_config_error(monkeypatch):
         raise OSError("Connection refused")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    monkeypatch.setattr("distft.plan.model_spec.hub_offline", lambda: False)  # as if the probe connected
     with pytest.raises(ConfigError, match="could not be fetched"):
+        resolve_model("acme/NoSuchModel-7B")
+    # A hub out of reach (no HF_HUB_OFFLINE) is not asked at all: huggingface_hub retries ~30 s.
+    monkeypatch.setattr("distft.plan.model_spec.hub_offline", lambda: True)
+    with pytest.raises(ConfigError, match="the hub is offline or out of reach"):
         resolve_model("acme/NoSuchModel-7B")
 
 

@@ -8,9 +8,9 @@ import pytest
 
 from distft.cli import build_parser, main
 from distft.errors import ConfigError
-from distft.measure.gpus import GB
+from distft.measure.gpus import GB, find_gpu
 from distft.plan import make_request
-from distft.plan.hardware import LINKS, comm_time, find_gpu, intra_node_link
+from distft.plan.hardware import LINKS, comm_time, intra_node_link
 
 
 @pytest.mark.parametrize(

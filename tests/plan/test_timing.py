@@ -14,10 +14,11 @@ import pytest
 from distft.cli import build_parser, main
 from distft.config import load_config
 from distft.measure.flops import ModelFlops
+from distft.measure.gpus import find_gpu
 from distft.model import apply_method, load_base_model
 from distft.plan import evaluate, make_request
 from distft.plan.estimate import estimate, parallelism_for
-from distft.plan.hardware import GiB, find_gpu, format_seconds, generic_gpu
+from distft.plan.hardware import GiB, format_seconds, generic_gpu
 from distft.plan.inputs import Training, holds_last_stage, rank_layers
 from distft.plan.model_spec import ModelSpec, resolve_model
 from distft.plan.timing import ASSUMED_MFU, RunLength, model_flops, parse_tokens, step_time

@@ -32,10 +32,10 @@ from distft.config import load_config
 from distft.config.choices import PLANNED_SCHEDULES
 from distft.errors import ConfigError
 from distft.layout import SPECS
-from distft.measure.gpus import GPUS, INTERCONNECTS, GiB
+from distft.measure.gpus import GPUS, INTERCONNECTS, GiB, find_gpu
 from distft.plan.auto import training_of
 from distft.plan.estimate import Estimate, Request, estimate, parallelism_for
-from distft.plan.hardware import comm_time, find_gpu, generic_gpu, intra_node_link
+from distft.plan.hardware import comm_time, generic_gpu, intra_node_link
 from distft.plan.inputs import PRECISIONS
 from distft.plan.model_spec import resolve_model
 

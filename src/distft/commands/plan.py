@@ -7,7 +7,8 @@ import argparse
 
 from distft.config.choices import ATTENTION_CHOICES, CHECKPOINTING, PLANNED_SCHEDULES, ROPE_SCALINGS
 from distft.config.precision import PRECISIONS
-from distft.measure.gpus import GPUS, INTERCONNECTS
+from distft.errors import ConfigError
+from distft.measure.gpus import GPUS, INTERCONNECTS, find_gpu
 
 # The flags that say what a training config says, and the setting each one is (`distft train`'s
 # names): with --config or section.key=value overrides they are applied on top, as train's flags
@@ -124,7 +125,22 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     # The tables travel with the arguments: the planner (`distft.plan`, a layer that cannot import
     # this one) reads which setting each flag is, and the defaults of the flags alone.
-    p.set_defaults(flag_settings=PLAN_FLAGS, flag_defaults=PLAN_DEFAULTS)
+    p.set_defaults(flag_settings=PLAN_FLAGS, flag_defaults=PLAN_DEFAULTS, check=check_plan_flags)
+
+
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """What the flags alone must say, refused before the planner (and torch) is imported: the model
+    and the GPUs, unless a training config says them (its run is planned on this machine)."""
+    if args.gpu is not None:
+        find_gpu(args.gpu)
+    if args.config is not None or args.overrides:
+        return
+    if args.model is None:
+        raise ConfigError("Say what to plan: --model (a preset, hub id or directory), or --config FILE.")
+    if args.gpu is None and args.gpu_mem is None:
+        raise ConfigError(
+            f"Say what the GPUs are: --gpu (one of {', '.join(GPUS)}) or --gpu-mem (e.g. 24GiB), or both."
+        )
 
 
 def _add_sequence_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from distft.errors import ConfigError
+
 GiB = 1024**3
 
 
@@ -179,3 +181,12 @@ LINKS: dict[str, Link] = {
 
 
 INTERCONNECTS = ("pcie", "nvlink", "infiniband", *(k for k, link in LINKS.items() if not link.host))
+
+
+def find_gpu(name: str) -> GPU:
+    """A profile by key, alias, or the name torch gives the device ("NVIDIA H100 NVL")."""
+    key = GPU_ALIASES.get(name.lower(), name.lower())
+    gpu = GPUS.get(key) or gpu_for_device_name(name)
+    if gpu is None:
+        raise ConfigError(f"Unknown --gpu {name!r}; known profiles: {', '.join(GPUS)}.")
+    return gpu

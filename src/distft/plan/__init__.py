@@ -31,6 +31,7 @@ from dataclasses import replace
 
 from distft.config import Config, load_config
 from distft.errors import ConfigError
+from distft.measure.gpus import find_gpu
 from distft.model.positions import check_positions, scale_rope
 from distft.parallel import check_config
 from distft.plan.auto import (
@@ -46,8 +47,6 @@ from distft.plan.decide import decide
 from distft.plan.estimate import Request, estimate, evaluate
 from distft.plan.fits import check_fits, truncation_warning
 from distft.plan.hardware import (
-    GPUS,
-    find_gpu,
     generic_gpu,
     inter_node_link,
     intra_node_link,
@@ -160,17 +159,11 @@ def make_request(args: argparse.Namespace, cfg: Config | None = None) -> Request
     training config it names (`run_config`), else from the flags and the planner's defaults."""
     if cfg is not None:
         return config_request(args, cfg)
-    if args.model is None:
-        raise ConfigError("Say what to plan: --model (a preset, hub id or directory), or --config FILE.")
     for flag, default in args.flag_defaults.items():
         if getattr(args, flag) is None:
             setattr(args, flag, default)
     check_numbers(args)
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None
-    if args.gpu is None and args.gpu_mem is None:
-        raise ConfigError(
-            f"Say what the GPUs are: --gpu (one of {', '.join(GPUS)}) or --gpu-mem (e.g. 24GiB), or both."
-        )
     memory = parse_bytes(args.gpu_mem) if args.gpu_mem else None
     gpu = find_gpu(args.gpu) if args.gpu else match_gpu(memory, args.interconnect) or generic_gpu(memory)
     memory = memory or gpu.memory

@@ -32,21 +32,12 @@ import re
 
 from distft.errors import ConfigError
 from distft.measure.comm import WIRE_FACTOR
-from distft.measure.gpus import GPU, GPU_ALIASES, GPUS, LINKS, GiB, Link, gpu_for_device_name
+from distft.measure.gpus import GPU, GPUS, LINKS, GiB, Link
 
 
 def generic_gpu(memory: int) -> GPU:
     """A GPU known only by its memory (no throughput figure: compute time is not estimated)."""
     return GPU("custom", f"custom GPU {format_bytes(memory)}", memory, None, "pcie4", None, vendor=False)
-
-
-def find_gpu(name: str) -> GPU:
-    """A profile by key, alias, or the name torch gives the device ("NVIDIA H100 NVL")."""
-    key = GPU_ALIASES.get(name.lower(), name.lower())
-    gpu = GPUS.get(key) or gpu_for_device_name(name)
-    if gpu is None:
-        raise ConfigError(f"Unknown --gpu {name!r}; known profiles: {', '.join(GPUS)}.")
-    return gpu
 
 
 def match_gpu(memory: int, interconnect: str | None) -> GPU | None:

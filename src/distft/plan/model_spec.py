@@ -25,12 +25,12 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from distft.config import PROJECTION_NAMES
 from distft.errors import ConfigError
+from distft.hub import hub_offline
 from distft.model import PRESETS
 from distft.model.families import FAMILIES
 from distft.model.nf4 import projection_shapes
@@ -285,13 +285,6 @@ def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
         ) from None
 
 
-def _offline() -> bool:
-    return any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes")
-        for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
 def resolve_model(name: str) -> ModelSpec:
     """The architecture named by `name` (preset, hub id, alias, directory or config.json)."""
     if name in PRESETS:
@@ -306,8 +299,8 @@ def resolve_model(name: str) -> ModelSpec:
             raise ConfigError(f"Model directory {name} has no config.json.")
     if path.is_file() and path.name.endswith(".json"):
         return spec_from_config(json.loads(path.read_text()), name, "config.json")
-    if "/" not in name or _offline():
-        why = "the hub is not consulted while offline" if "/" in name else "it is not a hub id (owner/name)"
+    if "/" not in name or hub_offline():  # unreachable too: not five retries of ~6 s each
+        why = "the hub is offline or out of reach" if "/" in name else "it is not a hub id (owner/name)"
         known = ", ".join([*PRESETS, *(a for p in PRESETS.values() for a in p.aliases if "/" not in a)])
         raise ConfigError(
             f"Unknown model {name!r}: it is not a preset, not in the built-in table, not a directory with a "
