@@ -14,7 +14,6 @@ import gc
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from distft import signals
 from distft.config import Config
 from distft.distributed import shutdown
-from distft.io.checkpoint import latest_checkpoint, resume_hint, save_training_state
+from distft.io.checkpoint import latest_checkpoint, save_training_state
 from distft.io.files import atomic_write_text
 from distft.io.lock import run_lock
 from distft.io.save import save_adapter, save_full_model
@@ -44,47 +43,15 @@ from distft.train.metrics import (
     speed_line,
     startup_seconds,
     step_record,
-    step_time_line,
     truncate_metrics,
 )
 from distft.train.optim import training_lines
 from distft.train.progress import TrainingProgress
 from distft.train.reference import attach_reference
+from distft.train.result import TrainResult
 from distft.train.setup import Run, setup
 from distft.train.step import evaluate, expected_bytes, global_batch, train_step
 from distft.train.tracking import Trackers
-
-
-@dataclass
-class TrainResult:
-    losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)  # measured, seconds per step
-    predicted_step_times: list[float | None] = field(default_factory=list)  # the planner's (None: no peak)
-    eval_losses: dict[int, float] = field(default_factory=dict)
-    output_dir: Path | None = None
-    model: torch.nn.Module | None = None  # this rank's trained `LossLM` (unwrapped)
-    early_stop: dict | None = None  # why validation ended the run (`distft.train.early_stopping`)
-    stopped_by: int | None = None  # the signal that stopped the run early (`distft.signals`)
-    stopped_after: int = 0  # ... after this step
-    checkpoint: Path | None = None  # ... having written this checkpoint (None: none written)
-    first_step: int = 1  # the first step this command ran (a resumed run's is past 1)
-
-    def add(self, record: dict) -> None:
-        """One step's figures (its `metrics.jsonl` record): its loss, measured and predicted time."""
-        self.losses.append(record["loss"])
-        self.step_times.append(record["step_time_s"])
-        self.predicted_step_times.append(record["step_time_predicted_s"])
-
-    def time_line(self, prediction: dict | None) -> str:
-        return step_time_line(prediction, self.step_times, self.predicted_step_times, self.first_step)
-
-    def stopped_line(self, max_steps: int) -> str:
-        """The one line a run stopped by a signal ends with: where, what was saved, how to go on."""
-        head = f"distft train: stopped by {signals.name(self.stopped_by)} after step {self.stopped_after} of {max_steps}"
-        if self.checkpoint is None:
-            hint = resume_hint(self.output_dir)
-            return f"{head}; no checkpoint written (train.checkpoint_on_signal=false). {hint}"
-        return f"{head}; checkpoint written to {self.checkpoint}. Resume with: distft train --resume {self.output_dir}"
 
 
 def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> TrainResult:
