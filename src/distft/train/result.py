@@ -1,5 +1,5 @@
 """What `train` returns: the run's figures, and how it ended where a signal stopped it (after
-which step, the checkpoint it left) in the one line the main rank prints."""
+which step, before which phase, the checkpoint it left) in the one line the main rank prints."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class TrainResult:
     early_stop: dict | None = None  # why validation ended the run (`distft.train.early_stopping`)
     stopped_by: int | None = None  # the signal that stopped the run early (`distft.signals`)
     stopped_after: int = 0  # ... after this step
+    stopped_in: str = ""  # ... before its "validation" or the "export" ("": at a step boundary)
     checkpoint: Path | None = None  # ... having written this checkpoint (None: none written)
     first_step: int = 1  # the first step this command ran (a resumed run's is past 1)
 
@@ -39,6 +40,9 @@ class TrainResult:
     def stopped_line(self, max_steps: int) -> str:
         """The one line a run stopped by a signal ends with: where, what was saved, how to go on."""
         head = f"distft train: stopped by {signals.name(self.stopped_by)} after step {self.stopped_after} of {max_steps}"
+        if self.stopped_in:  # the step's update is done; what is left of it runs on resume
+            final = "final " if self.stopped_after == max_steps and self.stopped_in == "validation" else ""
+            head += f", before {'the' if self.stopped_in == 'export' else 'its'} {final}{self.stopped_in}"
         if self.checkpoint is None:
             hint = resume_hint(self.output_dir)
             return f"{head}; no checkpoint written (train.checkpoint_on_signal=false). {hint}"
