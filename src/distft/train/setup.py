@@ -105,7 +105,7 @@ class Run:
     statistics: dict = field(default_factory=dict)  # the last step's (or validation's): pairs', routers'
     step_lr: float = 0.0  # the learning rate the last step's update used (the scheduler has moved on since)
     pending: dict | None = None  # resumed before its step's validation: that step's record (`train.loop`)
-    hooks: TrainHooks = field(default_factory=TrainHooks)  # fault points tests inject (`distft.train.hooks`)
+    hooks: TrainHooks = field(default_factory=TrainHooks)  # the callbacks `train` was given (`train.hooks`)
 
     @property
     def pad_id(self) -> int:
