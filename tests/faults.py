@@ -18,6 +18,13 @@ DISTFT_FAULT_* variable; a test that trains in its own process sets it itself.
 | DISTFT_FAULT_RAISE_AT_STEP=N | rank DISTFT_FAULT_RANK raises an unexpected error (KeyError) as     |
 |                              | step N begins: a bug in one rank                                   |
 | DISTFT_FAULT_NAN_AT_STEP=N   | every rank's gradients turn NaN after step N's backward            |
+| DISTFT_FAULT_RAISE_IN=PHASE  | rank DISTFT_FAULT_RANK raises an unexpected error (KeyError) as     |
+|                              | the first batch of PHASE begins: "reference" (the reference         |
+|                              | scoring), "validation" or "export" (`TrainHooks.before_batch`)      |
+| DISTFT_FAULT_SIGTERM_IN=PHASE| rank DISTFT_FAULT_RANK sends SIGTERM to itself, and to its launcher |
+|                              | under torchrun (which forwards it to every rank), as the first      |
+|                              | batch of PHASE begins; a later batch of PHASE in that rank raises:  |
+|                              | the run should have stopped before it                              |
 | DISTFT_FAULT_HEALTH_MISS=1   | rank DISTFT_FAULT_RANK sleeps DISTFT_FAULT_HANG_S seconds before   |
 |                              | the health check's roll call: a rank that never joins it           |
 | DISTFT_FAULT_HEALTH_LATE_S=S | rank DISTFT_FAULT_RANK sleeps S seconds before the health check's  |
@@ -60,7 +67,10 @@ VARIABLES = (
     "DISTFT_FAULT_HEALTH_LATE_S",
     "DISTFT_FAULT_DEVICE_FACTS",
     "DISTFT_FAULT_SLOW_RANK_S",
+    "DISTFT_FAULT_RAISE_IN",
+    "DISTFT_FAULT_SIGTERM_IN",
 )
+_signalled: set[str] = set()  # the phases this process sent its SIGTERM in
 
 
 def from_environment() -> TrainHooks | None:
@@ -70,7 +80,9 @@ def from_environment() -> TrainHooks | None:
     health = HealthHooks(
         before_roll_call=miss_roll_call, before_all_reduce=join_late, device_facts=other_facts
     )
-    return TrainHooks(before_step=before_step, after_backward=poison_gradients, health=health)
+    return TrainHooks(
+        before_step=before_step, after_backward=poison_gradients, before_batch=before_batch, health=health
+    )
 
 
 def _at(variable: str, step: int) -> bool:
@@ -94,6 +106,22 @@ def before_step(step: int, rank: int) -> None:
         _stall(float(os.environ.get("DISTFT_FAULT_HANG_S", "3600")))
     if os.environ.get("DISTFT_FAULT_SLOW_RANK_S"):
         time.sleep(float(os.environ["DISTFT_FAULT_SLOW_RANK_S"]))
+
+
+def before_batch(phase: str, batch: int, rank: int) -> None:
+    """Raise, or send SIGTERM, as the first batch of `phase` begins, if asked to; a batch of it after
+    that SIGTERM is a stop that came too late."""
+    if phase in _signalled:
+        raise KeyError(f"batch {batch} of the {phase} began after the planted SIGTERM")
+    if not _strikes(rank) or batch:
+        return
+    if os.environ.get("DISTFT_FAULT_RAISE_IN") == phase:
+        raise KeyError("a planted fault")
+    if os.environ.get("DISTFT_FAULT_SIGTERM_IN") == phase:
+        _signalled.add(phase)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # the launcher, as a scheduler signals every process
+            os.kill(os.getppid(), signal.SIGTERM)
 
 
 def _stall(seconds: float) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from distft.cli import main
 from distft.config import load_config, to_toml
-from distft.io.checkpoint import latest_checkpoint
+from distft.io.checkpoint import latest_checkpoint, read_loop_state
 from distft.layout import SPECS
 from tests import faults
 from tests.batched import trained
@@ -233,6 +233,60 @@ def test_a_disk_that_fills_during_any_write_keeps_the_previous_state(where, tmp_
     assert main(["train", "--resume", str(out)]) == 0
     assert "step-000001 (step 1)" in capsys.readouterr().out  # "resuming from .../step-000001 (step 1)"
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+
+
+# ---- a failure after the last step: the trained weights stay in its checkpoint ---------------
+
+# Validation after step 2 only (the last step of the failed run, and of the run extended to 3).
+AFTER = [
+    *SINGLE,
+    "train.max_steps=2",
+    "train.eval_every=2",
+    "train.eval_batches=2",
+    "output.checkpoint_every=0",
+]
+
+
+def test_a_failure_after_the_last_step_keeps_its_checkpoint_and_the_resume_finishes_the_run(
+    tmp_path, monkeypatch, capsys
+):
+    """An error in the final validation, with no checkpoints asked for: one line that says the
+    trained weights are safe and how to finish, and the last step's checkpoint, marked with its
+    record until its validation has run. `--resume` runs only that validation and the export (one
+    record of step 2); its early-stopping state then equals an uninterrupted run's, so the run
+    extended to step 3 equals the uninterrupted 3-step run bitwise (which implies that its step-2
+    adapter did too)."""
+    out, full = tmp_path / "failed", tmp_path / "full"
+    monkeypatch.setenv("DISTFT_HOOKS", faults.HOOKS)  # in this process: tests.helpers does not set it
+    monkeypatch.setenv("DISTFT_FAULT_RANK", "0")
+    monkeypatch.setenv("DISTFT_FAULT_RAISE_IN", "validation")
+    assert main(["train", *AFTER, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    checkpoint = out / "checkpoints" / "step-000002"
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert (
+        f"KeyError: 'a planted fault'. The trained weights are safe in {checkpoint}: "
+        f"`distft train --resume {out}` finishes the run." in err
+    )
+    assert [m["step"] for m in metrics(out)] == [1] and not (out / "adapter").exists()
+    pending = read_loop_state(checkpoint)["pending"]
+    assert pending["step"] == 2 and "eval_loss" not in pending
+
+    monkeypatch.delenv("DISTFT_FAULT_RAISE_IN")
+    assert main(["train", "--resume", str(out), "--checkpoint-every", "1"]) == 0  # kept from here on
+    assert [(m["step"], "eval_loss" in m) for m in metrics(out)] == [(1, False), (2, True)]
+    assert metrics(out)[1]["loss"] == pending["loss"] and (out / "adapter").is_dir()
+    assert main(["train", "--resume", str(out), "--max-steps", "3"]) == 0
+    assert main(["train", *AFTER, "train.max_steps=3", "--checkpoint-every", "1", "--out", str(full)]) == 0
+    for step in (2, 3):  # early stopping's state as the uninterrupted run left it: no pending step
+        got, want = (read_loop_state(run / "checkpoints" / f"step-{step:06d}") for run in (out, full))
+        assert got == want and "pending" not in got
+    figures = ("step", "loss", "grad_norm", "eval_loss")
+    assert [[m.get(k) for k in figures] for m in metrics(out)] == [
+        [m.get(k) for k in figures] for m in metrics(full)
+    ]
+    a, b = adapter(out), adapter(full)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
 
 
 # ---- bad input: one paragraph, exit code 2, no traceback, nothing launched --------------------

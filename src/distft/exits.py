@@ -44,6 +44,11 @@ def out_of_memory(err: BaseException) -> bool:
     )
 
 
+def _notes(err: BaseException) -> str:
+    """What was added on the way up (`add_note`: the trained weights safe, `distft.train.loop`)."""
+    return "".join(f" {note}" for note in getattr(err, "__notes__", ()))
+
+
 def _first_line(err: BaseException) -> str:
     return str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
 
@@ -59,7 +64,7 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
     except ConfigError as err:  # the user's to fix: found before anything ran
         if debug:
             traceback.print_exc()
-        print(f"distft {command}: error: {err}", file=sys.stderr)
+        print(f"distft {command}: error: {err}{_notes(err)}", file=sys.stderr)
         return EXIT_USAGE
     except TrainingError as err:
         if debug:
@@ -86,8 +91,8 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
             traceback.print_exc()
         if out_of_memory(err):  # the plan said it fits, or --force launched it: the usual ways out
             print(  # by the rank that ran out, whichever it is
-                f"distft {command}: error: {OUT_OF_MEMORY} ({_first_line(err) or type(err).__name__}). "
-                f"{MEMORY_ADVICE}",
+                f"distft {command}: error: {OUT_OF_MEMORY} ({_first_line(err) or type(err).__name__})."
+                f"{_notes(err)} {MEMORY_ADVICE}",
                 file=sys.stderr,
             )
             return EXIT_FAILURE
@@ -100,7 +105,7 @@ def run_command(command: str, handler: Callable[[], int]) -> int:
         )
         if debug:
             hint = "Its traceback is above."
-        print(f"distft {command}: error: {type(err).__name__}: {text}. {hint}", file=sys.stderr)
+        print(f"distft {command}: error: {type(err).__name__}: {text}.{_notes(err)} {hint}", file=sys.stderr)
         return EXIT_FAILURE
 
 

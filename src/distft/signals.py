@@ -9,6 +9,8 @@ every process of `distft train`; what it does depends on where the process is:
 - In the loop (`deferred()`): it only records the signal. The loop asks after each step whether
   any rank has one (`distft.train.loop`), so every rank stops after the same step, writes a
   checkpoint, and the main rank prints the step, the checkpoint and the command that resumes.
+  A phase without steps (the reference scoring, a validation, the export) asks before each of its
+  batches (`distft.train.boundary.agreed_signal`) and stops every rank at the same one.
 - In torchrun's agent (`distft.launch`): the first raises torch's `SignalException`, which makes
   the agent send the same signal to its ranks and wait for them to stop.
 

@@ -4,6 +4,8 @@ DIR/checkpoints/step-000040/ holds the trainable weights and optimizer state as 
 rank writes its own; DCP reshards on load, so a data-parallel run can resume at another world
 size), `trainer.json` (the step, the LR scheduler and the loop's own state: early stopping's best
 validation loss, `distft.train.early_stopping`) and `rng-R.safetensors` (rank R's RNG states).
+A run's last step is checkpointed before its validation, its record kept as pending; the state
+after that validation goes beside it, into `validated.json` (`record_validation`).
 The data position needs no state: the rows of step s are a function of (seed, s) alone.
 
 A checkpoint is data, never code: DCP's own pickles and earlier versions' `trainer.pt`/`rng-R.pt`
@@ -35,10 +37,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from distft.config import Config, config_differences, load_config
 from distft.errors import CheckpointError, ConfigError, DamagedFileError
-from distft.io.files import damage, write_manifest
+from distft.io.files import add_to_manifest, atomic_write_text, damage, write_manifest
 from distft.io.safe_load import ForbiddenPickle, SafeLoadPlanner, SafeReader, load_weights_only, read_metadata
 
 CHECKPOINTS = "checkpoints"
+VALIDATED = "validated.json"  # the loop's state after a validation that ran after the checkpoint
 
 
 @contextmanager
@@ -249,10 +252,21 @@ def load_training_state(checkpoint: Path, state: dict, scheduler: object, rank: 
 
 
 def read_loop_state(checkpoint: Path) -> dict:
-    """The loop's state saved with `checkpoint` (`save_training_state`'s `loop`); {} from a
-    checkpoint written before there was one. Read after `load_training_state` vouched for the file."""
-    loop = _read_trainer(checkpoint).get("loop")
+    """The loop's state saved with `checkpoint` (`save_training_state`'s `loop`, or what
+    `record_validation` wrote after it); {} from a checkpoint written before there was one. Read
+    after `load_training_state` vouched for the file."""
+    validated = checkpoint / VALIDATED
+    loop = json.loads(validated.read_text()) if validated.is_file() else _read_trainer(checkpoint).get("loop")
     return loop if isinstance(loop, dict) else {}
+
+
+def record_validation(checkpoint: Path, loop: dict) -> None:
+    """The loop's state after the validation of `checkpoint`'s step, which ran after it was written
+    (its `loop` holds the state before, and the step's record as pending): a file of its own,
+    written atomically and then added to the manifest, so that the checkpoint is complete at every
+    moment (rank 0's)."""
+    atomic_write_text(checkpoint / VALIDATED, json.dumps(loop))
+    add_to_manifest(checkpoint, VALIDATED)
 
 
 def _refusal(checkpoint: Path, err: BaseException) -> str:

@@ -115,6 +115,17 @@ def write_manifest(directory: Path, only: list[Path] | None = None) -> None:
         json.dump({"files": files}, f, indent=1)
 
 
+def add_to_manifest(directory: Path, name: str) -> None:
+    """Add the file `name`, written after `directory`'s manifest, to that manifest (no other file
+    is read again); until then it is a file the manifest does not vouch for, which no check fails."""
+    path = Path(directory) / MANIFEST
+    listed = json.loads(path.read_text(encoding="utf-8"))
+    added = Path(directory) / name
+    listed["files"][name] = {"bytes": added.stat().st_size, "sha256": file_digest(added)}
+    with atomic_text_file(path) as f:
+        json.dump(listed, f, indent=1)
+
+
 def damage(directory: Path) -> str | None:
     """What is wrong with `directory` by its manifest (a missing, cut short or altered file), or
     None when every file is as written, or when the directory has no manifest (written before

@@ -12,6 +12,9 @@ each rank writes only its own slots, so the sum is everyone's. Every rank then r
 largest signal and stops after the same step. It costs `8 x world_size` bytes a step, outside the
 step's `step_time_s` and outside its `comm_bytes` (which count the step's own collectives, as
 `comm_bytes_expected` predicts them). One process runs no collective: its own signal decides.
+
+A phase without steps (the reference scoring, a validation, the export) asks before each of its
+batches instead (`agreed_signal`): one all-reduce (MAX) of one float32, the same answer on every rank.
 """
 
 from __future__ import annotations
@@ -67,3 +70,14 @@ class StepBoundary:
     def of(self, rank: int) -> dict | None:
         """What ranks.json says of `rank`: its worst ratio and the steps it was named for, or None."""
         return self.window.found.get(rank) if self.window else None
+
+
+def agreed_signal(env: DistEnv) -> int:
+    """The largest signal any rank received (0: none), the same on every rank: a stop between two
+    batches of a phase without steps, where there is no step boundary to ride."""
+    mine = float(signals.received() or 0)
+    if not (env.distributed and env.world_size > 1):
+        return int(mine)
+    flag = torch.tensor([mine], device=env.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())

@@ -33,6 +33,9 @@ class TrainHooks:
     """`before_step(step, rank)`: as step `step` begins, before its batch is drawn."""
     after_backward: Callable[[nn.Module, int], None] = _nothing
     """`after_backward(model, step)`: gradients are complete, not yet clipped or applied."""
+    before_batch: Callable[[str, int, int], None] = _nothing
+    """`before_batch(phase, batch, rank)`: as a batch of a phase without steps begins (0-based):
+    "reference" (the reference scoring), "validation", "export" (one batch: the whole export)."""
     health: HealthHooks = field(default_factory=HealthHooks)
     """Points inside the pre-flight health check (`distft.health.check`), before the first step."""
 

@@ -3,6 +3,8 @@
 Read `train` top to bottom: set-up (`distft.train.setup`: process group, tokenizer, data, model,
 strategy, optimizer, resume), `steps_and_export` (the loop: `distft.train.step` for the step
 itself, then measuring, evaluating, logging and checkpointing; then export), and the teardown.
+The last step is checkpointed before its validation and the export (`after_step`): nothing that
+fails after the last update costs the trained weights.
 Everything strategy-specific hides behind `Strategy`; everything a test wants to inject hides
 behind `TrainHooks`.
 """
@@ -13,8 +15,9 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,8 @@ import torch
 from distft import signals
 from distft.config import Config
 from distft.distributed import shutdown
-from distft.io.checkpoint import latest_checkpoint, resume_hint, save_training_state
+from distft.errors import TrainingError
+from distft.io.checkpoint import latest_checkpoint, record_validation, save_training_state
 from distft.io.files import atomic_write_text
 from distft.io.lock import run_lock
 from distft.io.save import save_adapter, save_full_model
@@ -44,47 +48,15 @@ from distft.train.metrics import (
     speed_line,
     startup_seconds,
     step_record,
-    step_time_line,
     truncate_metrics,
 )
 from distft.train.optim import training_lines
 from distft.train.progress import TrainingProgress
 from distft.train.reference import attach_reference
+from distft.train.result import TrainResult
 from distft.train.setup import Run, setup
-from distft.train.step import evaluate, expected_bytes, global_batch, train_step
+from distft.train.step import between_batches, evaluate, expected_bytes, global_batch, train_step
 from distft.train.tracking import Trackers
-
-
-@dataclass
-class TrainResult:
-    losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)  # measured, seconds per step
-    predicted_step_times: list[float | None] = field(default_factory=list)  # the planner's (None: no peak)
-    eval_losses: dict[int, float] = field(default_factory=dict)
-    output_dir: Path | None = None
-    model: torch.nn.Module | None = None  # this rank's trained `LossLM` (unwrapped)
-    early_stop: dict | None = None  # why validation ended the run (`distft.train.early_stopping`)
-    stopped_by: int | None = None  # the signal that stopped the run early (`distft.signals`)
-    stopped_after: int = 0  # ... after this step
-    checkpoint: Path | None = None  # ... having written this checkpoint (None: none written)
-    first_step: int = 1  # the first step this command ran (a resumed run's is past 1)
-
-    def add(self, record: dict) -> None:
-        """One step's figures (its `metrics.jsonl` record): its loss, measured and predicted time."""
-        self.losses.append(record["loss"])
-        self.step_times.append(record["step_time_s"])
-        self.predicted_step_times.append(record["step_time_predicted_s"])
-
-    def time_line(self, prediction: dict | None) -> str:
-        return step_time_line(prediction, self.step_times, self.predicted_step_times, self.first_step)
-
-    def stopped_line(self, max_steps: int) -> str:
-        """The one line a run stopped by a signal ends with: where, what was saved, how to go on."""
-        head = f"distft train: stopped by {signals.name(self.stopped_by)} after step {self.stopped_after} of {max_steps}"
-        if self.checkpoint is None:
-            hint = resume_hint(self.output_dir)
-            return f"{head}; no checkpoint written (train.checkpoint_on_signal=false). {hint}"
-        return f"{head}; checkpoint written to {self.checkpoint}. Resume with: distft train --resume {self.output_dir}"
 
 
 def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> TrainResult:
@@ -97,9 +69,11 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     lock = run_lock(Path(cfg.output.dir)) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with lock:
         run = setup(cfg, dataset, hooks.health)
-        attach_reference(run)  # DPO with dpo.precompute_reference: scored once, before the first step
-        # From here SIGINT/SIGTERM only ask the loop to stop at its next step boundary.
+        run.hooks = hooks
+        # From here SIGINT/SIGTERM only ask the run to stop at its next step boundary, or its next
+        # batch of a phase without steps: the reference scoring, a validation, the export.
         with signals.deferred():
+            attach_reference(run)  # DPO with dpo.precompute_reference: scored once, before the first step
             result = steps_and_export(run, hooks)
             env = run.env
             # The parallel model goes before the process group. DDP's C++ reducer holds a reference
@@ -120,18 +94,27 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     progress = TrainingProgress(enabled=env.is_main, total_steps=tc.max_steps)
     measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, expected_bytes(run), run.out)
     metrics = start_outputs(run, progress, measure.header_lines())
-    trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
+    first = run.start_step - (run.pending is not None)  # a pending validation logs its step's record
+    trackers = Trackers.open(cfg, first, enabled=env.is_main)  # output.report_to
     result = TrainResult(output_dir=run.out, first_step=run.start_step + 1)
     names = [str(p) for p in run.health.places] if run.health else None
     boundary = StepBoundary.start(env, tc.straggler_window, tc.straggler_ratio, names)
+
+    def log(record: dict, wanted: bool) -> None:
+        if metrics and wanted:
+            metrics.write(record)
+            trackers.log(record)
+        progress.update(record)
 
     # ---- the loop -------------------------------------------------------------------------
     startup_s = startup_seconds()  # command start to the first step
     run.model.train()
     with progress:
-        progress.advance_to(run.start_step)
-        saved = False  # whether the step before this one was checkpointed
-        for step in range(run.start_step + 1, tc.max_steps + 1):  # 1-based
+        progress.advance_to(first)
+        step, last, saved = run.start_step, False, False  # saved: whether the step before was checkpointed
+        if run.pending is not None:  # resumed from a checkpoint written before its step's validation
+            last, saved = after_step(run, step, run.pending, result, log, pending=True)
+        for step in range(run.start_step + 1, tc.max_steps + 1) if not last else ():  # 1-based
             hooks.before_step(step, env.rank)
             examples = global_batch(run, step)
             # Stragglers named; every rank stops after the same step (`distft.train.boundary`).
@@ -160,39 +143,85 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
                 record["skipped"] = True  # non-finite loss or gradient norm (train.on_nonfinite=skip)
                 if progress.enabled:
                     progress.console.print(f"step {step}: loss {loss}, grad_norm {grad_norm}: skipped")
-            last = step == tc.max_steps
-            if tc.eval_batches and ((tc.eval_every and step % tc.eval_every == 0) or last):
-                last |= validate(run, step, record, result)  # early stopping: this step is the last
-            if metrics and (step % tc.log_every == 0 or last or "eval_loss" in record):
-                metrics.write(record)
-                trackers.log(record)
-            progress.update(record)
-            # The last step too: a finished run is extended (`--resume DIR --max-steps N`) from it.
-            saved = bool(cfg.output.checkpoint_every) and (step % cfg.output.checkpoint_every == 0 or last)
-            if saved:
-                checkpoint(run, step)
+            last, saved = after_step(run, step, record, result, log)
             if last:
                 break
 
-    if result.stopped_by is not None:  # no export: the run goes on with `--resume`
-        if env.is_main:
-            metrics.close()
-            trackers.finish()
-        return result
-
-    # ---- export ---------------------------------------------------------------------------
-    straggler = boundary.of(env.rank)
-    summary = rank_summary(run, measure.saved_activation_bytes) | measure.rank_record()
-    prediction = prediction_record(run, measure.first_comm_bytes, measure.saved_activation_bytes)
-    summary |= {"straggler": straggler, **prediction}
-    ranks = export(run, summary)
+    # ---- export (none when stopped: the run goes on with `--resume`) ------------------------
+    ranks = None if result.stopped_by is not None else exported(run, step, result, measure, boundary)
     if env.is_main:
         metrics.close()
         trackers.finish()
+    if ranks is None:
+        return result
+    if env.is_main:
+        # Written only so that a failure at the end costs nothing, where no checkpoints are kept.
+        if not cfg.output.checkpoint_every and (final := latest_checkpoint(run.out)):
+            shutil.rmtree(final, ignore_errors=True)
+            with contextlib.suppress(OSError):  # their folder too, unless it holds another
+                final.parent.rmdir()
         lines = [compile_line(ranks), *prediction_lines(ranks), result.time_line(cfg.prediction)]
         progress.done(run.out, lines)
     result.model = unwrap(run.model)
     return result
+
+
+def after_step(
+    run: Run, step: int, record: dict, result: TrainResult, log: Callable, pending: bool = False
+) -> tuple[bool, bool]:
+    """Validate, log and checkpoint step `step`, its update done (`pending`: resumed from its
+    checkpoint, written before its validation); (whether the run ends after it, whether it was
+    checkpointed). The last step is checkpointed before anything else can fail, with its record
+    while its validation is still to run (`distft.io.checkpoint.record_validation`)."""
+    tc, every = run.cfg.train, run.cfg.output.checkpoint_every
+    end = step == tc.max_steps
+    due = bool(tc.eval_batches) and (pending or end or (bool(tc.eval_every) and step % tc.eval_every == 0))
+    if end and not pending:
+        checkpoint(run, step, record if due else None)
+    written = end or pending
+    with after_training(run) if written else contextlib.nullcontext():
+        try:
+            ends = due and validate(run, step, record, result)  # early stopping: this step is the last
+        except signals.Interrupted as signal:  # on every rank at the same batch
+            stop(run, step, signal.signum, result, written, "validation", record)
+            return True, True
+        log(record, step % tc.log_every == 0 or end or ends or due)
+        if written and due and run.env.is_main:  # the validation's outcome, into the step's checkpoint
+            record_validation(latest_checkpoint(run.out), loop_state(run))
+    saved = written or ends or (bool(every) and step % every == 0)
+    if saved and not written:  # an early stop's last step too: a failed export then costs nothing
+        checkpoint(run, step)
+    return end or ends, saved
+
+
+@contextlib.contextmanager
+def after_training(run: Run) -> Iterator[None]:
+    """Past the checkpoint of the last step: a failure says that the trained weights are safe, and
+    how to finish the run (a `TrainingError` names that checkpoint itself: `resume_hint`)."""
+    try:
+        yield
+    except Exception as err:
+        if not isinstance(err, TrainingError):
+            err.add_note(
+                f"The trained weights are safe in {latest_checkpoint(run.out)}: "
+                f"`distft train --resume {run.out}` finishes the run."
+            )
+        raise
+
+
+def exported(
+    run: Run, step: int, result: TrainResult, measure: StepMeasurements, boundary: StepBoundary
+) -> list[dict] | None:
+    """After the last step, `step`: every rank agrees to stop (None), or exports (`export`)."""
+    with after_training(run):
+        try:
+            between_batches(run, "export", 0)
+        except signals.Interrupted as signal:
+            stop(run, step, signal.signum, result, True, "export")
+            return None
+        summary = rank_summary(run, measure.saved_activation_bytes) | measure.rank_record()
+        prediction = prediction_record(run, measure.first_comm_bytes, measure.saved_activation_bytes)
+        return export(run, summary | {"straggler": boundary.of(run.env.rank), **prediction})
 
 
 # ---- the loop's helpers -------------------------------------------------------------------
@@ -220,7 +249,8 @@ def start_outputs(run: Run, progress: TrainingProgress, layout: list[str]) -> Me
         for warning in run.health.warnings():
             progress.warn(warning)
     if env.is_main and run.start_step:
-        truncate_metrics(run.out / "metrics.jsonl", run.start_step)
+        # A pending validation writes its step's record (again, where it got that far).
+        truncate_metrics(run.out / "metrics.jsonl", run.start_step - (run.pending is not None))
         skipped = "".join(f"{note}, set aside as .damaged-*; " for note in run.skipped_checkpoints)
         resuming = f"{skipped}resuming from {run.checkpoint} (step {run.start_step})"
         progress.console.print(resuming, soft_wrap=True, markup=False)  # a path stays whole
@@ -248,22 +278,36 @@ def validate(run: Run, step: int, record: dict, result: TrainResult) -> bool:
     return True
 
 
-def checkpoint(run: Run, step: int) -> Path:
+def loop_state(run: Run) -> dict:
+    """The loop's own state a checkpoint keeps: early stopping's best validation loss."""
+    return {"early_stopping": run.early_stopping.state_dict()}
+
+
+def checkpoint(run: Run, step: int, pending: dict | None = None) -> Path:
     """Write the training state after step `step` (`distft.io.checkpoint`), every rank its shards,
-    with the loop's own state (early stopping's best validation loss)."""
-    loop = {"early_stopping": run.early_stopping.state_dict()}
+    with the loop's own state; `pending`: the step's record, its validation still to run."""
+    loop = loop_state(run) | ({"pending": pending} if pending is not None else {})
     with run.collective(f"writing the checkpoint of step {step}"):
         state = run.strategy.checkpoint_state(run.model, run.optimizer)
         env, keep = run.env, run.cfg.output.keep_last
         return save_training_state(run.out, step, state, run.scheduler, env.rank, env.world_size, keep, loop)
 
 
-def stop(run: Run, step: int, signum: int, result: TrainResult, saved: bool) -> None:
-    """Stop after step `step` on signal `signum`: checkpoint it (`train.checkpoint_on_signal`,
-    unless `saved` already), and say so in `result`."""
-    result.stopped_by, result.stopped_after = signum, step
-    if run.cfg.train.checkpoint_on_signal:
-        result.checkpoint = latest_checkpoint(run.out) if saved else checkpoint(run, step)
+def stop(
+    run: Run,
+    step: int,
+    signum: int,
+    result: TrainResult,
+    saved: bool,
+    phase: str = "",
+    pending: dict | None = None,
+) -> None:
+    """Stop after step `step` on signal `signum` (before its `phase`, "validation" or "export"):
+    checkpoint it (`train.checkpoint_on_signal`, unless `saved` already; `pending`: its record,
+    its validation still to run), and say so in `result`."""
+    result.stopped_by, result.stopped_after, result.stopped_in = signum, step, phase
+    if run.cfg.train.checkpoint_on_signal or saved:
+        result.checkpoint = latest_checkpoint(run.out) if saved else checkpoint(run, step, pending)
 
 
 def export(run: Run, summary: dict) -> list[dict]:

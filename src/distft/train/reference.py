@@ -27,7 +27,7 @@ from distft.errors import TrainingError
 from distft.io.files import atomic_path
 from distft.parallel.base import unwrap
 from distft.train.setup import Run
-from distft.train.step import rank_batches
+from distft.train.step import between_batches, rank_batches
 
 REFERENCE_FILE = "reference_logps.safetensors"
 
@@ -68,6 +68,7 @@ def score(run: Run, split: PairSplit) -> torch.Tensor:
     run.model.eval()
     try:
         for start in range(0, len(split), gb):
+            between_batches(run, "reference", start // gb)
             count = min(gb, len(split) - start)
             padded = -(-count // dp_size) * dp_size  # every rank an equal slice: pad with the first pair
             pairs = [split.pairs[start + (i if i < count else 0)] for i in range(padded)]

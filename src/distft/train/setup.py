@@ -64,6 +64,7 @@ from distft.parallel import STRATEGIES, BatchShape, Strategy, check_config, chec
 from distft.plan.model_spec import ModelSpec, spec_from_config
 from distft.tensors import local_bytes
 from distft.train.early_stopping import EarlyStopping
+from distft.train.hooks import TrainHooks
 from distft.train.optim import build_optimizer, check_optimizer, epoch_steps, lr_lambda
 
 
@@ -103,6 +104,8 @@ class Run:
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping)  # the best validation loss so far
     statistics: dict = field(default_factory=dict)  # the last step's (or validation's): pairs', routers'
     step_lr: float = 0.0  # the learning rate the last step's update used (the scheduler has moved on since)
+    pending: dict | None = None  # resumed before its step's validation: that step's record (`train.loop`)
+    hooks: TrainHooks = field(default_factory=TrainHooks)  # the callbacks `train` was given (`train.hooks`)
 
     @property
     def pad_id(self) -> int:
@@ -240,4 +243,6 @@ def resume(run: Run) -> None:
             state = run.strategy.checkpoint_state(run.model, run.optimizer)
             run.start_step = load_training_state(run.checkpoint, state, run.scheduler, run.env.rank)
             run.strategy.load_checkpoint_state(run.model, run.optimizer, state)
-        run.early_stopping.load_state_dict(read_loop_state(run.checkpoint).get("early_stopping"))
+        loop = read_loop_state(run.checkpoint)
+        run.early_stopping.load_state_dict(loop.get("early_stopping"))
+        run.pending = loop.get("pending")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distft import signals
 from distft.config import Config
 from distft.data import (
     Example,
@@ -33,6 +34,7 @@ from distft.model.preference import STATS
 from distft.parallel import Strategy
 from distft.parallel.base import unwrap
 from distft.plan.expected import expected_step_bytes
+from distft.train.boundary import agreed_signal
 from distft.train.setup import Run
 
 Batch = dict[str, torch.Tensor]
@@ -207,6 +209,14 @@ def with_kl(run: Run, examples: list, batches: list[Batch]) -> None:
         batch["kl"] = kl
 
 
+def between_batches(run: Run, phase: str, batch: int) -> None:
+    """Before batch `batch` of `phase`, a phase without steps (`TrainHooks.before_batch`): once any
+    rank has a signal, every rank raises `signals.Interrupted` here, at the same batch."""
+    run.hooks.before_batch(phase, batch, run.env.rank)
+    if signum := agreed_signal(run.env):
+        raise signals.Interrupted(signum)
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean token loss over the first `train.eval_batches` global batches of the validation split,
@@ -218,16 +228,19 @@ def evaluate(run: Run) -> float:
     loss_sum, n_tokens = torch.zeros((), device=run.env.device), 0
     # Compiled blocks hold training graphs; without grad every guard fails. A few batches run
     # eagerly rather than pay a second compile of every block (tens of seconds on a GPU).
-    with torch.compiler.set_stance("eager_on_recompile"):
-        for b in range(max(n_batches, 1)):
-            batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
-            n_tokens += normaliser(batch, run.cfg)
-            batches = rank_batches(batch, strategy, run.cfg, run.pad_id)
-            with run.autocast:
-                with_kl(run, batch, batches)
-                loss_sum += strategy.forward_only(model, batches)
-    strategy.release_gathered(model)
-    model.train()
+    try:
+        with torch.compiler.set_stance("eager_on_recompile"):
+            for b in range(max(n_batches, 1)):
+                between_batches(run, "validation", b)
+                batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
+                n_tokens += normaliser(batch, run.cfg)
+                batches = rank_batches(batch, strategy, run.cfg, run.pad_id)
+                with run.autocast:
+                    with_kl(run, batch, batches)
+                    loss_sum += strategy.forward_only(model, batches)
+    finally:  # a stop too: its checkpoint is taken in the training layout
+        strategy.release_gathered(model)
+        model.train()
     stats = step_statistics(run, batches, routers=False)
     total = strategy.reduce_loss(loss_sum).double()  # float32 -> float64 is exact: the value is unchanged
     # `reduce_loss` gives every rank the sum, by an all-reduce or, where each rank computed the whole
