@@ -175,6 +175,15 @@ def test_a_pair_shows_both_sides_each_with_its_answer_marked(objective, tmp_path
             assert body.count("(desirable):") == 1 and "rejected (undesirable):" in body
 
 
+def test_a_pair_is_shown_cut_to_the_runs_limits(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
+    _, rows = preview(capsys, "--data", str(data), "train.objective=dpo", "dpo.max_completion_length=2")
+    for side, text in sides(rows[0][2]).items():
+        (answer,) = marked(text)  # its first two tokens, without the end of its turn
+        assert PAIRS[0][side].startswith(answer) and len(answer) < len(PAIRS[0][side])
+        assert "cut (dpo.max_prompt_length=0, dpo.max_completion_length=2)" in text
+
+
 def test_a_pair_under_sft_shows_its_rejected_side_untrained(tmp_path, capsys):
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS[:1] * 2)
     _, [(_, _, body)] = preview(capsys, "--data", str(data))
