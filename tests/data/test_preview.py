@@ -39,7 +39,7 @@ CHATS = [
         for i in range(2, 6)
     ),
 ]
-ROW = re.compile(r"^--- training row (\d+): (\S+) \((\w+)\) ---$", re.MULTILINE)
+ROW = re.compile(r"^--- training (?:row|pair) (\d+): (\S+) \((\w+)\) ---$", re.MULTILINE)
 
 
 def preview(capsys, *argv: str) -> tuple[str, list[tuple[str, str, str]]]:
@@ -158,6 +158,8 @@ def test_a_pair_shows_both_sides_each_with_its_answer_marked(objective, tmp_path
     answers alone, never the prompt the two share."""
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
     header, rows = preview(capsys, "--data", str(data), "--rows", "6", f"train.objective={objective}")
+    noun = "rows" if objective == "kto" else "pairs"  # KTO reads a pair as two answers: a row stays a row
+    assert f"the training split has 5 {noun}, all shown" in rows[-1][2]
     assert "format preference (detected)" in header and len(rows) == 5  # one held out for validation
     lines = [int(origin.rsplit(":", 1)[1]) for origin, _, _ in rows]
     assert {line % 2 for line in lines} == {0, 1}  # both shapes: answers to a prompt, conversations

@@ -18,6 +18,7 @@ DPO = [
 
 
 def test_a_preference_run_names_its_objective_and_prints_margin_and_accuracy(tmp_path, capsys):
+    """... and counts pairs as pairs."""
     settings = [
         "data.max_length=256",
         "train.global_batch_size=4",
@@ -27,6 +28,11 @@ def test_a_preference_run_names_its_objective_and_prints_margin_and_accuracy(tmp
     assert main(["train", *DPO, *settings, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "finetune of micro toward the preferred answers, DPO (dpo.beta 0.1)" in out
+    assert (
+        "global batch 4 pairs = micro-batch 4 x accumulation 1 x data-parallel ranks 1; up to 2,048 " in out
+    )
+    assert re.search(r"split +┃ pairs ┃ .* ┃ truncated pairs ┃", out)
+    assert re.search(r"│ train +│ 16 +│", out)
     records = metrics(tmp_path)
     for record in records:
         line = next(x for x in out.splitlines() if re.match(rf"step +{record['step']} ", x))

@@ -267,10 +267,13 @@ class PairSplit:
         return sum(t != IGNORE for e in rows for t in e.labels) / len(rows)
 
     def summary(self) -> dict[str, float]:
+        """`split_summary` of the sequences, counting a pair once: cut where either side is."""
         rows = [e for p in self.pairs for e in p.rows]
-        return split_summary(
+        summary = split_summary(
             [len(e.input_ids) for e in rows], [e.truncated_tokens for e in rows], self.skipped
         )
+        cut = sum(any(e.truncated_tokens for e in p.rows) for p in self.pairs)
+        return summary | {"rows": len(self.pairs), "truncated_rows": cut}
 
 
 def preference_splits(cfg: Config, tokenizer: Any, dataset: Any = None) -> tuple[PairSplit, PairSplit]:

@@ -32,6 +32,7 @@ from distft.data import (
     prompt_and_reference,
     validation_rows,
 )
+from distft.data.preference import PreferenceRow
 from distft.errors import ConfigError, DataError
 from distft.infer.evaluate import compare, eval_rows, without_reference
 from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
@@ -213,7 +214,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rows = eval_rows(loaded, args.data, args.rows)
     scores = compare(loaded, args.run, rows, args.max_new_tokens)
     source = args.data or f"{data_name(loaded.cfg.data)} (validation split)"
-    what = "meetings" if all(isinstance(r, SummaryRow) for r in rows) else "rows"
+    kinds = {"meetings": SummaryRow, "pairs": PreferenceRow}
+    what = next((name for name, kind in kinds.items() if all(isinstance(r, kind) for r in rows)), "rows")
     pairs = "preference_accuracy" in scores["finetuned"]  # preference rows: which answer each prefers
     extra = ("prefers chosen", "log-prob margin") if pairs else ()
     table = Table(

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.text import Text
 
 from distft.config import Config, DataConfig, load_config
+from distft.config.choices import ITEM_NAMES, PAIRED
 from distft.data import (
     ChatFormatter,
     Row,
@@ -59,7 +60,9 @@ def cmd_data(args: argparse.Namespace) -> int:
         for line in preview_row(formatter, row, i, cfg):
             console.print(line, markup=False)
     if len(rows) < args.rows:  # held-out rows and those past data.max_rows are not trained on
-        console.print(f"\nthe training split has {plural(len(rows), 'row')}, all shown", markup=False)
+        console.print(
+            f"\nthe training split has {plural(len(rows), _row_name(cfg))}, all shown", markup=False
+        )
     return 0
 
 
@@ -81,11 +84,17 @@ def header(cfg: Config) -> str:
     )
 
 
+def _row_name(cfg: Config) -> str:
+    """What a row of the data is to the run: a pair under dpo and orpo (KTO reads a pair as two
+    answers, so a row there is a row)."""
+    return ITEM_NAMES[cfg.train.objective] if cfg.train.objective in PAIRED else "row"
+
+
 def preview_row(formatter: ChatFormatter, row: Row, i: int, cfg: Config) -> list[str | Text]:
     """Training row `i`: where it is from, the example with its trained tokens marked, its counts;
     a pair's sides (or KTO's answers) each so under its name, a blank line between them, cut to
     the run's `[dpo]` limits. A row that cannot fit is refused, as training refuses it."""
-    lines: list[str | Text] = [f"--- training row {i}: {row.origin} ({row_format(row)}) ---"]
+    lines: list[str | Text] = [f"--- training {_row_name(cfg)} {i}: {row.origin} ({row_format(row)}) ---"]
     policy = f"data.truncation={cfg.data.truncation}"
     if cfg.train.objective != "sft" and cuts(cfg.dpo):  # the prompt's start, the answers' end
         policy = f"dpo.max_prompt_length={cfg.dpo.max_prompt_length}, "
