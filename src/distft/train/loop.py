@@ -97,7 +97,6 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
     lock = run_lock(Path(cfg.output.dir)) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with lock:
         run = setup(cfg, dataset, hooks.health)
-        attach_reference(run)  # DPO with dpo.precompute_reference: scored once, before the first step
         # From here SIGINT/SIGTERM only ask the loop to stop at its next step boundary.
         with signals.deferred():
             result = steps_and_export(run, hooks)
@@ -200,7 +199,8 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
 
 def start_outputs(run: Run, progress: TrainingProgress, layout: list[str]) -> MetricsWriter | None:
     """Print the header (and where a resume starts; `layout`: lines on how the strategy placed the
-    model, a pipeline's cut); open `metrics.jsonl` on the main rank."""
+    model, a pipeline's cut); score the reference (`dpo.precompute_reference`); open
+    `metrics.jsonl` on the main rank."""
     cfg, env = run.cfg, run.env
     progress.header(
         cfg,
@@ -224,6 +224,7 @@ def start_outputs(run: Run, progress: TrainingProgress, layout: list[str]) -> Me
         skipped = "".join(f"{note}, set aside as .damaged-*; " for note in run.skipped_checkpoints)
         resuming = f"{skipped}resuming from {run.checkpoint} (step {run.start_step})"
         progress.console.print(resuming, soft_wrap=True, markup=False)  # a path stays whole
+    attach_reference(run, progress)  # dpo.precompute_reference: scored once, after the header
     return MetricsWriter(run.out / "metrics.jsonl", append=run.start_step > 0) if env.is_main else None
 
 

@@ -6,6 +6,8 @@ bar does not animate) still shows the loss falling.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,23 @@ class TrainingProgress:
             self._progress.console.print(line, soft_wrap=True)  # one step, one line
         if "early_stop" in record:  # the run's last step: validation stopped improving
             self._progress.console.print(stop_line(record["early_stop"]), soft_wrap=True, markup=False)
+
+    @contextlib.contextmanager
+    def counting(self, label: str, total: int, unit: str) -> Iterator[Callable[[int], None]]:
+        """A bar of `total` `unit`s for work before the first step (the reference scored), drawn
+        as the steps' bar is, on the logging rank; yields what advances it."""
+        if not self.enabled:
+            yield lambda n: None
+            return
+        columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit))
+        with Progress(*columns, TimeRemainingColumn(), console=self.console) as bar:
+            task = bar.add_task(label, total=total)
+            yield lambda n: bar.update(task, advance=n)
+
+    def note(self, message: str) -> None:
+        """A line, on the logging rank only."""
+        if self.enabled:
+            self.console.print(message, soft_wrap=True, markup=False)
 
     def warn(self, message: str) -> None:
         """A warning line, on the logging rank only."""

@@ -207,6 +207,12 @@ def with_kl(run: Run, examples: list, batches: list[Batch]) -> None:
         batch["kl"] = kl
 
 
+def eval_batch_count(run: Run) -> int:
+    """Global batches of the validation split an evaluation reads: `train.eval_batches`, as many as
+    it holds (a split smaller than one: all of it, one short batch)."""
+    return max(min(run.cfg.train.eval_batches, len(run.val_set) // run.cfg.train.global_batch_size), 1)
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean token loss over the first `train.eval_batches` global batches of the validation split,
@@ -214,12 +220,11 @@ def evaluate(run: Run) -> float:
     model, strategy, examples = run.model, run.strategy, run.val_set
     model.eval()
     gb = run.cfg.train.global_batch_size
-    n_batches = min(run.cfg.train.eval_batches, len(examples) // gb)
     loss_sum, n_tokens = torch.zeros((), device=run.env.device), 0
     # Compiled blocks hold training graphs; without grad every guard fails. A few batches run
     # eagerly rather than pay a second compile of every block (tens of seconds on a GPU).
     with torch.compiler.set_stance("eager_on_recompile"):
-        for b in range(max(n_batches, 1)):
+        for b in range(eval_batch_count(run)):
             batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
             n_tokens += normaliser(batch, run.cfg)
             batches = rank_batches(batch, strategy, run.cfg, run.pad_id)
