@@ -36,7 +36,7 @@ def test_a_preference_run_names_its_objective_and_prints_margin_and_accuracy(tmp
         "global batch 4 pairs = micro-batch 4 x accumulation 1 x data-parallel ranks 1; up to 2,048 " in out
     )
     assert re.search(r"split +┃ pairs ┃ .* ┃ truncated pairs ┃", out)
-    assert re.search(r"│ train +│ 16 +│", out)
+    assert re.search(r"│ train +│ 16 +│", out) and "2 steps of DPO (LoRA, this run)" in " ".join(out.split())
     assert re.search(r"^reference .* 12/12 pairs", out, re.MULTILINE)
     scores = load_file(tmp_path / "reference_logps.safetensors")
     assert scores["train"].isnan().any(dim=1).sum() == 16 - 8 and not scores["validation"][:4].isnan().any()

@@ -38,7 +38,7 @@ from distft.infer.evaluate import compare, eval_rows, without_reference
 from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
-from distft.io.lineage import base_stages, is_random, origin_text, stage_text
+from distft.io.lineage import base_stages, is_random, origin_text, run_stage, stage_text
 from distft.io.preflight import check_output_path
 from distft.text import console, plural
 from distft.textfiles import decode_utf8
@@ -252,10 +252,7 @@ def model_labels(loaded: Loaded) -> dict[str, str]:
     """What each row of the eval table is: the random preset, then each training stage on top."""
     cfg, lineage = loaded.cfg, loaded.lineage
     if not is_random(lineage):
-        return {
-            "base": cfg.model.name,
-            "finetuned": f"+ {cfg.train.max_steps} steps of {cfg.train.method}",
-        } | start_label(cfg)
+        return {"base": cfg.model.name, "finetuned": f"+ {stage_text(run_stage(cfg))}"} | start_label(cfg)
     earlier, last = base_stages(lineage), lineage["stages"][-1]
     labels = {"untrained": origin_text(lineage), "base": origin_text(lineage)}
     if earlier:
