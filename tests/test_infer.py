@@ -15,7 +15,9 @@ from distft.cli import main
 from distft.config import load_config, to_toml
 from distft.export import model_card
 from distft.infer import Sampling, generate, load_trained
+from distft.infer.commands import model_labels
 from distft.io.files import MANIFEST
+from distft.io.lineage import run_lineage
 from tests.helpers import distft
 
 TRAIN = [
@@ -197,6 +199,24 @@ def test_eval_scores_a_user_file_and_writes_results(run, tmp_path, capsys):
     assert scores["settings"]["max_new_tokens"] == 3
     for model in ("base", "finetuned"):
         assert scores["models"][model]["loss"] > 0 and 0 <= scores["models"][model]["rougeL"] <= 1
+
+
+def test_a_preference_runs_eval_row_names_its_objective(tmp_path):
+    """`distft eval`'s rows say what each stage did: DPO on LoRA, not "steps of LoRA" (an SFT
+    run's stays so), from a random preset's lineage or a pretrained base's."""
+    stage = ["train.max_steps=6", f"output.dir={tmp_path}"]
+    for objective, said in [
+        ("dpo", "+ 6 steps of DPO (LoRA, this run)"),
+        ("sft", "+ 6 steps of LoRA (this run)"),
+    ]:
+        cfg = load_config(None, ["model.name=micro", f"train.objective={objective}", *stage])
+        lineage = run_lineage(cfg, {"preset": "micro", "seed": 0})
+        assert model_labels(SimpleNamespace(cfg=cfg, lineage=lineage, run=str(tmp_path)))["finetuned"] == said
+    kto = load_config(None, ["model.name=org/base", "train.objective=kto", *stage])
+    loaded = SimpleNamespace(
+        cfg=kto, lineage={"origin": {"model": "org/base"}, "stages": []}, run=str(tmp_path)
+    )
+    assert model_labels(loaded) == {"base": "org/base", "finetuned": "+ 6 steps of KTO (LoRA)"}
 
 
 # ---- every data format: a row's prompt is its turns before the last answer --------------------

@@ -54,6 +54,11 @@ def test_nan_and_infinities_are_refused_everywhere(key, value):
         ("optim.warmup_steps=-1", "`optim.warmup_steps` cannot be negative, got -1 (range: >= 0)."),
         ("lora.dropout=1", "`lora.dropout` must be below 1, got 1.0 (range: [0, 1))."),
         ("lora.alpha=0", "`lora.alpha` must be positive, got 0.0 (range: > 0)."),
+        ("dpo.max_prompt_length=-1", "`dpo.max_prompt_length` cannot be negative, got -1 (range: >= 0)."),
+        (
+            "dpo.max_completion_length=-8",
+            "`dpo.max_completion_length` cannot be negative, got -8 (range: >= 0).",
+        ),
         (
             "data.validation_fraction=1",
             "`data.validation_fraction` must be below 1, got 1.0 (range: (0, 1)).",

@@ -9,10 +9,11 @@ import re
 import pytest
 
 from distft.config import DataConfig
+from distft.config.preference import PreferenceConfig
 from distft.data import ChatFormatter, load_rows, row_from_record
 from distft.data.chat import IGNORE
 from distft.data.formats import messages_of, prompt_and_reference, row_format
-from distft.data.pairs import encode_completions, encode_pairs, rows_of
+from distft.data.pairs import PairSplit, encode_completions, encode_pairs, rows_of
 from distft.data.preference import PreferenceRow
 from distft.errors import DataError
 from tests.helpers import write_jsonl
@@ -230,6 +231,16 @@ def test_unpaired_rows_and_pairs_are_kto_answers_each_with_a_mismatched_one_of_a
     meeting = tokenizer.decode(completions[1].mismatched.input_ids)
     assert "Anna: I own it." in meeting and "Anna, by Friday." in meeting  # its prompt, another's answer
     assert rows_of(completions[:2]) == [completions[0].example, completions[1].example]
+
+
+def test_a_split_of_pairs_counts_each_pair_once(tokenizer):
+    """The run's header says pairs, not their sequences: a pair is cut if either answer is."""
+    rows = [row_from_record(SHAPES[shape], DataConfig(), f"p.jsonl:{i}") for i, shape in enumerate(SHAPES)]
+    formatter = ChatFormatter(tokenizer, DataConfig())
+    summary = PairSplit(encode_pairs(formatter, rows)[0]).summary()
+    assert summary["rows"] == 3 and summary["truncated_rows"] == 0
+    cut = encode_pairs(formatter, rows, PreferenceConfig(max_completion_length=2))[0]
+    assert PairSplit(cut).summary()["truncated_rows"] == 3
 
 
 def test_a_preference_objective_refuses_rows_that_are_not_pairs(tokenizer):

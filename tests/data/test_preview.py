@@ -39,7 +39,7 @@ CHATS = [
         for i in range(2, 6)
     ),
 ]
-ROW = re.compile(r"^--- training row (\d+): (\S+) \((\w+)\) ---$", re.MULTILINE)
+ROW = re.compile(r"^--- training (?:row|pair) (\d+): (\S+) \((\w+)\) ---$", re.MULTILINE)
 
 
 def preview(capsys, *argv: str) -> tuple[str, list[tuple[str, str, str]]]:
@@ -158,6 +158,8 @@ def test_a_pair_shows_both_sides_each_with_its_answer_marked(objective, tmp_path
     answers alone, never the prompt the two share."""
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
     header, rows = preview(capsys, "--data", str(data), "--rows", "6", f"train.objective={objective}")
+    noun = "rows" if objective == "kto" else "pairs"  # KTO reads a pair as two answers: a row stays a row
+    assert f"the training split has 5 {noun}, all shown" in rows[-1][2]
     assert "format preference (detected)" in header and len(rows) == 5  # one held out for validation
     lines = [int(origin.rsplit(":", 1)[1]) for origin, _, _ in rows]
     assert {line % 2 for line in lines} == {0, 1}  # both shapes: answers to a prompt, conversations
@@ -173,6 +175,15 @@ def test_a_pair_shows_both_sides_each_with_its_answer_marked(objective, tmp_path
             assert re.search(r"^\d+ tokens, \d carry loss; not truncated$", text, re.MULTILINE)
         if objective == "kto":
             assert body.count("(desirable):") == 1 and "rejected (undesirable):" in body
+
+
+def test_a_pair_is_shown_cut_to_the_runs_limits(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS * 3)
+    _, rows = preview(capsys, "--data", str(data), "train.objective=dpo", "dpo.max_completion_length=2")
+    for side, text in sides(rows[0][2]).items():
+        (answer,) = marked(text)  # its first two tokens, without the end of its turn
+        assert PAIRS[0][side].startswith(answer) and len(answer) < len(PAIRS[0][side])
+        assert "cut (dpo.max_prompt_length=0, dpo.max_completion_length=2)" in text
 
 
 def test_a_pair_under_sft_shows_its_rejected_side_untrained(tmp_path, capsys):

@@ -82,6 +82,14 @@ def test_dry_run_checks_and_estimates_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
     # A check that fails still fails the dry run, with its one paragraph.
     assert main([*argv, *SHORT, "parallel.shard=4"]) == 2
+    capsys.readouterr()
+    # A preference run counts pairs, each two sequences (the bundled pairs hold out 120 of their own).
+    pairs = ["train", "--model", "micro", "--data", "sample-pairs", "train.objective=dpo", "--dry-run"]
+    assert main([*pairs, "--out", str(out), *SHORT, "data.max_length=160"]) == 0
+    text = capsys.readouterr().out
+    assert "tokenised 16 training pairs and 120 validation pairs in " in text
+    assert "global batch 8 pairs = micro-batch 4 x accumulation 2 x data-parallel ranks 1;" in text
+    assert "160 tokens per sequence, 2 sequences a pair;" in text
 
 
 def test_auto_run_records_predicted_beside_measured(tmp_path):

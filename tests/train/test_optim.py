@@ -19,7 +19,7 @@ from distft.errors import ConfigError
 from distft.model import apply_method, load_base_model
 from distft.parallel import check_config, master_weights
 from distft.train import train
-from distft.train.optim import check_optimizer, lr_lambda, lr_scaling_hint, param_groups
+from distft.train.optim import check_optimizer, lr_lambda, lr_scaling_hint, param_groups, training_lines
 from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, distft, metrics
 
 QUICK = ["model.name=micro", "data.max_length=256", "data.max_rows=8", "train.global_batch_size=4"]
@@ -177,6 +177,12 @@ def test_master_weights_resolve_per_strategy():
     assert resolved() == "fp32" and resolved("parallel.strategy=fsdp") == "fp32"
     assert resolved("parallel.strategy=tp") == "model" and resolved("train.master_weights=model") == "model"
     assert master_weights(load_config(None, ["train.method=full"])) == "model"  # fp32 already
+
+
+def test_a_preference_runs_epochs_count_pairs():
+    cfg = load_config(None, ["train.objective=orpo", "train.epochs=1", "train.global_batch_size=4"])
+    cfg.train.max_steps = 3  # derived from the epochs
+    assert "max_steps 3 = ceil(1 x 12 pairs / global batch 4)" in training_lines(cfg, 12)[1]
 
 
 def test_epochs_and_fp32_masters_in_process(tmp_path, capsys):

@@ -9,6 +9,16 @@ METHODS = ("lora", "qlora", "full")
 OBJECTIVES = ("sft", "dpo", "orpo", "kto")  # train.objective; `distft.model.preference`
 WITH_REFERENCE = ("dpo", "kto")  # the objectives that compare the policy with the model as it starts
 PAIRED = ("dpo", "orpo")  # the objectives that train on pairs of answers (KTO: single answers)
+# What a run counts its data in: a pair is one item of train.global_batch_size (its chosen and
+# rejected sequences travel together), KTO's answers are examples, one sequence each.
+ITEM_NAMES = {"sft": "row", "dpo": "pair", "orpo": "pair", "kto": "example"}
+
+
+def batch_unit(objective: str) -> str:
+    """What a preference run's batch sizes count, after the number (" pairs"); "" for sft's rows."""
+    return "" if objective == "sft" else f" {ITEM_NAMES[objective]}s"
+
+
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")  # dpo.loss_type
 LORA_VARIANTS = ("lora", "dora", "rslora")
 # The projections of a decoder layer, every family's, in the order transformers registers them

@@ -234,6 +234,8 @@ RANGES: dict[str, Range] = {
     "dpo.label_smoothing": Range(0, 0.5, high_open=True),
     "dpo.desirable_weight": POSITIVE,
     "dpo.undesirable_weight": POSITIVE,
+    "dpo.max_prompt_length": NON_NEGATIVE,  # 0: no limit
+    "dpo.max_completion_length": NON_NEGATIVE,
     "moe.aux_loss_coef": NON_NEGATIVE,  # 0: recorded, not added
     "moe.z_loss_coef": NON_NEGATIVE,
     "optim.lr": POSITIVE,

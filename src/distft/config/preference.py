@@ -24,3 +24,8 @@ class PreferenceConfig:
     """DPO and KTO: the reference's log-probabilities computed once, before the first step, with the model
     as it starts, and kept in the run directory for a resume; needed for --method full (derived
     there). Off: the base under the disabled LoRA adapters, in every step's forward."""
+    max_prompt_length: int = 0
+    """DPO, ORPO and KTO: a prompt's last tokens kept, its start cut (TRL's DPOConfig); 0: no limit.
+    Cut before data.max_length applies."""
+    max_completion_length: int = 0
+    """DPO, ORPO and KTO: each answer's first tokens kept, its end cut (TRL's DPOConfig); 0: no limit."""

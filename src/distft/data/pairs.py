@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
-from distft.config import Config, DataConfig
+from distft.config import Config
 from distft.config.choices import PAIRED, WITH_REFERENCE
+from distft.config.preference import PreferenceConfig
 from distft.data.cache import tokenized_splits
 from distft.data.chat import IGNORE, ChatFormatter, Example, split_summary
 from distft.data.formats import ChatRow
+from distft.data.limits import limited_encoder, shared_tokens, within_limits
 from distft.data.messages import Message
 from distft.data.mixture import data_name
 from distft.data.preference import PreferenceRow, UnpairedRow, unpaired
@@ -72,17 +74,6 @@ class Completion:
         return (self.example,)
 
 
-def shared_tokens(a: Example, b: Example) -> int:
-    """The position that predicts the first token where `a` and `b` differ (position t predicts
-    token t+1): every label before it is on tokens both share."""
-    shared = 0
-    for x, y in zip(a.input_ids, b.input_ids, strict=False):
-        if x != y:
-            break
-        shared += 1
-    return max(shared - 1, 0)
-
-
 def labels_from(e: Example, first: int, origin: str, name: str) -> Example:
     """`e` with no label before position `first`; a DataError if none is left."""
     labels = [IGNORE] * first + e.labels[first:]
@@ -102,23 +93,31 @@ def answers_only(chosen: Example, rejected: Example, origin: str) -> Pair:
     )
 
 
-def encode_pairs(formatter: ChatFormatter, rows: list[PreferenceRow]) -> tuple[list[Pair], list[str]]:
-    """Each preference row as a pair of examples (answers only), and the origins of the rows
-    skipped as too long (`data.skip_long_rows`)."""
+def encode_pairs(
+    formatter: ChatFormatter, rows: list[PreferenceRow], limits: PreferenceConfig | None = None
+) -> tuple[list[Pair], list[str]]:
+    """Each preference row as a pair of examples (answers only), cut to `limits`
+    (`within_limits`), and the origins of the rows skipped as too long (`data.skip_long_rows`)."""
     for row in rows:
         if not isinstance(row, PreferenceRow):
             raise DataError(
                 f"{row.origin}: a preference objective (train.objective) trains on pairs of answers "
                 "({prompt, chosen, rejected}, docs/preference.md), and this row is not one."
             )
-    chats = [ChatRow(m, r.origin) for r in rows for m in (r.chosen_messages, r.rejected_messages)]
-    examples = formatter.encode_many(chats)
+    encoder, probes = limited_encoder(formatter, limits)
+    chats = [
+        ChatRow(m, r.origin)
+        for r in rows
+        for m in (r.chosen_messages, r.rejected_messages, _probe(unpaired(r)[0]))[: 3 if probes else 2]
+    ]
+    examples, per = encoder.encode_many(chats), 3 if probes else 2
     pairs, skipped = [], []
-    for row, chosen, rejected in zip(rows, examples[::2], examples[1::2], strict=True):
-        if chosen is None or rejected is None:
+    for i, row in enumerate(rows):
+        sequences = within_limits(examples[per * i : per * i + per], formatter.cfg, limits, row.origin)
+        if sequences is None:
             skipped.append(row.origin)
         else:
-            pairs.append(answers_only(chosen, rejected, row.origin))
+            pairs.append(answers_only(*sequences[:2], row.origin))
     return pairs, skipped
 
 
@@ -138,9 +137,11 @@ def mismatched_partners(rows: list[UnpairedRow]) -> list[int]:
     ]
 
 
-def encode_completions(formatter: ChatFormatter, rows: list[Any]) -> tuple[list[Completion], list[str]]:
-    """Each unpaired row (a pair: two, `unpaired`) as a `Completion`, labels on its answer only, and
-    the origins of the rows skipped as too long (`data.skip_long_rows`)."""
+def encode_completions(
+    formatter: ChatFormatter, rows: list[Any], limits: PreferenceConfig | None = None
+) -> tuple[list[Completion], list[str]]:
+    """Each unpaired row (a pair: two, `unpaired`) as a `Completion`, labels on its answer only, cut
+    to `limits` (`within_limits`), and the origins of the rows skipped as too long (`data.skip_long_rows`)."""
     unpaired_rows = []
     for row in rows:
         if isinstance(row, PreferenceRow):
@@ -158,13 +159,14 @@ def encode_completions(formatter: ChatFormatter, rows: list[Any]) -> tuple[list[
         for row, j in zip(unpaired_rows, partners, strict=True)
         for messages in (row.messages, row.prompt + unpaired_rows[j].completion, _probe(row))
     ]
-    examples = formatter.encode_many(chats)
+    examples = limited_encoder(formatter, limits)[0].encode_many(chats)
     completions, skipped = [], []
     for i, row in enumerate(unpaired_rows):
-        answer, mismatched, probe = examples[3 * i : 3 * i + 3]
-        if answer is None or mismatched is None or probe is None:
+        sequences = within_limits(examples[3 * i : 3 * i + 3], formatter.cfg, limits, row.origin)
+        if sequences is None:
             skipped.append(row.origin)
             continue
+        answer, mismatched, probe = sequences
         answer = labels_from(answer, shared_tokens(answer, probe), row.origin, "completion")
         mismatched = labels_from(mismatched, shared_tokens(mismatched, probe), row.origin, "mismatched")
         completions.append(Completion(answer, mismatched, row.desirable))
@@ -265,33 +267,35 @@ class PairSplit:
         return sum(t != IGNORE for e in rows for t in e.labels) / len(rows)
 
     def summary(self) -> dict[str, float]:
+        """`split_summary` of the sequences, counting a pair once: cut where either side is."""
         rows = [e for p in self.pairs for e in p.rows]
-        return split_summary(
+        summary = split_summary(
             [len(e.input_ids) for e in rows], [e.truncated_tokens for e in rows], self.skipped
         )
+        cut = sum(any(e.truncated_tokens for e in p.rows) for p in self.pairs)
+        return summary | {"rows": len(self.pairs), "truncated_rows": cut}
 
 
-def preference_splits(
-    cfg: DataConfig, seed: int, tokenizer: Any, dataset: Any = None, objective: str = "dpo"
-) -> tuple[PairSplit, PairSplit]:
+def preference_splits(cfg: Config, tokenizer: Any, dataset: Any = None) -> tuple[PairSplit, PairSplit]:
     """The train and validation pairs of a preference run (KTO: completions)."""
-    formatter = ChatFormatter(tokenizer, cfg)
-    splits = load_rows(cfg, seed, dataset)
-    encode = encode_completions if objective == "kto" else encode_pairs
-    train, valid = (PairSplit(*encode(formatter, splits[name])) for name in ("train", "validation"))
+    formatter = ChatFormatter(tokenizer, cfg.data)
+    splits = load_rows(cfg.data, cfg.train.seed, dataset)
+    encode = encode_completions if cfg.train.objective == "kto" else encode_pairs
+    train, valid = (PairSplit(*encode(formatter, splits[name], cfg.dpo)) for name in ("train", "validation"))
     return train, valid
 
 
 def training_splits(
-    cfg: DataConfig, objective: str, seed: int, tokenizer: Any, dataset: Any = None, progress: Any = None
+    cfg: Config, tokenizer: Any, dataset: Any = None, progress: Any = None
 ) -> tuple[Any, Any, dict]:
     """A run's train and validation splits and how they were had (`tokenized_splits`): examples
-    for sft, pairs (in memory) for a preference objective."""
-    if objective == "sft":
-        return tokenized_splits(cfg, seed, tokenizer, dataset, progress=progress)
+    for sft, pairs (in memory, so `[dpo]`'s limits need no place in the token cache's key) for a
+    preference objective."""
+    if cfg.train.objective == "sft":
+        return tokenized_splits(cfg.data, cfg.train.seed, tokenizer, dataset, progress=progress)
     start = time.perf_counter()
-    train, valid = preference_splits(cfg, seed, tokenizer, dataset, objective)
-    check_splits(len(train), len(valid), data_name(cfg))
+    train, valid = preference_splits(cfg, tokenizer, dataset)
+    check_splits(len(train), len(valid), data_name(cfg.data))
     return train, valid, {"state": "memory", "path": None, "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -304,4 +308,4 @@ def run_splits(cfg: Config, model: str | None, progress: Any = None) -> tuple[An
         load_tokenizer(model, cfg.model.revision, cfg.data.chat_template), cfg.model.added_tokens
     )
     check_chat_template(tokenizer, cfg.data)  # can the template close a turn, think?
-    return training_splits(cfg.data, cfg.train.objective, cfg.train.seed, tokenizer, progress=progress)
+    return training_splits(cfg, tokenizer, progress=progress)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from distft.config import DataConfig
 from distft.config.choices import PAIRED
+from distft.config.preference import PreferenceConfig
 from distft.data.chat import IGNORE, ChatFormatter, Example, RowTooLong
 from distft.data.formats import ChatRow, Row, row_format
 from distft.data.mixture import source_configs
@@ -112,12 +113,15 @@ class Shown:
     note: str = ""
 
 
-def sequences(formatter: ChatFormatter, row: Row, objective: str) -> list[Shown]:
+def sequences(
+    formatter: ChatFormatter, row: Row, objective: str, limits: PreferenceConfig | None = None
+) -> list[Shown]:
     """What `row` trains as under `objective`: a pair its chosen and its rejected answer (sft: the
-    chosen only), KTO's unpaired row its answer, desirable or not, any other row itself. A row the
-    objective cannot train on is refused as training refuses it."""
+    chosen only), KTO's unpaired row its answer, desirable or not, any other row itself; cut to
+    `limits` (the run's `[dpo]`) as training cuts it. A row the objective cannot train on is
+    refused as training refuses it."""
     if objective in PAIRED:
-        pairs, _ = encode_pairs(formatter, [row])
+        pairs, _ = encode_pairs(formatter, [row], limits)
         chosen, rejected = (pairs[0].chosen, pairs[0].rejected) if pairs else (None, None)
         return [Shown("chosen", chosen), Shown("rejected", rejected)]
     if objective == "kto":
@@ -126,7 +130,7 @@ def sequences(formatter: ChatFormatter, row: Row, objective: str) -> list[Shown]
         for side, unit in (
             zip(("chosen", "rejected"), unpaired(row), strict=True) if pair else [("answer", row)]
         ):
-            completions, _ = encode_completions(formatter, [unit])  # refuses a row that is neither
+            completions, _ = encode_completions(formatter, [unit], limits)  # refuses a row that is neither
             label = "desirable" if unit.desirable else "undesirable"
             shown.append(Shown(f"{side} ({label})", completions[0].example if completions else None))
         return shown

@@ -32,12 +32,13 @@ from distft.data import (
     prompt_and_reference,
     validation_rows,
 )
+from distft.data.preference import PreferenceRow
 from distft.errors import ConfigError, DataError
 from distft.infer.evaluate import compare, eval_rows, without_reference
 from distft.infer.generate import Generated, Sampling, generate, results_file, truncation_notice
 from distft.infer.load import Loaded, load_trained, preset_notice
 from distft.io.files import atomic_write_text
-from distft.io.lineage import base_stages, is_random, origin_text, stage_text
+from distft.io.lineage import base_stages, is_random, origin_text, run_stage, stage_text
 from distft.io.preflight import check_output_path
 from distft.text import console, plural
 from distft.textfiles import decode_utf8
@@ -213,7 +214,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     rows = eval_rows(loaded, args.data, args.rows)
     scores = compare(loaded, args.run, rows, args.max_new_tokens)
     source = args.data or f"{data_name(loaded.cfg.data)} (validation split)"
-    what = "meetings" if all(isinstance(r, SummaryRow) for r in rows) else "rows"
+    kinds = {"meetings": SummaryRow, "pairs": PreferenceRow}
+    what = next((name for name, kind in kinds.items() if all(isinstance(r, kind) for r in rows)), "rows")
     pairs = "preference_accuracy" in scores["finetuned"]  # preference rows: which answer each prefers
     extra = ("prefers chosen", "log-prob margin") if pairs else ()
     table = Table(
@@ -250,10 +252,7 @@ def model_labels(loaded: Loaded) -> dict[str, str]:
     """What each row of the eval table is: the random preset, then each training stage on top."""
     cfg, lineage = loaded.cfg, loaded.lineage
     if not is_random(lineage):
-        return {
-            "base": cfg.model.name,
-            "finetuned": f"+ {cfg.train.max_steps} steps of {cfg.train.method}",
-        } | start_label(cfg)
+        return {"base": cfg.model.name, "finetuned": f"+ {stage_text(run_stage(cfg))}"} | start_label(cfg)
     earlier, last = base_stages(lineage), lineage["stages"][-1]
     labels = {"untrained": origin_text(lineage), "base": origin_text(lineage)}
     if earlier:

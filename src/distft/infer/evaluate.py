@@ -97,7 +97,7 @@ def preference_scores(loaded: Loaded, rows: list[PreferenceRow]) -> dict[str, fl
     """Of preference rows: the share of pairs whose chosen answer the model finds more likely than
     the rejected one (log-probability, `distft.model.preference.sequence_logps`), and the mean
     margin of log-probabilities, chosen minus rejected."""
-    pairs, _ = encode_pairs(ChatFormatter(loaded.tokenizer, loaded.cfg.data), rows)
+    pairs, _ = encode_pairs(ChatFormatter(loaded.tokenizer, loaded.cfg.data), rows, loaded.cfg.dpo)
     head, margins = LossLM(loaded.model), []
     mb = loaded.cfg.train.micro_batch_size
     for i in range(0, len(pairs), mb):

@@ -60,12 +60,7 @@ def run_lineage(cfg: Config, recipe: dict | None, pretrained: dict | None = None
             "origin": pretrained or {"model": cfg.model.name},
             "stages": [],
         }
-    stage = {
-        "method": cfg.train.method,
-        "steps": cfg.train.max_steps,
-        "data": data_name(cfg.data),  # a mixture named by its sources and weights
-        "run": str(Path(cfg.output.dir).resolve()),
-    }
+    stage = run_stage(cfg) | {"run": str(Path(cfg.output.dir).resolve())}
     # An adapter trained on this very base: its chain goes on, this run's stage marked as its
     # continuation. One trained elsewhere (a foreign PEFT adapter) starts this run's chain anew.
     start = _adapter_lineage(cfg.lora.init_adapter) if cfg.lora.init_adapter else None
@@ -74,6 +69,18 @@ def run_lineage(cfg: Config, recipe: dict | None, pretrained: dict | None = None
     ):
         return {"origin": start["origin"], "stages": [*start["stages"], {**stage, "continues": True}]}
     return {"origin": base["origin"], "stages": [*base["stages"], stage]}
+
+
+def run_stage(cfg: Config) -> dict:
+    """A run's stage in a lineage, but where it ran: a preference run's names its objective (an
+    SFT run's, older lineages' too, say none)."""
+    objective = {"objective": cfg.train.objective} if cfg.train.objective != "sft" else {}
+    return {
+        "method": cfg.train.method,
+        **objective,
+        "steps": cfg.train.max_steps,
+        "data": data_name(cfg.data),
+    }
 
 
 def base_stages(lineage: dict) -> list[dict]:
@@ -123,12 +130,15 @@ def describe(lineage: dict, this_run: str | None = None) -> str:
 
 
 def stage_text(stage: dict, this_run: str | None = None) -> str:
-    """ "400 steps of full finetuning (runs/demo-base)", or "... (this run)"."""
-    text = f"{plural(stage['steps'], 'step')} of {METHOD_NAMES.get(stage['method'], stage['method'])}"
+    """ "400 steps of full finetuning (runs/demo-base)", "30 steps of DPO (LoRA, this run)"."""
+    method = METHOD_NAMES.get(stage["method"], stage["method"])
+    objective = stage.get("objective")
+    said = [method] if objective else []  # a preference objective is what the steps did, on `method`
     run = stage.get("run")
-    if run and this_run and run == str(Path(this_run).resolve()):
-        return f"{text} (this run)"
-    return f"{text} ({_short(run)})" if run else text
+    if run:
+        said.append("this run" if this_run and run == str(Path(this_run).resolve()) else _short(run))
+    text = f"{plural(stage['steps'], 'step')} of {objective.upper() if objective else method}"
+    return f"{text} ({', '.join(said)})" if said else text
 
 
 def origin_text(lineage: dict) -> str:

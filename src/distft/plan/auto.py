@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from distft.config import Config, apply_override, lora_target_names
-from distft.config.choices import PLANNED_SCHEDULES, WITH_REFERENCE
+from distft.config.choices import PLANNED_SCHEDULES, WITH_REFERENCE, batch_unit
 from distft.data import mean_label_tokens
 from distft.data.pairs import rows_per_item, run_splits
 from distft.errors import ConfigError
@@ -313,9 +313,11 @@ def dry_run(cfg: Config) -> int:
         print(line)
     print(
         f"strategy {cfg.parallel.strategy} on {plural(cfg.world_size, 'process')}: global batch "
-        f"{cfg.train.global_batch_size} = micro-batch {shape.micro_batch_size} x accumulation "
-        f"{shape.accumulation_steps} x data-parallel ranks {shape.data_parallel_size}; "
-        f"{cfg.data.max_length} tokens per sequence; optim.lr {cfg.optim.lr:g}"
+        f"{cfg.train.global_batch_size}{batch_unit(cfg.train.objective)} = micro-batch {shape.micro_batch_size} "
+        f"x accumulation {shape.accumulation_steps} x data-parallel ranks {shape.data_parallel_size}; "
+        f"{cfg.data.max_length} tokens per sequence"
+        + (", 2 sequences a pair" if rows_per_item(cfg.train.objective) > 1 else "")
+        + f"; optim.lr {cfg.optim.lr:g}"
     )
     prediction = cfg.prediction or try_predict(cfg)
     print(prediction_line(prediction) if prediction else "plan: the planner cannot model this model offline")

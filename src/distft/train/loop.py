@@ -73,7 +73,6 @@ def train(cfg: Config, hooks: TrainHooks | None = None, dataset: Any = None) -> 
         # From here SIGINT/SIGTERM only ask the run to stop at its next step boundary, or its next
         # batch of a phase without steps: the reference scoring, a validation, the export.
         with signals.deferred():
-            attach_reference(run)  # DPO with dpo.precompute_reference: scored once, before the first step
             result = steps_and_export(run, hooks)
             env = run.env
             # The parallel model goes before the process group. DDP's C++ reducer holds a reference
@@ -229,7 +228,8 @@ def exported(
 
 def start_outputs(run: Run, progress: TrainingProgress, layout: list[str]) -> MetricsWriter | None:
     """Print the header (and where a resume starts; `layout`: lines on how the strategy placed the
-    model, a pipeline's cut); open `metrics.jsonl` on the main rank."""
+    model, a pipeline's cut); score the reference (`dpo.precompute_reference`); open
+    `metrics.jsonl` on the main rank."""
     cfg, env = run.cfg, run.env
     progress.header(
         cfg,
@@ -254,6 +254,7 @@ def start_outputs(run: Run, progress: TrainingProgress, layout: list[str]) -> Me
         skipped = "".join(f"{note}, set aside as .damaged-*; " for note in run.skipped_checkpoints)
         resuming = f"{skipped}resuming from {run.checkpoint} (step {run.start_step})"
         progress.console.print(resuming, soft_wrap=True, markup=False)  # a path stays whole
+    attach_reference(run, progress)  # dpo.precompute_reference: scored once, after the header
     return MetricsWriter(run.out / "metrics.jsonl", append=run.start_step > 0) if env.is_main else None
 
 

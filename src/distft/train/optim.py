@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from distft.config import Config
+from distft.config.choices import ITEM_NAMES
 from distft.errors import ConfigError
 from distft.parallel import Strategy, master_weights
 from distft.text import plural
@@ -141,7 +142,8 @@ def training_lines(cfg: Config, rows: int) -> list[str]:
     ]
     if t.epochs > 0:
         lines.append(
-            f"train.epochs={t.epochs:g}: max_steps {t.max_steps} = ceil({t.epochs:g} x {rows} rows / "
+            f"train.epochs={t.epochs:g}: max_steps {t.max_steps} = ceil({t.epochs:g} x {rows} "
+            f"{ITEM_NAMES[t.objective]}s / "
             f"global batch {t.global_batch_size})"
         )
     if t.method != "full" and (lora.variant != "lora" or lora.lr_ratio != 1.0):

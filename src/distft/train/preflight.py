@@ -74,6 +74,8 @@ READ_BY_OBJECTIVE = {
     "desirable_weight": ("kto",),
     "undesirable_weight": ("kto",),
     "precompute_reference": WITH_REFERENCE,
+    "max_prompt_length": ("dpo", "orpo", "kto"),
+    "max_completion_length": ("dpo", "orpo", "kto"),
 }
 
 

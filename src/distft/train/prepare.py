@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from distft.config import Config
+from distft.config.choices import ITEM_NAMES
 from distft.data import (
     data_name,
     mean_label_tokens,
@@ -64,12 +65,20 @@ def prepare_data(cfg: Config) -> float | None:
         print(f"tokenised {n:,} examples into {info['path']} in {info['seconds']:.1f} s", flush=True)
     elif info["state"] == "hit":
         print(f"token cache: {info['path']} ({n:,} examples, tokenised before)", flush=True)
+    elif cfg.train.objective != "sft":  # pairs, held in memory: counted as the run counts them
+        item = ITEM_NAMES[cfg.train.objective]
+        print(
+            f"tokenised {plural(len(train), f'training {item}')} and {plural(len(valid), f'validation {item}')} "
+            f"in {info['seconds']:.1f} s",
+            flush=True,
+        )
     if line := skipped_line({"train": train.summary(), "validation": valid.summary()}):
         print(line, flush=True)
     if 0 < len(train) < cfg.train.global_batch_size:  # valid, but not what the user pictures
+        item = ITEM_NAMES[cfg.train.objective]
         print(
             f"distft train: warning: train.global_batch_size={cfg.train.global_batch_size} is more than the "
-            f"{plural(len(train), 'training row')}: every step repeats rows (one step is "
+            f"{plural(len(train), f'training {item}')}: every step repeats {item}s (one step is "
             f"{cfg.train.global_batch_size / len(train):.1f} epochs). Lower train.global_batch_size, or give more rows.",
             file=sys.stderr,
             flush=True,

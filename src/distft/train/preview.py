@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.text import Text
 
 from distft.config import Config, DataConfig, load_config
+from distft.config.choices import ITEM_NAMES, PAIRED
 from distft.data import (
     ChatFormatter,
     Row,
@@ -30,6 +31,7 @@ from distft.data import (
     training_rows,
 )
 from distft.data.chat import Example
+from distft.data.limits import cuts
 from distft.data.preview import Shown, decode, sequences
 from distft.data.tokenizer import with_added_tokens
 from distft.errors import ConfigError
@@ -55,10 +57,12 @@ def cmd_data(args: argparse.Namespace) -> int:
     formatter = ChatFormatter(tokenizer, cfg.data)
     for i, row in enumerate(rows, start=1):
         console.print()
-        for line in preview_row(formatter, row, i, cfg.train.objective):
+        for line in preview_row(formatter, row, i, cfg):
             console.print(line, markup=False)
     if len(rows) < args.rows:  # held-out rows and those past data.max_rows are not trained on
-        console.print(f"\nthe training split has {plural(len(rows), 'row')}, all shown", markup=False)
+        console.print(
+            f"\nthe training split has {plural(len(rows), _row_name(cfg))}, all shown", markup=False
+        )
     return 0
 
 
@@ -80,23 +84,33 @@ def header(cfg: Config) -> str:
     )
 
 
-def preview_row(formatter: ChatFormatter, row: Row, i: int, objective: str = "sft") -> list[str | Text]:
+def _row_name(cfg: Config) -> str:
+    """What a row of the data is to the run: a pair under dpo and orpo (KTO reads a pair as two
+    answers, so a row there is a row)."""
+    return ITEM_NAMES[cfg.train.objective] if cfg.train.objective in PAIRED else "row"
+
+
+def preview_row(formatter: ChatFormatter, row: Row, i: int, cfg: Config) -> list[str | Text]:
     """Training row `i`: where it is from, the example with its trained tokens marked, its counts;
-    a pair's sides (or KTO's answers) each so under its name, a blank line between them. A row
-    that cannot fit is refused, as training refuses it."""
-    lines: list[str | Text] = [f"--- training row {i}: {row.origin} ({row_format(row)}) ---"]
-    for k, shown in enumerate(sequences(formatter, row, objective)):
+    a pair's sides (or KTO's answers) each so under its name, a blank line between them, cut to
+    the run's `[dpo]` limits. A row that cannot fit is refused, as training refuses it."""
+    lines: list[str | Text] = [f"--- training {_row_name(cfg)} {i}: {row.origin} ({row_format(row)}) ---"]
+    policy = f"data.truncation={cfg.data.truncation}"
+    if cfg.train.objective != "sft" and cuts(cfg.dpo):  # the prompt's start, the answers' end
+        policy = f"dpo.max_prompt_length={cfg.dpo.max_prompt_length}, "
+        policy += f"dpo.max_completion_length={cfg.dpo.max_completion_length}"
+    for k, shown in enumerate(sequences(formatter, row, cfg.train.objective, cfg.dpo)):
         if k:
             lines.append("")
         if shown.name:
             lines.append(f"{shown.name}: {shown.note}" if shown.note else f"{shown.name}:")
-        lines += example_lines(formatter, shown)
+        lines += example_lines(formatter, shown, policy)
     return lines
 
 
-def example_lines(formatter: ChatFormatter, shown: Shown) -> list[str | Text]:
-    """One example with its trained tokens marked, and its counts; or why it is not shown (its
-    note, else skipped as too long)."""
+def example_lines(formatter: ChatFormatter, shown: Shown, policy: str) -> list[str | Text]:
+    """One example with its trained tokens marked, and its counts (`policy`: the settings that cut
+    it, if anything did); or why it is not shown (its note, else skipped as too long)."""
     example: Example | None = shown.example
     if example is None:
         return (
@@ -112,7 +126,7 @@ def example_lines(formatter: ChatFormatter, shown: Shown) -> list[str | Text]:
         )
     tokens, trained = len(example.input_ids), sum(s.end - s.start for s in loss_spans(example) if s.trained)
     cut = (
-        f"truncated: {plural(example.truncated_tokens, 'token')} cut (data.truncation={formatter.cfg.truncation})"
+        f"truncated: {plural(example.truncated_tokens, 'token')} cut ({policy})"
         if example.truncated_tokens
         else "not truncated"
     )

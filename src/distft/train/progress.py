@@ -6,6 +6,8 @@ bar does not animate) still shows the loss falling.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from distft.config import Config
+from distft.config.choices import ITEM_NAMES, batch_unit
 from distft.data import data_format, data_name, skipped_line
+from distft.data.pairs import rows_per_item
 from distft.io.lineage import describe, is_random
 from distft.model import is_preset
 from distft.parallel.derive import derived_line
@@ -70,10 +74,13 @@ class TrainingProgress:
                 "this process (docs/security.md)",
                 soft_wrap=True,
             )
-        tokens = cfg.train.global_batch_size * cfg.data.max_length
+        sequences = rows_per_item(cfg.train.objective)  # a pair's two
+        tokens = cfg.train.global_batch_size * sequences * cfg.data.max_length
         c.print(
-            f"global batch {cfg.train.global_batch_size} = micro-batch {micro} x accumulation {accum} "
-            f"x data-parallel ranks {dp}; up to {tokens:,} tokens per optimizer step"
+            f"global batch {cfg.train.global_batch_size}{batch_unit(cfg.train.objective)} = micro-batch "
+            f"{micro} x accumulation {accum} x data-parallel ranks {dp}; up to {tokens:,} tokens per "
+            "optimizer step" + (f" ({sequences} sequences a pair)" if sequences > 1 else ""),
+            soft_wrap=True,
         )
         why = cfg.derived.get("optim.lr", "").partition(": ")[2]
         c.print(f"learning rate {cfg.optim.lr:g}" + (f" (derived: {why})" if why else " (optim.lr)"))
@@ -81,26 +88,7 @@ class TrainingProgress:
             c.print(line, soft_wrap=True)
         for line in training or []:  # optimizer, schedule, LoRA variant, epochs, hints (`train.optim`)
             c.print(line, soft_wrap=True, markup=False)
-        table = Table(
-            "split",
-            "rows",
-            "tokens (median / max)",
-            "truncated rows",
-            "tokens cut (mean / max)",
-            # the format: what `data.format=auto` made of the rows (`distft data preview` shows them)
-            title=f"data: {data_name(cfg.data)}, format {data_format(cfg.data)}, max_length "
-            f"{cfg.data.max_length}, truncation {cfg.data.truncation}",
-            title_justify="left",
-        )
-        for split, s in data.items():
-            table.add_row(
-                split,
-                str(s["rows"]),
-                f"{s['tokens_median']:.0f} / {s['tokens_max']}",
-                str(s["truncated_rows"]),
-                f"{s['truncated_tokens_mean']:.0f} / {s['truncated_tokens_max']}",
-            )
-        c.print(table)
+        c.print(data_table(cfg, data))
         if line := skipped_line(data):
             c.print(line, soft_wrap=True, markup=False)
         if is_random(lineage):  # a random preset or its descendant: say so before the first loss
@@ -156,6 +144,23 @@ class TrainingProgress:
         if "early_stop" in record:  # the run's last step: validation stopped improving
             self._progress.console.print(stop_line(record["early_stop"]), soft_wrap=True, markup=False)
 
+    @contextlib.contextmanager
+    def counting(self, label: str, total: int, unit: str) -> Iterator[Callable[[int], None]]:
+        """A bar of `total` `unit`s for work before the first step (the reference scored), drawn
+        as the steps' bar is, on the logging rank; yields what advances it."""
+        if not self.enabled:
+            yield lambda n: None
+            return
+        columns = (TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit))
+        with Progress(*columns, TimeRemainingColumn(), console=self.console) as bar:
+            task = bar.add_task(label, total=total)
+            yield lambda n: bar.update(task, advance=n)
+
+    def note(self, message: str) -> None:
+        """A line, on the logging rank only."""
+        if self.enabled:
+            self.console.print(message, soft_wrap=True, markup=False)
+
     def warn(self, message: str) -> None:
         """A warning line, on the logging rank only."""
         if self.enabled:
@@ -181,3 +186,28 @@ def _objective_words(cfg: Config) -> str:
     if cfg.train.objective == "sft":
         return ""
     return f" toward the preferred answers, {cfg.train.objective.upper()} (dpo.beta {cfg.dpo.beta:g})"
+
+
+def data_table(cfg: Config, data: dict[str, dict[str, float]]) -> Table:
+    """The header's table of the splits: rows (pairs, KTO's examples), their tokens, what was cut."""
+    item = ITEM_NAMES[cfg.train.objective]  # a pair counts once, its tokens per sequence
+    table = Table(
+        "split",
+        f"{item}s",
+        "tokens (median / max)",
+        f"truncated {item}s",
+        "tokens cut (mean / max)",
+        # the format: what `data.format=auto` made of the rows (`distft data preview` shows them)
+        title=f"data: {data_name(cfg.data)}, format {data_format(cfg.data)}, max_length "
+        f"{cfg.data.max_length}, truncation {cfg.data.truncation}",
+        title_justify="left",
+    )
+    for split, s in data.items():
+        table.add_row(
+            split,
+            str(s["rows"]),
+            f"{s['tokens_median']:.0f} / {s['tokens_max']}",
+            str(s["truncated_rows"]),
+            f"{s['truncated_tokens_mean']:.0f} / {s['truncated_tokens_max']}",
+        )
+    return table

@@ -145,7 +145,7 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
     tokenizer = load_tokenizer(model, cfg.model.revision, cfg.data.chat_template)  # data.chat_template
     tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # model.added_tokens
     # The token cache (built before launch by the CLI), or pairs for a preference objective.
-    splits = training_splits(cfg.data, cfg.train.objective, cfg.train.seed, tokenizer, dataset)
+    splits = training_splits(cfg, tokenizer, dataset)
     train_set, val_set, token_cache = splits
     if cfg.train.epochs > 0:  # the run's length, from the rows every rank counts alike
         cfg.train.max_steps = epoch_steps(cfg, len(train_set))

@@ -217,6 +217,12 @@ def between_batches(run: Run, phase: str, batch: int) -> None:
         raise signals.Interrupted(signum)
 
 
+def eval_batch_count(run: Run) -> int:
+    """Global batches of the validation split an evaluation reads: `train.eval_batches`, as many as
+    it holds (a split smaller than one: all of it, one short batch)."""
+    return max(min(run.cfg.train.eval_batches, len(run.val_set) // run.cfg.train.global_batch_size), 1)
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> float:
     """Mean token loss over the first `train.eval_batches` global batches of the validation split,
@@ -224,13 +230,12 @@ def evaluate(run: Run) -> float:
     model, strategy, examples = run.model, run.strategy, run.val_set
     model.eval()
     gb = run.cfg.train.global_batch_size
-    n_batches = min(run.cfg.train.eval_batches, len(examples) // gb)
     loss_sum, n_tokens = torch.zeros((), device=run.env.device), 0
     # Compiled blocks hold training graphs; without grad every guard fails. A few batches run
     # eagerly rather than pay a second compile of every block (tens of seconds on a GPU).
     try:
         with torch.compiler.set_stance("eager_on_recompile"):
-            for b in range(max(n_batches, 1)):
+            for b in range(eval_batch_count(run)):
                 between_batches(run, "validation", b)
                 batch = [examples[i] for i in range(b * gb, min((b + 1) * gb, len(examples)))]
                 n_tokens += normaliser(batch, run.cfg)
