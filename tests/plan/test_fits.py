@@ -60,8 +60,8 @@ def test_train_says_it_before_launch_and_in_the_dry_run(tmp_path, capsys):
         str(tmp_path / "run"),
     ]
     assert main([*argv, "--dry-run"]) == 0
-    err = capsys.readouterr().err
+    out = capsys.readouterr().out
     assert re.search(
-        r"warning: data\.max_length=128 cuts \d of \d training rows, 8\d% of their tokens", err
-    ), err
-    assert "GiB per process now." in err or "MiB per process now." in err
+        r"\ntruncation: data\.max_length=128 cuts \d of \d training rows, 8\d% of their tokens", out
+    ), out
+    assert "GiB per process now." in out or "MiB per process now." in out

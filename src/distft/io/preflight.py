@@ -27,7 +27,7 @@ def output_bytes(cfg: Config, model_config: PretrainedConfig) -> dict[str, int]:
 
     The model is built on the meta device (no memory, no weights) to count parameters. A
     checkpoint holds the trainable weights and AdamW's two moments, all in the model dtype;
-    keep_last + 1 exist while a new one is written; the exported adapter (or model) exists twice
+    keep_last + 1 exist while a new one is written (one, the last step's, without checkpoint_every); the exported adapter (or model) exists twice
     while it is replaced; a preset's base is saved once.
     """
     from transformers import AutoModelForCausalLM
@@ -46,8 +46,9 @@ def output_bytes(cfg: Config, model_config: PretrainedConfig) -> dict[str, int]:
             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets
         )
     sizes = {"export": 2 * trainable * itemsize}
-    if cfg.output.checkpoint_every:
-        sizes["checkpoints"] = (cfg.output.keep_last + 1) * 3 * trainable * itemsize
+    # The last step is checkpointed before its validation and export, with checkpoint_every=0 too.
+    kept = cfg.output.keep_last + 1 if cfg.output.checkpoint_every else 1
+    sizes["checkpoints"] = kept * 3 * trainable * itemsize
     if base_weights_written(cfg):
         sizes["base"] = total * itemsize
     return sizes

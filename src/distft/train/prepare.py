@@ -84,6 +84,6 @@ def prepare_data(cfg: Config) -> float | None:
             flush=True,
         )
     label_tokens = mean_label_tokens(train)
-    if warning := truncation_warning(cfg, train.summary(), label_tokens):
-        print(f"distft train: warning: {warning}", file=sys.stderr, flush=True)
+    if cut := truncation_warning(cfg, train.summary(), label_tokens):  # beside the rows skipped, said above
+        print(f"truncation: {cut}", flush=True)
     return label_tokens
