@@ -223,11 +223,17 @@ class ChatFormatter:
                     raise
                 examples.append(None)
                 continue
-            target = [self.cfg.train_on_inputs or t for t in target]  # the prompt too?
-            # Position t predicts token t+1: a label wherever the next token is a target.
-            labels = [ids[t + 1] if target[t + 1] else IGNORE for t in range(len(ids) - 1)]
-            examples.append(Example(ids, [*labels, IGNORE], full - len(ids)))
+            examples.append(self._example(ids, target, full))
         return examples
+
+    def _example(self, ids: list[int], target: list[bool], full: int) -> Example:
+        """Position t predicts token t+1: a label wherever the next token is a target (every token,
+        the prompt's too, with data.train_on_inputs)."""
+        if self.cfg.train_on_inputs:
+            labels = ids[1:]
+        else:
+            labels = [i if t else IGNORE for i, t in zip(ids[1:], target[1:], strict=True)]
+        return Example(ids, [*labels, IGNORE], full - len(ids))
 
     def _text_example(self, ids: list[int]) -> Example:
         """Plain text: its tokens and end-of-sequence, all targets, cut by data.truncation to fit."""
