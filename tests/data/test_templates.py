@@ -1,20 +1,21 @@
 """A real checkpoint's own tokenizer and chat template: the end-of-turn token read from the
-template, label masks that cover exactly each answer and its end-of-turn token, and the
-refusals before launch. Tokenizer-only (no model), on Llama 3 and Mistral templates over the
+template, label masks that cover exactly each answer and its end-of-turn token, the ids a server
+gets tokenising the rendered text whole, and the refusals before launch. Tokenizer-only (no model), on Llama 3 and Mistral templates over the
 bundled vocabulary (`tests.chat_templates`)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from distft.config import DataConfig
-from distft.data import ChatFormatter, check_chat_template, load_tokenizer
-from distft.data.formats import ChatRow, Message, SummaryRow
+from distft.data import ChatFormatter, check_chat_template, load_tokenizer, row_from_record
+from distft.data.formats import ChatRow, Message, SummaryRow, messages_of
 from distft.errors import ConfigError
 from tests.chat_templates import tokenizer_dir
-from tests.data.test_formats import assert_shifted, targets
+from tests.data.test_formats import ALPACA, PROMPT_COMPLETION, assert_shifted, targets
 
 CHAT = ChatRow(
     (
@@ -51,6 +52,76 @@ def test_labels_are_each_answer_and_its_end_of_turn(family_tokenizers, style):
     assert tokenizer.decode(example.input_ids) == rendered
     prompt = tokenizer.apply_chat_template(chat[:3], tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(formatter.generation_ids(list(CHAT.messages[:3]))) == prompt
+
+
+RECORDS = {  # a meeting's instruction ends in "." before the transcript, as alpaca's before its input
+    "meeting": {
+        "transcript": "Anna: we ship on Friday.\n\nBob: fine. The budget?",
+        "summary": "Ships Friday.",
+    },
+    "chat": {
+        "messages": [
+            {"role": "user", "content": "Where is it?\n\nThe remote."},
+            {"role": "assistant", "content": "On the table."},
+            {"role": "user", "content": "And the budget?"},
+            {"role": "assistant", "content": "Ten euros."},
+        ]
+    },
+    "prompt_completion": PROMPT_COMPLETION,
+    "alpaca": ALPACA,
+}
+# Every tiny preset (micro, llama-micro, qwen2-micro, mistral-micro) renders with the bundled Qwen3
+# tokenizer and template, thinking off or on; a model directory brings its own (Llama 3, Mistral).
+TEMPLATES = {"presets": False, "presets, thinking": True, "llama3": False, "mistral": False}
+
+
+@pytest.mark.parametrize("record", RECORDS)
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_the_ids_are_the_rendered_text_tokenised_whole(family_tokenizers, tokenizer, template, record):
+    tok = family_tokenizers.get(template, tokenizer)
+    thinking = TEMPLATES[template]
+    cfg = DataConfig(
+        system_prompt="" if template == "mistral" else DataConfig.system_prompt, enable_thinking=thinking
+    )
+    row = row_from_record(RECORDS[record], cfg, "x:1")
+    chat = [{"role": m.role, "content": m.content} for m in messages_of(row, cfg)]
+    end = ChatFormatter(tok, cfg).end.token
+    rendered = tok.apply_chat_template(chat, tokenize=False, enable_thinking=thinking)
+    rendered = rendered[: rendered.rindex(end) + len(end)]  # the template's text after it trains nothing
+    whole = tok.encode(rendered, add_special_tokens=False)
+    example = ChatFormatter(tok, cfg).encode(row)
+    assert example.input_ids == whole and example.truncated_tokens == 0
+    assert_shifted(example)
+    answers = [m["content"] + end for m in chat if m["role"] == "assistant"]
+    answers[-1] = ("<think>\n\n</think>\n\n" if thinking else "") + answers[-1]  # the final answer's opening
+    assert targets(tok, example) == answers
+    prompt = tok.apply_chat_template(
+        chat[:-1], tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+    )
+    assert ChatFormatter(tok, cfg).generation_ids(list(messages_of(row, cfg))[:-1]) == tok.encode(
+        prompt, add_special_tokens=False
+    )
+
+
+@pytest.mark.parametrize("policy", ["head", "tail", "middle"])
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_cut_row_is_a_cut_of_the_whole_tokenization(family_tokenizers, tokenizer, template, policy):
+    tok = family_tokenizers.get(template, tokenizer)
+    transcript = " ".join(f"Speaker {i}: item {i} is done." for i in range(60))
+    row = SummaryRow(transcript, "All done.", "m:1")
+    thinking = TEMPLATES[template]
+    cfg = DataConfig(system_prompt="", enable_thinking=thinking, max_length=160, truncation=policy)
+    whole = ChatFormatter(tok, replace(cfg, max_length=4096)).encode(row)
+    example = ChatFormatter(tok, cfg).encode(row)
+    kept = len(example.input_ids)
+    assert kept == 160 and example.truncated_tokens == len(whole.input_ids) - kept
+    head = next(i for i, (a, b) in enumerate(zip(example.input_ids, whole.input_ids, strict=False)) if a != b)
+    tail = kept - head
+    assert example.input_ids == whole.input_ids[:head] + whole.input_ids[len(whole.input_ids) - tail :]
+    assert (
+        tok.decode(whole.input_ids[head : len(whole.input_ids) - tail]) in transcript
+    )  # only transcript cut
+    assert example.labels[head:] == whole.labels[len(whole.labels) - tail :]  # the answer's labels, as whole
 
 
 def test_llama3_meeting_keeps_its_system_prompt(family_tokenizers):

@@ -1,9 +1,10 @@
 """Training data: rows in six formats (`formats`: summary, chat, prompt/completion, alpaca,
 sharegpt, text), read from files (`files`), the hub or memory (`rows`), several mixed by weight
-(`mixture`); chat tokens with label masks (`chat`), shown as training sees them (`preview`),
-tokenised once into a memory-mapped store every rank opens (`cache`, `store`), the seeded global
-batches every strategy shares (`batches`), the offline Qwen3 tokenizer (`tokenizer`, with Qwen3's
-chat template from `qwen3_template`) and the bundled synthetic meetings (`sample`)."""
+(`mixture`); chat tokens with label masks (`chat`), cut to fit (`truncation`), shown as training
+sees them (`preview`), tokenised once into a memory-mapped store every rank opens (`cache`,
+`store`), the seeded global batches every strategy shares (`batches`), the offline Qwen3
+tokenizer (`tokenizer`, with Qwen3's chat template from `qwen3_template`) and the bundled
+synthetic meetings (`sample`)."""
 
 from distft.data.batches import (
     collate,

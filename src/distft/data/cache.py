@@ -40,7 +40,7 @@ import tokenizers
 import transformers
 
 from distft.config import DataConfig
-from distft.data import chat, files, formats, mixture, rows, store
+from distft.data import chat, files, formats, mixture, rows, store, truncation
 from distft.data.chat import ENCODE_CHUNK, ChatFormatter, TokenizedSplit, tokenize_rows
 from distft.data.formats import Row
 from distft.data.mixture import data_name, mix_splits, source_configs
@@ -93,7 +93,7 @@ def _code_fingerprint() -> str:
     h = hashlib.sha256(
         f"transformers {transformers.__version__} tokenizers {tokenizers.__version__}".encode()
     )
-    for module in (formats, files, chat, rows, mixture, store):
+    for module in (formats, files, chat, truncation, rows, mixture, store):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())  # this module: which rows are kept, the splits' order
     return h.hexdigest()

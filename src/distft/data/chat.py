@@ -3,25 +3,25 @@
 Every row is a conversation (`distft.data.formats.messages_of`): a meeting becomes [system],
 user = instruction + transcript, assistant = summary; a chat row is its own turns. The chat
 template (`tokenizer.apply_chat_template`: the model directory's own, Qwen3's for presets, or
-`data.chat_template` in their place: `distft.data.tokenizer`) renders it with a marker in place
-of each text, so the template's own tokens and each text are tokenised apart and every token
-knows where it came from. What carries loss: each assistant turn's content and the template's
-text after it up to its end-of-turn token (`<|im_end|>`, `<|eot_id|>`, `</s>`: read from the
-template, `distft.data.template`), and whatever the template opens an answer with beyond the
-generation prompt (Qwen3's think block with `data.enable_thinking`). System and user turns carry
-none, unless `data.train_on_inputs`: then every token of the rendered chat is a target (each
-position predicts the next), prompt included.
+`data.chat_template` in their place: `distft.data.tokenizer`) renders the chat's shape once with a
+marker in place of each text; the row's texts go in their places, so the rendered text is the
+template's and every character knows where it came from. The whole text is tokenised at once, as
+a server (llama.cpp, Ollama, vLLM) tokenises the prompt it renders: the ids trained on are the ids
+served, even where a text's last characters merge with what follows (Qwen's "." "\n\n" is one
+token). The tokenizer's character offsets say which tokens each text covers.
 
-Truncation is a policy, counted per row: a chat drops its earliest exchanges first (never the
-last user turn or the final answer); then the longest prompt text (the transcript, a prompt,
-alpaca's input) is cut by `data.truncation` (head / tail / middle). Assistant text is never cut;
-a row whose answer alone leaves no room is refused with its origin.
+What carries loss: each assistant turn's content and the template's text after it up to its
+end-of-turn token (`<|im_end|>`, `<|eot_id|>`, `</s>`: read from the template,
+`distft.data.template`), and whatever the template opens an answer with beyond the generation
+prompt (Qwen3's think block with `data.enable_thinking`); a token with any character of these is
+a target. System and user turns carry none, unless `data.train_on_inputs`: then every token of the
+rendered chat is a target (each position predicts the next), prompt included. A training chat ends
+at its last target token.
 
-A plain-text row (`TextRow`) takes no template: its tokens and the tokenizer's end-of-sequence
-token, every one a target; a longer text is cut to max_length by `data.truncation`.
-
-With `data.skip_long_rows` a row whose answer cannot fit is skipped (`encode_many` gives None for
-it) and counted in the split's summary, instead of refused.
+A row longer than data.max_length is cut by `distft.data.truncation`. A plain-text row
+(`TextRow`) takes no template: its tokens and the tokenizer's end-of-sequence token, every one a
+target. With `data.skip_long_rows` a row whose answer cannot fit is skipped (`encode_many` gives
+None for it) and counted in the split's summary, instead of refused.
 
 Labels are stored already shifted (labels[t] is the token position t predicts), so strategies
 that split the sequence (SP) or the layer stack (PP) need no shift of their own.
@@ -34,21 +34,23 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 from distft.config import DataConfig
 from distft.data.formats import Message, Row, SummaryRow, TextRow, messages_of
 from distft.data.template import EndOfTurn, end_of_turn, marker, opening, render
 from distft.data.tokenizer import with_chat_template
-from distft.errors import DataError
+from distft.data.truncation import (
+    RowTooLong,
+    Span,
+    cut_longest,
+    drop_earliest_exchange,
+    removed,
+    tokens_touching,
+)
 
 IGNORE = -100
-MIN_PROMPT_TOKENS = 32  # below this, what is left of a cut prompt text is meaningless
 _SLOT = re.compile("\x00(\\d+):(\\d+)\x00")  # the marker of part j of message i (`template.marker`)
-
-
-class RowTooLong(DataError):
-    """A row whose answer leaves too little of max_length for its prompt (skipped with data.skip_long_rows)."""
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,23 @@ class Example:
     truncated_tokens: int  # prompt tokens dropped to fit max_length (earlier turns, cut text)
 
 
-@dataclass
-class _Piece:
-    """A run of tokens from one source: template text, or one text of one message."""
+class _Literal(NamedTuple):
+    """Template text of a chat's shape; a target where it belongs to an answer."""
 
-    ids: Sequence[int]
-    target: bool = False  # carries loss
-    part: tuple[int, int] | None = None  # (message, part) of a prompt text truncation may cut (a
-    # text's piece is its own; a template piece, never cut, is shared by every chat of its shape)
+    text: str
+    target: bool = False
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    """A chat's text, with the characters that carry loss and those truncation may cut."""
+
+    text: str
+    targets: list[Span]
+    prompts: list[Span]  # each prompt text (a system or user message's part)
+
+
+_Tokens = tuple[list[int], list[Span]]  # a text's ids and each one's characters
 
 
 class ChatFormatter:
@@ -75,9 +86,8 @@ class ChatFormatter:
         self.tokenizer = with_chat_template(tokenizer, cfg.chat_template)  # data.chat_template, if set
         self.cfg = cfg
         # The template only ever sees markers, so what it renders is a function of the chat's shape
-        # (each message's role and part count): rendered, cut and tokenised once per shape.
-        self._plans: dict[tuple, list[_Piece | tuple[int, int]]] = {}
-        self._known: dict[str, Sequence[int]] = {}  # the texts of the rows `encode_many` is encoding
+        # (each message's role and part count): rendered and cut once per shape.
+        self._plans: dict[tuple, list[_Literal | tuple[int, int]]] = {}
 
     @cached_property
     def end(self) -> EndOfTurn:
@@ -90,14 +100,8 @@ class ChatFormatter:
 
     # ---- rendering ----------------------------------------------------------------------------
 
-    def _ids(self, text: str) -> Sequence[int]:
-        if not text:
-            return ()
-        ids = self._known.get(text)
-        return ids if ids is not None else self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _plan(self, messages: list[Message], generation: bool) -> list[_Piece | tuple[int, int]]:
-        """The chat's template pieces, with (message, part) where each text goes."""
+    def _plan(self, messages: list[Message], generation: bool) -> list[_Literal | tuple[int, int]]:
+        """The chat's template text, with (message, part) where each text goes."""
         shape = (tuple((m.role, len(m.parts)) for m in messages), generation)
         plan = self._plans.get(shape)
         if plan is None:
@@ -124,29 +128,15 @@ class ChatFormatter:
                 self._plans[shape] = plan
         return plan
 
-    def _pieces(self, messages: list[Message], generation: bool) -> list[_Piece]:
-        """The chat as pieces; a training chat (`generation=False`) ends at its last target token."""
-        pieces: list[_Piece] = []
-        for item in self._plan(messages, generation):
-            if isinstance(item, _Piece):
-                pieces.append(item)  # a template piece, shared by every chat of this shape
-            else:
-                i, j = item
-                answer = messages[i].role == "assistant"
-                pieces.append(_Piece(self._ids(messages[i].parts[j]), answer, None if answer else item))
-        while not generation and pieces and not pieces[-1].target:
-            pieces.pop()  # the template's "\n" after the last end-of-turn token predicts nothing
-        return pieces
-
     def _template_text(
         self, text: str, messages: list[Message], before, after, openings: dict[int, str]
-    ) -> list[_Piece]:
+    ) -> list[_Literal]:
         """Template text between two message texts. Closing an answer, it starts with the text up to
         that answer's end-of-turn token (a target); opening one, it ends with the answer's opening
         (a target: Qwen3's think block with thinking on)."""
         in_answer = before and after and before[0] == after[0] and messages[before[0]].role == "assistant"
         if in_answer:
-            return [_Piece(self._ids(text), target=True)]
+            return [_Literal(text, target=True)]
         head = ""
         end = self.end.token
         if before and messages[before[0]].role == "assistant" and end in text:
@@ -156,99 +146,111 @@ class ChatFormatter:
         if not text.endswith(start):  # the opening follows the end of an earlier turn: none here
             start = ""
         text = text[: len(text) - len(start)]
-        pieces = [_Piece(self._ids(head), True), _Piece(self._ids(text)), _Piece(self._ids(start), True)]
-        return [p for p in pieces if p.ids]
+        return [p for p in (_Literal(head, True), _Literal(text), _Literal(start, True)) if p.text]
 
-    # ---- truncation ---------------------------------------------------------------------------
+    def _render(self, messages: list[Message], generation: bool) -> _Rendered:
+        """The chat's text; a training chat (`generation=False`) ends at its last target character."""
+        chunks, targets, prompts, at = [], [], [], 0
+        for item in self._plan(messages, generation):
+            if isinstance(item, _Literal):
+                text, kind = item.text, targets if item.target else None
+            else:
+                message = messages[item[0]]
+                text, kind = message.parts[item[1]], targets if message.role == "assistant" else prompts
+            if text and kind is not None:
+                kind.append((at, at + len(text)))
+            chunks.append(text)
+            at += len(text)
+        text = "".join(chunks)
+        if not generation:  # the template's "\n" after the last end-of-turn token predicts nothing
+            text = text[: targets[-1][1] if targets else 0]
+        return _Rendered(text, targets, prompts)
 
-    def _fit(self, ids: list[int], budget: int) -> list[int]:
-        if len(ids) <= budget:
-            return ids
-        if self.cfg.truncation == "head":
-            return ids[:budget]
-        if self.cfg.truncation == "tail":
-            return ids[-budget:]
-        head = budget // 2
-        return ids[:head] + ids[len(ids) - (budget - head) :]
+    def _tokenize(self, texts: list[str]) -> list[_Tokens]:
+        """Each text's ids and their characters, in one call: a call costs the tokenizer far more
+        than a short text does."""
+        if not texts:
+            return []
+        batch = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(batch["input_ids"], batch["offset_mapping"], strict=True))
 
-    def _cut_longest(self, pieces: list[_Piece], over: int, origin: str | None) -> None:
-        """Cut `over` tokens from the longest prompt text; refuse (with `origin`) if too little is left."""
-        cuttable = [p for p in pieces if p.part is not None]
-        longest = max(cuttable, key=lambda p: len(p.ids), default=None)
-        keep = len(longest.ids) - over if longest else 0
-        if origin is None:  # a generation prompt: keep at least a little of the text, whatever it costs
-            keep = max(keep, MIN_PROMPT_TOKENS)
-        elif keep < MIN_PROMPT_TOKENS:
-            answer = sum(len(p.ids) for p in pieces if p.target)
-            rest = _length(pieces) - answer - (len(longest.ids) if longest else 0)
-            raise RowTooLong(
-                f"{origin}: the answer ({answer} tokens) and the rest of the prompt ({rest} tokens) leave "
-                f"{max(keep, 0)} of data.max_length={self.cfg.max_length} tokens for its longest prompt text "
-                f"(at least {MIN_PROMPT_TOKENS} needed). Raise data.max_length, or skip such rows with "
-                "data.skip_long_rows=true."
-            )
-        if longest:
-            longest.ids = self._fit(longest.ids, keep)
+    def _fit(
+        self, messages: list[Message], rendered: _Rendered, tokens: _Tokens, budget: int, origin: str | None
+    ) -> tuple[list[int], list[bool], int]:
+        """The chat's ids cut to `budget` (earliest exchanges, then the longest prompt text), whether
+        each is a target, and the length of the whole chat. `origin` None: a generation prompt."""
+        ids, offsets = tokens
+        full = len(ids)
+        while len(ids) > budget and drop_earliest_exchange(messages):
+            rendered = self._render(messages, generation=origin is None)
+            ids, offsets = self._tokenize([rendered.text])[0]
+        target = [False] * len(ids)
+        for chars in rendered.targets:
+            # None of the bundled templates merges an answer's first characters with the prompt
+            # before it into one token (it follows a special token or a newline); a token that did
+            # would carry loss, so that the model learns to write all of the answer.
+            lo, hi = tokens_touching(offsets, chars)
+            target[lo:hi] = [True] * (hi - lo)
+        if len(ids) > budget:
+            lo, hi = cut_longest(offsets, rendered.prompts, sum(target), len(ids) - budget, self.cfg, origin)
+            ids, target = ids[:lo] + ids[hi:], target[:lo] + target[hi:]
+        return ids, target, full
 
     # ---- the API ------------------------------------------------------------------------------
 
     def encode(self, row: Row) -> Example:
         """A training example: the whole chat, labels on the assistant tokens, cut to max_length."""
-        if isinstance(row, TextRow):
-            return self._encode_text(row)
-        messages = list(messages_of(row, self.cfg))
-        pieces = self._pieces(messages, generation=False)
-        full = _length(pieces)
-        while _length(pieces) > self.cfg.max_length and _drop_earliest_exchange(messages):
-            pieces = self._pieces(messages, generation=False)
-        if _length(pieces) > self.cfg.max_length:
-            self._cut_longest(pieces, _length(pieces) - self.cfg.max_length, row.origin)
-        input_ids = [t for p in pieces for t in p.ids]
-        target = [self.cfg.train_on_inputs or p.target for p in pieces for _ in p.ids]  # the prompt too?
-        # Position t predicts token t+1: a label wherever the next token is a target.
-        labels = [input_ids[t + 1] if target[t + 1] else IGNORE for t in range(len(input_ids) - 1)]
-        return Example(input_ids, [*labels, IGNORE], full - len(input_ids))
-
-    def _encode_text(self, row: TextRow) -> Example:
-        """Plain text: its tokens and end-of-sequence, all targets, cut by data.truncation to fit."""
-        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        ids = list(self._ids(row.text))
-        full = len(ids) + len(eos)
-        ids = self._fit(ids, self.cfg.max_length - len(eos)) + eos
-        return Example(ids, [*ids[1:], IGNORE], full - len(ids))
-
-    def _encode_or_skip(self, row: Row) -> Example | None:
-        try:
-            return self.encode(row)
-        except RowTooLong:
-            if self.cfg.skip_long_rows:
-                return None
-            raise
+        return self._examples([row], skip=False)[0]  # type: ignore[return-value]
 
     def encode_many(self, rows: Sequence[Row]) -> list[Example | None]:
-        """`encode` for each row, the rows' texts tokenised first in one call: a call costs the
-        tokenizer far more than a short text does. None: a row skipped (data.skip_long_rows)."""
-        texts = list({p for r in rows for m in messages_of(r, self.cfg) for p in m.parts if p})
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        self._known = dict(zip(texts, ids, strict=True))
-        try:
-            return [self._encode_or_skip(r) for r in rows]
-        finally:
-            self._known = {}
+        """`encode` for each row, the rows' texts tokenised in one call. None: a row skipped
+        (data.skip_long_rows)."""
+        return self._examples(rows, skip=self.cfg.skip_long_rows)
+
+    def _examples(self, rows: Sequence[Row], skip: bool) -> list[Example | None]:
+        chats = [None if isinstance(r, TextRow) else list(messages_of(r, self.cfg)) for r in rows]
+        rendered = [None if m is None else self._render(m, generation=False) for m in chats]
+        texts = [r.text if isinstance(r, TextRow) else x.text for r, x in zip(rows, rendered, strict=True)]
+        examples: list[Example | None] = []
+        for row, messages, chat, tokens in zip(rows, chats, rendered, self._tokenize(texts), strict=True):
+            if messages is None:
+                examples.append(self._text_example(tokens[0]))
+                continue
+            try:
+                ids, target, full = self._fit(messages, chat, tokens, self.cfg.max_length, row.origin)
+            except RowTooLong:
+                if not skip:
+                    raise
+                examples.append(None)
+                continue
+            examples.append(self._example(ids, target, full))
+        return examples
+
+    def _example(self, ids: list[int], target: list[bool], full: int) -> Example:
+        """Position t predicts token t+1: a label wherever the next token is a target (every token,
+        the prompt's too, with data.train_on_inputs)."""
+        if self.cfg.train_on_inputs:
+            labels = ids[1:]
+        else:
+            labels = [i if t else IGNORE for i, t in zip(ids[1:], target[1:], strict=True)]
+        return Example(ids, [*labels, IGNORE], full - len(ids))
+
+    def _text_example(self, ids: list[int]) -> Example:
+        """Plain text: its tokens and end-of-sequence, all targets, cut by data.truncation to fit."""
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        full = len(ids) + len(eos)
+        lo, hi = removed((0, len(ids)), self.cfg.max_length - len(eos), self.cfg.truncation)
+        ids = ids[:lo] + ids[hi:] + eos
+        return Example(ids, [*ids[1:], IGNORE], full - len(ids))
 
     def generation_prompt(self, messages: list[Message], reserve: int = 0) -> tuple[list[int], int]:
         """The prompt that asks for the next assistant turn, leaving `reserve` of max_length free,
         cut as training cuts (earliest exchanges, then the longest prompt text); and how many
         tokens were dropped to fit."""
         messages = list(messages)
-        budget = self.cfg.max_length - reserve
-        pieces = self._pieces(messages, generation=True)
-        full = _length(pieces)
-        while _length(pieces) > budget and _drop_earliest_exchange(messages):
-            pieces = self._pieces(messages, generation=True)
-        if _length(pieces) > budget:
-            self._cut_longest(pieces, _length(pieces) - budget, origin=None)
-        ids = [t for p in pieces for t in p.ids]
+        rendered = self._render(messages, generation=True)
+        tokens = self._tokenize([rendered.text])[0]
+        ids, _, full = self._fit(messages, rendered, tokens, self.cfg.max_length - reserve, origin=None)
         return ids, full - len(ids)
 
     def generation_ids(self, messages: list[Message], reserve: int = 0) -> list[int]:
@@ -259,21 +261,6 @@ class ChatFormatter:
         """The generation prompt for a meeting `transcript`, leaving `reserve` tokens of max_length free."""
         messages = messages_of(SummaryRow(transcript, "", "prompt"), self.cfg)
         return self.generation_ids(list(messages[:-1]), reserve)
-
-
-def _length(pieces: list[_Piece]) -> int:
-    return sum(len(p.ids) for p in pieces)
-
-
-def _drop_earliest_exchange(messages: list[Message]) -> bool:
-    """Drop the turns before the second user turn (system messages at the top stay); False if
-    the chat has a single user turn left."""
-    users = [i for i, m in enumerate(messages) if m.role == "user"]
-    if len(users) < 2:
-        return False
-    start = next(i for i, m in enumerate(messages) if m.role != "system")
-    del messages[start : users[1]]
-    return True
 
 
 SKIPPED_NAMED = 5  # the first skipped rows' origins a summary names
