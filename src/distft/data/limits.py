@@ -17,7 +17,8 @@ from dataclasses import replace
 
 from distft.config import DataConfig
 from distft.config.preference import PreferenceConfig
-from distft.data.chat import IGNORE, MIN_PROMPT_TOKENS, ChatFormatter, Example
+from distft.data.chat import IGNORE, ChatFormatter, Example
+from distft.data.truncation import MIN_PROMPT_TOKENS
 from distft.errors import DataError
 
 
