@@ -34,7 +34,9 @@ def test_a_setting_the_run_never_reads_is_said(overrides, line):
 def test_what_the_run_reads_is_never_named():
     for key, readers in READ_BY_OBJECTIVE.items():
         for objective in readers:
-            value = "true" if key == "precompute_reference" else "ipo" if key == "loss_type" else "0.3"
+            value = {"precompute_reference": "true", "loss_type": "ipo"}.get(
+                key, "64" if "length" in key else "0.3"
+            )
             assert said([f"train.objective={objective}", f"dpo.{key}={value}"]) == [], (key, objective)
     assert said(["moe.aux_loss_coef=0.01", "moe.z_loss_coef=0.001"], "qwen3-moe-micro") == []
     assert said([]) == []
