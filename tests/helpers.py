@@ -27,6 +27,7 @@ from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from distft.cli import COMMANDS, command, main
 from distft.data import qwen3_tokenizer
 from distft.model import causal_lm
+from distft.model.presets import MICRO_RANKS
 from distft.parallel.base import unwrap
 from distft.plan.expected import expected_step_bytes
 from distft.plan.model_spec import spec_from_config
@@ -109,6 +110,7 @@ def _environment(extra: dict | None) -> dict[str, str]:
 _SERVER = multiprocessing.get_context("forkserver")
 _SERVER.set_forkserver_preload(["tests.helpers"])
 qwen3_tokenizer()  # loaded once here (~1 s), inherited by every run forked from the server
+qwen3_tokenizer(MICRO_RANKS)  # the micro presets' (`distft.model.presets`)
 for _command in COMMANDS:  # each command's module, which the CLI imports only when the command runs
     command(_command)
 # transformers' table of checkpoint renamings, which peft builds at a process's first adapter

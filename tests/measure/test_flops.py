@@ -9,12 +9,13 @@ from distft.data.chat import IGNORE, Example
 from distft.measure.flops import ModelFlops, StepTime, peak_flops
 from distft.measure.gpus import gpu_for_device_name
 from distft.model import apply_method, load_base_model
+from distft.model.presets import MICRO_VOCAB
 
 # micro: hidden 32, MLP 96, 4 layers, 4 heads x head_dim 8 (q/o: 32x32), 2 KV heads (k/v: 32x16).
 LAYER = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 3 * 32 * 96  # q, k, v, o, gate/up/down = 12,288
 # LoRA r=16 on all seven: r x (in + out) each.
 ADAPTERS = 16 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32) + 2 * (32 + 96) + (96 + 32))  # 9,728
-HEAD = 32 * 151_936
+HEAD = 32 * MICRO_VOCAB
 LAYERS, ATTN = 4, 4 * 8
 
 

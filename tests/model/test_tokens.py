@@ -2,7 +2,7 @@
 of `model.added_tokens`.
 
 One run in this process (`llama-micro`, untied: the embedding trains whole, lm_head's rows of the
-added tokens through peft's trainable tokens; 301 added tokens, so the 151,936-row embedding grows)
+added tokens through peft's trainable tokens; 301 added tokens, so the 4,096-row embedding grows)
 is checked for what it saved, what `distft infer` and plain peft load, and what `distft export`
 merges; one 2-rank FSDP run on the same global batch must train the same. The refusals before
 launch run as dry runs.
@@ -19,14 +19,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from distft.cli import main
 from distft.config import load_config
 from distft.data.cache import cache_key
-from distft.data.tokenizer import qwen3_tokenizer, tokenizer_fingerprint, with_added_tokens
+from distft.data.tokenizer import qwen3_tokenizer, special_token_ids, tokenizer_fingerprint, with_added_tokens
 from distft.infer import load_trained
 from distft.model import apply_method, load_base_model, peft_quietly
+from distft.model.presets import MICRO_RANKS
 from tests.helpers import PARITY, adapter, assert_same_training, distft
 
 ADDED = [f"<|tag{i}|>" for i in range(300)] + ["<|speaker|>"]
-VOCAB = 151_669  # the bundled tokenizer's length
-ROWS = VOCAB + len(ADDED)  # > the presets' 151,936 embedding rows: the embedding grows
+VOCAB = len(special_token_ids(MICRO_RANKS)) + MICRO_RANKS  # the micro presets' tokenizer's length
+ROWS = VOCAB + len(ADDED)  # > the presets' 4,096 embedding rows: the embedding grows
 SPEAKER = ROWS - 1  # the last token added
 EMBED = "base_model.model.model.embed_tokens.weight"  # the trained copy (lora.modules_to_save)
 HEAD_ROWS = "base_model.model.lm_head.token_adapter.trainable_tokens_delta"  # the added tokens' rows
@@ -70,7 +71,7 @@ def test_the_tokens_are_added_and_the_embedding_grows(run):
 def test_the_adapter_holds_the_trained_module_and_rows(run):
     trained, base = adapter(run), load_file(run / "base" / "model.safetensors")
     assert trained[EMBED].shape == (ROWS, 32) and trained[HEAD_ROWS].shape == (len(ADDED), 32)
-    old = base["model.embed_tokens.weight"]  # 151,936 rows: the base as saved, not grown
+    old = base["model.embed_tokens.weight"]  # 4,096 rows: the base as saved, not grown
     changed = (trained[EMBED][: len(old)] != old).any(dim=1)
     assert changed.any() and not changed.all()  # the rows of the tokens the data holds
     config = json.loads((run / "adapter" / "adapter_config.json").read_text())
@@ -81,7 +82,7 @@ def test_the_adapter_holds_the_trained_module_and_rows(run):
 def test_infer_plain_peft_and_export_compute_the_same(run, tmp_path):
     """The adapter alone decides the added rows: plain peft on the base grown any which way, and
     the merged export, compute what `distft infer` loads."""
-    ids = torch.tensor([[9707, SPEAKER, 1879, VOCAB + 5, 13]])
+    ids = torch.tensor([[3707, SPEAKER, 1879, VOCAB + 5, 13]])
     loaded = load_trained(run=str(run)).model
     base = AutoModelForCausalLM.from_pretrained(run / "base")
     base.resize_token_embeddings(ROWS, mean_resizing=False)  # other new rows than training drew
@@ -111,7 +112,7 @@ def test_fsdp_on_two_ranks_trains_what_one_process_does(run, args, tmp_path):
 
 def test_the_added_tokens_are_in_the_token_cache_key():
     cfg = load_config(None, [])
-    shared = qwen3_tokenizer()
+    shared = qwen3_tokenizer(MICRO_RANKS)
     added = with_added_tokens(shared, ["<|speaker|>", "<think>"])  # <think> is Qwen's already
     assert len(shared) == VOCAB and len(added) == VOCAB + 1  # the shared tokenizer is untouched
     assert added.convert_tokens_to_ids("<think>") == shared.convert_tokens_to_ids("<think>")
@@ -127,7 +128,9 @@ def test_a_module_name_is_one_module_and_a_tied_pair_stays_tied():
         None, ["model.name=micro", 'lora.modules_to_save=["norm"]', 'model.added_tokens=["<|x|>"]']
     )
     torch.manual_seed(0)
-    lm = apply_method(load_base_model(cfg.model), cfg, with_added_tokens(qwen3_tokenizer(), ["<|x|>"]))
+    lm = apply_method(
+        load_base_model(cfg.model), cfg, with_added_tokens(qwen3_tokenizer(MICRO_RANKS), ["<|x|>"])
+    )
     extra = {n for n, p in lm.named_parameters() if p.requires_grad and "lora_" not in n}
     assert extra == {
         "base_model.model.model.norm.modules_to_save.default.weight",

@@ -21,6 +21,7 @@ from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
 from distft.model.checkpointing import enable_checkpointing
+from distft.model.presets import MICRO_TOKENS
 from distft.parallel.base import Strategy, unwrap
 from distft.parallel.context import ContextParallel
 from distft.parallel.context.attention import gathered_order, natural_order
@@ -29,7 +30,7 @@ from tests.parallel.test_collectives import run_group
 from tests.parallel.test_families import SETTINGS, resume_step_2
 
 RTOL = 1e-5  # fp32: attention over chunks, gradients summed over ranks (~1e-7 relative)
-PAD = 151_643  # <|endoftext|>
+PAD = MICRO_TOKENS["pad_token_id"]  # <|endoftext|>
 
 
 # ---- the batches -------------------------------------------------------------------------------
@@ -39,13 +40,13 @@ def padded_rows() -> dict[str, torch.Tensor]:
     """(a) Three right-padded rows of 48, 30 and 41 tokens (48 = 6 x 8: no CP fill), loss on tails."""
     g = torch.Generator().manual_seed(1)
     lengths, seq = [48, 30, 41], 48
-    input_ids = torch.randint(0, 5000, (3, seq), generator=g)
+    input_ids = torch.randint(0, 4000, (3, seq), generator=g)
     attention_mask = torch.zeros(3, seq, dtype=torch.long)
     labels = torch.full((3, seq), -100)
     for i, n in enumerate(lengths):
         attention_mask[i, :n] = 1
         input_ids[i, n:] = PAD
-        labels[i, n - 15 : n - 1] = torch.randint(0, 5000, (14,), generator=g)
+        labels[i, n - 15 : n - 1] = torch.randint(0, 4000, (14,), generator=g)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
@@ -54,13 +55,13 @@ def packed_row() -> dict[str, torch.Tensor]:
     fall inside chunks for 2 ranks (L = 16) and 4 ranks (L = 8); loss on each document's tail."""
     g = torch.Generator().manual_seed(3)
     lengths = [11, 23, 7, 23]
-    input_ids = torch.randint(0, 5000, (1, sum(lengths)), generator=g)
+    input_ids = torch.randint(0, 4000, (1, sum(lengths)), generator=g)
     position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     labels = torch.full((1, sum(lengths)), -100)
     start = 0
     for n in lengths:
         end = start + n
-        labels[0, end - 1 - n // 2 : end - 1] = torch.randint(0, 5000, (n // 2,), generator=g)  # last: none
+        labels[0, end - 1 - n // 2 : end - 1] = torch.randint(0, 4000, (n // 2,), generator=g)  # last: none
         start = end
     return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
 
@@ -69,8 +70,8 @@ def odd_rows() -> dict[str, torch.Tensor]:
     """(c) Two one-document rows of 37 tokens (not a multiple of 4 or 8: CP appends a fill), no
     mask, loss on most positions."""
     g = torch.Generator().manual_seed(5)
-    input_ids = torch.randint(0, 5000, (2, 37), generator=g)
-    labels = torch.randint(0, 5000, (2, 37), generator=g)
+    input_ids = torch.randint(0, 4000, (2, 37), generator=g)
+    labels = torch.randint(0, 4000, (2, 37), generator=g)
     labels[:, :5] = -100
     labels[:, -1] = -100
     return {"input_ids": input_ids, "labels": labels}
@@ -81,12 +82,12 @@ BATCHES = {"padded": padded_rows, "packed": packed_row, "odd": odd_rows}
 
 def long_rows(seq: int = 512, rows: int = 4) -> dict[str, torch.Tensor]:
     """Rows long enough that the layers' activations outweigh the loss head (each labelled position
-    keeps 151,936 fp32 log-probabilities): a label every 128 positions, so that at 2 and 4 ranks
+    keeps 4,096 fp32 log-probabilities): a label every 128 positions, so that at 2 and 4 ranks
     every rank's loss head holds the same share of them."""
     g = torch.Generator().manual_seed(7)
-    input_ids = torch.randint(0, 5000, (rows, seq), generator=g)
+    input_ids = torch.randint(0, 4000, (rows, seq), generator=g)
     labels = torch.full((rows, seq), -100)
-    labels[:, 127::128] = torch.randint(0, 5000, (rows, seq // 128), generator=g)
+    labels[:, 127::128] = torch.randint(0, 4000, (rows, seq // 128), generator=g)
     return {"input_ids": input_ids, "labels": labels}
 
 

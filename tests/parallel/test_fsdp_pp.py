@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from distft.cli import build_parser, main
+from distft.model.presets import MICRO_VOCAB
 from distft.plan import make_request, run_command
 from distft.plan.estimate import Request, evaluate, parallelism_for
 from distft.plan.inputs import Parallelism
@@ -189,8 +190,8 @@ def test_fsdp_pp_full_finetuning_and_qlora(method, tmp_path):
     assert a.keys() == b.keys()
     for name in b:
         assert (a[name] - b[name]).norm() <= 1e-5 * b[name].norm(), name
-    if method == "full":  # the tie: this rank's half of the (151,936, 32) fp32 gradient, world scalars
-        assert got[0]["comm_bytes"]["all_reduce"] == 151_936 // 2 * 32 * 4 + 4 + 8
+    if method == "full":  # the tie: this rank's half of the (4,096, 32) fp32 gradient, world scalars
+        assert got[0]["comm_bytes"]["all_reduce"] == MICRO_VOCAB // 2 * 32 * 4 + 4 + 8
 
 
 @pytest.mark.parametrize(

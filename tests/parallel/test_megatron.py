@@ -22,6 +22,7 @@ from distft.distributed import DistEnv
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
 from distft.model import LossLM, apply_method, causal_lm, load_base_model
+from distft.model.presets import MICRO_RANKS, MICRO_TOKENS
 from distft.parallel.base import unwrap
 from distft.parallel.megatron import TensorSequenceParallel
 from distft.parallel.megatron.collectives import all_gather_dim
@@ -37,13 +38,13 @@ def right_padded_batch() -> dict[str, torch.Tensor]:
     """Two sequences of 37 and 30 tokens (odd: SP appends one position), loss on their tails."""
     g = torch.Generator().manual_seed(1)
     lengths, seq = [37, 30], 37
-    input_ids = torch.randint(0, 5000, (2, seq), generator=g)
+    input_ids = torch.randint(0, MICRO_RANKS, (2, seq), generator=g)
     attention_mask = torch.zeros(2, seq, dtype=torch.long)
     labels = torch.full((2, seq), -100)
     for i, n in enumerate(lengths):
         attention_mask[i, :n] = 1
-        input_ids[i, n:] = 151_643  # pad token
-        labels[i, n - 12 : n - 1] = torch.randint(0, 5000, (11,), generator=g)
+        input_ids[i, n:] = MICRO_TOKENS["pad_token_id"]
+        labels[i, n - 12 : n - 1] = torch.randint(0, MICRO_RANKS, (11,), generator=g)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 

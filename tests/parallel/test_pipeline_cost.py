@@ -14,6 +14,7 @@ from distft.config import load_config
 from distft.errors import ConfigError
 from distft.measure.pipeline import modelled_cut, replay
 from distft.model import PRESETS
+from distft.model.presets import MICRO_VOCAB
 from distft.parallel import STRATEGIES
 from distft.parallel.pipeline import SCHEDULES, Layout, layout
 from distft.parallel.pipeline.cost import (
@@ -32,7 +33,7 @@ from distft.plan.model_spec import resolve_model
 # micro: hidden 32, MLP 96, 4 heads x 8 (q/o 32 x 32), 2 KV heads (k/v 32 x 16): tests/measure/test_flops.py.
 LAYER = 32 * 32 + 32 * 16 + 32 * 16 + 32 * 32 + 3 * 32 * 96  # 12,288 base weights per layer
 ADAPTERS = 16 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32) + 2 * (32 + 96) + (96 + 32))  # r = 16
-HEAD = 32 * 151_936
+HEAD = 32 * MICRO_VOCAB
 
 
 def key(cut, layer_costs, first, last):

@@ -46,7 +46,7 @@ from distft.measure.flops import ModelFlops, peak_flops
 from distft.model import peft_quietly
 from distft.model.build import EXPERT_PARAMETERS, lora_targets
 from distft.model.families import FAMILIES
-from distft.model.presets import DTYPES, PRESETS
+from distft.model.presets import DTYPES, PRESETS, tokenizer_ranks
 from distft.train.metrics import startup_seconds
 
 
@@ -93,7 +93,7 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int, 
 def distft_rows(model: str, overrides: list[str], seed: int) -> tuple[list[Example], int]:
     """(the training rows distft tokenizes for `model` under `overrides`, the pad id)."""
     cfg = load_config(None, [f"model.name={model}", f"train.seed={seed}", *overrides])
-    tokenizer = load_tokenizer(None if model in PRESETS else model)
+    tokenizer = load_tokenizer(None if model in PRESETS else model, ranks=tokenizer_ranks(model))
     formatter = ChatFormatter(tokenizer, cfg.data)
     return tokenize_rows(load_rows(cfg.data, seed=seed)["train"], formatter).examples, tokenizer.pad_token_id
 

@@ -299,13 +299,16 @@ def training_splits(
     return train, valid, {"state": "memory", "path": None, "seconds": round(time.perf_counter() - start, 3)}
 
 
-def run_splits(cfg: Config, model: str | None, progress: Any = None) -> tuple[Any, Any, dict]:
+def run_splits(
+    cfg: Config, model: str | None, ranks: int | None = None, progress: Any = None
+) -> tuple[Any, Any, dict]:
     """A run's train and validation splits (`training_splits`), tokenised with its model's tokenizer
-    (`model`: a directory or hub id; None for a preset's bundled one) and added tokens, its chat
+    (`model`: a directory or hub id; None for a preset's bundled one, cut to `ranks` ranks where the
+    preset says so) and added tokens, its chat
     template checked: what `distft train` reads before launch, and what `distft plan --config`
     measures the rows' labelled positions on."""
     tokenizer = with_added_tokens(
-        load_tokenizer(model, cfg.model.revision, cfg.data.chat_template), cfg.model.added_tokens
+        load_tokenizer(model, cfg.model.revision, cfg.data.chat_template, ranks), cfg.model.added_tokens
     )
     check_chat_template(tokenizer, cfg.data)  # can the template close a turn, think?
     return training_splits(cfg, tokenizer, progress=progress)

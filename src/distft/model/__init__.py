@@ -10,7 +10,7 @@ from transformers.utils import logging as transformers_logging
 
 from distft.model.build import apply_method, load_base_model, model_config, peft_quietly
 from distft.model.lm import LossLM, causal_lm, count_parameters, summed_loss
-from distft.model.presets import DTYPES, PRESETS, is_preset
+from distft.model.presets import DTYPES, PRESETS, is_preset, tokenizer_ranks
 
 __all__ = [
     "DTYPES",
@@ -24,6 +24,7 @@ __all__ = [
     "model_config",
     "peft_quietly",
     "summed_loss",
+    "tokenizer_ranks",
 ]
 
 

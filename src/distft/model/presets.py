@@ -8,9 +8,12 @@ two CPU cores in minutes and `micro` serves the test suite; both keep Qwen3-4B's
 embeddings, q/k RMSNorm, grouped KV heads, and a head_dim decoupled from hidden_size / num_heads.
 `llama-micro`, `qwen2-micro` and `mistral-micro` (and `-tiny`) are the same sizes in the other
 families, each with what makes its family differ: untied embeddings and Llama 3.1's rope scaling
-(llama), q/k/v biases (qwen2), untied embeddings (mistral). The random test presets keep the
-bundled Qwen3 tokenizer's vocabulary and token ids; the real sizes have their own. The planner
-derives its model specs from this table too.
+(llama), q/k/v biases (qwen2), untied embeddings (mistral). `tiny` and its family copies keep the
+bundled Qwen3 tokenizer's vocabulary and token ids; the `micro` presets tokenize with the same BPE
+cut to its first 4,064 ranks (`tokenizer_ranks`, `distft.data.tokenizer`): a 4,096-row vocabulary,
+where Qwen3's 151,936 rows would be 98% of a micro model's weights and nearly all of a test step's
+work (its logits). The real sizes have their own. The planner derives its model specs from this
+table too.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Preset:
     # Other names of the released model the planner knows offline (instruct variants: the same
     # shapes); one with an owner/ is a hub id, one without a short name for `hub_id`.
     aliases: tuple[str, ...] = ()
+    # The bundled tokenizer cut to Qwen's first N ranks (`distft.data.tokenizer`); None: all of them.
+    tokenizer_ranks: int | None = None
 
     def to_config(self) -> PretrainedConfig:
         return FAMILIES[self.family].build_config(
@@ -71,12 +76,21 @@ def _test_size(base: Preset, family: str, tie: bool, **extra) -> Preset:
         base.hidden_size, base.intermediate_size, base.num_hidden_layers, base.num_attention_heads,
         base.num_key_value_heads, base.hidden_size // base.num_attention_heads, tie,
         max_position_embeddings=base.max_position_embeddings, initializer_range=base.initializer_range,
-        family=family, extra={**QWEN3_TOKENS, **extra},
+        family=family, vocab_size=base.vocab_size, extra={**base.extra, **extra},
+        tokenizer_ranks=base.tokenizer_ranks,
     )  # fmt: skip
 
 
+# The test presets' tokenizer: Qwen's first 4,064 ranks, its 26 added tokens after them (4,064..
+# 4,089), and an embedding of 4,096 rows (Qwen pads its own to a multiple of 128 too).
+MICRO_RANKS = 4_064
+MICRO_VOCAB = 4_096
+MICRO_TOKENS = {"bos_token_id": MICRO_RANKS, "eos_token_id": MICRO_RANKS + 2, "pad_token_id": MICRO_RANKS}
 # Test-suite model: 4 layers so pipeline tests can place 2 virtual stages on each of 2 ranks.
-MICRO = Preset(32, 96, 4, 4, 2, 8, True, max_position_embeddings=4096, initializer_range=0.1)
+MICRO = Preset(
+    32, 96, 4, 4, 2, 8, True, max_position_embeddings=4096, initializer_range=0.1,
+    vocab_size=MICRO_VOCAB, extra=MICRO_TOKENS, tokenizer_ranks=MICRO_RANKS,
+)  # fmt: skip
 # Default CPU model: Qwen3-4B's shape ratios (4:1 grouped KV, ~3.8x MLP, head_dim decoupled).
 # A wider init than Qwen's 0.02 lets a frozen random base reach confident logits through LoRA
 # alone (tied 64-dim embeddings at 0.02 cap every logit near +-1.3, so the loss cannot fall).
@@ -119,7 +133,7 @@ PRESETS: dict[str, Preset] = {
     # and 8 in miniature).
     "qwen3-moe-micro": Preset(
         32, 96, 4, 4, 2, 8, True, max_position_embeddings=4096, initializer_range=0.1, family="qwen3_moe",
-        extra={**QWEN3_TOKENS, **_MOE_MICRO},
+        vocab_size=MICRO_VOCAB, extra={**MICRO_TOKENS, **_MOE_MICRO}, tokenizer_ranks=MICRO_RANKS,
     ),
     "qwen3-30b-a3b": Preset(
         2048, 6144, 48, 32, 4, 128, False, "Qwen/Qwen3-30B-A3B", family="qwen3_moe",
@@ -176,3 +190,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def is_preset(name: str) -> bool:
     return name in PRESETS
+
+
+def tokenizer_ranks(name: str) -> int | None:
+    """How many of Qwen's ranks the offline tokenizer of preset `name` keeps (None: all, or no preset)."""
+    return PRESETS[name].tokenizer_ranks if name in PRESETS else None

@@ -28,7 +28,7 @@ from distft.errors import ConfigError
 from distft.layout import SPECS, ParallelDims
 from distft.measure.flops import StepTime
 from distft.measure.gpus import gpu_for_device_name
-from distft.model import DTYPES, is_preset
+from distft.model import DTYPES, is_preset, tokenizer_ranks
 from distft.model.nf4 import NF4Spec
 from distft.model.preference import STATS
 from distft.parallel import STRATEGIES, check_config, master_weights
@@ -124,7 +124,8 @@ def data_label_tokens(cfg: Config) -> float | None:
     (`train.prepare`); None where its data or tokenizer cannot be read here (a hub id offline):
     the planner's default then."""
     try:
-        train, _, _ = run_splits(cfg, None if is_preset(cfg.model.name) else cfg.model.name)
+        name = cfg.model.name
+        train, _, _ = run_splits(cfg, None if is_preset(name) else name, tokenizer_ranks(name))
     except ConfigError:
         return None
     return mean_label_tokens(train)

@@ -16,7 +16,7 @@ from distft.data import (
 )
 from distft.data.pairs import run_splits
 from distft.data.tokenizer import template_path
-from distft.model import is_preset
+from distft.model import is_preset, tokenizer_ranks
 from distft.plan import truncation_warning
 from distft.text import plural
 
@@ -59,7 +59,8 @@ def prepare_data(cfg: Config) -> float | None:
             )
 
     # The model's tokenizer and template, or data.chat_template (one that does not parse: refused here).
-    train, valid, info = run_splits(cfg, None if is_preset(cfg.model.name) else cfg.model.name, progress)
+    name = cfg.model.name
+    train, valid, info = run_splits(cfg, None if is_preset(name) else name, tokenizer_ranks(name), progress)
     n = len(train) + len(valid)
     if info["state"] == "built":
         print(f"tokenised {n:,} examples into {info['path']} in {info['seconds']:.1f} s", flush=True)

@@ -35,7 +35,7 @@ from distft.data.limits import cuts
 from distft.data.preview import Shown, decode, sequences
 from distft.data.tokenizer import with_added_tokens
 from distft.errors import ConfigError
-from distft.model import is_preset
+from distft.model import is_preset, tokenizer_ranks
 from distft.text import plural
 
 OPEN, CLOSE = "[[", "]]"  # around each run of tokens that carry loss
@@ -48,7 +48,10 @@ def cmd_data(args: argparse.Namespace) -> int:
         raise ConfigError(f"--rows must be at least 1, got {args.rows}: it is how many rows to show.")
     flags = [f"{field}={getattr(args, flag)}" for flag, field in PREVIEW_FLAGS.items() if getattr(args, flag)]
     cfg = load_config(args.config, [*args.overrides, *flags])
-    tokenizer = load_tokenizer(None if is_preset(cfg.model.name) else cfg.model.name, cfg.model.revision)
+    name = cfg.model.name
+    tokenizer = load_tokenizer(
+        None if is_preset(name) else name, cfg.model.revision, ranks=tokenizer_ranks(name)
+    )
     tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # model.added_tokens
     check_chat_template(tokenizer, cfg.data)  # refused here as `distft train` refuses it
     rows = training_rows(cfg.data, cfg.train.seed, args.rows)

@@ -43,7 +43,15 @@ from distft.io.files import atomic_write_text
 from distft.io.lineage import run_lineage, write_lineage
 from distft.io.save import base_weights_written, save_base
 from distft.measure.flops import ModelFlops, peak_flops
-from distft.model import LossLM, apply_method, causal_lm, count_parameters, is_preset, load_base_model
+from distft.model import (
+    LossLM,
+    apply_method,
+    causal_lm,
+    count_parameters,
+    is_preset,
+    load_base_model,
+    tokenizer_ranks,
+)
 from distft.model.attention import resolve_attention
 from distft.model.build import base_recipe, pretrained_origin
 from distft.model.checkpointing import enable_checkpointing
@@ -142,7 +150,9 @@ def setup(cfg: Config, dataset: Any = None, health_hooks: HealthHooks | None = N
         dataset = list(dataset) if isinstance(dataset, Iterator) else dataset  # read twice
         cfg.data.source = memory_source(dataset)
     model = None if is_preset(cfg.model.name) else cfg.model.name
-    tokenizer = load_tokenizer(model, cfg.model.revision, cfg.data.chat_template)  # data.chat_template
+    tokenizer = load_tokenizer(  # data.chat_template
+        model, cfg.model.revision, cfg.data.chat_template, tokenizer_ranks(cfg.model.name)
+    )
     tokenizer = with_added_tokens(tokenizer, cfg.model.added_tokens)  # model.added_tokens
     # The token cache (built before launch by the CLI), or pairs for a preference objective.
     splits = training_splits(cfg, tokenizer, dataset)
