@@ -16,6 +16,7 @@ from distft.cli import main
 from distft.config import load_config
 from distft.data.tokenizer import qwen3_tokenizer
 from distft.infer import load_trained
+from distft.model.presets import MICRO_RANKS
 from distft.train import train
 
 SHORT = [
@@ -74,7 +75,7 @@ def test_lora_export_equals_the_peft_model(lora):
 
 def test_tokenizer_and_chat_template_round_trip(lora):
     _, _, out = lora
-    tokenizer, original = AutoTokenizer.from_pretrained(out), qwen3_tokenizer()
+    tokenizer, original = AutoTokenizer.from_pretrained(out), qwen3_tokenizer(MICRO_RANKS)
     text = "Anna: the budget is 1,250 euros.\nBen: agreed — ship it on Friday. <|im_end|>"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids == original.encode(text, add_special_tokens=False)

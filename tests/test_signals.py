@@ -108,7 +108,7 @@ def test_ctrl_c_to_every_process_stops_both_ddp_ranks_at_one_step(tmp_path):
 # ---- a phase without steps: the ranks agree before each of its batches ------------------------
 
 # Two steps, validated after the last one only; no checkpoints asked for (the last step's is written anyway).
-FINAL = [*RUN, "train.max_steps=2", "train.eval_batches=2", "data.max_length=160"]
+FINAL = [*RUN, "train.max_steps=2", "train.eval_batches=2", "data.max_length=192"]
 
 
 def test_sigterm_after_the_last_step_stops_both_ddp_ranks_at_one_batch_and_the_resume_finishes(tmp_path):

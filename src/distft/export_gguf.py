@@ -15,9 +15,8 @@ permuted per head (`permute_qk`); Qwen2/3 run llama.cpp's NEOX rope, HF's own. L
 scaling becomes a `rope_freqs.weight` of divisors. Vectors stay float32; matrices take `dtype`.
 Adapter-only writes the LoRA adapter alone (`adapter.lora.alpha`, `<name>.lora_a` = A, `.lora_b` =
 B, rows permuted like W's), which llama.cpp adds as (alpha / r) B A to a GGUF of the base; rsLoRA
-is written as alpha sqrt(r), DoRA and fully trained modules are refused.
-
-`out`: a `.gguf` file, or a directory that gets `model.gguf` (`adapter.gguf`). Every check comes first.
+is written as alpha sqrt(r), DoRA and fully trained modules are refused. `out`: a `.gguf` file, or
+a directory that gets `model.gguf` (`adapter.gguf`). Every check comes first.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ CHECK_TEXT = (
 PRE_TOKENIZERS = {
     "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",  # Qwen1.5 .. Qwen3
     "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",  # Qwen3-Embedding
-    # Qwen's BPE cut to the micro presets' 4,064 ranks (distft.model.presets): Qwen's split, its merges
-    "0f7f7a35e66abf8b3152dfa269f54f94bd9de44a6258727d2c14e76f6d5925b0": "qwen2",
+    "0f7f7a35e66abf8b3152dfa269f54f94bd9de44a6258727d2c14e76f6d5925b0": "qwen2",  # its first 4,064 ranks (micro)
     "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",  # Llama 3
     "63b97e4253352e6f357cc59ea5b583e3a680eaeaf2632188c2b952de2588485e": "tekken",  # Mistral Nemo
 }

@@ -32,6 +32,7 @@ from distft.data import ChatFormatter, load_rows, tokenize_rows
 from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import ConfigError
 from distft.model import apply_method, load_base_model
+from distft.model.presets import MICRO_RANKS
 
 SHAPES = ["--model", "micro", "--seq-len", "256", "--steps", "1", "--warmup", "1", "--global-batch", "2"]
 
@@ -297,7 +298,7 @@ def test_plain_loop_trains_on_distfts_rows(tmp_path):
     # The same rows distft tokenizes: every one cut to exactly the sequence length.
     cfg = load_config(None, [f"data.source={data}", "data.max_length=256"])
     examples = tokenize_rows(
-        load_rows(cfg.data)["train"], ChatFormatter(qwen3_tokenizer(), cfg.data)
+        load_rows(cfg.data)["train"], ChatFormatter(qwen3_tokenizer(MICRO_RANKS), cfg.data)
     ).examples
     assert {len(e.input_ids) for e in examples} == {256}
 

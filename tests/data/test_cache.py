@@ -30,7 +30,9 @@ from distft.data import (
 from distft.data import cache as cache_module
 from distft.data.cache import cache_key, cache_path
 from distft.data.store import META
+from distft.data.tokenizer import qwen3_tokenizer
 from distft.errors import DataError
+from distft.model.presets import MICRO_RANKS
 from tests.helpers import distft, metrics
 
 MEETING = {
@@ -232,7 +234,7 @@ def test_100k_rows_two_ranks_share_one_cache_and_read_only_their_batches(tmp_pat
 
     cfg = DataConfig(source=str(data), max_length=128, cache_dir=str(cache_dir))
     tracemalloc.start()
-    cache = open_or_build(cfg, 0, tokenizer)  # what each rank did, in this process
+    cache = open_or_build(cfg, 0, qwen3_tokenizer(MICRO_RANKS))  # what each rank did, in this process
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert cache.state == "hit" and len(cache.train) + len(cache.validation) == 100_000

@@ -27,9 +27,10 @@ from distft.data import (
     row_from_record,
 )
 from distft.data.cache import cache_key, cache_path, open_or_build
+from distft.data.chat_template import with_chat_template
 from distft.data.formats import ChatRow, Message
 from distft.data.preview import decode, loss_spans
-from distft.data.tokenizer import save_tokenizer, with_chat_template
+from distft.data.tokenizer import save_tokenizer
 from distft.errors import ConfigError, DataError
 from distft.train.prepare import prepare_data, resolve_local_paths
 from tests.data.test_formats import assert_shifted, targets
@@ -332,7 +333,8 @@ def test_preview_marks_the_prompt_as_trained_and_renders_the_custom_template(tmp
     assert main([*argv, "data.train_on_inputs=true", f"data.chat_template={json.dumps(TEMPLATE)}"]) == 0
     out = capsys.readouterr().out
     assert "; the tokenizer of micro, the inline data.chat_template\n" in out  # the header names it
-    assert '[[ user\nSay "hi", then stop.<|im_end|>\n### assistant\nhi<|im_end|>]]' in out, out
+    # Every token but the first carries loss (train_on_inputs): micro's tokenizer reads "###" as "##", "#".
+    assert '\n##[[# user\nSay "hi", then stop.<|im_end|>\n### assistant\nhi<|im_end|>]]' in out, out
     assert "<|im_start|>" not in out  # Qwen3's role headers: not this template's
 
 

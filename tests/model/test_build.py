@@ -16,6 +16,7 @@ from distft.model import PRESETS, load_base_model
 from distft.model.build import base_recipe, rebuild_base
 from distft.model.compile import compile_blocks
 from distft.model.files import check_weight_files
+from distft.model.presets import MICRO_RANKS
 from distft.train import train
 from tests.helpers import distft
 
@@ -157,7 +158,7 @@ def test_a_runs_base_directory_moved_since_is_said_so_by_every_command_that_load
     and export say the directory is gone and where the run recorded it, not that the hub is offline."""
     base, run = tmp_path / "stage-1", tmp_path / "stage-2"
     load_base_model(ModelConfig(name="micro")).save_pretrained(base)
-    qwen3_tokenizer().save_pretrained(base)
+    qwen3_tokenizer(MICRO_RANKS).save_pretrained(base)
     settings = ["train.max_steps=1", "data.max_rows=8", "train.global_batch_size=4", "train.eval_batches=0"]
     assert main(["train", "--model", str(base), *settings, "data.max_length=256", "--out", str(run)]) == 0
     base.rename(tmp_path / "elsewhere")
@@ -175,7 +176,7 @@ def test_trust_remote_code_is_off_unless_set_and_said_when_on(tmp_path, capsys):
     assert ModelConfig().trust_remote_code is False
     model = tmp_path / "model"
     load_base_model(ModelConfig(name="micro")).save_pretrained(model)
-    qwen3_tokenizer().save_pretrained(model)
+    qwen3_tokenizer(MICRO_RANKS).save_pretrained(model)
     run = [
         "train",
         "train.max_steps=1",
@@ -202,7 +203,7 @@ def hub_cache(root, repo: str, commits: dict[str, int]) -> None:
         fields = {**micro.to_dict(), "num_hidden_layers": layers}
         fields.pop("layer_types")  # derived from the layer count
         Qwen3ForCausalLM(type(micro)(**fields)).save_pretrained(folder / "snapshots" / commit)
-        qwen3_tokenizer().save_pretrained(folder / "snapshots" / commit)
+        qwen3_tokenizer(MICRO_RANKS).save_pretrained(folder / "snapshots" / commit)
     (folder / "refs").mkdir()
     (folder / "refs" / "main").write_text(commit)
 

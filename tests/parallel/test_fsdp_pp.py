@@ -35,8 +35,12 @@ STEPS_AND_DATA = {
     "optim.lr",
 }
 SUITE = [a for a in PARITY if a.split("=")[0] in STEPS_AND_DATA]
-# micro, fp32, sequences of 384, global batch 4 of 1-sequence micro-batches: PARITY's shape.
-PLAN = "--model micro --method lora --gpu h100 --precision fp32 --seq-len 384 --micro-batch 1"
+# micro, fp32, sequences of 384, global batch 4 of 1-sequence micro-batches: PARITY's shape, with
+# about as many labelled positions as the suite's summaries (the runtime cuts the pipeline by the
+# data's measured mean; at micro's size the head's cost, and so the cut, depends on it).
+PLAN = (
+    "--model micro --method lora --gpu h100 --precision fp32 --seq-len 384 --micro-batch 1 --label-tokens 96"
+)
 HIDDEN, SEQ = 32, 384
 
 
@@ -62,9 +66,10 @@ def planned_bytes(req: Request, lay: Parallelism) -> dict[str, int]:
     return planned
 
 
-# Stage 0 of 2 on micro: the embedding and layers 0-2 (the balanced cut: lm_head on the labelled
-# positions outweighs micro's layers, so the last stage keeps one; ranks.json records it).
-STAGE_0 = ("0", "1", "2")
+# Stage 0 of 2 on micro: the embedding and layers 0-1 (the balanced cut: lm_head on ~100 labelled
+# positions costs less than one of micro's layers, so the stages split them evenly; ranks.json
+# records it).
+STAGE_0 = ("0", "1")
 
 
 def stage0_bytes(run_dir, reference, layers=STAGE_0) -> tuple[int, int]:
@@ -146,7 +151,7 @@ def test_3d_on_a_mesh_with_one_fsdp_rank(reference, tmp_path):
     tp = first["comm_bytes"]["all_reduce"] - 4 - 8  # TP's all-reduces inside stage 0's layers
     assert first["comm_bytes"] == {"send": activations, "recv": activations, "all_reduce": tp + 12}
     assert planned_bytes(req, lay) == first["comm_bytes"]  # none over one FSDP rank
-    # Per micro-batch, stage 0's n = 3 layers: 2 n forward + 5 n backward - 3 (layer 0's q, k, v
+    # Per micro-batch, stage 0's n = 2 layers: 2 n forward + 5 n backward - 3 (layer 0's q, k, v
     # input is the frozen embedding's output) activation all-reduces, and one (1, 384, r=16) per
     # adapter: 2 row projections in forward, 5 column ones in backward.
     n = len(json.loads((out / "ranks.json").read_text())[0]["pipeline"]["stages"]["0"])

@@ -31,7 +31,7 @@ from tests.helpers import PARITY, adapter, assert_same_training, crashed_copy, d
 # Rows of 160 tokens (PARITY's 384 cost 2.4x as much a step): near the least the sample's rows need.
 MOE = [
     *(a if a != "micro" else "qwen3-moe-micro" for a in PARITY),
-    *("data.max_rows=16", "optim.eps=1e-6", "data.max_length=160"),
+    *("data.max_rows=16", "optim.eps=1e-6", "data.max_length=192"),
 ]
 MOE_STRATEGIES = [name for name, spec in SPECS.items() if spec.runs("moe") and name != "single"]
 

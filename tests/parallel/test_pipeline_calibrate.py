@@ -116,11 +116,13 @@ def _run(tmp_path, tl: dict) -> str:
 
 
 def _pp(*overrides: str):
-    return load_config(None, ["model.name=micro", "parallel.strategy=pp", "parallel.nproc=2", *overrides])
+    """A pp config of `tiny` (4 layers), whose head over Qwen3's whole vocabulary the FLOPs model
+    makes outweigh every layer together (micro's 4,096-row head costs less than one)."""
+    return load_config(None, ["model.name=tiny", "parallel.strategy=pp", "parallel.nproc=2", *overrides])
 
 
 def test_calibrate_cuts_the_new_pipeline_and_records_where_from(tmp_path):
-    # micro (4 layers) measured at 2 stages, its head a little over one layer: the FLOPs model,
+    # tiny (4 layers) measured at 2 stages, its head a little over one layer: the FLOPs model,
     # which makes the head outweigh every layer together, would leave the last stage one layer.
     run = _run(tmp_path, timeline([3, 1], layer=0.25, first=0.0, last=0.375))
     cfg = _pp()
@@ -146,13 +148,13 @@ def test_calibrate_refuses_what_it_cannot_cut(tmp_path):
     with pytest.raises(ConfigError, match=r"and parallel.pp_split=\[2,2\] both set parallel.pp_split"):
         calibrate(_pp("parallel.pp_split=[2,2]"), run, ["parallel.pp_split=[2,2]"])
     six = _run(tmp_path, timeline([3, 3]))
-    with pytest.raises(ConfigError, match="that run's model has 6 decoder layers, micro has 4"):
+    with pytest.raises(ConfigError, match="that run's model has 6 decoder layers, tiny has 4"):
         calibrate(_pp(), six)
 
 
 def test_the_flops_model_disagrees_where_the_head_is_cheap(tmp_path):
-    """The case calibration exists for: measured, micro's head costs less than a layer."""
+    """The case calibration exists for: measured, tiny's head costs less than a layer."""
     cfg = _pp()
-    assert CostModel.for_run(cfg, model_config("micro")).balanced_cut(2) == (3, 1)
+    assert CostModel.for_run(cfg, model_config("tiny")).balanced_cut(2) == (3, 1)
     calibration = calibrate(cfg, _run(tmp_path, timeline([3, 1], layer=0.25, first=0.0, last=0.125)))
     assert calibration.cut == even_cut(4, 2) == (2, 2)

@@ -21,7 +21,7 @@ from distft.config import load_config
 from distft.data import ChatFormatter, count_label_tokens, global_batch_indices, load_rows, tokenize_rows
 from distft.data.tokenizer import load_tokenizer
 from distft.measure.activations import SavedActivations
-from distft.model import LossLM, apply_method, causal_lm, load_base_model, summed_loss
+from distft.model import LossLM, apply_method, causal_lm, load_base_model, summed_loss, tokenizer_ranks
 from distft.model.checkpointing import enable_checkpointing
 from distft.plan.activations import activation_bytes
 from distft.plan.inputs import PRECISIONS, Parallelism, Training, rank_layers
@@ -243,7 +243,8 @@ def test_pipeline_stages_of_the_real_strategy(tmp_path):
     # The rows of that micro-batch, as the loop picks them: the label count sizes the loss's logits.
     cfg = load_config(out / "config.toml")
     train_set = tokenize_rows(
-        load_rows(cfg.data, seed=cfg.train.seed)["train"], ChatFormatter(load_tokenizer(None), cfg.data)
+        load_rows(cfg.data, seed=cfg.train.seed)["train"],
+        ChatFormatter(load_tokenizer(None, ranks=tokenizer_ranks(cfg.model.name)), cfg.data),
     )
     idx = global_batch_indices(0, len(train_set.examples), cfg.train.global_batch_size, cfg.train.seed)
     first = train_set.examples[idx[0]]

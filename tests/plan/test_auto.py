@@ -85,7 +85,7 @@ def test_dry_run_checks_and_estimates_and_writes_nothing(tmp_path, capsys):
     capsys.readouterr()
     # A preference run counts pairs, each two sequences (the bundled pairs hold out 120 of their own).
     pairs = ["train", "--model", "micro", "--data", "sample-pairs", "train.objective=dpo", "--dry-run"]
-    assert main([*pairs, "--out", str(out), *SHORT, "data.max_length=160"]) == 0
+    assert main([*pairs, "--out", str(out), *SHORT, "data.max_length=192"]) == 0
     text = capsys.readouterr().out
     assert "tokenised 16 training pairs and 120 validation pairs in " in text
     assert "global batch 8 pairs = micro-batch 4 x accumulation 2 x data-parallel ranks 1;" in text

@@ -34,7 +34,7 @@ from distft.distributed import DistEnv
 from distft.layout import SPECS
 from distft.measure.activations import SavedActivations
 from distft.measure.comm import CommCounter
-from distft.model import LossLM, apply_method, causal_lm, load_base_model
+from distft.model import LossLM, apply_method, causal_lm, load_base_model, tokenizer_ranks
 from distft.model.nf4 import is_nf4, storage_layout
 from distft.model.router import router_losses
 from distft.parallel import STRATEGIES
@@ -196,7 +196,9 @@ def _count(env, method, name, layout, world, overrides=(), extra=None, label="")
     base = base_model(cfg.model)
     base = base.float() if extra.get("fp32_masters") else base  # as `train.setup` keeps the masters
     tokenizer = (
-        with_added_tokens(qwen3_tokenizer(), cfg.model.added_tokens) if cfg.model.added_tokens else None
+        with_added_tokens(qwen3_tokenizer(tokenizer_ranks(cfg.model.name)), cfg.model.added_tokens)
+        if cfg.model.added_tokens
+        else None
     )
     lm = apply_method(base, cfg, tokenizer)
     router = router_losses(causal_lm(lm).model, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef)  # an MoE's

@@ -11,7 +11,7 @@ import pytest
 from distft.config import load_config
 from distft.data import ChatFormatter, load_rows, load_tokenizer, tokenize_rows
 from distft.measure.flops import ModelFlops, StepTime
-from distft.model import apply_method, load_base_model
+from distft.model import apply_method, load_base_model, tokenizer_ranks
 from distft.train import train
 from distft.train.metrics import predicted_step_seconds, step_time_line
 from distft.train.step import global_batch
@@ -47,7 +47,7 @@ def test_records_carry_flops_per_token_and_a_null_mfu_on_cpu(run, capsys):
     assert records[0]["startup_s"] > 0 and all("startup_s" not in r for r in records[1:])
 
     flops = ModelFlops.from_model(apply_method(load_base_model(cfg.model), cfg))
-    formatter = ChatFormatter(load_tokenizer(None), cfg.data)
+    formatter = ChatFormatter(load_tokenizer(None, ranks=tokenizer_ranks(cfg.model.name)), cfg.data)
     train_set = tokenize_rows(load_rows(cfg.data, seed=cfg.train.seed)["train"], formatter)
     data = SimpleNamespace(cfg=cfg, train_set=train_set)  # what `global_batch` reads of a run
     for record in records:

@@ -42,12 +42,13 @@ import transformers
 from distft.config import DataConfig
 from distft.data import chat, files, formats, mixture, rows, store, truncation
 from distft.data.chat import ENCODE_CHUNK, ChatFormatter, TokenizedSplit, tokenize_rows
+from distft.data.chat_template import with_chat_template
 from distft.data.formats import Row
 from distft.data.mixture import data_name, mix_splits, source_configs
 from distft.data.rows import check_splits, held_out, is_local, load_rows, row_source
 from distft.data.sample import is_sample, sample_files
 from distft.data.store import META, CachedSplit, StoreWriter, open_store
-from distft.data.tokenizer import cache_root, tokenizer_fingerprint, with_chat_template
+from distft.data.tokenizer import cache_root, tokenizer_fingerprint
 from distft.errors import DataError
 
 # Settings that change neither the tokens nor the split: not in the key.

@@ -37,9 +37,9 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from distft.config import DataConfig
+from distft.data.chat_template import with_chat_template
 from distft.data.formats import Message, Row, SummaryRow, TextRow, messages_of
 from distft.data.template import EndOfTurn, end_of_turn, marker, opening, render
-from distft.data.tokenizer import with_chat_template
 from distft.data.truncation import (
     RowTooLong,
     Span,

@@ -11,7 +11,7 @@ A template that cannot serve training is refused with a `ConfigError` before lau
 (`check_chat_template`): none at all (a base checkpoint's tokenizer), one that refuses the chat's
 roles (Mistral v0.1 takes no system message), one that never renders an answer, one whose turn
 ends in no special token, and `data.enable_thinking` on a template without a thinking mode. A
-template given by `data.chat_template` (`distft.data.tokenizer.with_chat_template`) is named by
+template given by `data.chat_template` (`distft.data.chat_template.with_chat_template`) is named by
 that setting in each refusal, with the fix that is the user's to make.
 
 A GGUF export carries the template with the run's `enable_thinking` inside (`trained_template`):
@@ -27,7 +27,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from distft.config import DataConfig
-from distft.data.tokenizer import with_chat_template
+from distft.data.chat_template import with_chat_template
 from distft.errors import ConfigError
 
 

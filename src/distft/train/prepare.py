@@ -14,8 +14,8 @@ from distft.data import (
     mean_label_tokens,
     skipped_line,
 )
+from distft.data.chat_template import template_path
 from distft.data.pairs import run_splits
-from distft.data.tokenizer import template_path
 from distft.model import is_preset, tokenizer_ranks
 from distft.plan import truncation_warning
 from distft.text import plural
