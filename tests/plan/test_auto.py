@@ -89,7 +89,7 @@ def test_dry_run_checks_and_estimates_and_writes_nothing(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tokenised 16 training pairs and 120 validation pairs in " in text
     assert "global batch 8 pairs = micro-batch 4 x accumulation 2 x data-parallel ranks 1;" in text
-    assert "160 tokens per sequence, 2 sequences a pair;" in text
+    assert "192 tokens per sequence, 2 sequences a pair;" in text
 
 
 def test_auto_run_records_predicted_beside_measured(tmp_path):

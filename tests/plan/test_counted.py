@@ -314,10 +314,11 @@ def test_components_exact_and_activations_close(capfd):
     for (method, name, (b, s, labels, pad)), r in acts.items():
         error = (r["predicted"] - r["measured"]) / r["measured"]
         # cp on the CPU also keeps additive masks for its chunks' attention, which the planner
-        # leaves out: the CUDA path runs SDPA with a lower-right causal bias and builds none.
+        # leaves out: the CUDA path runs SDPA with a lower-right causal bias and builds none. At
+        # micro's 4,096-row head they are up to 6% of what a rank keeps.
         worst = max(worst, abs(error)) if name != "cp" else worst
         print(
             f"| {method} | {name} | {b} x {s} ({labels}, {pad}) | {r['measured']:,} | {r['predicted']:,} | {error:+.1%} |"
         )
-        assert abs(error) <= TOLERANCE and (name != "cp" or -0.05 < error <= 0), (method, name, b, s, r)
+        assert abs(error) <= TOLERANCE and (name != "cp" or -0.07 < error <= 0), (method, name, b, s, r)
     assert worst < 0.01, f"the activation model was exact on torch 2.13 CPU kernels; now off by {worst:.1%}"
