@@ -173,10 +173,11 @@ def test_dpo_under_expert_context_and_sequence_parallelism_trains_as_one_process
     trained(cases, 2, tmp_path / "logs")  # one launch
     for strategy in strategies:
         run = tmp_path / strategy
-        # cp sums each answer's log-probability over its sequence shards, and DPO weighs each
-        # token's gradient by its pair's sigmoid (tests/parallel/test_preference.py): one tensor
-        # of the adapter is 1.2e-5 of its norm away after 2 steps.
-        assert_same_training(run, single, rtol=1e-5 if strategy == "fsdp+ep" else 1e-4)
+        # cp sums each answer's log-probability over its sequence shards, fsdp+ep each token's
+        # experts in another order, and DPO weighs each token's gradient by its pair's sigmoid
+        # (tests/parallel/test_preference.py): one tensor of the adapter is up to 5e-5 of its norm
+        # away after 2 steps (fsdp+ep, layer 2's q_proj lora_B).
+        assert_same_training(run, single, rtol=1e-4)
         for got, want in zip(metrics(run), metrics(single), strict=True):
             for name in ("rewards_chosen", "rewards_rejected", "margin", "router_aux_loss"):
                 # differences of log-probabilities near -100: rounding of 1e-7 relative is 1e-5 absolute
