@@ -11,8 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from distft.cli import main
+from distft.io import checkpoint as checkpoint_module
 from distft.io.checkpoint import latest_checkpoint
 from distft.io.files import MANIFEST, atomic_directory, write_manifest
+from distft.io.safe_load import read_metadata
 from tests.helpers import adapter, metrics, run_cli
 
 RUN = [
@@ -193,3 +195,25 @@ def test_checkpoints_hold_no_pickle_and_earlier_ones_still_resume(checkpointed, 
     as_earlier_version(step)
     assert main(["train", "--resume", str(out)]) == 0
     assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]
+
+
+def test_hyperparameters_are_one_entry_and_a_checkpoint_of_one_per_parameter_still_resumes(
+    checkpointed, uninterrupted, tmp_path, monkeypatch
+):
+    """LoRA+'s two groups, each its own lr, go into one JSON entry (`distft.io.param_groups`); a
+    checkpoint written with an entry per parameter and hyperparameter, as before, resumes exactly."""
+    _, step = fresh_copy(checkpointed, tmp_path)
+    keys = read_metadata(step).state_dict_metadata
+    assert "optim.param_groups" in keys and not any(k.startswith("optim.param_groups.") for k in keys)
+    out = tmp_path / "per-parameter"
+    monkeypatch.setattr(checkpoint_module, "packed", lambda optim: optim)  # the earlier format
+    assert main(["train", *RUN, "--checkpoint-every", "3", "--out", str(out)]) == 0
+    monkeypatch.undo()
+    keys = read_metadata(out / "checkpoints" / "step-000003").state_dict_metadata
+    assert "optim.param_groups" not in keys and any(k.startswith("optim.param_groups.") for k in keys)
+    shutil.rmtree(out / "adapter")
+    shutil.rmtree(out / "checkpoints" / "step-000006")
+    assert main(["train", "--resume", str(out)]) == 0
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(uninterrupted)]
+    a, b = adapter(out), adapter(uninterrupted)
+    assert all((a[k] == b[k]).all() for k in b), "bitwise equal in fp32 on CPU"

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from distft.config import Config, config_differences, load_config
 from distft.errors import CheckpointError, ConfigError, DamagedFileError
 from distft.io.files import add_to_manifest, atomic_write_text, damage, write_manifest
+from distft.io.param_groups import PACKED, packed, to_load, unpacked
 from distft.io.safe_load import ForbiddenPickle, SafeLoadPlanner, SafeReader, load_weights_only, read_metadata
 
 CHECKPOINTS = "checkpoints"
@@ -174,7 +175,8 @@ def save_training_state(
         dist.barrier()
     try:
         with _single_process_quietly():
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not distributed)
+            packed_state = {**state, "optim": packed(state["optim"])}  # `distft.io.param_groups`
+            dcp.save(packed_state, checkpoint_id=str(tmp), no_dist=not distributed)
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -231,14 +233,18 @@ def load_training_state(checkpoint: Path, state: dict, scheduler: object, rank: 
     """
     distributed = dist.is_available() and dist.is_initialized()
     try:
-        read_metadata(checkpoint)  # refused here, before DCP would log its own tracebacks about it
+        # Refused here, before DCP's own tracebacks; packed: `distft.io.param_groups`.
+        is_packed = f"optim.{PACKED}" in read_metadata(checkpoint).state_dict_metadata
+        loading = {**state, "optim": to_load(state["optim"])} if is_packed else state
         with _single_process_quietly():
             dcp.load(
-                state,
+                loading,
                 storage_reader=SafeReader(checkpoint),
                 planner=SafeLoadPlanner(),
                 no_dist=not distributed,
             )
+        if is_packed:
+            state["optim"] = unpacked(loading["optim"], state["optim"])
         trainer = _read_trainer(checkpoint)
         rng = _read_rng(checkpoint, rank)
     except (CheckpointException, pickle.UnpicklingError, RuntimeError, ValueError, OSError, KeyError) as err:
