@@ -4,7 +4,7 @@ The optimizer state a strategy saves is flattened by parameter name (`state_dict
 `state.<name>.exp_avg`, and `param_groups.<name>.lr`, `.betas`, `.eps`, ... for every trained
 parameter), so that ranks holding different parameters (pipeline stages) each load their own. DCP
 writes every non-tensor value as its own pickle, planned, gathered and read back one by one: a
-micro LoRA run's 56 adapters gave 670 such entries beside 224 tensors, most of a checkpoint's time.
+micro LoRA run's 56 adapters gave 672 such entries beside 224 tensors, most of a checkpoint's time.
 Here the `param_groups.*` entries become one JSON text under `param_groups`, every rank's names in
 it (gathered before the save, so the copy DCP keeps is the same whoever writes it), and are spread
 back by name on load. A checkpoint written before keeps its per-parameter entries and loads as it was.
