@@ -51,7 +51,7 @@ from distft.train.optim import training_lines
 from distft.train.progress import TrainingProgress
 from distft.train.reference import attach_reference
 from distft.train.setup import Run, setup
-from distft.train.step import evaluate, expected_bytes, global_batch, train_step
+from distft.train.step import evaluate, expected, global_batch, train_step
 from distft.train.tracking import Trackers
 
 
@@ -118,7 +118,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     # ---- outputs --------------------------------------------------------------------------
     cfg, env, tc = run.cfg, run.env, run.cfg.train
     progress = TrainingProgress(enabled=env.is_main, total_steps=tc.max_steps)
-    measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, expected_bytes(run), run.out)
+    measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, expected(run), run.out)
     metrics = start_outputs(run, progress, measure.header_lines())
     trackers = Trackers.open(cfg, run.start_step, enabled=env.is_main)  # output.report_to
     result = TrainResult(output_dir=run.out, first_step=run.start_step + 1)
@@ -183,7 +183,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     # ---- export ---------------------------------------------------------------------------
     straggler = boundary.of(env.rank)
     summary = rank_summary(run, measure.saved_activation_bytes) | measure.rank_record()
-    prediction = prediction_record(run, measure.first_comm_bytes, measure.saved_activation_bytes)
+    prediction = prediction_record(run, measure)
     summary |= {"straggler": straggler, **prediction}
     ranks = export(run, summary)
     if env.is_main:
