@@ -13,7 +13,7 @@ does not, it passes in:
 Likewise the activations the first micro-batch keeps for backward (`expected_activations`, beside
 what `SavedActivations` measured of it): the activation model on that micro-batch's rows, positions
 and documents, on this device's kernels, with the labelled positions this rank's loss runs on (a
-context-parallel rank's share of them), where the run's prediction has the data's mean.
+context-parallel or sequence-parallel rank's share of them), where the run's prediction has the data's mean.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from distft.data import IGNORE
 from distft.errors import ConfigError
 from distft.layout import SPECS
 from distft.parallel import Batch, Strategy
-from distft.parallel.context.model import ContextParallelLM, padded_length
+from distft.parallel.sequence_head import SequenceSplitHead
 from distft.plan.activations import activation_bytes
 from distft.plan.auto import on_cuda, parallelism_of, training_of
 from distft.plan.collective import Topology, bytes_by_dim, bytes_by_kind
@@ -83,13 +83,9 @@ def expected_step_bytes(
 
 
 def _labelled(model: nn.Module, labels: torch.Tensor) -> int:
-    """Labelled positions of `labels` this rank's loss runs on: a context-parallel rank's chunks."""
-    context = next((m for m in model.modules() if isinstance(m, ContextParallelLM)), None)
-    if context is not None:
-        seq = labels.shape[1]
-        index = context.local_positions(padded_length(seq, context.world), labels.device)[1]
-        labels = labels[:, index[index < seq]]  # the fill past the row carries no label
-    return int((labels != IGNORE).sum())
+    """Labelled positions of `labels` this rank's loss runs on (a sequence-split model's own)."""
+    split = next((m for m in model.modules() if isinstance(m, SequenceSplitHead)), None)
+    return int(((split.own_labels(labels) if split else labels) != IGNORE).sum())
 
 
 def expected_activations(
