@@ -87,6 +87,7 @@ def training(method: str, b: int, s: int, labels: int, **kw) -> Training:
         micro_batch=b,
         label_tokens=labels,
         autocast=False,  # distft autocasts on CUDA only
+        device="cpu",  # the kernels measured here (`plan/attention.py`)
         **kw,
     )
 

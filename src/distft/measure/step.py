@@ -7,7 +7,7 @@
   `distft.plan.expected`); later steps show the steady state (DDP rebuilds its buckets after its
   first synced backward).
 - Saved activations (`distft.measure.activations.SavedActivations`) of the first step's first
-  micro-batch.
+  micro-batch, beside the activation model's bytes for it (`expected_saved`).
 - A pipeline's timeline of every step (`distft.measure.pipeline.PipelineTimeline`): idle fractions
   and stage imbalance, measured and modelled, and `DIR/pipeline_timeline.json`; its modelled cut
   also goes to the header (`header_lines`) and ranks.json (`rank_record`).
@@ -32,16 +32,23 @@ class StepMeasurements:
     """`watch(step)` around a step's work, then `report(step, examples)` for its record.
 
     `expected_bytes(examples)`: the bytes a step over those examples should move, per kind and
-    per mesh dimension (or None), or None where no formula models the run.
+    per mesh dimension (or None), or None where no formula models the run; `expected_saved(examples)`:
+    the bytes its first micro-batch should keep for backward on this rank, or None.
     """
 
     def __init__(
-        self, strategy: Strategy, model: nn.Module, first_step: int, expected_bytes: Callable, out: Path
+        self,
+        strategy: Strategy,
+        model: nn.Module,
+        first_step: int,
+        expected: tuple[Callable, Callable],
+        out: Path,
     ):
         self.strategy, self.model, self.first_step = strategy, model, first_step
-        self.expected_bytes = expected_bytes
+        self.expected_bytes, self.expected_saved = expected
         self.timeline = PipelineTimeline(strategy, out) if isinstance(strategy, PipelineParallel) else None
         self.saved_activation_bytes = 0  # of the first step measured, for ranks.json
+        self.expected_activation_bytes: int | None = None  # ... and the activation model's for it
         self.first_comm_bytes: dict[str, int] | None = None  # ... and its collectives' bytes
         every = strategy.cfg.train.measure_comm
         self._counter = CommTimeline() if strategy.env.distributed and every != "off" else None
@@ -84,6 +91,9 @@ class StepMeasurements:
         probe = self.strategy.activation_probe
         if probe is not None:
             self.saved_activation_bytes = record["saved_activation_bytes"] = probe.bytes  # 1st micro-batch
+            self.expected_activation_bytes = self.expected_saved(examples)
+            if self.expected_activation_bytes is not None:
+                record["saved_activation_bytes_expected"] = self.expected_activation_bytes
         if self._measured:
             record["comm_bytes"] = dict(self._counter.stats.bytes)
             record["comm_calls"] = dict(self._counter.stats.calls)

@@ -6,8 +6,9 @@ preference objective needs whole sequences instead, so each sequence's log-proba
 over the ranks first (`sequence_logps`: one all-reduce whose backward sums the ranks' gradient
 shares) and every rank computes the objective's head whole, as its `share` of the loss. A model
 mixes this in and gives `hidden_states` (the final norm's output on its positions, their labels,
-a packed row's documents), `sequence_logps`, `router_term` (an MoE's auxiliary losses over its
-positions), `share` and `adapters_off` (the base under disabled adapters, the reference).
+a packed row's documents), `own_labels` (the labels of its positions, which the planner's figure
+for a running micro-batch counts), `sequence_logps`, `router_term` (an MoE's auxiliary losses over
+its positions), `share` and `adapters_off` (the base under disabled adapters, the reference).
 """
 
 from __future__ import annotations

@@ -144,7 +144,9 @@ def config_request(args: argparse.Namespace, cfg: Config) -> Request:
         memory = memory or gpu.memory
         intra = intra_node_link(gpu, args.interconnect, req.gpus_per_node)
         inter, overhead = inter_node_link(args.interconnect), parse_bytes(args.overhead)
-        req = replace(req, gpu=gpu, gpu_memory=memory, intra=intra, inter=inter, overhead=overhead)
+        training = replace(req.training, device="cuda")  # that GPU's kernels (`plan.attention`)
+        req = replace(req, training=training, gpu=gpu, gpu_memory=memory, intra=intra, inter=inter)
+        req = replace(req, overhead=overhead)
     if args.precision:
         req = replace(req, training=replace(req.training, precision=PRECISIONS[args.precision]))
     tokens = parse_tokens(args.tokens) if args.tokens is not None else None

@@ -8,11 +8,8 @@ term is a tensor autograd keeps, counted once even when several ops save it:
   (4 T w) and the fp32 reciprocal RMS (4 T per row) when its input needs a gradient; with a
   trainable weight also the normalised input in the compute dtype (c T w). The norm's output is
   kept by the projections that read it when their weights (or LoRA adapters) train: c T h once.
-- attention (sdpa, flash-style kernels): q and k after rotary, v, the output (c T d (2nq + 2nkv))
-  and the log-sum-exp (4 T nq). With a padding mask transformers expands k and v to all nq heads
-  and sdpa keeps the mask (c B S^2 per layer). Eager attention keeps the S x S scores instead:
-  the fp32 softmax (4 B nq S^2) and its compute-dtype copy (c B nq S^2 unless c = 4), repeated k
-  and v, and the output's contiguous copy.
+- attention: q, k, v, the output and the log-sum-exp, or the scores, per kernel and device
+  (`plan/attention.py`: CUDA's kernels keep less than the CPU's SDPA paths).
 - MLP: gate output, SiLU output, up output and their product (4 c T I); an MoE block's router
   and routed rows are `plan/experts.py`'s.
 - biases (Qwen2's q/k/v): nothing; a bias's gradient is its output's gradient, summed over tokens.
@@ -21,7 +18,8 @@ term is a tensor autograd keeps, counted once even when several ops save it:
   adapters' fp32, so over a bf16 base each adapter keeps its own copy of its input (4 T in, or
   c T in under bf16 autocast, which also keeps bf16 casts of the adapter weights). LoRA dropout
   makes a copy too, plus a boolean mask. distft's Megatron layers (tp-sp) do not cast.
-- outside the layers: token ids (8 T, full finetuning), rotary cos/sin (2 c S d), the loss mask
+- outside the layers: token ids (8 T, full finetuning), rotary cos/sin (2 c S d, S a packed row's
+  B x S), context parallelism's CPU masks (`plan/attention.py`), the loss mask
   (T bytes), the final norm, lm_head's input (c n h, full finetuning) and the fp32 log-softmax
   (4 n V) over the n labelled positions (distft computes logits only where there is a loss).
   Past 1 GiB of such logits the head is chunked (`distft.model.loss`): it keeps the gradient of
@@ -53,6 +51,7 @@ from dataclasses import dataclass, field
 from distft.model.loss import loss_chunk
 from distft.parallel.context.model import padded_length
 from distft.parallel.pipeline.cost import MLP_PROJECTIONS
+from distft.plan.attention import attention_bytes, context_masks
 from distft.plan.experts import moe_block_bytes
 from distft.plan.inputs import Parallelism, Training, holds_first_stage, holds_last_stage, rank_layers
 from distft.plan.memory import layer_seq_len
@@ -93,17 +92,22 @@ class _Layer:
         return self.par.tp > 1 and self.par.tensor_parallel == "megatron"
 
     @property
+    def rows(self) -> tuple[int, int]:  # (rows, positions) of a micro-batch: a packed one is one row
+        t = self.training
+        return (1, t.micro_batch * t.seq_len) if t.packed else (t.micro_batch, t.seq_len)
+
+    @property
     def T(self) -> int:  # tokens inside attention and the MLP (the whole sequence, also under SP)
         if self.par.cp > 1:  # context parallelism: this rank's head and tail chunks
-            return (
-                self.training.micro_batch * padded_length(self.training.seq_len, self.par.cp) // self.par.cp
-            )
+            rows, seq = self.rows
+            return rows * padded_length(seq, self.par.cp) // self.par.cp
         return self.training.micro_batch * layer_seq_len(self.training, self.par)
 
     @property
     def kv_tokens(self) -> int:  # the keys and values attention keeps: CP's all-gathered, the ring's its own
         if self.par.cp > 1 and self.par.cp_method != "ring":
-            return self.training.micro_batch * padded_length(self.training.seq_len, self.par.cp)
+            rows, seq = self.rows
+            return rows * padded_length(seq, self.par.cp)
         return self.T
 
     @property
@@ -151,30 +155,6 @@ class _Layer:
             total += a_saved * T * r  # lora_A's output, kept by lora_B
         return total
 
-    def attention(self, o_input: bool) -> int:
-        """What attention itself keeps when its inputs need gradients. flex and flash (and `auto`)
-        keep q, k, v, the output and the log-sum-exp, whatever the padding; sdpa also keeps a
-        padded batch's dense mask; eager the scores."""
-        t, spec, tp = self.training, self.spec, self.par.tp
-        c, B, S = t.precision.activation, t.micro_batch, layer_seq_len(t, self.par)
-        T, d = self.T, spec.head_dim
-        nq, nkv = spec.num_heads // tp, spec.num_kv_heads // tp
-        if t.attention == "eager":
-            total = 3 * c * T * d * nq  # q (rotated); k and v repeated to every query head
-            total += 4 * B * nq * S * S + (c * B * nq * S * S if c != 4 else 0)  # softmax fp32 (+ copy)
-            return total + (c * T * nq * d if o_input else 0)  # the output made contiguous for o_proj
-        # transformers' SDPA sees a dense padding mask; distft's Megatron layer is causal only, and
-        # flex/flash take a block mask or none
-        # (distft's context-parallel attention is causal too: right-padded rows need no mask)
-        masked = t.has_padding_mask and not self.megatron and self.par.cp == 1 and t.attention == "sdpa"
-        # With a mask transformers repeats k and v to every head: a copy, unless there is one (a view).
-        kv = nq if masked and nkv > 1 else nkv
-        # The ring keeps its merged output in fp32 and hands o_proj a copy in the compute dtype.
-        ring = self.par.cp > 1 and self.par.cp_method == "ring"
-        out = (4 + (c if o_input else 0) if ring else c) * T * nq * d
-        total = c * d * (T * nq + 2 * self.kv_tokens * kv) + out + 4 * T * nq  # q, k, v, out; LSE
-        return total + (c * B * S * S if masked else 0)  # the additive mask, kept by sdpa
-
 
 def _attention_block(x: _Layer, input_grad: bool) -> tuple[int, bool]:
     """Bytes the attention half of a layer keeps, and whether its output needs a gradient."""
@@ -195,7 +175,7 @@ def _attention_block(x: _Layer, input_grad: bool) -> tuple[int, bool]:
     attn_grad = q_grad or k_grad or v_grad
     o_input = x.keeps_input("o_proj")
     if attn_grad:
-        total += x.attention(o_input)
+        total += attention_bytes(spec, t, x.par, T, x.kv_tokens, o_input)
     elif o_input:
         total += c * T * nq * d
     total += x.adapters(nq * d, "o_proj")
@@ -261,6 +241,21 @@ def inflight_microbatches(par: Parallelism, stage: int) -> tuple[int, int]:
     return min(m * v, warmup + 1), v
 
 
+def _packed_context_labels(t: Training, cp: int) -> float:
+    """Labelled positions on the fullest context-parallel rank of a packed row: each document's
+    last `label_tokens` positions but its very last (which predicts nothing), in the row's 2N
+    chunks, of which rank r holds r and 2N-1-r. (A row of one document has them in its tail: rank 0.)"""
+    docs, seq = t.micro_batch, t.seq_len
+    length = padded_length(docs * seq, cp) // (2 * cp)
+    spans = [(max(d * seq, (d + 1) * seq - 1 - t.label_tokens), (d + 1) * seq - 1) for d in range(docs)]
+
+    def held(rank: int) -> float:
+        chunks = [(c * length, (c + 1) * length) for c in (rank, 2 * cp - 1 - rank)]
+        return sum(max(0, min(b, hi) - max(a, lo)) for a, b in spans for lo, hi in chunks)
+
+    return max(held(rank) for rank in range(cp))
+
+
 def _outside_layers(
     x: _Layer, first: bool, last: bool, grad: bool, has_layers: bool
 ) -> tuple[dict[str, int], int]:
@@ -275,13 +270,18 @@ def _outside_layers(
     if first and full:
         # Kept by the embedding for its weight gradient; under SP a view of the whole sequence's ids.
         detail["token ids"] = 8 * T
-    # Rotary cos/sin, computed once per forward (per stage) on the whole sequence: (1, S, d) each.
-    detail["rotary"] = 2 * c * S * spec.head_dim if has_layers else 0
+    # Rotary cos/sin, computed once per forward (per stage) on the whole row: (1, S, d) each.
+    row = T if x.par.cp > 1 and t.packed else S * (B if t.packed else 1)
+    detail["rotary"] = 2 * c * row * spec.head_dim if has_layers else 0
+    if has_layers and (masks := context_masks(t, x.par)):
+        detail["attention masks"] = masks
     if not last:
         return detail, 0
     sp = x.par.sp and tp > 1
     per_seq = min(t.label_tokens, S // tp) if sp else min(t.label_tokens, S)
     n = B * per_seq  # labelled positions on this rank (SP: the rank holding the sequence's end)
+    if x.par.cp > 1 and t.packed and B > 1:  # B documents in a row (a running step's row: its count)
+        n = _packed_context_labels(t, x.par.cp)
     detail["final norm"] = _norm(Tn, h, Tn, grad, full, c)
     V = spec.vocab_size
     chunk = loss_chunk(n, V)

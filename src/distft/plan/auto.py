@@ -138,11 +138,14 @@ def request_for(
     the data's labelled positions per row (the runtime's measure), else the planner's default."""
     memory, where = device_memory(cfg)
     gpu = device_gpu(cfg, memory, where)
+    rows = (micro_batch or cfg.train.micro_batch_size) * rows_per_item(cfg.train.objective)
     training = training_of(
         cfg,
         PRECISIONS["fp32" if cfg.model.dtype == "float32" else "bf16-pure"],
         autocast=on_cuda(cfg) and cfg.model.autocast,
-        micro_batch=(micro_batch or cfg.train.micro_batch_size) * rows_per_item(cfg.train.objective),
+        micro_batch=rows,
+        packed=cfg.data.packing and rows > 1,
+        device="cuda" if on_cuda(cfg) else "cpu",  # the kernels attention runs here (`plan.attention`)
         **({"label_tokens": min(label_tokens, cfg.data.max_length)} if label_tokens else {}),
     )
     par = cfg.parallel

@@ -57,6 +57,10 @@ class Training:
     rope_scaling: str = "none"  # positions past the model's (`distft.model.positions`); no memory
     rope_factor: float = 0.0
     padded: bool | None = None  # a padding mask reaches attention; None: micro_batch > 1
+    # data.packing: the micro-batch's sequences end to end in one row of B x S, with document ids
+    # (a running step's packed row: B = 1, S its length)
+    packed: bool = False
+    device: str = "cuda"  # cuda | cpu: the kernels attention runs (`plan.attention`); `distft plan`: cuda
     quant: NF4Spec = field(default_factory=NF4Spec)  # the runtime's NF4 storage settings
     expert_imbalance: float = 1.0  # an MoE: the busiest EP rank's routed rows over the even share
     # (rows, positions) of each micro-batch of a step where a running step knows them (dynamic

@@ -55,7 +55,7 @@ from distft.train.progress import TrainingProgress
 from distft.train.reference import attach_reference
 from distft.train.result import TrainResult
 from distft.train.setup import Run, setup
-from distft.train.step import between_batches, evaluate, expected_bytes, global_batch, train_step
+from distft.train.step import between_batches, evaluate, expected, global_batch, train_step
 from distft.train.tracking import Trackers
 
 
@@ -91,7 +91,7 @@ def steps_and_export(run: Run, hooks: TrainHooks) -> TrainResult:
     # ---- outputs --------------------------------------------------------------------------
     cfg, env, tc = run.cfg, run.env, run.cfg.train
     progress = TrainingProgress(enabled=env.is_main, total_steps=tc.max_steps)
-    measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, expected_bytes(run), run.out)
+    measure = StepMeasurements(run.strategy, run.model, run.start_step + 1, expected(run), run.out)
     metrics = start_outputs(run, progress, measure.header_lines())
     first = run.start_step - (run.pending is not None)  # a pending validation logs its step's record
     trackers = Trackers.open(cfg, first, enabled=env.is_main)  # output.report_to
@@ -219,7 +219,7 @@ def exported(
             stop(run, step, signal.signum, result, True, "export")
             return None
         summary = rank_summary(run, measure.saved_activation_bytes) | measure.rank_record()
-        prediction = prediction_record(run, measure.first_comm_bytes, measure.saved_activation_bytes)
+        prediction = prediction_record(run, measure)
         return export(run, summary | {"straggler": boundary.of(run.env.rank), **prediction})
 
 

@@ -29,6 +29,7 @@ from distft.data.pairs import rows_of
 from distft.distributed import DistEnv
 from distft.io.files import atomic_write_text
 from distft.measure.flops import StepTime
+from distft.measure.step import StepMeasurements
 from distft.tensors import local_bytes
 from distft.text import plural
 from distft.train.setup import Run
@@ -193,10 +194,11 @@ def rank_summary(run: Run, saved_activation_bytes: int) -> dict:
     }
 
 
-def prediction_record(run: Run, counted: dict[str, int] | None, saved_activation_bytes: int) -> dict:
+def prediction_record(run: Run, measure: StepMeasurements) -> dict:
     """The planner's prediction (`Config.prediction`, `distft.plan.auto`) beside what this rank
     measured: peak memory (CUDA's allocator; on the CPU no tensor-only figure exists: the process's
-    resident size counts libraries and the allocator's cache) and the first step's collective bytes."""
+    resident size counts libraries and the allocator's cache), the first micro-batch's activations
+    (with the activation model's bytes for that micro-batch) and the first step's collective bytes."""
     predicted = run.cfg.prediction or {}
     cuda = run.env.device.type == "cuda"
     return {
@@ -208,9 +210,13 @@ def prediction_record(run: Run, counted: dict[str, int] | None, saved_activation
         "activations": {  # kept for backward on this device: the planner's, and the first micro-batch's
             "predicted_saved_bytes": (predicted.get("activations") or {}).get("saved"),
             "predicted_host_bytes": (predicted.get("activations") or {}).get("host"),
-            "measured_saved_bytes": saved_activation_bytes,
+            "expected_saved_bytes": measure.expected_activation_bytes,
+            "measured_saved_bytes": measure.saved_activation_bytes,
         },
-        "comm_bytes_per_step": {"predicted": predicted_comm_bytes(predicted, run), "counted": counted},
+        "comm_bytes_per_step": {
+            "predicted": predicted_comm_bytes(predicted, run),
+            "counted": measure.first_comm_bytes,
+        },
         "predicted_by": predicted.get("layout"),
     }
 
@@ -239,9 +245,12 @@ def prediction_lines(ranks: list[dict]) -> list[str]:
             max(a["measured_saved_bytes"] for a in acts),
         )
         host = max(a["predicted_host_bytes"] or 0 for a in acts)
+        # The first micro-batch's own rows and labelled positions, against its measure.
+        expected = [a["expected_saved_bytes"] for a in acts if a.get("expected_saved_bytes") is not None]
         lines.append(
             f"activations kept for backward per process: predicted {want / 2**20:,.1f} MiB (rows of "
-            f"data.max_length, the data's labelled positions), measured {got / 2**20:,.1f} MiB (first micro-batch)"
+            f"data.max_length, the data's labelled positions), measured {got / 2**20:,.1f} MiB (first micro-batch"
+            + (f", {max(expected) / 2**20:,.1f} MiB predicted for it)" if expected else ")")
             + (f"; {host / 2**20:,.1f} MiB predicted in host memory (offload)" if host else "")
         )
     comm = [r["comm_bytes_per_step"] for r in ranks]

@@ -33,7 +33,7 @@ from distft.model.compile import SEQUENCE_BUCKET, compile_errors_unwrapped, comp
 from distft.model.preference import STATS
 from distft.parallel import Strategy
 from distft.parallel.base import unwrap
-from distft.plan.expected import expected_step_bytes
+from distft.plan.expected import expected_activations, expected_step_bytes
 from distft.train.boundary import agreed_signal
 from distft.train.setup import Run
 
@@ -98,10 +98,11 @@ def orpo_token_weight(examples: list, cfg: Config) -> torch.Tensor | None:
     return torch.tensor([len(examples) / count_label_tokens([p.chosen for p in examples])])
 
 
-def expected_bytes(run: Run) -> Callable[[list[Example]], tuple | None]:
-    """The bytes formula on a step's examples as this rank batches them (`distft.plan.expected`)."""
+def expected(run: Run) -> tuple[Callable, Callable]:
+    """The planner's formulas on a step's examples as this rank batches them (`distft.plan.expected`):
+    the bytes the step moves, and the activations its first micro-batch keeps."""
 
-    def on(examples: list[Example]) -> tuple | None:
+    def step_bytes(examples: list[Example]) -> tuple | None:
         if run.architecture is None:  # an architecture the planner does not model
             return None
         batches = rank_batches(examples, run.strategy, run.cfg, run.pad_id)
@@ -109,7 +110,13 @@ def expected_bytes(run: Run) -> Callable[[list[Example]], tuple | None]:
         kl_batches = rank_batches(examples, run.strategy, run.cfg, run.pad_id, part="kl") if kto else []
         return expected_step_bytes(run.cfg, run.strategy, run.model, run.architecture, batches, kl_batches)
 
-    return on
+    def saved(examples: list[Example]) -> int | None:
+        if run.architecture is None:
+            return None
+        batch = rank_batches(examples, run.strategy, run.cfg, run.pad_id)[0]
+        return expected_activations(run.cfg, run.strategy, run.model, run.architecture, batch)
+
+    return step_bytes, saved
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:

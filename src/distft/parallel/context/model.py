@@ -62,6 +62,12 @@ class ContextParallelLM(SequenceSplitHead, nn.Module):
         index = torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in (head, tail)])
         return length, index
 
+    def own_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of the positions this rank's loss runs on: its two chunks (the fill has none)."""
+        seq = labels.shape[1]
+        index = self.local_positions(padded_length(seq, self.world), labels.device)[1]
+        return labels[:, index[index < seq]]
+
     def router_term(
         self, router, units: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor | None:

@@ -102,6 +102,13 @@ class MegatronLM(SequenceSplitHead, nn.Module):
     def share(self) -> float:
         return 1 / self.world if self.sequence_parallel else 1.0  # without SP every rank has it whole
 
+    def own_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels of the positions this rank's loss runs on: its S/N with SP (as `hidden_states`)."""
+        if not self.sequence_parallel:
+            return labels
+        seq = labels.shape[1] + -labels.shape[1] % self.world
+        return labels[:, self.rank * seq // self.world : (self.rank + 1) * seq // self.world]
+
     def adapters_off(self) -> contextlib.AbstractContextManager:
         return adapters_disabled(self.module.lm)  # the shards carry no peft state to switch
 
