@@ -36,6 +36,9 @@ CASES = {  # the same words for both commands: --config, --model and section.key
         *("--model", "micro", "lora.modules_to_save=['lm_head']", "model.added_tokens=['<speaker>']"),
         *("parallel.strategy=tp", "parallel.nproc=2"),
     ],
+    "ring context parallelism under fsdp+cp": [
+        *("--model", "micro", "parallel.strategy=fsdp+cp", "parallel.nproc=2", "parallel.cp_method=ring"),
+    ],
 }
 
 

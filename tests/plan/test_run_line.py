@@ -10,17 +10,19 @@ needs beyond the estimate: the pretrained weights, their learning rate and `--da
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import replace
 
 import pytest
 
-from distft.cli import build_parser, config_from_args
+from distft.cli import build_parser, config_from_args, main
 from distft.layout import SPECS, ParallelDims
 from distft.parallel import STRATEGIES, check_config
 from distft.parallel.derive import PRETRAINED_FULL_LR, PRETRAINED_LORA_LR, RANDOM_PRESET_LR
 from distft.plan import evaluate, make_request, run_command
 from distft.plan.decide import decide
+from distft.plan.estimate import estimate
 from distft.plan.report import to_dict
 from distft.plan.run_line import DATA_PLACEHOLDER
 
@@ -222,3 +224,33 @@ def test_a_sequence_too_long_for_one_gpu_even_offloaded_walks_to_context_paralle
     assert estimates["cp"].comm_bytes < estimates["tp-sp"].comm_bytes / 4
     cfg = parse_run(run_command(req, rec.strategy, rec.method, rec.activation_checkpointing, rec.parallelism))
     assert check_config(cfg).data_parallel_size == 1 and cfg.parallel.nproc == 4
+
+
+def test_cp_method_ring_is_planned_and_its_run_lines_run_the_ring(capsys):
+    """--cp-method ring: the cp layouts are estimated as `Parallelism(cp_method="ring")` is (other
+    traffic than allgather's), the other layouts as before, and their run: lines run the ring."""
+    argv = ["plan", "--model", "micro", "--gpu", "h100", "--gpus", "2", "--json"]
+    docs = {}
+    for method in ("allgather", "ring"):
+        assert main([*argv, "--cp-method", method]) == 0
+        docs[method] = {s["strategy"]: s for s in json.loads(capsys.readouterr().out)["strategies"]}
+    req = request("--model micro --gpu h100 --gpus 2 --cp-method ring")
+    assert req.cp_method == "ring"
+    estimates = evaluate(req)
+    for name in ("cp", "fsdp+cp"):
+        ring, gathered = docs["ring"][name], docs["allgather"][name]
+        assert (ring["layout"]["cp_method"], gathered["layout"]["cp_method"]) == ("ring", "allgather")
+        assert ring["label"].endswith("ring)") and "ring" not in gathered["label"]
+        wire = "wire_bytes_per_step"
+        assert ring["communication"][wire] != gathered["communication"][wire], name
+        lay = estimates[name].parallelism
+        direct = estimate(replace(req, cp_method="allgather"), replace(lay, cp_method="ring"), name)
+        assert ring["bytes_per_gpu"] == {**direct.components, "total": direct.total}, name
+        assert ring["communication"][wire] == direct.comm_bytes, name
+        cfg = parse_run(run_command(req, name, "lora", "none", lay))
+        assert cfg.parallel.cp_method == "ring" and "parallel.cp_method" in cfg.explicit, name
+    assert docs["ring"]["ddp"] == docs["allgather"]["ddp"]  # no cp: nothing changes
+    assert "parallel.cp_method" not in run_command(req, "ddp", "lora", "none", estimates["ddp"].parallelism)
+    # An unknown method is refused by the parser, before the planner runs.
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--model", "micro", "--gpu", "h100", "--cp-method", "spiral"])

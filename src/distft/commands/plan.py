@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from distft.config.choices import ATTENTION_CHOICES, CHECKPOINTING, PLANNED_SCHEDULES, ROPE_SCALINGS
+from distft.config.choices import (
+    ATTENTION_CHOICES,
+    CHECKPOINTING,
+    CP_METHODS,
+    PLANNED_SCHEDULES,
+    ROPE_SCALINGS,
+)
 from distft.config.precision import PRECISIONS
 from distft.errors import ConfigError
 from distft.measure.gpus import GPUS, INTERCONNECTS, find_gpu
@@ -29,6 +35,7 @@ PLAN_FLAGS = {
     "master_weights": "train.master_weights",
     "activation_checkpointing": "model.activation_checkpointing",
     "pp_schedule": "parallel.schedule",
+    "cp_method": "parallel.cp_method",
 }
 PLAN_DEFAULTS = {
     "method": "lora",
@@ -44,6 +51,7 @@ PLAN_DEFAULTS = {
     "lora_variant": "lora",
     "activation_checkpointing": "none",
     "pp_schedule": "1f1b",
+    "cp_method": "allgather",
     "precision": "mixed",
     "grad_accum": 1,
     "label_tokens": 256,
@@ -104,8 +112,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="full finetuning: fp32 counts distft's train.master_weights=fp32 (fp32 weights, gradients and "
         "moments, bf16 compute); default: as --precision says",
     )
-    p.add_argument("--pp-schedule", choices=PLANNED_SCHEDULES, help="default 1f1b")
-    p.add_argument("--pp-microbatches", type=int, help="micro-batches per pipeline step (default 2 x stages)")
+    _add_layout_arguments(p)
     p.add_argument(
         "--mfu",
         type=float,
@@ -141,6 +148,18 @@ def check_plan_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"Say what the GPUs are: --gpu (one of {', '.join(GPUS)}) or --gpu-mem (e.g. 24GiB), or both."
         )
+
+
+def _add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """How the pipelines and context parallelism run, where a layout has them."""
+    p.add_argument("--pp-schedule", choices=PLANNED_SCHEDULES, help="default 1f1b")
+    p.add_argument("--pp-microbatches", type=int, help="micro-batches per pipeline step (default 2 x stages)")
+    p.add_argument(
+        "--cp-method",
+        choices=CP_METHODS,
+        help="context parallelism's attention (parallel.cp_method): allgather gathers every rank's K and V "
+        "(default), ring passes them round, holding one share at a time",
+    )
 
 
 def _add_sequence_arguments(p: argparse.ArgumentParser) -> None:

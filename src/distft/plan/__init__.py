@@ -218,6 +218,7 @@ def make_request(args: argparse.Namespace, cfg: Config | None = None) -> Request
         pp_schedule=args.pp_schedule,
         pp_microbatches=args.pp_microbatches,
         mfu=args.mfu,
+        cp_method=args.cp_method,
         overhead=overhead,
         run=RunLength(tokens, args.epochs, args.steps),
     )

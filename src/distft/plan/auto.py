@@ -161,6 +161,7 @@ def request_for(
         grad_accum=accumulation,
         pp_schedule=par.schedule if par.schedule in PLANNED_SCHEDULES else "1f1b",  # its own where modelled
         overhead=min(1 << 30, memory // 8),
+        cp_method=par.cp_method,
     )
     return request, where
 

@@ -55,6 +55,7 @@ class Request:
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None  # default: max(grad_accum, 2 x stages)
     mfu: float | None = None  # model FLOPs utilisation assumed; None: `timing.ASSUMED_MFU` for the method
+    cp_method: str = "allgather"  # parallel.cp_method of the layouts with cp > 1
     overhead: int = 1 * GiB
     run: RunLength = field(default_factory=RunLength)  # the run's length, for the time to train
 
@@ -128,7 +129,9 @@ class Estimate:
             held = f"experts sharded over {groups}" if lay.shard_experts else f"replicas={groups}"
             return f"{spec.label} (ep={lay.ep}, {held})"
         degrees = [f"{d}={getattr(lay, d)}" for d in ("dp", "tp", "pp", "cp") if getattr(lay, d) > 1]
-        return f"{spec.label} ({', '.join(degrees)})" if degrees and spec.sized else spec.label
+        ring = ["ring"] if lay.cp > 1 and lay.cp_method == "ring" else []  # allgather goes unsaid
+        degrees = (degrees if spec.sized else []) + ring
+        return f"{spec.label} ({', '.join(degrees)})" if degrees else spec.label
 
     @property
     def comm_bytes(self) -> float:
@@ -187,6 +190,7 @@ def parallelism_for(
     m = (req.pp_microbatches or max(req.grad_accum, 2 * pp)) if pp > 1 else req.grad_accum
     shard = node_shard(req.gpus_per_node, dp, tp, cp)  # HSDP's shard group: a node's data ranks
     schedule = {"microbatches": m, "schedule": req.pp_schedule, "shard_experts": shard_experts}
+    schedule |= {"cp_method": req.cp_method} if cp > 1 else {}
     return Parallelism.at(strategy, dp, tp, pp, cp, shard, ep, **schedule)
 
 

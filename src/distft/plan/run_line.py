@@ -50,6 +50,8 @@ def run_overrides(req: Request, method: str, ckpt: str, par: Parallelism) -> dic
     out |= par.dims.to_overrides(SPECS[par.name])  # the mesh, shard groups, expert groups
     if par.shard_experts:
         out["parallel.shard_experts"] = "true"
+    if par.cp > 1 and par.cp_method != "allgather":  # the ring the estimate counted; allgather is the default
+        out["parallel.cp_method"] = par.cp_method
     if par.pp > 1:
         out["parallel.schedule"] = par.schedule
         out["parallel.microbatches"] = str(par.microbatches)
