@@ -21,7 +21,14 @@ from distft.plan.estimate import estimate, parallelism_for
 from distft.plan.hardware import GiB, format_seconds, generic_gpu
 from distft.plan.inputs import Training, holds_last_stage, rank_layers
 from distft.plan.model_spec import ModelSpec, resolve_model
-from distft.plan.timing import ASSUMED_MFU, RunLength, model_flops, parse_tokens, step_time
+from distft.plan.timing import (
+    ASSUMED_MFU,
+    MOE_MFU_NOTE,
+    RunLength,
+    model_flops,
+    parse_tokens,
+    step_time,
+)
 from distft.plan.traffic import step_collectives
 
 # A model small enough to count by hand: hidden 64, MLP 128, 2 layers of 2 heads x 32 (no GQA),
@@ -152,3 +159,22 @@ def test_a_gpu_known_only_by_memory_says_why_it_has_no_time(capsys):
     out = capsys.readouterr().out
     assert "time: n/a (no bf16 peak for custom GPU 20 GiB)" in " ".join(out.split())
     assert find_gpu("l4").bf16_tflops == 121.0
+
+
+@pytest.mark.parametrize("model,moe", [("qwen3-30b-a3b", True), ("qwen3-4b", False)])
+def test_a_mixture_of_experts_says_its_mfu_is_a_dense_measurement(model, moe, capsys):
+    """The assumed MFU is measured on dense Qwen3-4B: an MoE's plan says so, in the text and the
+    JSON, and prices its step by the active parameters' FLOPs (a token's top-k experts)."""
+    cmd = ["plan", "--model", model, "--gpus", "2", "--gpu", "h100"]
+    assert main(cmd) == 0
+    assert (MOE_MFU_NOTE in " ".join(capsys.readouterr().out.split())) == moe
+    assert main([*cmd, "--json"]) == 0
+    assert (MOE_MFU_NOTE in json.loads(capsys.readouterr().out)["time_model"]["mfu_source"]) == moe
+    req = make_request(build_parser().parse_args(cmd))
+    est = evaluate(req)["fsdp"]
+    per_token = est.time.flops / est.tokens_per_step
+    # LoRA: about 4 FLOPs per weight a token meets (forward, input gradient), plus attention; counting
+    # every expert would be 9x the active parameters for this MoE.
+    assert 2 * req.model.active_params() < per_token < 6 * req.model.active_params()
+    if moe:
+        assert 5 * req.model.active_params() < req.model.num_params()

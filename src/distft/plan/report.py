@@ -18,7 +18,7 @@ from distft.plan.inputs import Parallelism, cost_model, pipeline_layout
 from distft.plan.longest import longest_sequences, positions_limit
 from distft.plan.memory import trainable_params
 from distft.plan.run_line import run_command
-from distft.plan.timing import MFU_SOURCE, format_duration
+from distft.plan.timing import MFU_SOURCE, MOE_MFU_NOTE, format_duration
 
 OVERLAP = (
     "DDP's, FSDP's and HSDP's collectives and a pipeline's sends overlap compute and only their excess "
@@ -46,11 +46,18 @@ def recommended(req: Request, rec: Recommendation) -> Estimate | None:
     return estimate(replace(req, training=t), rec.parallelism, rec.strategy)
 
 
+def mfu_source(req: Request) -> str:
+    """Where the assumed MFU comes from: --mfu, or distft's dense measurement (said so for an MoE)."""
+    if req.mfu:
+        return "--mfu"
+    return f"{MFU_SOURCE}; {MOE_MFU_NOTE}" if req.model.moe else MFU_SOURCE
+
+
 def time_model(req: Request) -> dict:
     """The time model's inputs and assumptions (JSON)."""
     return {
         "mfu_assumed": req.assumed_mfu,
-        "mfu_source": "--mfu" if req.mfu else MFU_SOURCE,
+        "mfu_source": mfu_source(req),
         "peak_bf16_tflops": req.gpu.bf16_tflops,
         "overlap": OVERLAP,
         "tokens": req.run.tokens,
@@ -326,7 +333,7 @@ def print_rich(req: Request, estimates: dict[str, Estimate], rec: Recommendation
             "(train.micro_batch_size, with train.global_batch_size a multiple of it)",
             highlight=False,
         )
-    mfu = f"MFU ({req.assumed_mfu:.0%}" + (")" if req.mfu else f", {MFU_SOURCE})")
+    mfu = f"MFU ({req.assumed_mfu:.0%}" + (")" if req.mfu else f", {mfu_source(req)})")
     console.print(
         "[dim]Vendor peak figures for memory, TFLOP/s and links; collective efficiency "
         f"({req.intra.efficiency:.0%} of {req.intra.label}) and {mfu} are assumptions; {OVERLAP}.[/]",

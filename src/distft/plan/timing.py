@@ -56,6 +56,9 @@ from distft.plan.model_spec import ModelSpec
 # tokens, micro-batch 2, bf16, flex attention, compiled layers): the default assumption.
 ASSUMED_MFU = {"lora": 0.37, "qlora": 0.36, "full": 0.43}
 MFU_SOURCE = "distft's measured MFU for Qwen3-4B on one H200 (docs/reports/gpu/nvidia-h200)"
+# A mixture of experts' step is priced at that dense MFU (its FLOPs are the active parameters');
+# its grouped expert matmuls and routing have no measurement of their own yet.
+MOE_MFU_NOTE = "assumed from dense Qwen3-4B measurements; no MoE measurement yet"
 
 
 def model_flops(
